@@ -1,0 +1,59 @@
+"""Attention backends, one file each, behind one interface.
+
+Layout everywhere is tokens-first (NHD): q [n, q_heads, head_dim], k/v [n, kv_heads, head_dim].
+Prefill attention runs in *tiles* (a block of queries against a block of keys) that return the
+log-sum-exp of their scores, so the model can split one long attention into bounded steps and
+merge the partial results exactly (the sub-operator split of the preemption design).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from engine.kv_cache import KVCache
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def tile(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of q against k/v. causal: q and k cover the same positions (a diagonal tile).
+        Returns out [n_q, q_heads, head_dim] and lse [n_q, q_heads]."""
+        ...
+
+    def merge(self, outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
+        """Combine tiles' partial attention over disjoint key sets into the exact result."""
+        ...
+
+    def decode(self, q: torch.Tensor, layer: int, kv: KVCache, block_tables: list[list[int]],
+               lengths: list[int]) -> torch.Tensor:
+        """One query token per request against its paged KV: q [B, q_heads, head_dim] -> same shape."""
+        ...
+
+
+def merge_lse(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
+    """Exact merge of softmax-normalised partials (natural-log LSE), all tiles at once."""
+    if len(outs) == 1:
+        return outs[0]
+    lse = torch.stack(lses)  # [tiles, n, heads]
+    weights = torch.softmax(lse, dim=0).unsqueeze(-1)
+    return (torch.stack(outs) * weights.to(outs[0].dtype)).sum(0)
+
+
+def select_backend(name: str, device: torch.device) -> AttentionBackend:
+    from engine.attention import flashinfer, sdpa
+
+    if name == "auto":
+        name = "flashinfer" if device.type == "cuda" and flashinfer.available() else "sdpa"
+    if name == "sdpa":
+        return sdpa.SDPABackend()
+    if name == "flashinfer":
+        if device.type != "cuda":
+            raise ValueError("the flashinfer attention backend needs a CUDA device")
+        if not flashinfer.available():
+            raise ValueError("flashinfer is not installed: pip install 'flowprefill[gpu]'")
+        return flashinfer.FlashInferBackend()
+    raise ValueError(f"unknown attention backend {name!r} (auto, sdpa, flashinfer)")

@@ -1,0 +1,103 @@
+"""Model and engine configuration (dataclasses), read from a Hugging Face config.json."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "MistralForCausalLM": "llama",
+}
+
+
+@dataclass
+class ModelConfig:
+    """The subset of a Llama/Qwen2 config.json the engine needs."""
+
+    architecture: str = "Qwen2ForCausalLM"
+    vocab_size: int = 512
+    hidden_size: int = 256
+    intermediate_size: int = 704
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    max_position_embeddings: int = 32768
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: dict[str, Any] = field(default_factory=dict)
+    attention_bias: bool = True  # Qwen2 has a bias on q/k/v
+    tie_word_embeddings: bool = True
+    bos_token_id: int | None = None
+    eos_token_id: list[int] = field(default_factory=list)
+    name: str = "flowprefill-default"
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any], name: str = "") -> ModelConfig:
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs or raw.get('model_type')!r}: "
+                f"FlowPrefill runs {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        if raw.get("mlp_bias"):
+            raise ValueError("unsupported: mlp_bias=true (no Llama/Qwen2 release uses it)")
+        heads = raw["num_attention_heads"]
+        # transformers >= 5 writes rope_parameters; 4.x writes rope_theta + rope_scaling.
+        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", None) or raw.get("rope_theta", 10000.0)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rope = {} if rope_type == "default" else {**rope, "rope_type": rope_type}
+        eos = raw.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        is_qwen2 = SUPPORTED_ARCHITECTURES[arch] == "qwen2"
+        return cls(
+            architecture=arch,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=rope,
+            attention_bias=is_qwen2 or bool(raw.get("attention_bias", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", is_qwen2)),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_id=eos_ids,
+            name=name or raw.get("_name_or_path") or arch,
+        )
+
+    @classmethod
+    def from_dir(cls, path: Path) -> ModelConfig:
+        cfg = path / "config.json"
+        if not cfg.is_file():
+            raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face checkpoint directory)")
+        return cls.from_hf(json.loads(cfg.read_text()), name=path.name)
+
+
+@dataclass
+class EngineConfig:
+    """Knobs of one engine worker."""
+
+    model: str | None = None  # a local HF checkpoint dir; None = the embedded default model
+    dtype: str = "float32"
+    device: str = "cpu"
+    attention_backend: str = "auto"  # auto | sdpa | flashinfer
+    kv_block_size: int = 256
+    kv_capacity_tokens: int = 262_144
+    max_batch_tokens: int = 2048
+    # Sub-operator split: no single step of a prefill is predicted to run longer than this,
+    # which bounds how long a preemption request waits for the running batch to stop.
+    step_budget_ms: float = 2.0
+    preemptible: bool = True  # False = checkpoints off: one step per operator, no split
+    num_threads: int | None = None
+    seed: int = 0

@@ -1,0 +1,292 @@
+"""The engine: one thread that executes the scheduler's chosen prefill batch operator by operator,
+interleaves decode steps at operator boundaries, and streams tokens back."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from engine.config import EngineConfig
+from engine.decode import OutputStream
+from engine.kv_cache import KVCache
+from engine.model import load_model
+from engine.model.plan import OpCost
+from engine.prefill import PrefillBatch
+from engine.request import Request, RequestState, SamplingParams, TokenOutput
+from engine.sampling import sample
+from engine.scheduler import Policy, Scheduler, make_policy
+
+log = logging.getLogger("flowprefill.engine")
+
+# Decode runs when the most urgent decoding request has used this share of its TBT target,
+# so prefill keeps the device between decode steps and TBT holds (a prefill step is bounded).
+DECODE_TBT_SHARE = 0.5
+
+
+class EngineObserver(Protocol):
+    """Telemetry hooks, called on the engine thread. Observers watch; they never steer."""
+
+    def on_preempt(self, victim: PrefillBatch, by: PrefillBatch) -> None: ...
+    def on_finish(self, req: Request) -> None: ...
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig | None = None, policy: str | Policy = "flowprefill",
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg = cfg or EngineConfig()
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.model, self.tokenizer = load_model(cfg)
+        dtype, device = getattr(torch, cfg.dtype), torch.device(cfg.device)
+        self.kv = KVCache(self.model.cfg, cfg.kv_block_size, cfg.kv_capacity_tokens, dtype, device)
+        self.cost = OpCost.calibrate(self.model)
+        self.budget_s = cfg.step_budget_ms / 1000 if cfg.preemptible else None
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.clock = clock
+        self.scheduler = Scheduler(self.policy, self._new_batch, self.cost, self.kv, cfg.max_batch_tokens, clock)
+        self.observers: list[EngineObserver] = []
+        self.preemptions = 0
+        self._cv = threading.Condition()
+        self._requests: dict[str, Request] = {}
+        self._decoding: dict[str, OutputStream] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        self._cancels: deque[str] = deque()
+        self._current: PrefillBatch | None = None
+        self._next_decode_at = float("inf")
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="flowprefill-engine", daemon=True)
+
+    # -- public API (any thread) ---------------------------------------------------------------
+    def start(self) -> Engine:
+        self._thread.start()
+        return self
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def add_request(self, req: Request) -> None:
+        """Validate and queue a request (an arrival event). Raises ValueError for bad input."""
+        self.validate(req)
+        with self._cv:
+            if req.request_id in self._requests:
+                raise ValueError(f"duplicate request id {req.request_id!r}")
+            self._requests[req.request_id] = req
+            self.scheduler.on_arrival(req)
+            self._cv.notify()
+
+    def validate(self, req: Request) -> None:
+        req.sampling.validate()
+        n, ctx = req.num_prompt_tokens, self.model.cfg.max_position_embeddings
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if req.max_total_tokens > ctx:
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({req.sampling.max_tokens}) exceeds the "
+                             f"model's context of {ctx} tokens")
+        if not all(0 <= t < self.model.cfg.vocab_size for t in req.prompt_token_ids):
+            raise ValueError(f"token ids must be in [0, {self.model.cfg.vocab_size})")
+        if self.kv.blocks_for(req.max_total_tokens) > self.kv.num_blocks:
+            raise ValueError(f"request needs {req.max_total_tokens} tokens of KV cache, "
+                             f"the worker has {self.kv.num_blocks * self.kv.block_size}")
+
+    def cancel(self, request_id: str) -> None:
+        with self._cv:
+            self._cancels.append(request_id)
+            self._cv.notify()
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None,
+                 **request_fields: object) -> list[Request]:
+        """Blocking convenience: run prompts to completion (the engine must be started)."""
+        done = [threading.Event() for _ in prompts]
+        reqs = []
+        for i, ids in enumerate(prompts):
+            event = done[i]
+            req = Request(request_id=f"gen-{id(done)}-{i}", prompt_token_ids=ids,
+                          sampling=sampling or SamplingParams(), **request_fields)  # type: ignore[arg-type]
+            req.sink = lambda out, e=event: out.finish_reason and e.set()
+            reqs.append(req)
+            self.add_request(req)
+        for e in done:
+            e.wait()
+        return reqs
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_decoding(self) -> int:
+        return len(self._decoding)
+
+    # -- the engine thread ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            if not (self._cancels or self.scheduler.chosen or self._decoding):
+                with self._cv:
+                    while not (self._stop or self._cancels or self.scheduler.chosen or self._decoding):
+                        self._cv.wait()
+            if self._stop:
+                break
+            try:
+                self._iteration()
+            except Exception:  # a bug must not strand requests: fail what was running, go on
+                log.exception("engine iteration failed")
+                self._fail_current("internal engine error")
+        for req in list(self._requests.values()):
+            self._finish(req, "error", "engine shut down")
+        for batch in self.scheduler.pool:
+            batch.close()
+            for r in batch.requests:
+                self.kv.free(r.block_table)
+        self.scheduler.pool.clear()
+
+    def _iteration(self) -> None:
+        if self._cancels:
+            self._process_cancels()
+        now = self.clock()
+        batch = self.scheduler.chosen
+        if self._decoding and (batch is None or now >= self._next_decode_at):
+            self._decode_step()
+            return
+        if batch is None:
+            return
+        if batch is not self._current:  # the per-boundary check: is the running batch still chosen?
+            self._switch(batch, now)
+        try:
+            finished = batch.advance()
+        except Exception as exc:
+            log.exception("prefill step failed")
+            self._fail_batch(batch, f"prefill failed: {exc}")
+            return
+        if finished:
+            self._complete(batch)
+
+    def _switch(self, batch: PrefillBatch, now: float) -> None:
+        prev = self._current
+        if prev is not None and prev in self.scheduler.pool:  # it still owes work: preempted
+            prev.suspend(now, self.scheduler.chosen_at, batch)
+            self.preemptions += 1
+            for o in self.observers:
+                o.on_preempt(prev, batch)
+        batch.begin_segment(now)
+        self._current = batch
+
+    def _new_batch(self, reqs: list[Request]) -> PrefillBatch:
+        for r in reqs:
+            r.block_table = self.kv.allocate(r.max_total_tokens)
+        return PrefillBatch(reqs, self.model, self.kv, self.cost, self.budget_s)
+
+    def _complete(self, batch: PrefillBatch) -> None:
+        now = self.clock()
+        batch.end_segment(now)
+        live = [(i, r) for i, r in enumerate(batch.requests) if not r.state.done]
+        logits = batch.logits
+        batch.logits = logits[:0] if logits is not None else None  # release; keep `done` true
+        tokens = sample(logits[[i for i, _ in live]], [r for _, r in live], self._generators) if live else []
+        now = self.clock()
+        for (_, r), token in zip(live, tokens, strict=True):
+            r.first_token_time = r.last_token_time = now
+            stream = OutputStream(r, self.tokenizer)
+            r.state = RequestState.DECODING
+            self._decoding[r.request_id] = stream
+            self._emit(stream.push(token))
+        for r in batch.requests:  # cancelled while the batch ran: their KV was in use until now
+            if r.state.done:
+                self.kv.free(r.block_table)
+        with self._cv:
+            self.scheduler.on_completion(batch)
+        self._current = None
+        self._schedule_decode(now)
+
+    def _decode_step(self) -> None:
+        streams = list(self._decoding.values())
+        reqs = [s.req for s in streams]
+        logits = self.model.decode([r.output_token_ids[-1] for r in reqs],
+                                   [r.num_prompt_tokens + len(r.output_token_ids) - 1 for r in reqs],
+                                   [r.block_table for r in reqs], self.kv)
+        tokens = sample(logits, reqs, self._generators)
+        now = self.clock()
+        for stream, token in zip(streams, tokens, strict=True):
+            stream.req.last_token_time = now
+            self._emit(stream.push(token))
+        self._next_decode_at = float("inf")
+        self._schedule_decode(now)
+
+    def _schedule_decode(self, now: float) -> None:
+        if self._decoding:
+            tbt = min(s.req.tbt_target_s for s in self._decoding.values())
+            self._next_decode_at = min(self._next_decode_at, now + DECODE_TBT_SHARE * tbt)
+
+    def _emit(self, out: TokenOutput) -> None:
+        req = self._requests.get(out.request_id)
+        if req is None:
+            return
+        if out.finish_reason:
+            # Free before telling the client: once it has its answer, the KV must be back.
+            self._release(req, out.finish_reason)
+        if req.sink is not None:
+            try:
+                req.sink(out)
+            except Exception:
+                log.exception("output sink of %s failed", req.request_id)
+
+    def _release(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
+        req.finish_time = self.clock()
+        req.state = {"cancelled": RequestState.CANCELLED, "error": RequestState.FAILED}.get(
+            reason, RequestState.FINISHED)
+        self._decoding.pop(req.request_id, None)
+        self._generators.pop(req.request_id, None)
+        self._requests.pop(req.request_id, None)
+        if not self._in_running_batch(req):
+            self.kv.free(req.block_table)
+        for o in self.observers:
+            o.on_finish(req)
+
+    def _in_running_batch(self, req: Request) -> bool:
+        """KV of a request inside a batch that goes on is still being written: free it at completion."""
+        return any(req in b.requests for b in self.scheduler.pool)
+
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        self._emit(TokenOutput(req.request_id, [], "", reason, error))
+
+    def _process_cancels(self) -> None:
+        while self._cancels:
+            req = self._requests.get(self._cancels.popleft())
+            if req is None:
+                continue
+            with self._cv:
+                dropped = self.scheduler.on_cancel(req)
+            if dropped is not None:
+                dropped.close()
+                if dropped is self._current:
+                    self._current = None
+            self._finish(req, "cancelled")
+            if dropped is not None:
+                for r in dropped.requests:
+                    self.kv.free(r.block_table)
+
+    def _fail_batch(self, batch: PrefillBatch, message: str) -> None:
+        with self._cv:
+            if batch in self.scheduler.pool:
+                self.scheduler.on_completion(batch)
+        batch.close()
+        if self._current is batch:
+            self._current = None
+        for r in batch.requests:
+            if not r.state.done:
+                self._finish(r, "error", message)
+            self.kv.free(r.block_table)
+
+    def _fail_current(self, message: str) -> None:
+        if self._current is not None:
+            self._fail_batch(self._current, message)

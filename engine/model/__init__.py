@@ -1,0 +1,28 @@
+"""Model weights, loading and the operator-step forward."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.attention import select_backend
+from engine.config import EngineConfig
+from engine.model.llama import LlamaModel
+from engine.model.loader import default_model, load_checkpoint
+from engine.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+
+__all__ = ["LlamaModel", "load_model"]
+
+
+def load_model(cfg: EngineConfig) -> tuple[LlamaModel, ByteTokenizer | HFTokenizer]:
+    if cfg.model:
+        model_cfg, weights = load_checkpoint(cfg.model)
+    else:
+        model_cfg, weights = default_model(cfg.seed)
+    device = torch.device(cfg.device)
+    dtype = getattr(torch, cfg.dtype)
+    model = LlamaModel(model_cfg, weights, select_backend(cfg.attention_backend, device), dtype, device)
+    tokenizer = load_tokenizer(Path(cfg.model) if cfg.model else None, model_cfg.eos_token_id,
+                               model_cfg.vocab_size)
+    return model, tokenizer

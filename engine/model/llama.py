@@ -1,0 +1,150 @@
+"""A Llama / Qwen2 decoder whose prefill is a generator of operator steps.
+
+The suspended generator *is* the saved state of a preempted prefill: its locals hold the residual
+stream and the layer's activations, and the KV of finished layers is already in the paged cache,
+so resuming continues at the next step with nothing recomputed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionBackend
+from engine.config import ModelConfig
+from engine.kv_cache import KVCache
+from engine.model.plan import ATTENTION, ATTN_IN, FFN, SeqSpan, Step
+from engine.model.rope import Rotary
+
+
+class LayerWeights:
+    def __init__(self, w: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig) -> None:
+        a, m = f"{prefix}.self_attn", f"{prefix}.mlp"
+        self.input_norm = w[f"{prefix}.input_layernorm.weight"]
+        self.post_norm = w[f"{prefix}.post_attention_layernorm.weight"]
+        # Fused projections: one matmul for q/k/v and one for gate/up.
+        self.qkv = torch.cat([w[f"{a}.{p}_proj.weight"] for p in "qkv"]).t().contiguous()
+        self.qkv_bias = (torch.cat([w[f"{a}.{p}_proj.bias"] for p in "qkv"])
+                         if cfg.attention_bias else None)
+        self.o = w[f"{a}.o_proj.weight"].t().contiguous()
+        self.o_bias = w.get(f"{a}.o_proj.bias")  # Llama with attention_bias=true
+        self.gate_up = torch.cat([w[f"{m}.gate_proj.weight"], w[f"{m}.up_proj.weight"]]).t().contiguous()
+        self.down = w[f"{m}.down_proj.weight"].t().contiguous()
+
+
+class LlamaModel:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], backend: AttentionBackend,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+        self.cfg, self.backend = cfg, backend
+        self.device = torch.device(device)
+        w = {k: v.to(self.device, dtype) for k, v in weights.items()}
+        self.embed = w["model.embed_tokens.weight"]
+        self.norm = w["model.norm.weight"]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
+        self.layers = [LayerWeights(w, f"model.layers.{i}", cfg) for i in range(cfg.num_hidden_layers)]
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings,
+                             dtype, self.device)
+        self.q_size = cfg.num_attention_heads * cfg.head_dim
+        self.kv_size = cfg.num_key_value_heads * cfg.head_dim
+
+    # -- operators (row-wise ones take any block of tokens) ------------------------------------
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)).to(x.dtype) * weight
+
+    def _attn_in(self, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qkv = self._rms(x, layer.input_norm) @ layer.qkv
+        if layer.qkv_bias is not None:
+            qkv += layer.qkv_bias
+        c = self.cfg
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.rotary.apply(q.view(-1, c.num_attention_heads, c.head_dim), positions)
+        k = self.rotary.apply(k.view(-1, c.num_key_value_heads, c.head_dim), positions)
+        return q, k, v.reshape(-1, c.num_key_value_heads, c.head_dim)
+
+    def _ffn(self, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        x = x + attn.flatten(1) @ layer.o
+        if layer.o_bias is not None:
+            x += layer.o_bias
+        gate, up = (self._rms(x, layer.post_norm) @ layer.gate_up).chunk(2, dim=-1)
+        return x + (F.silu(gate) * up) @ layer.down
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return (self._rms(x, self.norm) @ self.lm_head.t()).float()
+
+    # -- prefill: the preemptible forward ------------------------------------------------------
+    def prefill(self, token_ids: list[list[int]], spans: list[SeqSpan], block_tables: list[list[int]],
+                kv: KVCache, steps: list[Step], all_logits: bool = False
+                ) -> Generator[int, None, torch.Tensor]:
+        """Yields the index of each finished step; returns last-token logits [batch, vocab]
+        (or every token's, with all_logits). token_ids[i] are the tokens of spans[i]."""
+        c, dev = self.cfg, self.device
+        flat = [t for ids in token_ids for t in ids]
+        positions = torch.tensor([p for s in spans for p in range(s.start, s.start + s.length)], device=dev)
+        slots = torch.cat([kv.slots(bt, s.start, s.start + s.length)
+                           for s, bt in zip(spans, block_tables, strict=True)])
+        row0 = [0]
+        for s in spans:
+            row0.append(row0[-1] + s.length)
+        x = self.embed[torch.tensor(flat, device=dev)]
+        n = len(flat)
+        q = x.new_empty(n, c.num_attention_heads, c.head_dim)
+        k = x.new_empty(n, c.num_key_value_heads, c.head_dim)
+        v = torch.empty_like(k)
+        attn = torch.empty_like(q)
+        keys: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per sequence: its keys this layer
+        outs: list[torch.Tensor] = []  # partial results of the current query block's key tiles
+        lses: list[torch.Tensor] = []
+        for i, step in enumerate(steps):
+            layer = self.layers[step.layer]
+            a, b = step.rows
+            if step.op == ATTN_IN:
+                q[a:b], k[a:b], v[a:b] = self._attn_in(layer, x[a:b], positions[a:b])
+                kv.write(step.layer, slots[a:b], k[a:b], v[a:b])
+                keys.clear()
+            elif step.op == ATTENTION:
+                if step.seq not in keys:
+                    keys[step.seq] = self._seq_keys(step, spans, row0, k, v, kv, block_tables)
+                sk, sv = keys[step.seq]
+                ka, kb = step.keys
+                out, lse = self.backend.tile(q[a:b], sk[ka:kb], sv[ka:kb], step.causal)
+                outs.append(out)
+                lses.append(lse)
+                if step.causal:  # the diagonal tile is the last of its query block
+                    attn[a:b] = self.backend.merge(outs, lses)
+                    outs, lses = [], []
+            elif step.op == FFN:
+                x[a:b] = self._ffn(layer, x[a:b], attn[a:b])
+            yield i
+        if all_logits:
+            return self._logits(x)
+        return self._logits(x[torch.tensor(row0[1:], device=dev) - 1])
+
+    @staticmethod
+    def _seq_keys(step: Step, spans: list[SeqSpan], row0: list[int], k: torch.Tensor, v: torch.Tensor,
+                  kv: KVCache, block_tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of a sequence indexed by absolute position: cached prefix + this chunk's rows."""
+        span, r = spans[step.seq], row0[step.seq]
+        own_k, own_v = k[r : r + span.length], v[r : r + span.length]
+        if span.start == 0:
+            return own_k, own_v
+        pk, pv = kv.gather(step.layer, block_tables[step.seq], span.start)
+        return torch.cat([pk, own_k]), torch.cat([pv, own_v])
+
+    # -- decode --------------------------------------------------------------------------------
+    def decode(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]],
+               kv: KVCache) -> torch.Tensor:
+        """One token per request at `positions`; returns logits [batch, vocab]."""
+        dev = self.device
+        pos = torch.tensor(positions, device=dev)
+        slots = torch.cat([kv.slots(bt, p, p + 1) for bt, p in zip(block_tables, positions, strict=True)])
+        lengths = [p + 1 for p in positions]
+        x = self.embed[torch.tensor(token_ids, device=dev)]
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._attn_in(layer, x, pos)
+            kv.write(i, slots, k, v)
+            x = self._ffn(layer, x, self.backend.decode(q, i, kv, block_tables, lengths))
+        return self._logits(x)

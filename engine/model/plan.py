@@ -1,0 +1,139 @@
+"""The prefill of a batch as a flat list of operator steps, each predicted to fit a time budget.
+
+This is where the *sub-operator split* lives: row-wise operators are cut into token blocks and
+attention into (query block x key tile) pieces, so that no step outlasts `budget_s` and a
+preemption request never waits longer than one step, whatever the prompt length.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from engine.config import ModelConfig
+
+if TYPE_CHECKING:
+    from engine.model.llama import LlamaModel
+
+ATTN_IN, ATTENTION, FFN = "attn_in", "attention", "ffn"
+
+
+class Step(NamedTuple):
+    layer: int
+    op: str  # attn_in | attention | ffn
+    rows: tuple[int, int]  # rows of the batch's flattened tokens this step produces
+    seq: int = -1  # attention: which sequence of the batch
+    keys: tuple[int, int] = (0, 0)  # attention: absolute key positions of this tile
+    causal: bool = False  # attention: the diagonal tile (completes its query block)
+    cost: float = 0.0  # predicted seconds
+
+
+class SeqSpan(NamedTuple):
+    """One sequence of a prefill batch: prompt tokens [start, start + length) of a request."""
+
+    start: int  # tokens already in the KV cache (chunked prefill); 0 for a whole prompt
+    length: int
+
+
+@dataclass
+class OpCost:
+    """Predicted seconds of each operator step, measured on this device with the model's own ops."""
+
+    cfg: ModelConfig
+    attn_in_s_per_row: float
+    ffn_s_per_row: float
+    attn_s_per_pair: float  # one query against one key, all heads
+    step_overhead_s: float = 20e-6
+
+    def row_op_s(self, op: str, rows: int) -> float:
+        per_row = self.attn_in_s_per_row if op == ATTN_IN else self.ffn_s_per_row
+        return self.step_overhead_s + rows * per_row
+
+    def attn_s(self, queries: int, keys: int, causal: bool) -> float:
+        pairs = queries * (keys + 1) / 2 if causal else queries * keys
+        return self.step_overhead_s + pairs * self.attn_s_per_pair
+
+    def prefill_s(self, spans: list[SeqSpan]) -> float:
+        """Predicted time of a whole prefill (every layer) of these spans."""
+        rows = sum(s.length for s in spans)
+        per_layer = self.row_op_s(ATTN_IN, rows) + self.row_op_s(FFN, rows)
+        per_layer += sum(self.attn_s(s.length, s.start, False) + self.attn_s(s.length, s.length, True)
+                         for s in spans)
+        return per_layer * self.cfg.num_hidden_layers
+
+    @classmethod
+    def calibrate(cls, model: LlamaModel) -> OpCost:
+        """Time one block of each operator kind (about 0.1 s at start-up)."""
+        c, dev = model.cfg, model.device
+        dtype = model.embed.dtype
+        layer = model.layers[0]
+        rows, q_n, k_n = 512, 256, 1024
+        x = torch.randn(rows, c.hidden_size, dtype=dtype, device=dev) * 0.02
+        pos = torch.arange(rows, device=dev)
+        attn = torch.randn(rows, c.num_attention_heads, c.head_dim, dtype=dtype, device=dev)
+        q = torch.randn(q_n, c.num_attention_heads, c.head_dim, dtype=dtype, device=dev)
+        kv = torch.randn(k_n, c.num_key_value_heads, c.head_dim, dtype=dtype, device=dev)
+        with torch.inference_mode():
+            return cls(
+                c,
+                attn_in_s_per_row=_median_time(lambda: model._attn_in(layer, x, pos)) / rows,
+                ffn_s_per_row=_median_time(lambda: model._ffn(layer, x, attn)) / rows,
+                attn_s_per_pair=_median_time(lambda: model.backend.tile(q, kv, kv, False)) / (q_n * k_n),
+            )
+
+
+def _median_time(fn: Callable[[], object], repeat: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[repeat // 2]
+
+
+def _blocks(total: int, size: int) -> list[tuple[int, int]]:
+    return [(a, min(a + size, total)) for a in range(0, total, size)]
+
+
+def _fit(budget_s: float, per_unit_s: float, quantum: int) -> int:
+    return max(quantum, int(budget_s / per_unit_s) // quantum * quantum)
+
+
+def plan_prefill(cost: OpCost, spans: list[SeqSpan], budget_s: float | None) -> list[Step]:
+    """All steps of a batch's prefill, layer by layer. budget_s=None: one step per operator."""
+    rows = sum(s.length for s in spans)
+    starts = [0]
+    for s in spans:
+        starts.append(starts[-1] + s.length)
+    big = 1 << 62
+    if budget_s is None:
+        in_rows = ffn_rows = q_block = big
+        key_tile = big
+    else:
+        work_s = max(budget_s - cost.step_overhead_s, budget_s / 2)
+        in_rows = _fit(work_s, cost.attn_in_s_per_row, 32)
+        ffn_rows = _fit(work_s, cost.ffn_s_per_row, 32)
+        q_block = 256
+        while q_block > 32 and cost.attn_s(q_block, q_block, True) > budget_s:
+            q_block //= 2
+        key_tile = max(q_block, _fit(work_s, q_block * cost.attn_s_per_pair, 64))
+
+    layer_steps: list[Step] = []
+    for a, b in _blocks(rows, in_rows):
+        layer_steps.append(Step(0, ATTN_IN, (a, b), cost=cost.row_op_s(ATTN_IN, b - a)))
+    for i, span in enumerate(spans):
+        for qs, qe in _blocks(span.length, q_block):
+            row0 = starts[i]
+            for ka, kb in _blocks(span.start + qs, key_tile):
+                layer_steps.append(Step(0, ATTENTION, (row0 + qs, row0 + qe), i, (ka, kb),
+                                        cost=cost.attn_s(qe - qs, kb - ka, False)))
+            layer_steps.append(Step(0, ATTENTION, (row0 + qs, row0 + qe), i,
+                                    (span.start + qs, span.start + qe), True, cost.attn_s(qe - qs, qe - qs, True)))
+    for a, b in _blocks(rows, ffn_rows):
+        layer_steps.append(Step(0, FFN, (a, b), cost=cost.row_op_s(FFN, b - a)))
+    return [s._replace(layer=layer) for layer in range(cost.cfg.num_hidden_layers) for s in layer_steps]

@@ -1,0 +1,100 @@
+"""Operator-level preemption: a prefill batch that advances one operator step at a time.
+
+The engine loop calls `advance()` while this batch is the scheduler's choice; the moment the
+choice changes, the loop simply stops calling it. The suspended generator keeps the activations
+and the KV already written, so `advance()` later resumes exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Generator
+
+import torch
+
+from engine.kv_cache import KVCache
+from engine.model.llama import LlamaModel
+from engine.model.plan import OpCost, SeqSpan, Step, plan_prefill
+from engine.request import Request, RequestState, Suspension
+
+_batch_ids = itertools.count()
+
+
+class PrefillBatch:
+    def __init__(self, requests: list[Request], model: LlamaModel, kv: KVCache, cost: OpCost,
+                 budget_s: float | None, spans: list[SeqSpan] | None = None) -> None:
+        self.batch_id = next(_batch_ids)
+        self.requests = requests
+        self.spans = spans or [SeqSpan(0, r.num_prompt_tokens) for r in requests]
+        self.steps: list[Step] = plan_prefill(cost, self.spans, budget_s)
+        self.total_cost = sum(s.cost for s in self.steps)
+        self._cost_done = 0.0
+        self.next_step = 0
+        self.logits: torch.Tensor | None = None
+        tokens = [r.prompt_token_ids[s.start : s.start + s.length] for r, s in zip(requests, self.spans, strict=True)]
+        self._run: Generator[int, None, torch.Tensor] = model.prefill(
+            tokens, self.spans, [r.block_table for r in requests], kv, self.steps)
+        self.segment_start: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.length for s in self.spans)
+
+    @property
+    def head(self) -> Request:
+        return self.requests[0]
+
+    @property
+    def remaining_s(self) -> float:
+        """Predicted time to finish from where it stands (what a suspended batch still owes)."""
+        return self.total_cost - self._cost_done
+
+    @property
+    def started(self) -> bool:
+        return self.next_step > 0
+
+    @property
+    def done(self) -> bool:
+        return self.logits is not None
+
+    def advance(self) -> bool:
+        """Run one operator step. True when the whole prefill is finished."""
+        try:
+            i = next(self._run)
+        except StopIteration as stop:
+            self.logits = stop.value
+            return True
+        self._cost_done += self.steps[i].cost
+        self.next_step = i + 1
+        return False
+
+    # -- bookkeeping of execution segments and suspensions (what telemetry reports) -------------
+    def begin_segment(self, now: float) -> None:
+        self.segment_start = now
+        for r in self.requests:
+            r.state = RequestState.PREFILLING
+            if r.prefill_start is None:
+                r.prefill_start = now
+            if r.suspensions and r.suspensions[-1].end is None:
+                r.suspensions[-1].end = now
+
+    def end_segment(self, now: float) -> None:
+        if self.segment_start is not None:
+            for r in self.requests:
+                r.segments.append((self.segment_start, now))
+        self.segment_start = None
+
+    def suspend(self, now: float, decided_at: float, by: PrefillBatch | None) -> None:
+        self.end_segment(now)
+        step = self.steps[min(self.next_step, len(self.steps) - 1)]
+        done_rows = step.rows[0] if self.next_step < len(self.steps) else self.num_tokens
+        for r in self.requests:
+            r.state = RequestState.SUSPENDED
+            r.suspensions.append(Suspension(
+                start=now, preempted_by=by.head.request_id if by else "",
+                by_class=by.head.slo_class if by else "", layer=step.layer, operator=step.op,
+                tokens_done=done_rows, stop_latency_s=max(0.0, now - decided_at)))
+
+    def close(self) -> None:
+        """Drop the suspended computation (its activations are released with the generator)."""
+        self._run.close()

@@ -1,0 +1,125 @@
+"""The one request type that flows from gateway to worker to scheduler to telemetry."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from engine.slo import DEFAULT_CLASSES, SLOClass
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # queued for prefill
+    PREFILLING = "prefilling"  # its batch is the one executing
+    SUSPENDED = "suspended"  # its batch was preempted at an operator boundary
+    DECODING = "decoding"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+    @property
+    def done(self) -> bool:
+        return self in (RequestState.FINISHED, RequestState.CANCELLED, RequestState.FAILED)
+
+
+class SamplingParams(msgspec.Struct):
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: list[str] = []
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+class Suspension(msgspec.Struct):
+    """One preemption of a request: the interval its batch sat suspended."""
+
+    start: float
+    end: float | None = None
+    preempted_by: str = ""  # the id of the preempting batch's head request
+    by_class: str = ""
+    layer: int = -1
+    operator: str = ""
+    tokens_done: int = 0  # prompt tokens whose current layer work was complete
+    stop_latency_s: float = 0.0  # preemption decided -> batch actually stopped
+
+
+class TokenOutput(msgspec.Struct):
+    """What the engine streams back for a request: new token ids/text, or the end."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # stop | length | cancelled | error
+    error: str | None = None
+
+
+class Request(msgspec.Struct, kw_only=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    slo_class: str = "standard"
+    ttft_target_s: float = DEFAULT_CLASSES["standard"].ttft_ms / 1000
+    tbt_target_s: float = DEFAULT_CLASSES["standard"].tbt_ms / 1000
+    priority: int = DEFAULT_CLASSES["standard"].priority
+    arrival_time: float = msgspec.field(default_factory=time.monotonic)
+    deadline: float = 0.0  # absolute monotonic time the first token is due
+
+    # Engine-side state: owned by the engine thread once the request is added.
+    state: RequestState = RequestState.WAITING
+    block_table: list[int] = []
+    output_token_ids: list[int] = []
+    prefill_start: float | None = None  # first time its batch ran
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    last_token_time: float | None = None
+    finish_reason: str | None = None
+    segments: list[tuple[float, float]] = []  # execution intervals of its prefill
+    suspensions: list[Suspension] = []
+    sink: Callable[[TokenOutput], None] | None = None  # called from the engine thread
+    trace_context: Any = None  # telemetry's carrier, never read by the engine
+
+    def __post_init__(self) -> None:
+        if not self.deadline:
+            self.deadline = self.arrival_time + self.ttft_target_s
+
+    @classmethod
+    def for_class(cls, slo: SLOClass, **kw: Any) -> Request:
+        return cls(
+            slo_class=slo.name,
+            ttft_target_s=slo.ttft_ms / 1000,
+            tbt_target_s=slo.tbt_ms / 1000,
+            priority=slo.priority,
+            **kw,
+        )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.num_prompt_tokens + self.sampling.max_tokens

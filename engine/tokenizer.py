@@ -1,0 +1,133 @@
+"""Tokenizers: the embedded byte-level one and Hugging Face tokenizer.json via `tokenizers`."""
+
+from __future__ import annotations
+
+import codecs
+import json
+from pathlib import Path
+from typing import Any, Protocol
+
+import jinja2
+
+# A ChatML-style template, used when a checkpoint ships none.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    eos_token_ids: list[int]
+
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str: ...
+
+
+class _ChatTemplate:
+    def __init__(self, template: str | None, special: dict[str, str]) -> None:
+        env = jinja2.Environment(autoescape=False, trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        self._template = env.from_string(template or DEFAULT_CHAT_TEMPLATE)
+        self._special = special
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        return self._template.render(messages=messages, add_generation_prompt=True, **self._special)
+
+
+def _raise(message: str) -> None:
+    raise ValueError(message)
+
+
+class ByteTokenizer(_ChatTemplate):
+    """UTF-8 bytes are tokens 0..255; a few specials follow. Exact token counts for synthesized prompts."""
+
+    SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+    def __init__(self, vocab_size: int = 512) -> None:
+        super().__init__(None, {})
+        self.vocab_size = vocab_size
+        self.special_ids = {s: 256 + i for i, s in enumerate(self.SPECIALS)}
+        self.eos_token_ids = [self.special_ids["<|endoftext|>"], self.special_ids["<|im_end|>"]]
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for i, part in enumerate(_split_specials(text, self.SPECIALS)):
+            if i % 2:
+                ids.append(self.special_ids[part])
+            else:
+                ids.extend(part.encode("utf-8"))
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def incremental_decoder(self) -> IncrementalDecoder:
+        return IncrementalDecoder(self)
+
+
+def _split_specials(text: str, specials: tuple[str, ...]) -> list[str]:
+    """[plain, special, plain, special, ...]"""
+    parts, rest = [], text
+    while True:
+        hits = [(rest.find(s), s) for s in specials if s in rest]
+        if not hits:
+            parts.append(rest)
+            return parts
+        pos, special = min(hits)
+        parts += [rest[:pos], special]
+        rest = rest[pos + len(special) :]
+
+
+class HFTokenizer(_ChatTemplate):
+    """A checkpoint's tokenizer.json (+ tokenizer_config.json for the chat template and EOS)."""
+
+    def __init__(self, path: Path, eos_token_ids: list[int]) -> None:
+        from tokenizers import Tokenizer as _Tok
+
+        self._tok = _Tok.from_file(str(path / "tokenizer.json"))
+        cfg_file = path / "tokenizer_config.json"
+        cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        special = {k: v for k, v in cfg.items() if k.endswith("_token") and isinstance(v, str)}
+        super().__init__(cfg.get("chat_template") if isinstance(cfg.get("chat_template"), str) else None, special)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        eos = list(eos_token_ids)
+        if isinstance(cfg.get("eos_token"), str) and (tid := self._tok.token_to_id(cfg["eos_token"])) is not None:
+            eos.append(tid)
+        self.eos_token_ids = sorted(set(eos))
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    def incremental_decoder(self) -> IncrementalDecoder:
+        return IncrementalDecoder(self)
+
+
+class IncrementalDecoder:
+    """Streams text as tokens arrive, holding back incomplete UTF-8 sequences."""
+
+    def __init__(self, tokenizer: ByteTokenizer | HFTokenizer) -> None:
+        self._tok = tokenizer
+        self._bytes = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._ids: list[int] = []
+        self._emitted = 0
+
+    def push(self, token_id: int) -> str:
+        if isinstance(self._tok, ByteTokenizer):
+            return self._bytes.decode(bytes([token_id])) if token_id < 256 else ""
+        self._ids.append(token_id)
+        text = self._tok.decode(self._ids)
+        if text.endswith("\ufffd"):  # an unfinished multi-byte character: wait for more
+            return ""
+        new, self._emitted = text[self._emitted :], len(text)
+        return new
+
+
+def load_tokenizer(path: Path | None, eos_token_ids: list[int], vocab_size: int) -> ByteTokenizer | HFTokenizer:
+    if path is not None and (path / "tokenizer.json").is_file():
+        return HFTokenizer(path, eos_token_ids)
+    return ByteTokenizer(vocab_size)
