@@ -1,0 +1,190 @@
+"""The engine worker's HTTP server: OpenAI-compatible endpoints over one Engine, plus /health,
+/load and /metrics. SLO metadata comes in headers (set by the gateway, or by a client directly)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from litestar import Litestar, Request, Response, get, post
+from litestar.response import Stream
+
+from engine.engine import Engine
+from engine.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    completion_body,
+    completion_chunk,
+    error_body,
+    new_id,
+    usage,
+)
+from engine.request import Request as EngineRequest
+from engine.request import TokenOutput
+from engine.slo import DEFAULT_CLASS, DEFAULT_CLASSES, SLOClass
+from telemetry.metrics import EngineMetrics
+
+DEFAULT_MAX_TOKENS = 16
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param = status, param
+
+
+def _error(_: Request, exc: BadRequest) -> Response:
+    code = "model_not_found" if exc.status == 404 else None
+    return Response(error_body(str(exc), param=exc.param, code=code), status_code=exc.status)
+
+
+def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOClass] | None = None,
+                      default_class: str = DEFAULT_CLASS) -> Litestar:
+    classes = classes or DEFAULT_CLASSES
+    metrics = EngineMetrics(engine)
+
+    def slo_for(request: Request, body: Any) -> SLOClass:
+        name = request.headers.get("x-slo-class") or body.service_tier or default_class
+        if name not in classes:
+            if request.headers.get("x-slo-class"):
+                raise BadRequest(f"unknown SLO class {name!r}; known: {sorted(classes)}", param="x-slo-class")
+            name = default_class  # OpenAI's own service_tier values ("auto", "default", ...)
+        slo = classes[name]
+        if ttft := request.headers.get("x-slo-ttft-ms"):
+            try:
+                slo = msgspec.structs.replace(slo, ttft_ms=float(ttft))
+            except ValueError:
+                raise BadRequest("x-slo-ttft-ms must be a number", param="x-slo-ttft-ms") from None
+        return slo
+
+    async def run(request: Request, chat: bool) -> Any:
+        raw = await request.body()
+        try:
+            body = msgspec.json.decode(raw, type=ChatCompletionRequest if chat else CompletionRequest)
+        except msgspec.ValidationError as exc:
+            raise BadRequest(f"invalid request body: {exc}") from None
+        except msgspec.DecodeError:
+            raise BadRequest("request body is not valid JSON") from None
+        if body.model and body.model != model_name:
+            raise BadRequest(f"model {body.model!r} does not exist; this worker serves {model_name!r}",
+                             status=404, param="model")
+        try:
+            sampling = body.sampling(DEFAULT_MAX_TOKENS)
+            if chat:
+                prompt = engine.tokenizer.apply_chat_template(
+                    [msgspec.structs.asdict(m) for m in body.messages])
+                ids = engine.tokenizer.encode(prompt)
+            else:
+                ids = _prompt_ids(engine, body.prompt)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        slo = slo_for(request, body)
+        rid = request.headers.get("x-request-id") or new_id("chatcmpl" if chat else "cmpl")
+        req = EngineRequest.for_class(slo, request_id=rid, prompt_token_ids=ids, sampling=sampling)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
+        req.sink = lambda out: loop.call_soon_threadsafe(queue.put_nowait, out)
+        try:
+            engine.add_request(req)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        headers = {"x-slo-class": slo.name, "x-request-id": rid}
+        model = model_name
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return Stream(_sse(engine, req, queue, model, chat, include_usage), media_type="text/event-stream",
+                          headers=headers)
+        texts, finish = [], None
+        try:
+            while finish is None:
+                out = await queue.get()
+                texts.append(out.text)
+                finish = out.finish_reason
+        finally:
+            if finish is None:  # the handler was cancelled (client gone): stop the engine work
+                engine.cancel(rid)
+        if finish == "error":
+            return Response(error_body(out.error or "engine error", "server_error"), status_code=500, headers=headers)
+        return Response(completion_body(rid, model, "".join(texts), finish, chat, req.num_prompt_tokens,
+                                        len(req.output_token_ids)), headers=headers)
+
+    @post("/v1/completions", status_code=200)
+    async def completions(request: Request) -> Any:
+        return await run(request, chat=False)
+
+    @post("/v1/chat/completions", status_code=200)
+    async def chat_completions(request: Request) -> Any:
+        return await run(request, chat=True)
+
+    @get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "flowprefill"}]}
+
+    @get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @get("/load")
+    async def load() -> dict[str, Any]:
+        s = engine.scheduler
+        backlog: dict[str, float] = {}
+        for r in list(s.waiting):
+            backlog[r.slo_class] = backlog.get(r.slo_class, 0.0) + s.predict_s(r)
+        return {"waiting": engine.num_waiting, "decoding": engine.num_decoding,
+                "suspended_batches": max(0, len(s.pool) - 1),
+                "predicted_backlog_s": sum(b.remaining_s for b in list(s.pool)) + sum(backlog.values()),
+                "predicted_backlog_by_class_s": backlog, "kv_cache_usage": engine.kv.usage}
+
+    @get("/metrics", media_type="text/plain; version=0.0.4")
+    async def prometheus() -> bytes:
+        return metrics.render()
+
+    return Litestar(
+        route_handlers=[completions, chat_completions, models, health, load, prometheus],
+        exception_handlers={BadRequest: _error},
+        on_startup=[lambda: None],
+        on_shutdown=[engine.shutdown],
+        request_max_body_size=16 * 1024 * 1024,
+    )
+
+
+def _prompt_ids(engine: Engine, prompt: Any) -> list[int]:
+    if isinstance(prompt, str):
+        return engine.tokenizer.encode(prompt)
+    if prompt and all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    if isinstance(prompt, list) and len(prompt) == 1:
+        return _prompt_ids(engine, prompt[0])
+    raise ValueError("prompt must be a string, a list of token ids, or a one-element list of either "
+                     "(batched prompts are not supported)")
+
+
+async def _sse(engine: Engine, req: EngineRequest, queue: asyncio.Queue[TokenOutput], model: str, chat: bool,
+               include_usage: bool) -> AsyncIterator[bytes]:
+    rid, finish, first = req.request_id, None, True
+    try:
+        while finish is None:
+            out = await queue.get()
+            finish = out.finish_reason
+            if finish == "error":
+                err = error_body(out.error or "engine error", "server_error")
+                yield b"data: " + msgspec.json.encode(err) + b"\n\n"
+                break
+            if out.text or finish or first:
+                yield _event(completion_chunk(rid, model, out.text, finish, chat, first))
+                first = False
+        if include_usage:
+            chunk = completion_chunk(rid, model, "", None, chat) | {
+                "choices": [], "usage": usage(req.num_prompt_tokens, len(req.output_token_ids))}
+            yield _event(chunk)
+        yield b"data: [DONE]\n\n"
+    finally:
+        if finish is None:  # client went away mid-stream
+            engine.cancel(rid)
+
+
+def _event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
