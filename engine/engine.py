@@ -16,7 +16,7 @@ from engine.config import EngineConfig
 from engine.decode import OutputStream
 from engine.kv_cache import KVCache
 from engine.model import load_model
-from engine.model.plan import OpCost
+from engine.model.plan import OpCost, SeqSpan
 from engine.prefill import PrefillBatch
 from engine.request import Request, RequestState, SamplingParams, TokenOutput
 from engine.sampling import sample
@@ -180,17 +180,26 @@ class Engine:
         batch.begin_segment(now)
         self._current = batch
 
-    def _new_batch(self, reqs: list[Request]) -> PrefillBatch:
+    def _new_batch(self, reqs: list[Request], spans: list[SeqSpan]) -> PrefillBatch:
         for r in reqs:
-            r.block_table = self.kv.allocate(r.max_total_tokens)
-        return PrefillBatch(reqs, self.model, self.kv, self.cost, self.budget_s)
+            if not r.block_table:  # a request's KV is reserved once: prompt + max_tokens
+                r.block_table = self.kv.allocate(r.max_total_tokens)
+        return PrefillBatch.on_model(reqs, spans, self.model, self.kv, self.cost, self.budget_s)
 
     def _complete(self, batch: PrefillBatch) -> None:
         now = self.clock()
         batch.end_segment(now)
-        live = [(i, r) for i, r in enumerate(batch.requests) if not r.state.done]
-        logits = batch.logits
-        batch.logits = logits[:0] if logits is not None else None  # release; keep `done` true
+        live, unfinished = [], []
+        for i, (r, whole) in enumerate(zip(batch.requests, batch.completes_prompts, strict=True)):
+            r.num_computed_tokens = batch.spans[i].start + batch.spans[i].length
+            if r.state.done:
+                continue
+            if whole:
+                live.append((i, r))
+            else:  # one chunk of its prompt is done: it queues for the next
+                r.state = RequestState.WAITING
+                unfinished.append(r)
+        logits, batch.logits = batch.logits, None
         tokens = sample(logits[[i for i, _ in live]], [r for _, r in live], self._generators) if live else []
         now = self.clock()
         for (_, r), token in zip(live, tokens, strict=True):
@@ -203,7 +212,7 @@ class Engine:
             if r.state.done:
                 self.kv.free(r.block_table)
         with self._cv:
-            self.scheduler.on_completion(batch)
+            self.scheduler.on_completion(batch, unfinished)
         self._current = None
         self._schedule_decode(now)
 

@@ -14,26 +14,21 @@ class OutOfBlocks(RuntimeError):
     pass
 
 
-class KVCache:
-    """Per layer, K and V tensors of shape [num_blocks, block_size, kv_heads, head_dim].
+class BlockPool:
+    """Accounting of fixed-size KV blocks: what the scheduler (and the simulator) reason about.
 
     A request owns a block table (list of block ids); token t of it lives in
     block_table[t // block_size] at offset t % block_size.
     """
 
-    def __init__(self, cfg: ModelConfig, block_size: int, capacity_tokens: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, block_size: int, capacity_tokens: int) -> None:
         if block_size < 1 or capacity_tokens < block_size:
             raise ValueError("kv cache needs block_size >= 1 and capacity >= one block")
         self.block_size = block_size
         self.num_blocks = capacity_tokens // block_size
-        shape = (self.num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
         self._free: deque[int] = deque(range(self.num_blocks))
         self._lock = threading.Lock()
 
-    # -- accounting ---------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -59,6 +54,17 @@ class KVCache:
         with self._lock:
             self._free.extend(block_table)
         block_table.clear()
+
+
+class KVCache(BlockPool):
+    """The pool's storage: per layer, K and V of shape [num_blocks, block_size, kv_heads, head_dim]."""
+
+    def __init__(self, cfg: ModelConfig, block_size: int, capacity_tokens: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__(block_size, capacity_tokens)
+        shape = (self.num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
 
     # -- data ---------------------------------------------------------------------------------
     def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:

@@ -21,20 +21,33 @@ _batch_ids = itertools.count()
 
 
 class PrefillBatch:
-    def __init__(self, requests: list[Request], model: LlamaModel, kv: KVCache, cost: OpCost,
-                 budget_s: float | None, spans: list[SeqSpan] | None = None) -> None:
+    """Requests prefilled together. `run` executes `steps` one per next() (the model's forward, or
+    the simulator's virtual clock) and returns the last-token logits."""
+
+    def __init__(self, requests: list[Request], spans: list[SeqSpan], steps: list[Step],
+                 run: Generator[int, None, torch.Tensor | None]) -> None:
         self.batch_id = next(_batch_ids)
-        self.requests = requests
-        self.spans = spans or [SeqSpan(0, r.num_prompt_tokens) for r in requests]
-        self.steps: list[Step] = plan_prefill(cost, self.spans, budget_s)
-        self.total_cost = sum(s.cost for s in self.steps)
+        self.requests, self.spans, self.steps = requests, spans, steps
+        self.total_cost = sum(s.cost for s in steps)
         self._cost_done = 0.0
         self.next_step = 0
+        self.finished = False
         self.logits: torch.Tensor | None = None
-        tokens = [r.prompt_token_ids[s.start : s.start + s.length] for r, s in zip(requests, self.spans, strict=True)]
-        self._run: Generator[int, None, torch.Tensor] = model.prefill(
-            tokens, self.spans, [r.block_table for r in requests], kv, self.steps)
+        self._run = run
         self.segment_start: float | None = None
+
+    @classmethod
+    def on_model(cls, requests: list[Request], spans: list[SeqSpan], model: LlamaModel, kv: KVCache,
+                 cost: OpCost, budget_s: float | None) -> PrefillBatch:
+        steps = plan_prefill(cost, spans, budget_s)
+        tokens = [r.prompt_token_ids[s.start : s.start + s.length] for r, s in zip(requests, spans, strict=True)]
+        run = model.prefill(tokens, spans, [r.block_table for r in requests], kv, steps)
+        return cls(requests, spans, steps, run)
+
+    @property
+    def completes_prompts(self) -> list[bool]:
+        """Per request: does this batch finish its prompt (else it is one chunk of it)?"""
+        return [s.start + s.length == r.num_prompt_tokens for r, s in zip(self.requests, self.spans, strict=True)]
 
     @property
     def num_tokens(self) -> int:
@@ -53,16 +66,12 @@ class PrefillBatch:
     def started(self) -> bool:
         return self.next_step > 0
 
-    @property
-    def done(self) -> bool:
-        return self.logits is not None
-
     def advance(self) -> bool:
         """Run one operator step. True when the whole prefill is finished."""
         try:
             i = next(self._run)
         except StopIteration as stop:
-            self.logits = stop.value
+            self.logits, self.finished = stop.value, True
             return True
         self._cost_done += self.steps[i].cost
         self.next_step = i + 1

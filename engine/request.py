@@ -87,6 +87,7 @@ class Request(msgspec.Struct, kw_only=True):
     # Engine-side state: owned by the engine thread once the request is added.
     state: RequestState = RequestState.WAITING
     block_table: list[int] = []
+    num_computed_tokens: int = 0  # prompt tokens whose KV is in the cache (chunked prefill progress)
     output_token_ids: list[int] = []
     prefill_start: float | None = None  # first time its batch ran
     first_token_time: float | None = None
@@ -115,6 +116,10 @@ class Request(msgspec.Struct, kw_only=True):
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def remaining_prompt_tokens(self) -> int:
+        return self.num_prompt_tokens - self.num_computed_tokens
 
     @property
     def ttft(self) -> float | None:

@@ -48,14 +48,21 @@ class OpCost:
     ffn_s_per_row: float
     attn_s_per_pair: float  # one query against one key, all heads
     step_overhead_s: float = 20e-6
+    row_step_floor_s: float = 0.0  # a row-wise step reads its weights once, however few its rows
 
     def row_op_s(self, op: str, rows: int) -> float:
         per_row = self.attn_in_s_per_row if op == ATTN_IN else self.ffn_s_per_row
-        return self.step_overhead_s + rows * per_row
+        return self.step_overhead_s + max(self.row_step_floor_s, rows * per_row)
 
     def attn_s(self, queries: int, keys: int, causal: bool) -> float:
         pairs = queries * (keys + 1) / 2 if causal else queries * keys
         return self.step_overhead_s + pairs * self.attn_s_per_pair
+
+    def step_s(self, step: Step) -> float:
+        """What this cost model says one planned step takes."""
+        if step.op == ATTENTION:
+            return self.attn_s(step.rows[1] - step.rows[0], step.keys[1] - step.keys[0], step.causal)
+        return self.row_op_s(step.op, step.rows[1] - step.rows[0])
 
     def prefill_s(self, spans: list[SeqSpan]) -> float:
         """Predicted time of a whole prefill (every layer) of these spans."""
@@ -87,11 +94,14 @@ class OpCost:
 
 
 def _median_time(fn: Callable[[], object], repeat: int = 7) -> float:
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     fn()
     times = []
     for _ in range(repeat):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
     return sorted(times)[repeat // 2]
 

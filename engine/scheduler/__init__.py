@@ -9,15 +9,18 @@ identity check) and switches when they differ: that is a preemption.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from engine.kv_cache import KVCache
+from engine.kv_cache import BlockPool
 from engine.model.plan import OpCost, SeqSpan
 from engine.prefill import PrefillBatch
 from engine.request import Request
 
-Choice = PrefillBatch | list[Request] | None
+# A new batch is given as requests (each prefills the rest of its prompt) or as
+# (request, tokens) chunks; an existing batch (running or suspended) is given as itself.
+Chunk = tuple[Request, int]
+Choice = PrefillBatch | list[Request] | list[Chunk] | None
 
 
 class Policy(Protocol):
@@ -29,8 +32,9 @@ class Policy(Protocol):
 
 
 class Scheduler:
-    def __init__(self, policy: Policy, make_batch: Callable[[list[Request]], PrefillBatch], cost: OpCost,
-                 kv: KVCache, max_batch_tokens: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, policy: Policy, make_batch: Callable[[list[Request], list[SeqSpan]], PrefillBatch],
+                 cost: OpCost, kv: BlockPool, max_batch_tokens: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.policy, self.cost, self.kv = policy, cost, kv
         self.max_batch_tokens = max_batch_tokens
         self.clock = clock
@@ -47,8 +51,13 @@ class Scheduler:
         self.waiting.append(req)
         self._decide()
 
-    def on_completion(self, batch: PrefillBatch) -> None:
+    def on_completion(self, batch: PrefillBatch, unfinished: Sequence[Request] = ()) -> None:
+        """`unfinished`: requests of the batch with prompt left (chunks): they queue again."""
         self.pool.remove(batch)
+        for r in unfinished:
+            self.waiting.append(r)
+        if unfinished:
+            self.waiting.sort(key=lambda r: r.arrival_time)
         self._decide()
 
     def on_cancel(self, req: Request) -> PrefillBatch | None:
@@ -70,39 +79,74 @@ class Scheduler:
         self.now = self.clock()
         choice = self.policy.choose(self)
         if isinstance(choice, list):
-            for r in choice:
+            chunks = [c if isinstance(c, tuple) else (c, c.remaining_prompt_tokens) for c in choice]
+            for r, _ in chunks:
                 self.waiting.remove(r)
-            choice = self._make_batch(choice)
+            choice = self._make_batch([r for r, _ in chunks],
+                                      [SeqSpan(r.num_computed_tokens, n) for r, n in chunks])
             self.pool.append(choice)
         if choice is not self.chosen:
             self.chosen, self.chosen_at = choice, self.now
 
     # -- helpers for policies ------------------------------------------------------------------
     def predict_s(self, req: Request) -> float:
-        return self.cost.prefill_s([SeqSpan(0, req.num_prompt_tokens)])
+        """Predicted time to prefill the rest of a queued request's prompt."""
+        return self.cost.prefill_s([SeqSpan(req.num_computed_tokens, req.remaining_prompt_tokens)])
+
+    def _blocks_needed(self, r: Request) -> int:
+        return 0 if r.block_table else self.kv.blocks_for(r.max_total_tokens)
 
     def fill(self, ordered: list[Request], fits: Callable[[list[Request]], bool] | None = None) -> list[Request]:
-        """Take requests in order while the token bound and KV capacity allow (the first always,
-        KV permitting); `fits` can veto further additions."""
+        """Take whole requests in order while the token bound and KV capacity allow (the first
+        always, KV permitting); `fits` can veto further additions."""
         batch: list[Request] = []
         tokens = blocks = 0
         for r in ordered:
-            need = self.kv.blocks_for(r.max_total_tokens)
+            need = self._blocks_needed(r)
             if blocks + need > self.kv.num_free_blocks:
                 break
-            if batch and (tokens + r.num_prompt_tokens > self.max_batch_tokens or (fits and not fits([*batch, r]))):
+            n = r.remaining_prompt_tokens
+            if batch and (tokens + n > self.max_batch_tokens or (fits and not fits([*batch, r]))):
                 break
             batch.append(r)
-            tokens += r.num_prompt_tokens
-            blocks += need
+            tokens, blocks = tokens + n, blocks + need
         return batch
+
+    def fill_chunks(self, ordered: list[Request], budget_tokens: int) -> list[Chunk]:
+        """Fill a batch to exactly `budget_tokens` (or what is queued) with prompt chunks, in order."""
+        chunks: list[Chunk] = []
+        left, blocks = budget_tokens, 0
+        for r in ordered:
+            need = self._blocks_needed(r)
+            if blocks + need > self.kv.num_free_blocks:
+                break
+            n = min(left, r.remaining_prompt_tokens)
+            chunks.append((r, n))
+            left, blocks = left - n, blocks + need
+            if left == 0:
+                break
+        return chunks
+
+
+POLICIES = ("flowprefill", "fcfs", "chunked:N", "chunked:N:fcfs", "edf", "priority")
 
 
 def make_policy(name: str) -> Policy:
+    """flowprefill | fcfs | chunked:N[:fcfs] | edf | priority"""
+    from engine.scheduler.chunked import Chunked
+    from engine.scheduler.edf import EDF
     from engine.scheduler.fcfs import FCFS
     from engine.scheduler.flowprefill import FlowPrefill
+    from engine.scheduler.priority import Priority
 
-    policies: dict[str, Callable[[], Policy]] = {"fcfs": FCFS, "flowprefill": FlowPrefill}
+    kind, _, arg = name.partition(":")
+    if kind == "chunked":
+        size, _, order = arg.partition(":")
+        if not size.isdigit():
+            raise ValueError(f"policy {name!r}: expected chunked:N with N tokens, e.g. chunked:2048")
+        return Chunked(int(size), order or "edf")
+    policies: dict[str, Callable[[], Policy]] = {"fcfs": FCFS, "flowprefill": FlowPrefill, "edf": EDF,
+                                                 "priority": Priority}
     if name not in policies:
-        raise ValueError(f"unknown policy {name!r}: choose from {sorted(policies)}")
+        raise ValueError(f"unknown policy {name!r}: choose from {', '.join(POLICIES)}")
     return policies[name]()

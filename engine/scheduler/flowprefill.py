@@ -1,4 +1,5 @@
-"""FlowPrefill: slack-based EDF ranking, SLO-aware batching, preemption of the running batch."""
+"""FlowPrefill: S-EDF ranking, SLO-aware batching, preemption of the running batch at operator
+boundaries, and resumption of suspended batches where they stopped."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import TYPE_CHECKING
 from engine.model.plan import SeqSpan
 from engine.prefill import PrefillBatch
 from engine.request import Request
+from engine.scheduler.slack import sedf_key
 
 if TYPE_CHECKING:
     from engine.scheduler import Choice, Scheduler
@@ -14,31 +16,20 @@ if TYPE_CHECKING:
 
 class FlowPrefill:
     name = "flowprefill"
-    guard = 0.1  # batching stops when predicted batch time would eat the head's slack minus guard x TTFT
+    guard = 0.1  # batching stops when the batch would eat the head's slack minus guard x its TTFT target
 
     def choose(self, s: Scheduler) -> Choice:
-        now = s.now
-
-        def rank(item: Request | PrefillBatch) -> tuple[bool, float]:
-            if isinstance(item, PrefillBatch):
-                deadline = min(r.deadline for r in item.requests)
-                remaining = item.remaining_s
-            else:
-                deadline, remaining = item.deadline, s.predict_s(item)
-            # Requests that can still make their deadline first, by deadline; hopeless ones after.
-            return (deadline - now - remaining < 0, deadline)
-
         candidates: list[Request | PrefillBatch] = [*s.pool, *s.waiting]
         if not candidates:
             return None
-        head = min(candidates, key=rank)
+        head = min(candidates, key=lambda c: sedf_key(s, c))
         if isinstance(head, PrefillBatch):
-            return head
-        ordered = sorted(s.waiting, key=rank)
-        slack = head.deadline - now - self.guard * head.ttft_target_s
+            return head  # resume (or keep running) the most urgent batch
+        ordered = sorted(s.waiting, key=lambda r: sedf_key(s, r))
+        budget = head.deadline - s.now - self.guard * head.ttft_target_s
 
         def fits(batch: list[Request]) -> bool:
-            return s.cost.prefill_s([SeqSpan(0, r.num_prompt_tokens) for r in batch]) <= slack
+            spans = [SeqSpan(r.num_computed_tokens, r.remaining_prompt_tokens) for r in batch]
+            return s.cost.prefill_s(spans) <= budget
 
         return s.fill(ordered, fits) or None
-

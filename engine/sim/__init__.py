@@ -1,0 +1,5 @@
+"""A discrete-event simulator that drives the real scheduler and policies on a virtual clock."""
+
+from engine.sim.simulator import SimConfig, simulate
+
+__all__ = ["SimConfig", "simulate"]

@@ -1,0 +1,123 @@
+"""Discrete-event simulation of one prefill instance.
+
+The real `Scheduler` and policy objects run unmodified on a virtual clock; batches are real
+`PrefillBatch`es with real step plans, whose steps take the time a cost model says instead of
+running a model. Events (arrivals, completions) happen at their virtual times; a running step
+always finishes before a switch, as on the real engine, unless `ideal` is set (preemption with
+zero stop latency: the bound that perfect preemption could reach).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Generator
+from dataclasses import dataclass
+
+from engine.kv_cache import BlockPool
+from engine.model.plan import OpCost, SeqSpan, plan_prefill
+from engine.prefill import PrefillBatch
+from engine.request import Request, RequestState
+from engine.scheduler import Policy, Scheduler
+
+
+@dataclass
+class SimConfig:
+    step_budget_s: float | None = 0.002  # None: one step per operator (checkpoints off)
+    max_batch_tokens: int = 2048
+    kv_capacity_tokens: int = 1 << 20
+    kv_block_size: int = 256
+    ideal: bool = False  # zero stop latency
+    noise: float = 0.0  # lognormal sigma of true step durations around the cost model
+    seed: int = 0
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _virtual_run(n_steps: int) -> Generator[int, None, None]:
+    yield from range(n_steps)
+
+
+def simulate(requests: list[Request], policy: Policy, cost: OpCost, cfg: SimConfig | None = None,
+             true_cost: OpCost | None = None) -> int:
+    """Run `requests` (arrival_time and deadline set, in seconds of virtual time) to their first
+    token; fills in their timings like the engine does. Returns the number of preemptions."""
+    cfg = cfg or SimConfig()
+    true_cost = true_cost or cost
+    rng = random.Random(cfg.seed)
+    clock = _Clock()
+    pool = BlockPool(cfg.kv_block_size, cfg.kv_capacity_tokens)
+
+    def make_batch(reqs: list[Request], spans: list[SeqSpan]) -> PrefillBatch:
+        for r in reqs:
+            if not r.block_table:
+                r.block_table = pool.allocate(r.max_total_tokens)
+        steps = plan_prefill(cost, spans, cfg.step_budget_s)
+        return PrefillBatch(reqs, spans, steps, _virtual_run(len(steps)))
+
+    sched = Scheduler(policy, make_batch, cost, pool, cfg.max_batch_tokens, clock)
+    arrivals = deque(sorted(requests, key=lambda r: r.arrival_time))
+    current: PrefillBatch | None = None
+    step_left: dict[int, float] = {}  # batch id -> seconds left of its current step
+    preemptions = 0
+
+    def step_duration(batch: PrefillBatch) -> float:
+        if batch.next_step >= len(batch.steps):
+            return 0.0  # the final next() only returns (logits cost nothing here)
+        d = true_cost.step_s(batch.steps[batch.next_step])
+        return d * rng.lognormvariate(0, cfg.noise) if cfg.noise else d
+
+    while True:
+        batch = sched.chosen
+        if batch is None:
+            if not arrivals:
+                break
+            r = arrivals.popleft()
+            clock.t = max(clock.t, r.arrival_time)
+            sched.on_arrival(r)
+            continue
+        if batch is not current:
+            if current is not None and current in sched.pool:
+                current.suspend(clock.t, sched.chosen_at, batch)
+                preemptions += 1
+            batch.begin_segment(clock.t)
+            current = batch
+        left = step_left.pop(batch.batch_id, None)
+        end = clock.t + (step_duration(batch) if left is None else left)
+        if cfg.ideal and arrivals and arrivals[0].arrival_time < end:
+            r = arrivals.popleft()  # ideal preemption: the step stops mid-way, its progress kept
+            step_left[batch.batch_id] = end - r.arrival_time
+            clock.t = r.arrival_time
+            sched.on_arrival(r)
+            continue
+        while arrivals and arrivals[0].arrival_time <= end:  # events during a step are decided at
+            r = arrivals.popleft()  # their own time and acted on at the next boundary
+            clock.t = r.arrival_time
+            sched.on_arrival(r)
+        clock.t = end
+        if batch.advance():
+            _complete(batch, clock.t, pool, sched)
+            current = None
+    return preemptions
+
+
+def _complete(batch: PrefillBatch, now: float, pool: BlockPool, sched: Scheduler) -> None:
+    batch.end_segment(now)
+    unfinished = []
+    for r, span, whole in zip(batch.requests, batch.spans, batch.completes_prompts, strict=True):
+        r.num_computed_tokens = span.start + span.length
+        if whole:
+            r.first_token_time = r.finish_time = now
+            r.state = RequestState.FINISHED
+            r.finish_reason = "length"
+            pool.free(r.block_table)
+        else:
+            r.state = RequestState.WAITING
+            unfinished.append(r)
+    sched.on_completion(batch, unfinished)

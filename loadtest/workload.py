@@ -1,0 +1,248 @@
+"""Workloads: production-trace loaders, SLO class rules, rate scaling, windows, Poisson arrivals,
+and prompts synthesized to an exact token count. Shared by the goodput benchmark and Locust."""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+from collections.abc import Iterable
+from datetime import datetime
+from pathlib import Path
+
+import msgspec
+
+from engine.slo import DEFAULT_CLASSES
+
+
+class TraceRequest(msgspec.Struct, frozen=True):
+    arrival_s: float  # seconds from the start of the workload
+    input_tokens: int
+    output_tokens: int
+    slo_class: str
+    type: str | None = None
+
+
+class Workload(msgspec.Struct):
+    name: str
+    source: str
+    class_rule: str
+    requests: list[TraceRequest]
+
+    @property
+    def duration_s(self) -> float:
+        return self.requests[-1].arrival_s if self.requests else 0.0
+
+    @property
+    def rate(self) -> float:
+        """Mean offered rate in requests per second."""
+        n = len(self.requests)
+        return (n - 1) / self.duration_s if n > 1 and self.duration_s > 0 else 0.0
+
+
+class ClassRule(msgspec.Struct, frozen=True):
+    """Maps a request to an SLO class: by its trace type where present, else by input length."""
+
+    thresholds: list[tuple[int, str]] = msgspec.field(
+        default_factory=lambda: [(1024, "interactive"), (2048, "standard"), (4096, "relaxed")])
+    longest: str = "batch"
+    by_type: dict[str, str] = msgspec.field(
+        default_factory=lambda: {"text": "interactive", "image": "standard", "search": "relaxed", "file": "batch"})
+
+    def __call__(self, input_tokens: int, type_: str | None = None) -> str:
+        if type_ is not None and type_ in self.by_type:
+            return self.by_type[type_]
+        for limit, name in self.thresholds:
+            if input_tokens <= limit:
+                return name
+        return self.longest
+
+    def describe(self) -> str:
+        steps = ", ".join(f"<= {n} -> {c}" for n, c in self.thresholds)
+        types = ", ".join(f"{t} -> {c}" for t, c in self.by_type.items())
+        return f"input tokens {steps}, else {self.longest}; by type: {types}"
+
+    def check(self, classes: Iterable[str] = DEFAULT_CLASSES) -> None:
+        known = set(classes)
+        for name in [c for _, c in self.thresholds] + [self.longest, *self.by_type.values()]:
+            if name not in known:
+                raise ValueError(f"class rule names unknown SLO class {name!r}")
+
+
+class TraceError(ValueError):
+    pass
+
+
+# -- loaders -----------------------------------------------------------------------------------
+def load_trace(path: str | Path, rule: ClassRule | None = None, fmt: str = "auto") -> Workload:
+    """Azure LLM CSV, BurstGPT CSV, or Mooncake / Qwen-Bailian JSONL (format sniffed by default)."""
+    path = Path(path)
+    rule = rule or ClassRule()
+    if not path.is_file():
+        raise TraceError(f"trace file {path} does not exist")
+    if fmt == "auto":
+        fmt = "jsonl" if path.suffix in (".jsonl", ".json") else _sniff_csv(path)
+    rows = {"azure": _azure_rows, "burstgpt": _burstgpt_rows, "jsonl": _jsonl_rows}.get(fmt)
+    if rows is None:
+        raise TraceError(f"unknown trace format {fmt!r} (azure, burstgpt, jsonl)")
+    raw = sorted(rows(path), key=lambda r: r[0])
+    if not raw:
+        raise TraceError(f"{path}: no requests in trace")
+    t0 = raw[0][0]
+    reqs = [TraceRequest(t - t0, n_in, n_out, rule(n_in, typ), typ) for t, n_in, n_out, typ in raw]
+    return Workload(path.stem, str(path), rule.describe(), reqs)
+
+
+def _sniff_csv(path: Path) -> str:
+    with path.open(newline="") as f:
+        header = next(csv.reader(f), [])
+    if {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} <= set(header):
+        return "azure"
+    if {"Timestamp", "Request tokens", "Response tokens"} <= set(header):
+        return "burstgpt"
+    raise TraceError(f"{path}: unrecognised CSV header {header}; expected Azure LLM "
+                     "(TIMESTAMP,ContextTokens,GeneratedTokens) or BurstGPT (Timestamp,Request tokens,Response tokens)")
+
+
+def _int(value: object, what: str, where: str) -> int:
+    try:
+        n = int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        raise TraceError(f"{where}: {what} {value!r} is not an integer") from None
+    if n < 0:
+        raise TraceError(f"{where}: {what} {n} is negative")
+    return n
+
+
+def _azure_rows(path: Path) -> Iterable[tuple[float, int, int, str | None]]:
+    with path.open(newline="") as f:
+        for i, row in enumerate(csv.DictReader(f), start=2):
+            where = f"{path}:{i}"
+            try:
+                t = datetime.fromisoformat(row["TIMESTAMP"][:26]).timestamp()
+            except (ValueError, TypeError):
+                raise TraceError(f"{where}: bad TIMESTAMP {row.get('TIMESTAMP')!r}") from None
+            n_in = _int(row["ContextTokens"], "ContextTokens", where)
+            if n_in:
+                yield t, n_in, max(1, _int(row["GeneratedTokens"], "GeneratedTokens", where)), None
+
+
+def _burstgpt_rows(path: Path) -> Iterable[tuple[float, int, int, str | None]]:
+    with path.open(newline="") as f:
+        for i, row in enumerate(csv.DictReader(f), start=2):
+            where = f"{path}:{i}"
+            try:
+                t = float(row["Timestamp"])
+            except (ValueError, TypeError):
+                raise TraceError(f"{where}: bad Timestamp {row.get('Timestamp')!r}") from None
+            n_in = _int(row["Request tokens"], "Request tokens", where)
+            if n_in:  # BurstGPT logs failed requests with 0 tokens
+                yield t, n_in, max(1, _int(row["Response tokens"], "Response tokens", where)), None
+
+
+def _jsonl_rows(path: Path) -> Iterable[tuple[float, int, int, str | None]]:
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{i}"
+        try:
+            obj = json.loads(line)
+            rows.append((float(obj["timestamp"]), _int(obj["input_length"], "input_length", where),
+                         max(1, _int(obj["output_length"], "output_length", where)), obj.get("type")))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, TraceError):
+                raise
+            raise TraceError(f"{where}: expected JSON with timestamp, input_length, output_length: {exc}") from None
+    # Mooncake stamps arrivals in milliseconds, Qwen-Bailian in seconds: tell them apart by span.
+    if rows and (max(r[0] for r in rows) - min(r[0] for r in rows)) > 1e5:
+        rows = [(t / 1000, a, b, c) for t, a, b, c in rows]
+    return rows
+
+
+# -- transformations ---------------------------------------------------------------------------
+def merge(name: str, *workloads: Workload) -> Workload:
+    reqs = sorted((r for w in workloads for r in w.requests), key=lambda r: r.arrival_s)
+    return Workload(name, " + ".join(w.source for w in workloads), workloads[0].class_rule, reqs)
+
+
+def window(w: Workload, start_s: float, duration_s: float) -> Workload:
+    reqs = [r for r in w.requests if start_s <= r.arrival_s < start_s + duration_s]
+    if not reqs:
+        raise TraceError(f"window [{start_s}, {start_s + duration_s}) s of {w.name} holds no requests")
+    t0 = reqs[0].arrival_s
+    return Workload(w.name, w.source, w.class_rule, [msgspec.structs.replace(r, arrival_s=r.arrival_s - t0)
+                                                     for r in reqs])
+
+
+def scale_to_rate(w: Workload, rate: float) -> Workload:
+    """Compress or stretch inter-arrival times so the mean offered rate is `rate` req/s."""
+    if rate <= 0:
+        raise ValueError("rate must be > 0")
+    factor = w.rate / rate if w.rate else 1.0
+    return Workload(w.name, w.source, w.class_rule,
+                    [msgspec.structs.replace(r, arrival_s=r.arrival_s * factor) for r in w.requests])
+
+
+def head(w: Workload, n: int) -> Workload:
+    return Workload(w.name, w.source, w.class_rule, w.requests[:n])
+
+
+def poisson(rate: float, n: int, lengths: Workload | None = None, seed: int = 0,
+            rule: ClassRule | None = None) -> Workload:
+    """n Poisson arrivals at `rate`; request sizes drawn from `lengths` (a trace) or a 50/50 mix."""
+    rng = random.Random(seed)
+    rule = rule or ClassRule()
+    t, reqs = 0.0, []
+    for _ in range(n):
+        if lengths is not None:
+            src = rng.choice(lengths.requests)
+            n_in, n_out = src.input_tokens, src.output_tokens
+        else:
+            n_in, n_out = rng.choice([(rng.randint(64, 1024), 32), (rng.randint(4096, 12000), 16)])
+        reqs.append(TraceRequest(t, n_in, n_out, rule(n_in)))
+        t += rng.expovariate(rate)
+    return Workload(f"poisson-{rate:g}", lengths.source if lengths else "synthetic", rule.describe(), reqs)
+
+
+def traces_dir() -> Path:
+    """The production traces shipped beside the project (../shared/traces), or $FLOWPREFILL_TRACES."""
+    import os
+
+    env = os.environ.get("FLOWPREFILL_TRACES")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[2] / "shared" / "traces"
+
+
+def azure_mix(rule: ClassRule | None = None) -> Workload:
+    """The default benchmark workload: Azure 2023 conversation + code traces merged by timestamp."""
+    d = traces_dir()
+    conv, code = (load_trace(d / f"azure_llm_2023_{k}.csv", rule) for k in ("conv", "code"))
+    # Re-align: both traces cover the same hour; load_trace made each start at 0.
+    t_conv, t_code = (_first_timestamp(d / f"azure_llm_2023_{k}.csv") for k in ("conv", "code"))
+    offset = t_code - t_conv
+    code = Workload(code.name, code.source, code.class_rule,
+                    [msgspec.structs.replace(r, arrival_s=r.arrival_s + offset) for r in code.requests])
+    mixed = merge("azure-mix", conv, code)
+    t0 = mixed.requests[0].arrival_s
+    mixed.requests = [msgspec.structs.replace(r, arrival_s=r.arrival_s - t0) for r in mixed.requests]
+    return mixed
+
+
+def _first_timestamp(path: Path) -> float:
+    return min(t for t, *_ in _azure_rows(path))
+
+
+# -- prompts -----------------------------------------------------------------------------------
+def synthesize_prompt(n_tokens: int, vocab_size: int, seed: int, reserved: Iterable[int] = ()) -> list[int]:
+    """Token ids of exactly n_tokens (random ordinary tokens: the engine's cost depends on count only)."""
+    rng = random.Random(seed)
+    banned = set(reserved)
+    upper = min(vocab_size, 256) if vocab_size > 256 else vocab_size  # bytes for the byte tokenizer
+    ids = []
+    while len(ids) < n_tokens:
+        t = rng.randrange(32, upper) if upper > 32 else rng.randrange(upper)
+        if t not in banned:
+            ids.append(t)
+    return ids
