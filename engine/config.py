@@ -45,6 +45,8 @@ class ModelConfig:
                 f"unsupported architecture {archs or raw.get('model_type')!r}: "
                 f"FlowPrefill runs {sorted(SUPPORTED_ARCHITECTURES)}"
             )
+        if arch == "MistralForCausalLM" and raw.get("sliding_window"):
+            raise ValueError("unsupported: Mistral with sliding-window attention (sliding_window is set)")
         if raw.get("mlp_bias"):
             raise ValueError("unsupported: mlp_bias=true (no Llama/Qwen2 release uses it)")
         heads = raw["num_attention_heads"]
@@ -70,7 +72,7 @@ class ModelConfig:
             rope_theta=float(theta),
             rope_scaling=rope,
             attention_bias=is_qwen2 or bool(raw.get("attention_bias", False)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", is_qwen2)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),  # transformers' default
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=eos_ids,
             name=name or raw.get("_name_or_path") or arch,

@@ -155,7 +155,13 @@ class Engine:
         now = self.clock()
         batch = self.scheduler.chosen
         if self._decoding and (batch is None or now >= self._next_decode_at):
-            self._decode_step()
+            try:
+                self._decode_step()
+            except Exception as exc:
+                log.exception("decode step failed")
+                for stream in list(self._decoding.values()):
+                    self._finish(stream.req, "error", f"decode failed: {exc}")
+                self._next_decode_at = float("inf")
             return
         if batch is None:
             return
@@ -189,10 +195,11 @@ class Engine:
     def _complete(self, batch: PrefillBatch) -> None:
         now = self.clock()
         batch.end_segment(now)
+        self.cost.observe(batch.total_cost, batch.exec_s)
         live, unfinished = [], []
         for i, (r, whole) in enumerate(zip(batch.requests, batch.completes_prompts, strict=True)):
             r.num_computed_tokens = batch.spans[i].start + batch.spans[i].length
-            if r.state.done:
+            if r.state.done or r.request_id not in self._requests:
                 continue
             if whole:
                 live.append((i, r))
@@ -210,7 +217,7 @@ class Engine:
             self._emit(stream.push(token))
         for r in batch.requests:  # cancelled while the batch ran: their KV was in use until now
             if r.state.done:
-                self.kv.free(r.block_table)
+                self.kv.free(r.block_table)  # on_completion below decides anyway
         with self._cv:
             self.scheduler.on_completion(batch, unfinished)
         self._current = None
@@ -257,9 +264,19 @@ class Engine:
         self._generators.pop(req.request_id, None)
         self._requests.pop(req.request_id, None)
         if not self._in_running_batch(req):
-            self.kv.free(req.block_table)
+            self._free_blocks(req.block_table)
         for o in self.observers:
             o.on_finish(req)
+
+    def _free_blocks(self, block_table: list[int]) -> None:
+        """Return KV blocks; requests that waited for them get a scheduling decision (a completion
+        event), or they would wait for the next arrival."""
+        if not block_table:
+            return
+        self.kv.free(block_table)
+        if self.scheduler.waiting and self.scheduler.chosen is None:
+            with self._cv:
+                self.scheduler.on_kv_freed()
 
     def _in_running_batch(self, req: Request) -> bool:
         """KV of a request inside a batch that goes on is still being written: free it at completion."""
@@ -279,10 +296,11 @@ class Engine:
                 dropped.close()
                 if dropped is self._current:
                     self._current = None
-            self._finish(req, "cancelled")
             if dropped is not None:
                 for r in dropped.requests:
-                    self.kv.free(r.block_table)
+                    if r is not req:
+                        self._free_blocks(r.block_table)
+            self._finish(req, "cancelled")
 
     def _fail_batch(self, batch: PrefillBatch, message: str) -> None:
         with self._cv:

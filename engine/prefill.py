@@ -8,13 +8,14 @@ and the KV already written, so `advance()` later resumes exactly where it stoppe
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Generator
 
 import torch
 
 from engine.kv_cache import KVCache
 from engine.model.llama import LlamaModel
-from engine.model.plan import OpCost, SeqSpan, Step, plan_prefill
+from engine.model.plan import OpCost, Plan, SeqSpan, plan_prefill
 from engine.request import Request, RequestState, Suspension
 
 _batch_ids = itertools.count()
@@ -24,14 +25,15 @@ class PrefillBatch:
     """Requests prefilled together. `run` executes `steps` one per next() (the model's forward, or
     the simulator's virtual clock) and returns the last-token logits."""
 
-    def __init__(self, requests: list[Request], spans: list[SeqSpan], steps: list[Step],
+    def __init__(self, requests: list[Request], spans: list[SeqSpan], steps: Plan,
                  run: Generator[int, None, torch.Tensor | None]) -> None:
         self.batch_id = next(_batch_ids)
         self.requests, self.spans, self.steps = requests, spans, steps
-        self.total_cost = sum(s.cost for s in steps)
+        self.total_cost = steps.total_cost
         self._cost_done = 0.0
         self.next_step = 0
         self.finished = False
+        self.exec_s = 0.0  # measured time spent in its steps
         self.logits: torch.Tensor | None = None
         self._run = run
         self.segment_start: float | None = None
@@ -68,19 +70,30 @@ class PrefillBatch:
 
     def advance(self) -> bool:
         """Run one operator step. True when the whole prefill is finished."""
+        t0 = time.perf_counter()
         try:
             i = next(self._run)
         except StopIteration as stop:
             self.logits, self.finished = stop.value, True
             return True
-        self._cost_done += self.steps[i].cost
+        finally:
+            self.exec_s += time.perf_counter() - t0
+        self._cost_done += self.steps.cost(i)
         self.next_step = i + 1
         return False
+
+    def skip_to(self, step: int) -> None:
+        """Virtual executions only (the simulator): steps before `step` count as done."""
+        self._run.seek(step)  # type: ignore[attr-defined]
+        self.next_step = step
+        self._cost_done = self.steps.cost_before(step)
 
     # -- bookkeeping of execution segments and suspensions (what telemetry reports) -------------
     def begin_segment(self, now: float) -> None:
         self.segment_start = now
         for r in self.requests:
+            if r.state.done:  # cancelled while in this batch: it stays cancelled
+                continue
             r.state = RequestState.PREFILLING
             if r.prefill_start is None:
                 r.prefill_start = now
@@ -98,6 +111,8 @@ class PrefillBatch:
         step = self.steps[min(self.next_step, len(self.steps) - 1)]
         done_rows = step.rows[0] if self.next_step < len(self.steps) else self.num_tokens
         for r in self.requests:
+            if r.state.done:
+                continue
             r.state = RequestState.SUSPENDED
             r.suspensions.append(Suspension(
                 start=now, preempted_by=by.head.request_id if by else "",

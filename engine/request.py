@@ -44,6 +44,8 @@ class SamplingParams(msgspec.Struct):
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
 
     @property
     def greedy(self) -> bool:

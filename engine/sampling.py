@@ -22,7 +22,7 @@ def sample(logits: torch.Tensor, requests: list[Request], generators: dict[str, 
         probs = torch.softmax(row, dim=-1)
         if p.top_p < 1.0:
             sorted_p, order = probs.sort(descending=True)
-            drop = sorted_p.cumsum(0) - sorted_p > p.top_p  # keep the smallest set reaching top_p
+            drop = sorted_p.cumsum(0) - sorted_p >= p.top_p  # keep the smallest set reaching top_p
             probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
         gen = generators.get(req.request_id)
         if gen is None and p.seed is not None:

@@ -90,7 +90,10 @@ class HFTokenizer(_ChatTemplate):
         cfg_file = path / "tokenizer_config.json"
         cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
         special = {k: v for k, v in cfg.items() if k.endswith("_token") and isinstance(v, str)}
-        super().__init__(cfg.get("chat_template") if isinstance(cfg.get("chat_template"), str) else None, special)
+        template = cfg.get("chat_template") if isinstance(cfg.get("chat_template"), str) else None
+        if template is None and (path / "chat_template.jinja").is_file():  # newer transformers save it apart
+            template = (path / "chat_template.jinja").read_text()
+        super().__init__(template, special)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         eos = list(eos_token_ids)
         if isinstance(cfg.get("eos_token"), str) and (tid := self._tok.token_to_id(cfg["eos_token"])) is not None:

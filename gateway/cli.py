@@ -12,7 +12,8 @@ from engine.config import EngineConfig
 def _engine_args(p: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     p.add_argument("--model", default=None, help="local Hugging Face checkpoint dir (default: the embedded model)")
-    p.add_argument("--policy", default="flowprefill", help="prefill scheduling policy: flowprefill | fcfs")
+    p.add_argument("--policy", default="flowprefill",
+                   help="prefill scheduling policy: flowprefill | fcfs | chunked:N[:fcfs] | edf | priority")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--device", default=d.device)
@@ -62,8 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     bench_sub.add_parser("prefill", help="prefill throughput, checkpoint overhead, preemption stop latency",
                          add_help=False)
+    bench_sub.add_parser("goodput", help="max goodput per policy vs rate and SLO scale (real engine or sim)",
+                         add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
+        if args.bench == "goodput":
+            from loadtest import goodput
+
+            return goodput.main(rest)
         from engine.bench import prefill
 
         return prefill.main(rest)

@@ -43,11 +43,12 @@ def merge_lse(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tenso
     return (torch.stack(outs) * weights.to(outs[0].dtype)).sum(0)
 
 
-def select_backend(name: str, device: torch.device) -> AttentionBackend:
+def select_backend(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> AttentionBackend:
     from engine.attention import flashinfer, sdpa
 
+    half = dtype in (torch.float16, torch.bfloat16)
     if name == "auto":
-        name = "flashinfer" if device.type == "cuda" and flashinfer.available() else "sdpa"
+        name = "flashinfer" if device.type == "cuda" and half and flashinfer.available() else "sdpa"
     if name == "sdpa":
         return sdpa.SDPABackend()
     if name == "flashinfer":
@@ -55,5 +56,7 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
             raise ValueError("the flashinfer attention backend needs a CUDA device")
         if not flashinfer.available():
             raise ValueError("flashinfer is not installed: pip install 'flowprefill[gpu]'")
+        if not half:
+            raise ValueError("the flashinfer attention backend needs --dtype bfloat16 or float16")
         return flashinfer.FlashInferBackend()
     raise ValueError(f"unknown attention backend {name!r} (auto, sdpa, flashinfer)")

@@ -7,7 +7,7 @@ so resuming continues at the next step with nothing recomputed.
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +77,7 @@ class LlamaModel:
 
     # -- prefill: the preemptible forward ------------------------------------------------------
     def prefill(self, token_ids: list[list[int]], spans: list[SeqSpan], block_tables: list[list[int]],
-                kv: KVCache, steps: list[Step], all_logits: bool = False
+                kv: KVCache, steps: Sequence[Step], all_logits: bool = False
                 ) -> Generator[int, None, torch.Tensor]:
         """Yields the index of each finished step; returns last-token logits [batch, vocab]
         (or every token's, with all_logits). token_ids[i] are the tokens of spans[i]."""

@@ -8,9 +8,9 @@ preemption request never waits longer than one step, whatever the prompt length.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, overload
 
 import torch
 
@@ -49,14 +49,25 @@ class OpCost:
     attn_s_per_pair: float  # one query against one key, all heads
     step_overhead_s: float = 20e-6
     row_step_floor_s: float = 0.0  # a row-wise step reads its weights once, however few its rows
+    scale: float = 1.0  # online correction: observed / predicted execution time (see `observe`)
+    observations: int = 0
 
     def row_op_s(self, op: str, rows: int) -> float:
         per_row = self.attn_in_s_per_row if op == ATTN_IN else self.ffn_s_per_row
-        return self.step_overhead_s + max(self.row_step_floor_s, rows * per_row)
+        return self.scale * (self.step_overhead_s + max(self.row_step_floor_s, rows * per_row))
 
     def attn_s(self, queries: int, keys: int, causal: bool) -> float:
         pairs = queries * (keys + 1) / 2 if causal else queries * keys
-        return self.step_overhead_s + pairs * self.attn_s_per_pair
+        return self.scale * (self.step_overhead_s + pairs * self.attn_s_per_pair)
+
+    def observe(self, predicted_s: float, measured_s: float, weight: float = 0.2) -> None:
+        """Refine online from an executed batch: the device may be slower or faster than at
+        calibration (other load, clocks). A running mean at first, then an exponential average."""
+        if predicted_s > 0 and measured_s > 0:
+            self.observations += 1
+            w = max(weight, 1 / self.observations)
+            target = self.scale * measured_s / predicted_s
+            self.scale = min(20.0, max(0.05, (1 - w) * self.scale + w * target))
 
     def step_s(self, step: Step) -> float:
         """What this cost model says one planned step takes."""
@@ -87,13 +98,14 @@ class OpCost:
         with torch.inference_mode():
             return cls(
                 c,
-                attn_in_s_per_row=_median_time(lambda: model._attn_in(layer, x, pos)) / rows,
-                ffn_s_per_row=_median_time(lambda: model._ffn(layer, x, attn)) / rows,
-                attn_s_per_pair=_median_time(lambda: model.backend.tile(q, kv, kv, False)) / (q_n * k_n),
+                attn_in_s_per_row=_best_time(lambda: model._attn_in(layer, x, pos)) / rows,
+                ffn_s_per_row=_best_time(lambda: model._ffn(layer, x, attn)) / rows,
+                attn_s_per_pair=_best_time(lambda: model.backend.tile(q, kv, kv, False)) / (q_n * k_n),
             )
 
 
-def _median_time(fn: Callable[[], object], repeat: int = 7) -> float:
+def _best_time(fn: Callable[[], object], repeat: int = 9) -> float:
+    """Fastest of several runs: the least disturbed by whatever else the machine is doing."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     fn()
     times = []
@@ -103,7 +115,7 @@ def _median_time(fn: Callable[[], object], repeat: int = 7) -> float:
         fn()
         sync()
         times.append(time.perf_counter() - t0)
-    return sorted(times)[repeat // 2]
+    return min(times)
 
 
 def _blocks(total: int, size: int) -> list[tuple[int, int]]:
@@ -114,7 +126,60 @@ def _fit(budget_s: float, per_unit_s: float, quantum: int) -> int:
     return max(quantum, int(budget_s / per_unit_s) // quantum * quantum)
 
 
-def plan_prefill(cost: OpCost, spans: list[SeqSpan], budget_s: float | None) -> list[Step]:
+class Plan(Sequence[Step]):
+    """A batch's steps: the same per-layer sequence repeated for every layer, materialised lazily
+    (a long prompt on a deep model has hundreds of thousands of steps)."""
+
+    def __init__(self, layer_steps: list[Step], num_layers: int) -> None:
+        self.layer_steps, self.num_layers = layer_steps, num_layers
+        self._per_layer = len(layer_steps)
+        self._prefix = [0.0]
+        for s in layer_steps:
+            self._prefix.append(self._prefix[-1] + s.cost)
+        self.total_cost = self._prefix[-1] * num_layers
+
+    def __len__(self) -> int:
+        return self._per_layer * self.num_layers
+
+    def cost(self, i: int) -> float:
+        return self.layer_steps[i % self._per_layer].cost
+
+    def cost_before(self, i: int) -> float:
+        """Predicted time of steps [0, i)."""
+        layers, j = divmod(i, self._per_layer)
+        return layers * self._prefix[-1] + self._prefix[j]
+
+    def first_step_ending_after(self, t: float) -> int:
+        """Index of the step during which cumulative predicted time passes t."""
+        lo, hi = 0, len(self)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.cost_before(mid + 1) <= t:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    @overload
+    def __getitem__(self, i: int) -> Step: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Step]: ...
+    def __getitem__(self, i: int | slice) -> Step | list[Step]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self.layer_steps[i % self._per_layer]._replace(layer=i // self._per_layer)
+
+    def __iter__(self) -> Iterator[Step]:
+        for layer in range(self.num_layers):
+            for s in self.layer_steps:
+                yield s._replace(layer=layer)
+
+
+def plan_prefill(cost: OpCost, spans: list[SeqSpan], budget_s: float | None) -> Plan:
     """All steps of a batch's prefill, layer by layer. budget_s=None: one step per operator."""
     rows = sum(s.length for s in spans)
     starts = [0]
@@ -122,10 +187,10 @@ def plan_prefill(cost: OpCost, spans: list[SeqSpan], budget_s: float | None) -> 
         starts.append(starts[-1] + s.length)
     big = 1 << 62
     if budget_s is None:
-        in_rows = ffn_rows = q_block = big
-        key_tile = big
+        in_rows = ffn_rows = q_block = key_tile = big
     else:
-        work_s = max(budget_s - cost.step_overhead_s, budget_s / 2)
+        # Sizes in the cost model's unscaled units; `scale` says how much slower the device runs now.
+        work_s = max(budget_s / cost.scale - cost.step_overhead_s, budget_s / cost.scale / 2)
         in_rows = _fit(work_s, cost.attn_in_s_per_row, 32)
         ffn_rows = _fit(work_s, cost.ffn_s_per_row, 32)
         q_block = 256
@@ -146,4 +211,4 @@ def plan_prefill(cost: OpCost, spans: list[SeqSpan], budget_s: float | None) -> 
                                     (span.start + qs, span.start + qe), True, cost.attn_s(qe - qs, qe - qs, True)))
     for a, b in _blocks(rows, ffn_rows):
         layer_steps.append(Step(0, FFN, (a, b), cost=cost.row_op_s(FFN, b - a)))
-    return [s._replace(layer=layer) for layer in range(cost.cfg.num_hidden_layers) for s in layer_steps]
+    return Plan(layer_steps, cost.cfg.num_hidden_layers)

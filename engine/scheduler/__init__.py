@@ -73,6 +73,10 @@ class Scheduler:
         self._decide()
         return dropped
 
+    def on_kv_freed(self) -> None:
+        """A request finished decoding or was cancelled: queued requests may now fit."""
+        self._decide()
+
     # -- the decision --------------------------------------------------------------------------
     def _decide(self) -> None:
         self.invocations += 1

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from collections.abc import Generator
 from dataclasses import dataclass
 
 from engine.kv_cache import BlockPool
@@ -40,8 +39,26 @@ class _Clock:
         return self.t
 
 
-def _virtual_run(n_steps: int) -> Generator[int, None, None]:
-    yield from range(n_steps)
+class VirtualRun:
+    """Stands in for the model's forward: each next() is one step, taking no real time."""
+
+    def __init__(self, n_steps: int) -> None:
+        self.n, self.i = n_steps, 0
+
+    def __iter__(self) -> VirtualRun:
+        return self
+
+    def __next__(self) -> int:
+        if self.i >= self.n:
+            raise StopIteration(None)
+        self.i += 1
+        return self.i - 1
+
+    def seek(self, step: int) -> None:
+        self.i = step
+
+    def close(self) -> None:
+        pass
 
 
 def simulate(requests: list[Request], policy: Policy, cost: OpCost, cfg: SimConfig | None = None,
@@ -59,7 +76,7 @@ def simulate(requests: list[Request], policy: Policy, cost: OpCost, cfg: SimConf
             if not r.block_table:
                 r.block_table = pool.allocate(r.max_total_tokens)
         steps = plan_prefill(cost, spans, cfg.step_budget_s)
-        return PrefillBatch(reqs, spans, steps, _virtual_run(len(steps)))
+        return PrefillBatch(reqs, spans, steps, VirtualRun(len(steps)))  # type: ignore[arg-type]
 
     sched = Scheduler(policy, make_batch, cost, pool, cfg.max_batch_tokens, clock)
     arrivals = deque(sorted(requests, key=lambda r: r.arrival_time))
@@ -70,7 +87,8 @@ def simulate(requests: list[Request], policy: Policy, cost: OpCost, cfg: SimConf
     def step_duration(batch: PrefillBatch) -> float:
         if batch.next_step >= len(batch.steps):
             return 0.0  # the final next() only returns (logits cost nothing here)
-        d = true_cost.step_s(batch.steps[batch.next_step])
+        i = batch.next_step
+        d = batch.steps.cost(i) if true_cost is cost else true_cost.step_s(batch.steps[i])
         return d * rng.lognormvariate(0, cfg.noise) if cfg.noise else d
 
     while True:
@@ -89,6 +107,8 @@ def simulate(requests: list[Request], policy: Policy, cost: OpCost, cfg: SimConf
             batch.begin_segment(clock.t)
             current = batch
         left = step_left.pop(batch.batch_id, None)
+        if left is None and true_cost is cost and not cfg.ideal:
+            _fast_forward(batch, clock, arrivals[0].arrival_time if arrivals else float("inf"), rng, cfg.noise)
         end = clock.t + (step_duration(batch) if left is None else left)
         if cfg.ideal and arrivals and arrivals[0].arrival_time < end:
             r = arrivals.popleft()  # ideal preemption: the step stops mid-way, its progress kept
@@ -105,6 +125,20 @@ def simulate(requests: list[Request], policy: Policy, cost: OpCost, cfg: SimConf
             _complete(batch, clock.t, pool, sched)
             current = None
     return preemptions
+
+
+def _fast_forward(batch: PrefillBatch, clock: _Clock, until: float, rng: random.Random, noise: float) -> None:
+    """Jump over the steps that end before the next event: nothing can happen at their boundaries
+    (only an event changes the scheduler's choice), so stepping through them one by one is waste."""
+    plan, i = batch.steps, batch.next_step
+    if i >= len(plan):
+        return
+    factor = rng.lognormvariate(0, noise) if noise else 1.0
+    base = plan.cost_before(i)
+    j = min(len(plan), plan.first_step_ending_after(base + (until - clock.t) / factor))
+    if j > i:
+        clock.t += (plan.cost_before(j) - base) * factor
+        batch.skip_to(j)
 
 
 def _complete(batch: PrefillBatch, now: float, pool: BlockPool, sched: Scheduler) -> None:

@@ -1,0 +1,742 @@
+"""`flowprefill bench prefill`: what operator-level preemption costs and what it buys, on this machine.
+
+Three measurements on the embedded default model (EngineConfig() defaults, torch threads = all cores):
+
+1. Prefill throughput (tokens/s) of our operator-step forward, unsplit (checkpoints off) and
+   preemptible (the sub-operator split of the default step budget), against transformers' own
+   forward on the very same weights (fp32, sdpa attention, inference mode).
+2. Checkpoint overhead: the preemptible forward (split + the engine's per-step "still chosen?"
+   identity check) against the same forward with checkpoints off, in percent.
+3. Stop latency through the real Engine (scheduler included): a long 'batch' request is
+   prefilling when short urgent requests arrive at random moments; each preemption records the
+   time from the scheduler's decision to the batch actually stopping. With and without the split.
+
+Shared, noisy CPUs make single timings meaningless, so contenders run round-robin within every
+repetition (A, B, C, A, B, C, ...) and every figure is a median. Results: a rich table per
+section, bench-results/prefill.json (every raw timing) and bench-results/prefill.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import json
+import os
+import platform
+import random
+import shlex
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.kv_cache import KVCache
+from engine.model import LlamaModel, load_model
+from engine.model.loader import default_model, save_checkpoint
+from engine.model.plan import OpCost, SeqSpan
+from engine.prefill import PrefillBatch
+from engine.request import Request, SamplingParams
+
+STOP_TARGET_MS = 5.0  # what a preemption should cost at most (the line on the plot)
+URGENT_PROMPT_TOKENS = 32
+URGENT_TTFT_S = 0.25
+LONG_TTFT_S = 3600.0  # the long request never becomes urgent itself
+MIN_INJECTION_GAP_S = 0.02  # mean spacing of urgent arrivals within one long prefill
+
+UNSPLIT, PREEMPTIBLE, HF = "ours unsplit", "ours preemptible", "transformers"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one run of the bench measures."""
+
+    sizes: tuple[int, ...]
+    overhead_sizes: tuple[int, ...]
+    stop_sizes: tuple[int, ...]
+    repeats: int
+    stop_samples: int  # per prompt length, with the split
+    stop_samples_unsplit: int  # per prompt length without the split (each sample costs an operator)
+    stop_samples_unsplit_long: int  # ... for prompts of 16K tokens and more
+    stop_cell_cap_s: float  # stop-latency wall time per (mode, length), samples or not
+    sections: tuple[str, ...]
+
+
+FULL = Plan(sizes=(512, 2048, 8192), overhead_sizes=(2048, 8192), stop_sizes=(512, 2048, 8192, 16384),
+            repeats=5, stop_samples=30, stop_samples_unsplit=20, stop_samples_unsplit_long=8,
+            stop_cell_cap_s=30.0, sections=("throughput", "overhead", "stop"))
+QUICK = Plan(sizes=(512, 2048), overhead_sizes=(2048,), stop_sizes=(512, 2048, 8192),
+             repeats=3, stop_samples=12, stop_samples_unsplit=6, stop_samples_unsplit_long=3,
+             stop_cell_cap_s=6.0, sections=FULL.sections)
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def _ints(text: str) -> tuple[int, ...]:
+    """'512,2k,8K' -> (512, 2048, 8192)."""
+    values = []
+    for item in (v.strip().lower() for v in text.split(",")):
+        if not item:
+            continue
+        scale = 1024 if item.endswith("k") else 1
+        try:
+            values.append(int(item.removesuffix("k")) * scale)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"expected token counts like 512,2k,8k, got {text!r}") from exc
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive token counts, got {text!r}")
+    return tuple(values)
+
+
+def _label(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def _pct(samples: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(samples, dtype=float), q)) if samples else float("nan")
+
+
+def _median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "cpu_count": _cpu_count(),
+        "os_cpu_count": os.cpu_count(),
+        "cpu_model": _cpu_model(),
+        "torch_version": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "hostname": platform.node(),
+    }
+    with suppress(OSError):
+        info["loadavg_at_start"] = os.getloadavg()
+    try:
+        import transformers
+
+        info["transformers_version"] = transformers.__version__
+    except ImportError:
+        info["transformers_version"] = None
+    return info
+
+
+def _prompt(n: int, vocab: int, gen: torch.Generator) -> list[int]:
+    return torch.randint(0, min(vocab, 256), (n,), generator=gen).tolist()
+
+
+# -- the contenders ---------------------------------------------------------------------------------
+class Chooser:
+    """Stands in for Scheduler.chosen: what the engine loop compares with its batch at every step."""
+
+    chosen: PrefillBatch | None = None
+
+
+class OurPrefill:
+    """One whole prefill through PrefillBatch.advance(), as the engine loop drives it."""
+
+    def __init__(self, model: LlamaModel, kv: KVCache, cost: OpCost, budget_s: float | None, check: bool) -> None:
+        self.model, self.kv, self.cost, self.budget_s, self.check = model, kv, cost, budget_s, check
+        self.chooser = Chooser()
+        self.last_steps = 0
+
+    def __call__(self, ids: list[int], block_table: list[int]) -> torch.Tensor:
+        req = Request(request_id="bench", prompt_token_ids=ids)
+        req.block_table = block_table
+        batch = PrefillBatch.on_model([req], [SeqSpan(0, len(ids))], self.model, self.kv, self.cost,
+                                      self.budget_s)
+        self.last_steps = len(batch.steps)
+        if self.check:
+            chooser = self.chooser
+            chooser.chosen = batch
+            while True:
+                if chooser.chosen is not batch:  # the engine's per-boundary preemption check
+                    raise RuntimeError("the batch was unchosen during a bench run")
+                if batch.advance():
+                    break
+        else:
+            while not batch.advance():
+                pass
+        assert batch.logits is not None
+        return batch.logits
+
+
+class HFPrefill:
+    """transformers' forward of the same checkpoint: last-token logits, KV cache built (a prefill)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def __call__(self, ids: list[int], block_table: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            out = self.model(input_ids=torch.tensor([ids]), logits_to_keep=1)
+        return out.logits[0, -1:].float()
+
+
+def load_transformers(model_dir: Path) -> tuple[Any | None, str]:
+    try:
+        import transformers
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        return None, "transformers is not installed (pip install 'flowprefill[dev]')"
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    cfg, weights = default_model(EngineConfig().seed)
+    save_checkpoint(cfg, weights, model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model.eval()
+    return model, ""
+
+
+def interleaved(contenders: dict[str, Callable[[], object]], repeats: int,
+                tick: Callable[[], None]) -> dict[str, list[float]]:
+    """Seconds of each contender, `repeats` rounds of A, B, C, ... after one untimed warm-up round."""
+    for fn in contenders.values():
+        fn()
+        tick()
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(repeats):
+        for name, fn in contenders.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+            tick()
+    return times
+
+
+# -- sections 1 and 2: throughput and checkpoint overhead --------------------------------------------
+@dataclass
+class Bench:
+    console: Console
+    progress: Progress
+    plan: Plan
+    seed: int
+    use_transformers: bool
+    workdir: Path
+
+    def __post_init__(self) -> None:
+        self.cfg = EngineConfig()
+        self.budget_s = self.cfg.step_budget_ms / 1000
+        self.gen = torch.Generator().manual_seed(self.seed)
+        self._model: tuple[LlamaModel, OpCost, KVCache] | None = None
+
+    def model(self) -> tuple[LlamaModel, OpCost, KVCache]:
+        if self._model is None:
+            model, _ = load_model(self.cfg)
+            cost = OpCost.calibrate(model)
+            longest = max([*self.plan.sizes, *self.plan.overhead_sizes], default=512)
+            kv = KVCache(model.cfg, self.cfg.kv_block_size, longest + self.cfg.kv_block_size,
+                         getattr(torch, self.cfg.dtype), self.cfg.device)
+            self._model = (model, cost, kv)
+        return self._model
+
+    def throughput(self) -> dict[str, Any]:
+        model, cost, kv = self.model()
+        ours = {UNSPLIT: OurPrefill(model, kv, cost, None, check=False),
+                PREEMPTIBLE: OurPrefill(model, kv, cost, self.budget_s, check=True)}
+        runners: dict[str, Callable[[list[int], list[int]], torch.Tensor]] = dict(ours)
+        note = ""
+        if self.use_transformers:
+            hf_model, note = load_transformers(self.workdir / "checkpoint")
+            if hf_model is not None:
+                runners[HF] = HFPrefill(hf_model)
+        else:
+            note = "skipped (--no-transformers)"
+        if note:
+            self.console.print(f"[yellow]transformers contender: {note}[/]")
+
+        sizes = self.plan.sizes
+        task = self.progress.add_task("throughput", total=len(sizes) * (self.plan.repeats + 1) * len(runners))
+        raw: dict[str, dict[str, list[float]]] = {name: {} for name in runners}
+        steps: dict[str, dict[str, int]] = {name: {} for name in ours}
+        check: dict[str, Any] = {}
+        for n in sizes:
+            self.progress.update(task, description=f"throughput {_label(n)}")
+            ids = _prompt(n, model.cfg.vocab_size, self.gen)
+            table = kv.allocate(n)
+            try:
+                if n == sizes[0]:
+                    check = self._agreement(runners, ids, table)
+                calls = {name: (lambda fn=fn, ids=ids, table=table: fn(ids, table)) for name, fn in runners.items()}
+                times = interleaved(calls, self.plan.repeats, lambda: self.progress.advance(task))
+            finally:
+                kv.free(table)
+            for name, ts in times.items():
+                raw[name][str(n)] = ts
+            for name, fn in ours.items():
+                steps[name][str(n)] = fn.last_steps
+        self.progress.update(task, description="throughput")
+
+        median_s = {name: {k: _median(v) for k, v in per.items()} for name, per in raw.items()}
+        tok_s = {name: {k: int(k) / s for k, s in per.items()} for name, per in median_s.items()}
+        ratio = ({name: {k: tok_s[name][k] / tok_s[HF][k] for k in tok_s[name]} for name in (UNSPLIT, PREEMPTIBLE)}
+                 if HF in tok_s else {})
+        result = {"sizes": list(sizes), "contenders": list(runners), "transformers_note": note,
+                  "raw_s": raw, "median_s": median_s, "tokens_per_s": tok_s,
+                  "ratio_vs_transformers": ratio, "steps": steps, "agreement": check,
+                  "transformers_setup": {"dtype": "float32", "attn_implementation": "sdpa",
+                                         "inference_mode": True, "logits_to_keep": 1, "use_cache": True},
+                  "ours_setup": {"driver": "PrefillBatch.advance() per step (as the engine loop)",
+                                 "inference_mode": False, "note": "the engine runs prefill in plain grad mode"}}
+        self._throughput_table(result)
+        return result
+
+    def _agreement(self, runners: dict[str, Callable[[list[int], list[int]], torch.Tensor]],
+                   ids: list[int], table: list[int]) -> dict[str, Any]:
+        """Same weights, same answer: last-token logits of every contender against ours unsplit."""
+        ref = runners[UNSPLIT](ids, table)
+        out: dict[str, Any] = {"tokens": len(ids)}
+        for name, fn in runners.items():
+            if name != UNSPLIT:
+                out[f"max_abs_logit_diff_{name.replace(' ', '_')}"] = float((fn(ids, table) - ref).abs().max())
+        return out
+
+    def _throughput_table(self, r: dict[str, Any]) -> None:
+        t = Table(title=f"1 · Prefill throughput (median of {self.plan.repeats}, interleaved)", title_justify="left")
+        t.add_column("prompt", justify="right")
+        for name in r["contenders"]:
+            t.add_column(f"{name.removeprefix('ours ')}\ntok/s (ms)", justify="right")
+        for name in r["ratio_vs_transformers"]:
+            t.add_column(f"{name.removeprefix('ours ')}\n/ transformers", justify="right")
+        for n in r["sizes"]:
+            k = str(n)
+            row = [_label(n)]
+            row += [f"{r['tokens_per_s'][name][k]:,.0f} ({r['median_s'][name][k] * 1e3:,.1f})"
+                    for name in r["contenders"]]
+            for per in r["ratio_vs_transformers"].values():
+                x = per[k]
+                row.append(f"[{'green' if x >= 1 else 'red'}]{x:.2f}x[/]")
+            t.add_row(*row)
+        self.console.print(t)
+        if r["agreement"]:
+            diffs = ", ".join(f"{k.removeprefix('max_abs_logit_diff_')}: {v:.2e}"
+                              for k, v in r["agreement"].items() if k != "tokens")
+            self.console.print(f"  max |logit diff| vs ours unsplit at {_label(r['agreement']['tokens'])}: {diffs}")
+
+    def overhead(self) -> dict[str, Any]:
+        model, cost, kv = self.model()
+        on = OurPrefill(model, kv, cost, self.budget_s, check=True)
+        off = OurPrefill(model, kv, cost, None, check=False)
+        sizes = self.plan.overhead_sizes
+        task = self.progress.add_task("overhead", total=len(sizes) * (self.plan.repeats + 1) * 2)
+        out: dict[str, Any] = {"sizes": list(sizes), "step_budget_ms": self.cfg.step_budget_ms, "per_size": {}}
+        for n in sizes:
+            self.progress.update(task, description=f"overhead {_label(n)}")
+            ids = _prompt(n, model.cfg.vocab_size, self.gen)
+            table = kv.allocate(n)
+            try:
+                times = interleaved({"preemptible": lambda ids=ids, table=table: on(ids, table),
+                                     "off": lambda ids=ids, table=table: off(ids, table)},
+                                    self.plan.repeats, lambda: self.progress.advance(task))
+            finally:
+                kv.free(table)
+            m_on, m_off = _median(times["preemptible"]), _median(times["off"])
+            paired = [100 * (a / b - 1) for a, b in zip(times["preemptible"], times["off"], strict=True)]
+            out["per_size"][str(n)] = {
+                "preemptible_s": times["preemptible"], "off_s": times["off"],
+                "median_preemptible_s": m_on, "median_off_s": m_off,
+                "overhead_pct": 100 * (m_on / m_off - 1),
+                "paired_overhead_pct": paired, "median_paired_overhead_pct": _median(paired),
+                "steps_preemptible": on.last_steps, "steps_off": off.last_steps,
+                "mean_step_ms_preemptible": m_on / on.last_steps * 1e3,
+            }
+        self.progress.update(task, description="overhead")
+        self._overhead_table(out)
+        return out
+
+    def _overhead_table(self, r: dict[str, Any]) -> None:
+        t = Table(title=f"2 · Checkpoint overhead: split ({r['step_budget_ms']:g} ms budget) + per-step check "
+                  f"vs checkpoints off (median of {self.plan.repeats})", title_justify="left")
+        for col in ("prompt", "steps on / off", "off ms", "preemptible ms", "slower (medians)", "slower (paired)"):
+            t.add_column(col, justify="right")
+        for n in r["sizes"]:
+            p = r["per_size"][str(n)]
+            pct = p["overhead_pct"]
+            t.add_row(_label(n), f"{p['steps_preemptible']} / {p['steps_off']}", f"{p['median_off_s'] * 1e3:,.1f}",
+                      f"{p['median_preemptible_s'] * 1e3:,.1f}",
+                      f"[{'green' if pct <= 5 else 'red'}]{pct:+.1f}%[/]", f"{p['median_paired_overhead_pct']:+.1f}%")
+        self.console.print(t)
+
+    # -- section 3: stop latency through the engine ------------------------------------------------------
+    def stop_latency(self) -> dict[str, Any]:
+        sizes = self.plan.stop_sizes
+        targets = {
+            "split": {n: self.plan.stop_samples for n in sizes},
+            "unsplit": {n: self.plan.stop_samples_unsplit_long if n >= 16384 else self.plan.stop_samples_unsplit
+                        for n in sizes},
+        }
+        task = self.progress.add_task("stop latency", total=sum(sum(t.values()) for t in targets.values()))
+        rng = random.Random(self.seed)
+        out: dict[str, Any] = {"sizes": list(sizes), "target_ms": STOP_TARGET_MS, "policy": "flowprefill",
+                               "urgent_prompt_tokens": URGENT_PROMPT_TOKENS, "urgent_ttft_target_s": URGENT_TTFT_S,
+                               "long_ttft_target_s": LONG_TTFT_S, "modes": {}}
+        for mode, preemptible in (("split", True), ("unsplit", False)):
+            self.progress.update(task, description=f"stop latency: engine start ({mode})")
+            engine = Engine(EngineConfig(preemptible=preemptible), policy="flowprefill").start()
+            per: dict[str, Any] = {"budget_s": engine.budget_s, "calibration": _cost_dict(engine.cost)}
+            try:
+                self._warm_up(engine)
+                for n in sizes:
+                    self.progress.update(task, description=f"stop latency {_label(n)} {mode}")
+                    per[str(n)] = self._stop_cell(engine, n, targets[mode][n], rng, task)
+            finally:
+                engine.shutdown()
+                del engine
+                gc.collect()
+            out["modes"][mode] = per
+        self.progress.update(task, description="stop latency")
+        self._stop_table(out)
+        return out
+
+    def _warm_up(self, engine: Engine) -> None:
+        """One unmeasured prefill and one urgent request: first-touch costs stay out of the samples."""
+        vocab = engine.model.cfg.vocab_size
+        for i, (n, ttft) in enumerate(((2048, LONG_TTFT_S), (URGENT_PROMPT_TOKENS, URGENT_TTFT_S))):
+            req, done = _request(f"bench-warmup-{i}", _prompt(n, vocab, self.gen), "batch", ttft)
+            engine.add_request(req)
+            if not done.wait(120.0):
+                raise RuntimeError("the engine did not finish a warm-up request")
+
+    def _stop_cell(self, engine: Engine, n: int, target: int, rng: random.Random, task: Any) -> dict[str, Any]:
+        """Prefill a long request again and again; while it runs, urgent requests arrive at random
+        moments and each preemption it suffers is one sample. Once the samples are in (or the
+        cell's time is up) the long request is cancelled rather than left to finish."""
+        vocab = engine.model.cfg.vocab_size
+        predicted_s = engine.cost.prefill_s([SeqSpan(0, n)])
+        cell_end = time.monotonic() + self.plan.stop_cell_cap_s
+        suspensions: list[dict[str, Any]] = []
+        urgent_ttft: list[float] = []
+        injected = long_runs = cancelled = 0
+        long_wall: list[float] = []
+        while len(suspensions) < target and (long_runs == 0 or time.monotonic() < cell_end):
+            long_req, long_done = _request(f"bench-long-{n}-{long_runs}", _prompt(n, vocab, self.gen),
+                                           "batch", LONG_TTFT_S)
+            long_runs += 1
+            t0 = time.monotonic()
+            engine.add_request(long_req)
+            _wait_until(lambda r=long_req: r.prefill_start is not None or r.finish_reason is not None,
+                        timeout=60.0)
+            # Spread the wanted arrivals over what this prefill (or the cell's time) will last.
+            want = target - len(suspensions)
+            expected_s = max(long_wall) if long_wall else predicted_s
+            span_s = min(expected_s, max(cell_end - time.monotonic(), MIN_INJECTION_GAP_S))
+            gap = max(MIN_INJECTION_GAP_S, span_s / want)
+            while not long_done.is_set() and len(suspensions) + len(long_req.suspensions) < target:
+                if long_done.wait(rng.uniform(0.0, 2.0 * gap)) or time.monotonic() > cell_end:
+                    break
+                ids = _prompt(URGENT_PROMPT_TOKENS, vocab, self.gen)
+                urgent, urgent_done = _request(f"bench-urgent-{n}-{injected}", ids, "interactive", URGENT_TTFT_S)
+                engine.add_request(urgent)
+                injected += 1
+                if not urgent_done.wait(60.0 + 10 * predicted_s):
+                    raise RuntimeError(f"urgent request {urgent.request_id} did not finish")
+                if urgent.ttft is not None:
+                    urgent_ttft.append(urgent.ttft)
+            if not long_done.is_set():  # sampling is over: don't sit out the rest of the prefill
+                engine.cancel(long_req.request_id)
+                cancelled += 1
+            if not long_done.wait(120.0 + 20 * predicted_s):
+                raise RuntimeError(f"long request of {n} tokens did not finish")
+            if long_req.finish_reason == "error":
+                raise RuntimeError(f"long request of {n} tokens failed in the engine")
+            if long_req.finish_reason != "cancelled":
+                long_wall.append(time.monotonic() - t0)
+            new = [{"stop_ms": s.stop_latency_s * 1e3, "layer": s.layer, "operator": s.operator,
+                    "tokens_done": s.tokens_done} for s in long_req.suspensions]
+            self.progress.advance(task, min(target, len(suspensions) + len(new)) - min(target, len(suspensions)))
+            suspensions += new
+        self.progress.advance(task, max(0, target - len(suspensions)))  # what the time cap left undone
+        ms = [s["stop_ms"] for s in suspensions]
+        return {
+            "samples_ms": ms, "suspensions": suspensions, "n": len(ms), "target_n": target,
+            "p50_ms": _pct(ms, 50), "p99_ms": _pct(ms, 99), "max_ms": max(ms) if ms else float("nan"),
+            "within_target": (sum(x <= STOP_TARGET_MS for x in ms) / len(ms)) if ms else float("nan"),
+            "injected": injected, "missed": injected - len(ms), "long_prefills": long_runs,
+            "long_prefills_cancelled": cancelled,
+            "long_prefill_wall_s": long_wall, "predicted_prefill_s": predicted_s,
+            "urgent_ttft_ms": [x * 1e3 for x in urgent_ttft],
+            "urgent_ttft_p50_ms": _pct([x * 1e3 for x in urgent_ttft], 50),
+            "urgent_ttft_p99_ms": _pct([x * 1e3 for x in urgent_ttft], 99),
+        }
+
+    def _stop_table(self, r: dict[str, Any]) -> None:
+        t = Table(title=f"3 · Stop latency through the engine: preemption decided -> batch suspended "
+                  f"(target {STOP_TARGET_MS:g} ms)", title_justify="left")
+        t.add_column("prompt", justify="right")
+        for mode in r["modes"]:
+            for col in ("n", "p50 ms", "p99 ms", "max ms", "urgent TTFT p99"):
+                t.add_column(f"{mode}\n{col}", justify="right")
+        for n in r["sizes"]:
+            row = [_label(n)]
+            for per in r["modes"].values():
+                c = per[str(n)]
+                ok = c["p99_ms"] <= STOP_TARGET_MS
+                row += [str(c["n"]), f"{c['p50_ms']:.2f}", f"[{'green' if ok else 'red'}]{c['p99_ms']:.2f}[/]",
+                        f"{c['max_ms']:.2f}", f"{c['urgent_ttft_p99_ms']:.0f} ms"]
+            t.add_row(*row)
+        self.console.print(t)
+
+
+def _request(rid: str, ids: list[int], slo_class: str, ttft_s: float) -> tuple[Request, threading.Event]:
+    done = threading.Event()
+    req = Request(request_id=rid, prompt_token_ids=ids, sampling=SamplingParams(max_tokens=1, temperature=0.0),
+                  slo_class=slo_class, ttft_target_s=ttft_s)
+    req.sink = lambda out, e=done: out.finish_reason and e.set()  # type: ignore[func-returns-value]
+    return req, done
+
+
+def _wait_until(cond: Callable[[], bool], timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise RuntimeError("timed out waiting for the engine")
+        time.sleep(0.0005)
+
+
+def _finite(x: Any) -> Any:
+    """NaN/inf (a statistic of no samples) as null: the JSON stays standard."""
+    if isinstance(x, float) and not np.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_finite(v) for v in x]
+    return x
+
+
+def _cost_dict(cost: OpCost) -> dict[str, float]:
+    return {"attn_in_s_per_row": cost.attn_in_s_per_row, "ffn_s_per_row": cost.ffn_s_per_row,
+            "attn_s_per_pair": cost.attn_s_per_pair, "step_overhead_s": cost.step_overhead_s}
+
+
+# -- the plot --------------------------------------------------------------------------------------------
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [k for k in ("throughput", "overhead", "stop_latency") if k in results]
+    if not panels:
+        return
+    widths = {"throughput": 1.2, "overhead": 0.7, "stop_latency": 1.4}
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(9.0, 5.2 * sum(widths[p] for p in panels)), 5.0),
+                             gridspec_kw={"width_ratios": [widths[p] for p in panels]}, squeeze=False)
+    colors = {UNSPLIT: "tab:orange", PREEMPTIBLE: "tab:blue", HF: "tab:gray"}
+    for ax, panel in zip(axes[0], panels, strict=True):
+        r = results[panel]
+        if panel == "throughput":
+            for name in r["contenders"]:
+                xs = r["sizes"]
+                med = [r["tokens_per_s"][name][str(n)] for n in xs]
+                lo = [n / max(r["raw_s"][name][str(n)]) for n in xs]
+                hi = [n / min(r["raw_s"][name][str(n)]) for n in xs]
+                ax.plot(xs, med, "o-", color=colors.get(name), label=name, lw=2)
+                ax.fill_between(xs, lo, hi, color=colors.get(name), alpha=0.15, lw=0)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(r["sizes"], [_label(n) for n in r["sizes"]])
+            ax.set_ylim(bottom=0)
+            ax.set_xlabel("prompt tokens")
+            ax.set_ylabel("prefill tokens / s (median; band = min..max)")
+            ax.set_title("Prefill throughput")
+            ax.legend(fontsize=8)
+        elif panel == "overhead":
+            xs = r["sizes"]
+            vals = [r["per_size"][str(n)]["overhead_pct"] for n in xs]
+            paired = [r["per_size"][str(n)]["paired_overhead_pct"] for n in xs]
+            pos = list(range(len(xs)))
+            bars = ax.bar(pos, vals, color=["tab:red" if v > 5 else "tab:blue" for v in vals], width=0.5,
+                          label="ratio of medians")
+            for p, pts in zip(pos, paired, strict=True):
+                ax.scatter([p] * len(pts), pts, color="k", s=10, zorder=3,
+                           label="per-repetition pair" if p == 0 else None)
+            for b, v in zip(bars, vals, strict=True):
+                ax.annotate(f"{v:+.1f}%", (b.get_x() + b.get_width() / 2, v), ha="center",
+                            va="bottom" if v >= 0 else "top", fontsize=9)
+            ax.axhline(0, color="k", lw=0.8)
+            ax.set_xticks(pos, [_label(n) for n in xs])
+            ax.set_xlim(-0.75, len(xs) - 0.25)
+            ax.set_xlabel("prompt tokens")
+            ax.set_ylabel("preemptible vs checkpoints off (% slower)")
+            ax.set_title(f"Checkpoint overhead ({r['step_budget_ms']:g} ms steps)")
+            ax.legend(fontsize=8)
+        else:
+            xs = r["sizes"]
+            styles = {"split": ("tab:blue", "with split"), "unsplit": ("tab:orange", "without split")}
+            for mode, per in r["modes"].items():
+                color, name = styles[mode]
+                have = [n for n in xs if per[str(n)]["n"]]
+                for n in have:
+                    ms = per[str(n)]["samples_ms"]
+                    jitter = np.exp(np.random.default_rng(n).uniform(-0.06, 0.06, len(ms)))
+                    ax.scatter(np.asarray([n] * len(ms)) * jitter, np.maximum(ms, 1e-3), color=color, s=10,
+                               alpha=0.35, lw=0)
+                ax.plot(have, [per[str(n)]["p50_ms"] for n in have], "o-", color=color, lw=2, label=f"{name} p50")
+                ax.plot(have, [per[str(n)]["p99_ms"] for n in have], "s--", color=color, lw=1.5,
+                        label=f"{name} p99")
+            ax.axhline(r["target_ms"], color="tab:red", ls=":", lw=1.5, label=f"{r['target_ms']:g} ms target")
+            budget = r["modes"].get("split", {}).get("budget_s")
+            if budget:
+                ax.axhline(budget * 1e3, color="tab:blue", ls=":", lw=1, alpha=0.6,
+                           label=f"{budget * 1e3:g} ms step budget")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xticks(xs, [_label(n) for n in xs])
+            ax.set_xlabel("prompt tokens of the preempted prefill")
+            ax.set_ylabel("stop latency (ms, log)")
+            ax.set_title("Preemption stop latency (engine, flowprefill)")
+            ax.legend(fontsize=8, loc="upper left")
+        ax.grid(True, which="major", alpha=0.3)
+    m = results["machine"]
+    load = m.get("loadavg_at_start")
+    fig.suptitle(f"FlowPrefill prefill bench · default model{' · QUICK' if results['config']['quick'] else ''}\n"
+                 f"{m['cpu_count']} CPUs ({m['cpu_model']}), "
+                 f"{m['torch_threads']} torch threads, torch {m['torch_version']}"
+                 f"{f' · load avg {load[0]:.1f}' if load else ''}"
+                 f" · {results['started_at'][:16]}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# -- CLI -------------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="flowprefill bench prefill",
+        description="Prefill throughput vs transformers, checkpoint overhead and preemption stop latency "
+                    "on the embedded default model.")
+    p.add_argument("--quick", action="store_true", help="a ~1 minute smoke run: fewer sizes, repeats and samples")
+    p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory (default bench-results)")
+    p.add_argument("--repeats", type=int, help="interleaved repetitions per size (default 5, quick 3)")
+    p.add_argument("--sizes", type=_ints, help="throughput prompt lengths, e.g. 512,2k,8k")
+    p.add_argument("--overhead-sizes", type=_ints, help="checkpoint-overhead prompt lengths (default 2k,8k)")
+    p.add_argument("--stop-sizes", type=_ints, help="stop-latency prompt lengths (default 512,2k,8k,16k)")
+    p.add_argument("--stop-samples", type=int, help="stop-latency samples per length with the split (default 30)")
+    p.add_argument("--sections", default=",".join(FULL.sections),
+                   help="comma-separated subset of: throughput, overhead, stop")
+    p.add_argument("--no-transformers", action="store_true", help="leave the transformers contender out")
+    p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    base = QUICK if args.quick else FULL
+    sections = tuple(s.strip() for s in args.sections.split(",") if s.strip())
+    unknown = set(sections) - set(FULL.sections)
+    if unknown or not sections:
+        raise SystemExit(f"--sections: unknown {sorted(unknown)}; choose from {', '.join(FULL.sections)}")
+    if args.repeats is not None and args.repeats < 1:
+        raise SystemExit("--repeats must be >= 1")
+    if args.stop_samples is not None and args.stop_samples < 1:
+        raise SystemExit("--stop-samples must be >= 1")
+    return Plan(
+        sizes=args.sizes or base.sizes,
+        overhead_sizes=args.overhead_sizes or base.overhead_sizes,
+        stop_sizes=args.stop_sizes or base.stop_sizes,
+        repeats=args.repeats or base.repeats,
+        stop_samples=args.stop_samples or base.stop_samples,
+        stop_samples_unsplit=base.stop_samples_unsplit,
+        stop_samples_unsplit_long=base.stop_samples_unsplit_long,
+        stop_cell_cap_s=base.stop_cell_cap_s,
+        sections=sections,
+    )
+
+
+@contextmanager
+def _threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    plan = make_plan(args)
+    console = Console()
+    if not console.is_terminal:  # logs and CI: wide enough for the tables
+        console = Console(width=140)
+    out_dir: Path = args.out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    threads = args.threads or _cpu_count()
+    started, t_start = dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), time.monotonic()
+    argv_used = sys.argv[1:] if argv is None else list(argv)
+    invoked = getattr(sys, "orig_argv", sys.argv) if argv is None else ["flowprefill", "bench", "prefill", *argv_used]
+    with _threads(threads), tempfile.TemporaryDirectory(prefix="flowprefill-bench-") as tmp:
+        results: dict[str, Any] = {
+            "command": shlex.join(invoked),
+            "argv": argv_used,
+            "process_argv": list(getattr(sys, "orig_argv", sys.argv)),
+            "started_at": started,
+            "machine": machine_info(),
+            "config": {"quick": args.quick, "seed": args.seed, "plan": asdict(plan),
+                       "engine_config": asdict(EngineConfig()), "step_budget_ms": EngineConfig().step_budget_ms},
+        }
+        results["config"]["model"] = asdict(default_model(EngineConfig().seed)[0])
+        console.print(f"[bold]FlowPrefill prefill bench[/] · {results['machine']['cpu_count']} CPUs, "
+                      f"{threads} torch threads, torch {torch.__version__}"
+                      f"{' · quick' if args.quick else ''} · sections: {', '.join(plan.sections)}")
+        load = results["machine"].get("loadavg_at_start")
+        if load and load[0] > 0.5 * results["machine"]["cpu_count"]:
+            console.print(f"[yellow]the machine is busy (load average {load[0]:.1f} on "
+                          f"{results['machine']['cpu_count']} CPUs): expect noisy numbers; the split's many "
+                          f"short steps suffer most when torch's threads are descheduled[/]")
+        progress = Progress(TextColumn("{task.description:<32}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), console=console)
+        bench = Bench(console, progress, plan, args.seed, not args.no_transformers, Path(tmp))
+        with progress:
+            if "throughput" in plan.sections:
+                results["throughput"] = bench.throughput()
+            if "overhead" in plan.sections:
+                results["overhead"] = bench.overhead()
+            if "stop" in plan.sections:
+                results["stop_latency"] = bench.stop_latency()
+        if bench._model is not None:
+            results["config"]["calibration"] = _cost_dict(bench._model[1])
+        results["duration_s"] = time.monotonic() - t_start
+        with suppress(OSError):
+            results["machine"]["loadavg_at_end"] = os.getloadavg()
+    json_path, png_path = out_dir / "prefill.json", out_dir / "prefill.png"
+    json_path.write_text(json.dumps(_finite(results), indent=2, allow_nan=False) + "\n")
+    plot(results, png_path)
+    console.print(f"wrote {json_path} and {png_path} in {results['duration_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

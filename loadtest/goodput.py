@@ -1,0 +1,244 @@
+"""`flowprefill bench goodput`: max goodput per policy under heterogeneous TTFT SLOs.
+
+Sweeps the offered rate (and the SLO scale at a fixed rate) of a workload per policy, on the real
+engine in-process (virtual arrivals replayed against the wall clock) or in the simulator driving
+the same scheduler code. As in the paper, the measured instance is a prefill instance
+(PD disaggregation): each request generates its first token and is done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from engine.config import EngineConfig
+from engine.model.plan import OpCost
+from engine.request import Request, SamplingParams
+from engine.scheduler import make_policy
+from engine.sim import SimConfig, simulate
+from engine.slo import DEFAULT_CLASSES, SLOClass
+from loadtest import report
+from loadtest.workload import ClassRule, Workload, azure_mix, head, load_trace, scale_to_rate, synthesize_prompt
+
+DEFAULT_POLICIES = "flowprefill,fcfs,chunked:2048,chunked:8192"
+RATIO_PAIRS = [("flowprefill", "fcfs"), ("flowprefill", "chunked:2048"), ("flowprefill", "chunked:8192"),
+               ("flowprefill", "flowprefill-ideal")]
+IDEAL = "flowprefill-ideal"  # simulator: zero stop latency, exact costs
+
+
+def make_requests(w: Workload, classes: dict[str, SLOClass], slo_scale: float, t0: float,
+                  vocab: int | None) -> list[Request]:
+    out = []
+    for i, tr in enumerate(w.requests):
+        c = classes[tr.slo_class]
+        ids = synthesize_prompt(tr.input_tokens, vocab, seed=i) if vocab else [0] * tr.input_tokens
+        r = Request.for_class(c, request_id=f"w{i}", prompt_token_ids=ids, sampling=SamplingParams(max_tokens=1),
+                              arrival_time=t0 + tr.arrival_s)
+        r.ttft_target_s *= slo_scale
+        r.deadline = r.arrival_time + r.ttft_target_s
+        out.append(r)
+    return out
+
+
+def outcomes(reqs: list[Request]) -> list[report.Outcome]:
+    return [report.Outcome(r.slo_class, r.ttft_target_s, r.ttft) for r in reqs]
+
+
+class Runner:
+    """Runs one (policy, workload, slo scale) point on the real engine or the simulator."""
+
+    def __init__(self, kind: str, engine_cfg: EngineConfig, cost_name: str) -> None:
+        self.kind, self.engine_cfg = kind, engine_cfg
+        self._engines: dict[str, Any] = {}
+        if kind == "real" or cost_name == "cpu":
+            from engine.engine import Engine
+
+            self._probe = Engine(engine_cfg, policy="fcfs")  # calibrates the cost model on this machine
+            self.cost: OpCost = self._probe.cost
+            self.model_name = self._probe.model.cfg.name
+            self.vocab = self._probe.model.cfg.vocab_size
+        else:
+            from engine.sim.costs import analytical
+
+            model, _, gpu = cost_name.partition("@")
+            self.cost = analytical(model, gpu)
+            self.model_name, self.vocab = f"{model} on {gpu} (analytical)", None
+
+    def sim(self, policy: str, w: Workload, classes: dict[str, SLOClass], scale: float) -> dict[str, Any]:
+        reqs = make_requests(w, classes, scale, 0.0, None)
+        name = "flowprefill" if policy == IDEAL else policy
+        budget = self.engine_cfg.step_budget_ms / 1000 if self.engine_cfg.preemptible else None
+        cfg = SimConfig(step_budget_s=budget, max_batch_tokens=self.engine_cfg.max_batch_tokens,
+                        kv_capacity_tokens=self.engine_cfg.kv_capacity_tokens, ideal=policy == IDEAL)
+        pre = simulate(reqs, make_policy(name), self.cost, cfg)
+        return report.point(w.rate, outcomes(reqs), pre)
+
+    def real(self, policy: str, w: Workload, classes: dict[str, SLOClass], scale: float) -> dict[str, Any]:
+        from engine.engine import Engine
+
+        if policy not in self._engines:
+            engine = Engine(self.engine_cfg, policy=policy)
+            engine.cost = engine.scheduler.cost = self.cost  # one calibration for every policy
+            self._engines[policy] = engine.start()
+        engine = self._engines[policy]
+        start_preemptions = engine.preemptions
+        t0 = time.monotonic() + 0.5
+        reqs = make_requests(w, classes, scale, t0, self.vocab)
+        remaining = threading.Semaphore(0)
+        for r in reqs:
+            r.sink = lambda out: out.finish_reason and remaining.release()
+        for r in reqs:
+            delay = r.arrival_time - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            engine.add_request(r)
+        deadline = time.monotonic() + 120
+        for r in reqs:
+            if not remaining.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                engine.cancel(r.request_id)  # counted as a miss: nothing is dropped silently
+        pt = report.point(w.rate, outcomes(reqs), engine.preemptions - start_preemptions)
+        sim = self.sim(policy, w, classes, scale)  # the simulator's twin of this very point
+        pt["sim_attainment"] = sim["attainment"]
+        return pt
+
+    def run(self, policy: str, w: Workload, classes: dict[str, SLOClass], scale: float) -> dict[str, Any]:
+        if self.kind == "sim" or policy == IDEAL:
+            return self.sim(policy, w, classes, scale)
+        return self.real(policy, w, classes, scale)
+
+    def close(self) -> None:
+        for e in self._engines.values():
+            e.shutdown()
+
+
+def _scale_needed(points: list[dict[str, Any]]) -> float | None:
+    """Tightest SLO scale (smallest) at which attainment is still >= the target."""
+    ok = [p["slo_scale"] for p in points if p["attainment"] >= report.ATTAINMENT_TARGET]
+    return min(ok) if ok else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="flowprefill bench goodput", description=__doc__)
+    p.add_argument("--engine", choices=["real", "sim"], default="sim")
+    p.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated policy names")
+    p.add_argument("--workload", default="azure-mix", help="azure-mix or a trace file (Azure/BurstGPT CSV, JSONL)")
+    p.add_argument("--requests", type=int, default=None, help="first N requests of the workload")
+    p.add_argument("--rates", default=None, help="offered rates, req/s (default: per engine)")
+    p.add_argument("--slo-scales", default="0.4,0.6,0.8,1.0,1.5,2.0")
+    p.add_argument("--scale-rate", type=float, default=None, help="rate for the SLO-scale sweep")
+    p.add_argument("--cost", default="cpu", help="sim cost model: cpu (profile this machine) or MODEL@GPU, "
+                   "e.g. llama-3.1-8b@h100")
+    p.add_argument("--no-ideal", action="store_true", help="skip the ideal-preemption bound")
+    p.add_argument("--out", default="bench-results")
+    args = p.parse_args(argv)
+
+    console = Console()
+    real = args.engine == "real"
+    n = args.requests or (150 if real else 2000)
+    rates = [float(x) for x in (args.rates or ("0.5,1,1.5,2,3,4" if real else "0.5,1,2,3,4,6,8")).split(",")]
+    scales = [float(x) for x in args.slo_scales.split(",")]
+    policies = [x for x in args.policies.split(",") if x]
+    for name in policies:
+        make_policy(name)  # reject bad names before any work
+    if not args.no_ideal and "flowprefill" in policies:
+        policies.append(IDEAL)
+    rule = ClassRule()
+    base = azure_mix(rule) if args.workload == "azure-mix" else load_trace(args.workload, rule)
+    base = head(base, n)
+    classes = DEFAULT_CLASSES
+    runner = Runner(args.engine, EngineConfig(), args.cost)
+    scale_rate = args.scale_rate or rates[len(rates) // 2]
+    results: dict[str, list[dict[str, Any]]] = {pol: [] for pol in policies}
+    scale_results: dict[str, list[dict[str, Any]]] = {pol: [] for pol in policies}
+    try:
+        with Progress(console=console) as progress:
+            task = progress.add_task("goodput sweep", total=len(policies) * (len(rates) + len(scales)))
+            for pol in policies:
+                for rate in rates:
+                    progress.update(task, description=f"{pol} @ {rate:g} req/s")
+                    results[pol].append(runner.run(pol, scale_to_rate(base, rate), classes, 1.0))
+                    progress.advance(task)
+                for scale in scales:
+                    progress.update(task, description=f"{pol} @ SLO scale {scale:g}")
+                    pt = runner.run(pol, scale_to_rate(base, scale_rate), classes, scale)
+                    scale_results[pol].append(pt | {"slo_scale": scale})
+                    progress.advance(task)
+    finally:
+        runner.close()
+
+    scale_needed = {pol: _scale_needed(pts) for pol, pts in scale_results.items()}
+    doc = report.report(
+        {"name": base.name, "source": base.source, "requests": len(base.requests), "class_rule": base.class_rule},
+        args.engine, runner.model_name, 1.0,
+        {k: {"ttft_ms": c.ttft_ms, "tbt_ms": c.tbt_ms} for k, c in classes.items()},
+        results, RATIO_PAIRS,
+        extra={"slo_scale_sweep": {"rate": scale_rate, "policies": scale_results,
+                                   "tightest_scale_at_target": scale_needed},
+               "cost_model": args.cost if args.engine == "sim" else "cpu (measured)",
+               "command": "flowprefill bench goodput " + " ".join(argv or [])})
+    fp, sn = scale_needed.get("flowprefill"), scale_needed
+    for base_pol in ("chunked:2048", "chunked:8192"):
+        if fp and sn.get(base_pol):
+            doc["ratios"][f"slo_scale {base_pol}/flowprefill"] = sn[base_pol] / fp
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"goodput-{args.engine}"
+    (out / f"{stem}.json").write_text(json.dumps(doc, indent=2))
+    _table(console, doc)
+    _plot(doc, out / f"{stem}.png")
+    console.print(f"wrote {out / (stem + '.json')} and {out / (stem + '.png')}")
+    return 0
+
+
+def _table(console: Console, doc: dict[str, Any]) -> None:
+    t = Table(title=f"max goodput ({doc['engine']}, {doc['workload']['name']}, "
+                    f"{doc['workload']['requests']} requests, >= 90 % attainment)")
+    for col in ("policy", "max goodput req/s", "every class >= 90 %", "tightest SLO scale"):
+        t.add_column(col, justify="right")
+    tight = doc["slo_scale_sweep"]["tightest_scale_at_target"]
+    for name, pol in doc["policies"].items():
+        t.add_row(name, f"{pol['max_goodput_rps']:.2f}", f"{pol['max_goodput_per_class_rps']:.2f}",
+                  "-" if tight.get(name) is None else f"{tight[name]:g}")
+    console.print(t)
+    r = Table(title="ratios")
+    r.add_column("ratio")
+    r.add_column("value", justify="right")
+    for k, v in doc["ratios"].items():
+        r.add_row(k, f"{v:.2f}")
+    console.print(r)
+
+
+def _plot(doc: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, pol in doc["policies"].items():
+        style = "--" if name == IDEAL else "-"
+        pts = pol["points"]
+        a.plot([q["rate"] for q in pts], [q["attainment"] * 100 for q in pts], style, marker="o", label=name)
+        sp = doc["slo_scale_sweep"]["policies"][name]
+        b.plot([q["slo_scale"] for q in sp], [q["attainment"] * 100 for q in sp], style, marker="o", label=name)
+    for ax, xl in ((a, "offered rate (req/s)"), (b, f"SLO scale (at {doc['slo_scale_sweep']['rate']:g} req/s)")):
+        ax.axhline(90, color="grey", lw=0.8, ls=":")
+        ax.set_xlabel(xl)
+        ax.set_ylabel("TTFT SLO attainment (%)")
+        ax.set_ylim(0, 102)
+        ax.grid(alpha=0.3)
+    a.set_title("attainment vs rate")
+    b.set_title("attainment vs SLO scale")
+    a.legend(fontsize=8)
+    fig.suptitle(f"{doc['workload']['name']} on {doc['model']} ({doc['engine']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,348 @@
+"""Operator-level preemption and the sub-operator split, checked numerically.
+
+A prefill batch is a generator of operator steps. Stopping it at any boundary, running other
+batches on the same model and KV pool, and resuming it must give exactly the logits (and KV) of an
+uninterrupted run; splitting operators into blocks/tiles must agree with the unsplit forward to
+fp32 rounding; chunked spans and ragged batches must agree with whole prompts run alone.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Generator
+from itertools import pairwise
+
+import pytest
+import torch
+
+from engine.attention.sdpa import SDPABackend
+from engine.config import ModelConfig
+from engine.kv_cache import KVCache
+from engine.model.llama import LlamaModel
+from engine.model.loader import expected_shapes
+from engine.model.plan import ATTENTION, ATTN_IN, FFN, OpCost, SeqSpan, Step, plan_prefill
+from engine.prefill import PrefillBatch
+from engine.request import Request
+
+# A small Qwen2-shaped model (GQA group 2, q/k/v bias): fast, and the same code paths as the default.
+CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=8192,
+                  eos_token_id=[0], name="tiny-preempt")
+# Fixed predicted costs make the plans (and so the tested boundaries) deterministic.
+COST = OpCost(CFG, attn_in_s_per_row=1e-6, ffn_s_per_row=1e-6, attn_s_per_pair=1e-8, step_overhead_s=0.0)
+BUDGET = 5e-5  # -> 32-row blocks, 64-query blocks, 64-key tiles with COST
+BLOCK = 16
+EXACT = {"rtol": 0.0, "atol": 1e-6}  # preempt/resume: the same ops on the same data
+FP32 = {"rtol": 1e-5, "atol": 1e-5}  # split vs unsplit: different reduction orders
+
+
+def make_weights(cfg: ModelConfig, seed: int = 0, scale: float = 0.1) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        name: (1.0 + 0.1 * torch.randn(shape, generator=gen)) if name.endswith("norm.weight")
+        else torch.randn(shape, generator=gen) * scale
+        for name, shape in expected_shapes(cfg).items()
+    }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Generator[None, None, None]:
+    """Tiny ops on shared cores: one intra-op thread is many times faster (and restored after)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaModel:
+    return LlamaModel(CFG, make_weights(CFG), SDPABackend())
+
+
+def fresh_kv(capacity: int = 8192) -> KVCache:
+    """A pool whose unwritten slots are NaN: reading KV that was never written poisons the logits."""
+    kv = KVCache(CFG, BLOCK, capacity, torch.float32, "cpu")
+    for t in (*kv.k, *kv.v):
+        t.fill_(float("nan"))
+    return kv
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(1000 + seed)
+    return torch.randint(0, CFG.vocab_size, (n,), generator=gen).tolist()
+
+
+def new_batch(reqs: list[Request], spans: list[SeqSpan], model: LlamaModel, kv: KVCache,
+              budget: float | None, cost: OpCost = COST) -> PrefillBatch:
+    return PrefillBatch.on_model(reqs, spans, model, kv, cost, budget)
+
+
+def run(batch: PrefillBatch, max_steps: int | None = None) -> bool:
+    """Advance up to max_steps steps (None: to completion). True when finished."""
+    n = 0
+    while max_steps is None or n < max_steps:
+        if batch.advance():
+            return True
+        n += 1
+    return False
+
+
+def drain(gen: Generator[int, None, torch.Tensor]) -> torch.Tensor:
+    while True:
+        try:
+            next(gen)
+        except StopIteration as stop:
+            return stop.value
+
+
+class Case:
+    """Requests of several batches, their spans, and the allocation order of their KV blocks.
+
+    `setup(kv)` allocates blocks (interleaved between batches, so batches sit on neighbouring blocks),
+    writes the cached prefixes of chunked spans, and returns fresh (not yet started) PrefillBatches."""
+
+    def __init__(self, batches: list[list[tuple[int, int, int]]], budget: float | None = BUDGET,
+                 cost: OpCost = COST) -> None:
+        # each batch: [(prompt_len, span_start, span_len)]
+        self.spec = batches
+        self.budget, self.cost = budget, cost
+
+    def setup(self, model: LlamaModel, kv: KVCache) -> list[PrefillBatch]:
+        reqs: list[list[Request]] = []
+        for b, batch in enumerate(self.spec):
+            reqs.append([Request(request_id=f"b{b}r{i}", prompt_token_ids=prompt(n, 10 * b + i))
+                         for i, (n, _, _) in enumerate(batch)])
+        # interleave allocations: b0r0, b1r0, b2r0, ..., b0r1, b1r1, ...
+        for i in range(max(len(b) for b in self.spec)):
+            for b, batch in enumerate(self.spec):
+                if i < len(batch):
+                    reqs[b][i].block_table = kv.allocate(batch[i][0])
+        for b, batch in enumerate(self.spec):
+            for r, (_, start, _) in zip(reqs[b], batch, strict=True):
+                if start:  # the cached prefix a chunked span continues from
+                    assert run(new_batch([r], [SeqSpan(0, start)], model, kv, None))
+        return [new_batch(reqs[b], [SeqSpan(s, n) for _, s, n in batch], model, kv, self.budget, self.cost)
+                for b, batch in enumerate(self.spec)]
+
+    def reference(self, model: LlamaModel) -> list[tuple[torch.Tensor, list]]:
+        """Each batch run alone and uninterrupted: its logits and the KV it owns."""
+        out = []
+        for b in range(len(self.spec)):
+            kv = fresh_kv()
+            batches = self.setup(model, kv)
+            assert run(batches[b])
+            out.append((batches[b].logits, kv_of(kv, batches[b])))
+        return out
+
+
+def kv_of(kv: KVCache, batch: PrefillBatch) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [kv.gather(layer, r.block_table, s.start + s.length)
+            for r, s in zip(batch.requests, batch.spans, strict=True) for layer in range(CFG.num_hidden_layers)]
+
+
+def assert_kv_equal(got: list, want: list) -> None:
+    assert len(got) == len(want)
+    for (gk, gv), (wk, wv) in zip(got, want, strict=True):
+        torch.testing.assert_close(gk, wk, **EXACT)
+        torch.testing.assert_close(gv, wv, **EXACT)
+
+
+# -- the plan ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("budget", [None, BUDGET, 2e-5, 1e-9])
+def test_plan_partitions_every_operator(budget: float | None) -> None:
+    spans = [SeqSpan(0, 150), SeqSpan(40, 90), SeqSpan(0, 1), SeqSpan(100, 3)]
+    steps = plan_prefill(COST, spans, budget)
+    rows = sum(s.length for s in spans)
+    starts = [0]
+    for s in spans:
+        starts.append(starts[-1] + s.length)
+    assert [s.layer for s in steps] == sorted(s.layer for s in steps)
+    for layer in range(CFG.num_hidden_layers):
+        mine = [s for s in steps if s.layer == layer]
+        kinds = [s.op for s in mine]
+        # all q/k/v projections, then all attention tiles, then all FFN blocks
+        assert kinds == sorted(kinds, key=[ATTN_IN, ATTENTION, FFN].index)
+        for op in (ATTN_IN, FFN):
+            blocks = [s.rows for s in mine if s.op == op]
+            assert blocks[0][0] == 0 and blocks[-1][1] == rows
+            assert all(a[1] == b[0] and a[0] < a[1] for a, b in pairwise(blocks))
+        for i, span in enumerate(spans):
+            tiles = [s for s in mine if s.op == ATTENTION and s.seq == i]
+            qblocks: list[list[Step]] = []
+            for t in tiles:
+                if not qblocks or qblocks[-1][-1].causal:
+                    qblocks.append([])
+                qblocks[-1].append(t)
+            covered = starts[i]
+            for qb in qblocks:
+                a, b = qb[0].rows
+                assert a == covered and b > a and all(t.rows == (a, b) for t in qb)
+                covered = b
+                qs, qe = a - starts[i] + span.start, b - starts[i] + span.start  # absolute positions
+                assert qb[-1].causal and qb[-1].keys == (qs, qe)
+                assert not any(t.causal for t in qb[:-1])
+                keys = [t.keys for t in qb[:-1]]
+                if qs == 0:
+                    assert keys == []
+                else:  # the off-diagonal tiles cover keys [0, qs) exactly once, in order
+                    assert keys[0][0] == 0 and keys[-1][1] == qs
+                    assert all(x[1] == y[0] and x[0] < x[1] for x, y in pairwise(keys))
+            assert covered == starts[i + 1]
+    if budget is None:
+        # one step per operator: 1 projection, one tile (+1 over a cached prefix) per sequence, 1 FFN
+        per_layer = 2 + len(spans) + sum(1 for s in spans if s.start)
+        assert len(steps) == per_layer * CFG.num_hidden_layers
+    elif budget >= BUDGET / 2:
+        assert all(s.cost <= budget * (1 + 1e-9) for s in steps), "a step is predicted to outlast the budget"
+
+
+# -- preempt at every boundary -------------------------------------------------------------------
+
+def test_preempt_at_every_boundary(model: LlamaModel) -> None:
+    # Batch A: a whole prompt and a chunk over a cached prefix (ragged). Batch B runs in between.
+    case = Case([[(120, 0, 120), (134, 64, 70)], [(90, 0, 90), (60, 20, 40)]])
+    (ref_a, ref_a_kv), (ref_b, ref_b_kv) = case.reference(model)
+    n_steps = len(case.setup(model, fresh_kv())[0].steps)
+    assert 20 <= n_steps <= 200, n_steps  # tens of boundaries, each tried
+    for k in range(n_steps + 1):
+        kv = fresh_kv()
+        a, b = case.setup(model, kv)
+        assert not run(a, k)
+        assert a.next_step == k and a.started == (k > 0)
+        assert run(b), "the other batch must run to completion in between"
+        torch.testing.assert_close(b.logits, ref_b, **EXACT)
+        assert run(a)
+        assert a.finished and a.remaining_s == pytest.approx(0.0, abs=1e-12)
+        torch.testing.assert_close(a.logits, ref_a, **EXACT, msg=lambda m, k=k: f"preempted after step {k}: {m}")
+        assert_kv_equal(kv_of(kv, a), ref_a_kv)
+        assert_kv_equal(kv_of(kv, b), ref_b_kv)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_interleaving_of_several_batches(model: LlamaModel, seed: int) -> None:
+    case = Case([
+        [(100, 0, 100)],
+        [(80, 0, 80), (108, 48, 60)],
+        [(200, 0, 200)],
+        [(1, 0, 1), (33, 0, 33)],
+        [(75, 70, 5)],
+    ])
+    refs = case.reference(model)
+    rng = random.Random(seed)
+    kv = fresh_kv()
+    batches = case.setup(model, kv)
+    live = list(range(len(batches)))
+    switches = 0
+    last = None
+    while live:
+        i = rng.choice(live)
+        switches += i != last
+        last = i
+        if run(batches[i], rng.randint(1, 4)):
+            live.remove(i)
+    assert switches > 10
+    for batch, (ref, ref_kv) in zip(batches, refs, strict=True):
+        torch.testing.assert_close(batch.logits, ref, **EXACT)
+        assert_kv_equal(kv_of(kv, batch), ref_kv)
+
+
+def test_closing_a_suspended_batch_does_not_disturb_others(model: LlamaModel) -> None:
+    case = Case([[(100, 0, 100)], [(70, 0, 70)]])
+    (_, _), (ref_b, _) = case.reference(model)
+    kv = fresh_kv()
+    a, b = case.setup(model, kv)
+    assert not run(a, 7)
+    a.close()
+    with pytest.raises(StopIteration):  # a closed generator is finished for good
+        next(a._run)
+    assert run(b)
+    torch.testing.assert_close(b.logits, ref_b, **EXACT)
+
+
+# -- the sub-operator split ------------------------------------------------------------------------
+
+def logits_of(model: LlamaModel, spec: list[tuple[int, int, int]], budget: float | None, cost: OpCost = COST
+              ) -> torch.Tensor:
+    kv = fresh_kv()
+    batch = Case([spec], budget, cost).setup(model, kv)[0]
+    assert run(batch)
+    assert torch.isfinite(batch.logits).all()
+    return batch.logits
+
+
+@pytest.mark.parametrize("budget", [BUDGET, 2e-5, 1e-9])
+def test_split_equals_unsplit(model: LlamaModel, budget: float) -> None:
+    spec = [(300, 0, 300), (47, 0, 47), (250, 130, 120), (1, 0, 1)]
+    whole = logits_of(model, spec, None)
+    split = logits_of(model, spec, budget)
+    spans = [SeqSpan(s, n) for _, s, n in spec]
+    assert len(plan_prefill(COST, spans, budget)) > 5 * len(plan_prefill(COST, spans, None))
+    torch.testing.assert_close(split, whole, **FP32)
+
+
+def test_split_equals_unsplit_long_prompt(model: LlamaModel) -> None:
+    # Cheaper attention per pair -> 256-query blocks with 384-key tiles: up to 8 key tiles per block,
+    # tile edges that do not line up with query blocks.
+    cost = OpCost(CFG, attn_in_s_per_row=1e-6, ffn_s_per_row=1e-6, attn_s_per_pair=1e-9, step_overhead_s=0.0)
+    budget = 1e-4
+    n = 3000
+    steps = plan_prefill(cost, [SeqSpan(0, n)], budget)
+    per_block: dict[tuple[int, int], int] = {}
+    for s in steps:
+        if s.op == ATTENTION and not s.causal and s.layer == 0:
+            per_block[s.rows] = per_block.get(s.rows, 0) + 1
+    assert max(per_block.values()) >= 3, "the long prompt must have several key tiles per query block"
+    whole = logits_of(model, [(n, 0, n)], None, cost)
+    split = logits_of(model, [(n, 0, n)], budget, cost)
+    torch.testing.assert_close(split, whole, **FP32)
+
+
+@pytest.mark.parametrize("budget", [None, BUDGET])
+def test_chunked_spans_equal_whole_prompt(model: LlamaModel, budget: float | None) -> None:
+    n = 300
+    ids = prompt(n, 77)
+    plan = [(0, 100), (100, 150), (250, 49), (299, 1)]  # chunk edges off the 16-token KV blocks
+    kv = fresh_kv()
+    req = Request(request_id="whole", prompt_token_ids=ids)
+    req.block_table = kv.allocate(n)
+    steps = plan_prefill(COST, [SeqSpan(0, n)], budget)
+    whole_all = drain(model.prefill([ids], [SeqSpan(0, n)], [req.block_table], kv, steps, all_logits=True))
+    whole_kv = [kv.gather(layer, req.block_table, n) for layer in range(CFG.num_hidden_layers)]
+
+    kv2 = fresh_kv()
+    chunked = Request(request_id="chunked", prompt_token_ids=ids)
+    chunked.block_table = kv2.allocate(n)
+    rows = []
+    for start, length in plan:
+        span = [SeqSpan(start, length)]
+        steps = plan_prefill(COST, span, budget)
+        rows.append(drain(model.prefill([ids[start : start + length]], span, [chunked.block_table], kv2, steps,
+                                        all_logits=True)))
+    torch.testing.assert_close(torch.cat(rows), whole_all, **FP32)
+    for layer in range(CFG.num_hidden_layers):
+        for got, want in zip(kv2.gather(layer, chunked.block_table, n), whole_kv[layer], strict=True):
+            torch.testing.assert_close(got, want, **FP32)
+
+    # Through PrefillBatch: the last chunk's logits are the whole prompt's last-token logits.
+    kv3 = fresh_kv()
+    r = Request(request_id="pb", prompt_token_ids=ids)
+    r.block_table = kv3.allocate(n)
+    for start, length in plan:
+        batch = new_batch([r], [SeqSpan(start, length)], model, kv3, budget)
+        assert run(batch)
+    torch.testing.assert_close(batch.logits[0], whole_all[-1], **FP32)
+
+
+@pytest.mark.parametrize("budget", [None, BUDGET])
+def test_ragged_batch_equals_each_request_alone(model: LlamaModel, budget: float | None) -> None:
+    spec = [(1, 0, 1), (17, 0, 17), (64, 0, 64), (130, 0, 130), (90, 40, 50)]
+    together = logits_of(model, spec, budget)
+    assert together.shape == (len(spec), CFG.vocab_size)
+    for i, item in enumerate(spec):
+        kv = fresh_kv()
+        # the same prompt (same seed) as in the batch: Case seeds prompts by position
+        reqs = Case([spec], budget).setup(model, kv)[0].requests
+        alone = new_batch([reqs[i]], [SeqSpan(item[1], item[2])], model, kv, budget)
+        assert run(alone)
+        torch.testing.assert_close(together[i], alone.logits[0], **FP32)

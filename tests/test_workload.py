@@ -1,0 +1,116 @@
+"""Trace loaders, class rules and workload transformations on small fixtures of each format."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loadtest.workload import (
+    ClassRule,
+    TraceError,
+    load_trace,
+    poisson,
+    scale_to_rate,
+    synthesize_prompt,
+    traces_dir,
+    window,
+)
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_azure_csv(tmp_path: Path) -> None:
+    p = write(tmp_path, "a.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+              "2023-11-16 18:15:46.6805900,374,44\n2023-11-16 18:15:47.1805900,3000,10\n"
+              "2023-11-16 18:15:46.9805900,9000,5\n")
+    w = load_trace(p)
+    assert [r.input_tokens for r in w.requests] == [374, 9000, 3000]  # sorted by time
+    assert w.requests[0].arrival_s == 0.0
+    assert w.requests[1].arrival_s == pytest.approx(0.3)
+    assert [r.slo_class for r in w.requests] == ["interactive", "batch", "relaxed"]
+
+
+def test_burstgpt_csv_skips_failed_requests(tmp_path: Path) -> None:
+    p = write(tmp_path, "b.csv", "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+              "5,ChatGPT,1500,20,1520,Conversation log\n7,ChatGPT,0,0,0,Conversation log\n"
+              "9.5,GPT-4,100,3,103,API log\n")
+    w = load_trace(p)
+    assert [(r.arrival_s, r.input_tokens, r.slo_class) for r in w.requests] == [
+        (0.0, 1500, "standard"), (4.5, 100, "interactive")]
+
+
+def test_mooncake_ms_and_bailian_seconds_with_types(tmp_path: Path) -> None:
+    moon = write(tmp_path, "m.jsonl", "\n".join(json.dumps(x) for x in [
+        {"timestamp": 0, "input_length": 6000, "output_length": 10, "hash_ids": [1, 2]},
+        {"timestamp": 250000, "input_length": 100, "output_length": 5}]))
+    w = load_trace(moon)
+    assert w.requests[1].arrival_s == pytest.approx(250.0)  # milliseconds
+    qwen = write(tmp_path, "q.jsonl", "\n".join(json.dumps(x) for x in [
+        {"timestamp": 10.0, "input_length": 6000, "output_length": 10, "type": "text"},
+        {"timestamp": 12.5, "input_length": 100, "output_length": 5, "type": "file"}]))
+    w = load_trace(qwen)
+    assert w.requests[1].arrival_s == pytest.approx(2.5)  # seconds
+    assert [r.slo_class for r in w.requests] == ["interactive", "batch"]  # by type, not length
+
+
+@pytest.mark.parametrize(("name", "text", "msg"), [
+    ("x.csv", "a,b,c\n1,2,3\n", "unrecognised CSV header"),
+    ("y.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,5,5\n", "bad TIMESTAMP"),
+    ("z.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,five,5\n", "not an integer"),
+    ("n.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,-3,5\n", "negative"),
+    ("e.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n", "no requests"),
+    ("j.jsonl", '{"timestamp": 1}\n', "expected JSON with timestamp"),
+    ("k.jsonl", "not json\n", "expected JSON"),
+])
+def test_bad_traces_rejected_clearly(tmp_path: Path, name: str, text: str, msg: str) -> None:
+    with pytest.raises(TraceError, match=msg):
+        load_trace(write(tmp_path, name, text))
+
+
+def test_missing_file() -> None:
+    with pytest.raises(TraceError, match="does not exist"):
+        load_trace("/nonexistent/trace.csv")
+
+
+def test_class_rule_thresholds_and_check() -> None:
+    rule = ClassRule()
+    assert [rule(n) for n in (1024, 1025, 2048, 4096, 4097)] == [
+        "interactive", "standard", "standard", "relaxed", "batch"]
+    rule.check()
+    with pytest.raises(ValueError, match="unknown SLO class"):
+        ClassRule(longest="bulk").check()
+
+
+def test_rate_scaling_window_and_poisson() -> None:
+    w = poisson(2.0, 400, seed=1)
+    assert w.rate == pytest.approx(2.0, rel=0.15)
+    assert poisson(2.0, 50, seed=1).requests == poisson(2.0, 50, seed=1).requests  # deterministic
+    fast = scale_to_rate(w, 8.0)
+    assert fast.rate == pytest.approx(8.0)
+    assert [r.input_tokens for r in fast.requests] == [r.input_tokens for r in w.requests]
+    part = window(w, 10.0, 20.0)
+    assert part.requests[0].arrival_s == 0.0 and part.duration_s < 20.0
+    with pytest.raises(TraceError):
+        window(w, 1e6, 1.0)
+
+
+def test_prompts_synthesized_to_exact_count() -> None:
+    for n in (1, 17, 4096):
+        ids = synthesize_prompt(n, 512, seed=n, reserved=[256, 258])
+        assert len(ids) == n and not {256, 258} & set(ids)
+
+
+@pytest.mark.skipif(not (traces_dir() / "azure_llm_2023_conv.csv").is_file(), reason="shared traces absent")
+def test_azure_mix_merges_both_traces() -> None:
+    from loadtest.workload import azure_mix
+
+    w = azure_mix()
+    assert len(w.requests) == 19366 + 8819  # the rows of both traces
+    assert all(a.arrival_s <= b.arrival_s for a, b in zip(w.requests, w.requests[1:], strict=False))
+    assert {r.slo_class for r in w.requests} == {"interactive", "standard", "relaxed", "batch"}
