@@ -44,7 +44,7 @@ def req(rid: str, n: int, cls: str, at: float) -> Request:
 
 
 def test_flowprefill_preempts_long_batch_for_urgent_request() -> None:
-    s, _, _ = make_scheduler("flowprefill")
+    s, clock, _ = make_scheduler("flowprefill")
     long = req("long", 8000, "batch", 0.0)
     s.on_arrival(long)
     first = s.chosen
