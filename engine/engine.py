@@ -16,7 +16,8 @@ from engine.config import EngineConfig
 from engine.decode import OutputStream
 from engine.kv_cache import KVCache
 from engine.model import load_model
-from engine.model.plan import OpCost, SeqSpan
+from engine.model.plan import SeqSpan
+from engine.predictor import load_cost
 from engine.prefill import PrefillBatch
 from engine.request import Request, RequestState, SamplingParams, TokenOutput
 from engine.sampling import sample
@@ -45,7 +46,7 @@ class Engine:
         self.model, self.tokenizer = load_model(cfg)
         dtype, device = getattr(torch, cfg.dtype), torch.device(cfg.device)
         self.kv = KVCache(self.model.cfg, cfg.kv_block_size, cfg.kv_capacity_tokens, dtype, device)
-        self.cost = OpCost.calibrate(self.model)
+        self.cost = load_cost(self.model)
         self.budget_s = cfg.step_budget_ms / 1000 if cfg.preemptible else None
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.clock = clock

@@ -7,17 +7,11 @@ preemption request never waits longer than one step, whatever the prompt length.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, overload
-
-import torch
+from typing import NamedTuple, overload
 
 from engine.config import ModelConfig
-
-if TYPE_CHECKING:
-    from engine.model.llama import LlamaModel
 
 ATTN_IN, ATTENTION, FFN = "attn_in", "attention", "ffn"
 
@@ -60,6 +54,13 @@ class OpCost:
         pairs = queries * (keys + 1) / 2 if causal else queries * keys
         return self.scale * (self.step_overhead_s + pairs * self.attn_s_per_pair)
 
+    @classmethod
+    def calibrate(cls, model: object) -> OpCost:
+        """Measure this model's operators on its device (see engine.predictor)."""
+        from engine.predictor import calibrate
+
+        return calibrate(model)  # type: ignore[arg-type]
+
     def observe(self, predicted_s: float, measured_s: float, weight: float = 0.2) -> None:
         """Refine online from an executed batch: the device may be slower or faster than at
         calibration (other load, clocks). A running mean at first, then an exponential average."""
@@ -82,40 +83,6 @@ class OpCost:
         per_layer += sum(self.attn_s(s.length, s.start, False) + self.attn_s(s.length, s.length, True)
                          for s in spans)
         return per_layer * self.cfg.num_hidden_layers
-
-    @classmethod
-    def calibrate(cls, model: LlamaModel) -> OpCost:
-        """Time one block of each operator kind (about 0.1 s at start-up)."""
-        c, dev = model.cfg, model.device
-        dtype = model.embed.dtype
-        layer = model.layers[0]
-        rows, q_n, k_n = 512, 256, 1024
-        x = torch.randn(rows, c.hidden_size, dtype=dtype, device=dev) * 0.02
-        pos = torch.arange(rows, device=dev)
-        attn = torch.randn(rows, c.num_attention_heads, c.head_dim, dtype=dtype, device=dev)
-        q = torch.randn(q_n, c.num_attention_heads, c.head_dim, dtype=dtype, device=dev)
-        kv = torch.randn(k_n, c.num_key_value_heads, c.head_dim, dtype=dtype, device=dev)
-        with torch.inference_mode():
-            return cls(
-                c,
-                attn_in_s_per_row=_best_time(lambda: model._attn_in(layer, x, pos)) / rows,
-                ffn_s_per_row=_best_time(lambda: model._ffn(layer, x, attn)) / rows,
-                attn_s_per_pair=_best_time(lambda: model.backend.tile(q, kv, kv, False)) / (q_n * k_n),
-            )
-
-
-def _best_time(fn: Callable[[], object], repeat: int = 9) -> float:
-    """Fastest of several runs: the least disturbed by whatever else the machine is doing."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    fn()
-    times = []
-    for _ in range(repeat):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def _blocks(total: int, size: int) -> list[tuple[int, int]]:
