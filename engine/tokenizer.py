@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import codecs
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # A ChatML-style template, used when a checkpoint ships none.
 DEFAULT_CHAT_TEMPLATE = (
@@ -27,8 +28,13 @@ class Tokenizer(Protocol):
 
 class _ChatTemplate:
     def __init__(self, template: str | None, special: dict[str, str]) -> None:
-        env = jinja2.Environment(autoescape=False, trim_blocks=True, lstrip_blocks=True)
+        # Templates come with downloaded checkpoints: render them sandboxed, with what
+        # transformers offers them (loop controls, tojson without HTML escaping, strftime_now).
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
         self._template = env.from_string(template or DEFAULT_CHAT_TEMPLATE)
         self._special = special
 
@@ -89,14 +95,11 @@ class HFTokenizer(_ChatTemplate):
         self._tok = _Tok.from_file(str(path / "tokenizer.json"))
         cfg_file = path / "tokenizer_config.json"
         cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
-        special = {k: v for k, v in cfg.items() if k.endswith("_token") and isinstance(v, str)}
-        template = cfg.get("chat_template") if isinstance(cfg.get("chat_template"), str) else None
-        if template is None and (path / "chat_template.jinja").is_file():  # newer transformers save it apart
-            template = (path / "chat_template.jinja").read_text()
-        super().__init__(template, special)
+        special = {k: t for k, v in cfg.items() if k.endswith("_token") and (t := _token_text(v))}
+        super().__init__(_chat_template(path, cfg), special)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         eos = list(eos_token_ids)
-        if isinstance(cfg.get("eos_token"), str) and (tid := self._tok.token_to_id(cfg["eos_token"])) is not None:
+        if (name := _token_text(cfg.get("eos_token"))) and (tid := self._tok.token_to_id(name)) is not None:
             eos.append(tid)
         self.eos_token_ids = sorted(set(eos))
 
@@ -108,6 +111,24 @@ class HFTokenizer(_ChatTemplate):
 
     def incremental_decoder(self) -> IncrementalDecoder:
         return IncrementalDecoder(self)
+
+
+def _token_text(value: object) -> str | None:
+    """A special token as configs store it: a string, or (older ones) an AddedToken dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _chat_template(path: Path, cfg: dict[str, Any]) -> str | None:
+    """transformers' order: chat_template.jinja, then tokenizer_config.json (a string, or a list of
+    named templates of which "default" is the chat one)."""
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text()
+    template = cfg.get("chat_template")
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return template if isinstance(template, str) else None
 
 
 class IncrementalDecoder:

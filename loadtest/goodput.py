@@ -119,6 +119,11 @@ class Runner:
             e.shutdown()
 
 
+def _collapsed(points: list[dict[str, Any]], floor: float = 0.5) -> bool:
+    """Two consecutive rates below `floor` attainment: the policy is saturated."""
+    return len(points) >= 2 and all(p["attainment"] < floor for p in points[-2:])
+
+
 def _scale_needed(points: list[dict[str, Any]]) -> float | None:
     """Tightest SLO scale (smallest) at which attainment is still >= the target."""
     ok = [p["slo_scale"] for p in points if p["attainment"] >= report.ATTAINMENT_TARGET]
@@ -133,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=None, help="first N requests of the workload")
     p.add_argument("--rates", default=None, help="offered rates, req/s (default: per engine)")
     p.add_argument("--slo-scales", default="0.4,0.6,0.8,1.0,1.5,2.0")
-    p.add_argument("--scale-rate", type=float, default=None, help="rate for the SLO-scale sweep")
+    p.add_argument("--scale-rate", type=float, default=None, help="rate for the SLO-scale sweep (default 2)")
     p.add_argument("--cost", default="cpu", help="sim cost model: cpu (profile this machine) or MODEL@GPU, "
                    "e.g. llama-3.1-8b@h100")
     p.add_argument("--no-ideal", action="store_true", help="skip the ideal-preemption bound")
@@ -142,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
 
     console = Console()
     real = args.engine == "real"
-    n = args.requests or (150 if real else 2000)
-    rates = [float(x) for x in (args.rates or ("0.5,1,1.5,2,3,4" if real else "0.5,1,2,3,4,6,8")).split(",")]
+    n = args.requests or (100 if real else 1000)
+    rates = [float(x) for x in (args.rates or "1,2,3,4,6,8,10,12,14,16").split(",")]
     scales = [float(x) for x in args.slo_scales.split(",")]
     policies = [x for x in args.policies.split(",") if x]
     for name in policies:
@@ -155,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     base = head(base, n)
     classes = DEFAULT_CLASSES
     runner = Runner(args.engine, EngineConfig(), args.cost)
-    scale_rate = args.scale_rate or rates[len(rates) // 2]
+    scale_rate = args.scale_rate or 2.0
     results: dict[str, list[dict[str, Any]]] = {pol: [] for pol in policies}
     scale_results: dict[str, list[dict[str, Any]]] = {pol: [] for pol in policies}
     try:
@@ -163,9 +168,11 @@ def main(argv: list[str] | None = None) -> int:
             task = progress.add_task("goodput sweep", total=len(policies) * (len(rates) + len(scales)))
             for pol in policies:
                 for rate in rates:
+                    progress.advance(task)
+                    if _collapsed(results[pol]):
+                        continue  # far past its knee: higher rates only cost time
                     progress.update(task, description=f"{pol} @ {rate:g} req/s")
                     results[pol].append(runner.run(pol, scale_to_rate(base, rate), classes, 1.0))
-                    progress.advance(task)
                 for scale in scales:
                     progress.update(task, description=f"{pol} @ SLO scale {scale:g}")
                     pt = runner.run(pol, scale_to_rate(base, scale_rate), classes, scale)

@@ -72,6 +72,13 @@ CONFIGS: dict[str, Callable[[], Any]] = {
 }
 
 
+def _quiet() -> None:
+    """No "Writing model shards" / "Loading weights" progress bars in the test output."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+
+
 def randomize_(model: torch.nn.Module, seed: int, std: float = 0.1) -> None:
     """Every parameter random: matrices N(0, std), norm weights 1 + N(0, 0.1), biases N(0, 0.1)."""
     gen = torch.Generator().manual_seed(seed)
@@ -94,6 +101,7 @@ def build_checkpoint(kind: str, path: str | Path, *, seed: int = 0, max_shard_si
     legacy_rope: rewrite config.json the transformers 4.x way (top-level rope_theta + rope_scaling)."""
     from transformers import AutoModelForCausalLM
 
+    _quiet()
     path = Path(path)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(CONFIGS[kind](), dtype=torch.float32)
@@ -121,6 +129,7 @@ def load_reference(path: str | Path) -> Any:
     """transformers' own model on the checkpoint's weights (fp32, eager attention: the plain math)."""
     from transformers import AutoModelForCausalLM
 
+    _quiet()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     return model.eval()
 
@@ -162,3 +171,17 @@ def write_tokenizer(path: str | Path, vocab_size: int = VOCAB * 3, eos_token: st
         cfg["chat_template"] = chat_template
     (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
     return path
+
+
+# -- named variants: a CONFIGS kind plus how it is saved ---------------------------------------
+
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {kind: (kind, {}) for kind in CONFIGS} | {
+    "llama_sharded": ("llama", {"max_shard_size": "40KB", "seed": 1}),
+    "llama3_rope_legacy": ("llama3_rope", {"legacy_rope": True, "seed": 2}),
+    "qwen2_yarn_legacy": ("qwen2_yarn", {"legacy_rope": True, "seed": 3}),
+}
+
+
+def build_variant(name: str, path: str | Path) -> Path:
+    kind, kwargs = VARIANTS[name]
+    return build_checkpoint(kind, path, **kwargs)

@@ -49,6 +49,7 @@ from engine.kv_cache import KVCache
 from engine.model import LlamaModel, load_model
 from engine.model.loader import default_model, save_checkpoint
 from engine.model.plan import OpCost, SeqSpan
+from engine.predictor import load_cost
 from engine.prefill import PrefillBatch
 from engine.request import Request, SamplingParams
 
@@ -255,7 +256,7 @@ class Bench:
     def model(self) -> tuple[LlamaModel, OpCost, KVCache]:
         if self._model is None:
             model, _ = load_model(self.cfg)
-            cost = OpCost.calibrate(model)
+            cost = load_cost(model)  # the engine's own predictor, so the split is the engine's split
             longest = max([*self.plan.sizes, *self.plan.overhead_sizes], default=512)
             kv = KVCache(model.cfg, self.cfg.kv_block_size, longest + self.cfg.kv_block_size,
                          getattr(torch, self.cfg.dtype), self.cfg.device)
@@ -561,15 +562,15 @@ def plot(results: dict[str, Any], path: Path) -> None:
             for name in r["contenders"]:
                 xs = r["sizes"]
                 med = [r["tokens_per_s"][name][str(n)] for n in xs]
-                lo = [n / max(r["raw_s"][name][str(n)]) for n in xs]
-                hi = [n / min(r["raw_s"][name][str(n)]) for n in xs]
                 ax.plot(xs, med, "o-", color=colors.get(name), label=name, lw=2)
-                ax.fill_between(xs, lo, hi, color=colors.get(name), alpha=0.15, lw=0)
+                for n in xs:  # every repetition, faint: the spread the median hides
+                    reps = [n / t for t in r["raw_s"][name][str(n)]]
+                    ax.scatter([n] * len(reps), reps, color=colors.get(name), s=12, alpha=0.35, lw=0)
             ax.set_xscale("log", base=2)
             ax.set_xticks(r["sizes"], [_label(n) for n in r["sizes"]])
             ax.set_ylim(bottom=0)
             ax.set_xlabel("prompt tokens")
-            ax.set_ylabel("prefill tokens / s (median; band = min..max)")
+            ax.set_ylabel("prefill tokens / s (line: median; dots: repetitions)")
             ax.set_title("Prefill throughput")
             ax.legend(fontsize=8)
         elif panel == "overhead":
@@ -579,12 +580,26 @@ def plot(results: dict[str, Any], path: Path) -> None:
             pos = list(range(len(xs)))
             bars = ax.bar(pos, vals, color=["tab:red" if v > 5 else "tab:blue" for v in vals], width=0.5,
                           label="ratio of medians")
+            # Keep the bars readable: a wild repetition (a descheduled thread) is drawn at the edge.
+            second = [sorted(abs(v) for v in pts)[-2] for pts in paired if len(pts) > 1]
+            hi = max(10.0, *(1.4 * abs(v) for v in vals), *(1.2 * v for v in second))
             for p, pts in zip(pos, paired, strict=True):
-                ax.scatter([p] * len(pts), pts, color="k", s=10, zorder=3,
+                inside = [v for v in pts if -hi <= v <= hi]
+                ax.scatter([p] * len(inside), inside, color="k", s=10, zorder=3,
                            label="per-repetition pair" if p == 0 else None)
+                above, below = sum(v > hi for v in pts), sum(v < -hi for v in pts)
+                if above:
+                    ax.scatter([p], [hi * 0.97], marker="^", color="k", s=25, zorder=3)
+                    ax.annotate(f"{above} off scale", (p, hi * 0.97), xytext=(6, -3), textcoords="offset points",
+                                fontsize=7)
+                if below:
+                    ax.scatter([p], [-hi * 0.97], marker="v", color="k", s=25, zorder=3)
+                    ax.annotate(f"{below} off scale", (p, -hi * 0.97), xytext=(6, -3), textcoords="offset points",
+                                fontsize=7)
+            ax.set_ylim(-hi if min(min(vals), *(min(pts) for pts in paired)) < 0 else 0, hi)
             for b, v in zip(bars, vals, strict=True):
-                ax.annotate(f"{v:+.1f}%", (b.get_x() + b.get_width() / 2, v), ha="center",
-                            va="bottom" if v >= 0 else "top", fontsize=9)
+                ax.annotate(f"{v:+.1f}%", (b.get_x() + b.get_width(), v), xytext=(4, 0), textcoords="offset points",
+                            ha="left", va="center", fontsize=9, fontweight="bold")
             ax.axhline(0, color="k", lw=0.8)
             ax.set_xticks(pos, [_label(n) for n in xs])
             ax.set_xlim(-0.75, len(xs) - 0.25)
@@ -643,7 +658,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes", type=_ints, help="throughput prompt lengths, e.g. 512,2k,8k")
     p.add_argument("--overhead-sizes", type=_ints, help="checkpoint-overhead prompt lengths (default 2k,8k)")
     p.add_argument("--stop-sizes", type=_ints, help="stop-latency prompt lengths (default 512,2k,8k,16k)")
-    p.add_argument("--stop-samples", type=int, help="stop-latency samples per length with the split (default 30)")
+    p.add_argument("--stop-samples", type=int,
+                   help="stop-latency samples per length with the split (default 30, quick 12; "
+                        "fewer without the split, where each sample waits out an operator)")
     p.add_argument("--sections", default=",".join(FULL.sections),
                    help="comma-separated subset of: throughput, overhead, stop")
     p.add_argument("--no-transformers", action="store_true", help="leave the transformers contender out")
@@ -652,16 +669,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def make_plan(args: argparse.Namespace) -> Plan:
+def make_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Plan:
     base = QUICK if args.quick else FULL
     sections = tuple(s.strip() for s in args.sections.split(",") if s.strip())
     unknown = set(sections) - set(FULL.sections)
     if unknown or not sections:
-        raise SystemExit(f"--sections: unknown {sorted(unknown)}; choose from {', '.join(FULL.sections)}")
-    if args.repeats is not None and args.repeats < 1:
-        raise SystemExit("--repeats must be >= 1")
-    if args.stop_samples is not None and args.stop_samples < 1:
-        raise SystemExit("--stop-samples must be >= 1")
+        parser.error(f"--sections: unknown {sorted(unknown)}; choose from {', '.join(FULL.sections)}")
+    for flag in ("repeats", "stop_samples", "threads"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1")
     return Plan(
         sizes=args.sizes or base.sizes,
         overhead_sizes=args.overhead_sizes or base.overhead_sizes,
@@ -686,8 +702,9 @@ def _threads(n: int) -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    plan = make_plan(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    plan = make_plan(args, parser)
     console = Console()
     if not console.is_terminal:  # logs and CI: wide enough for the tables
         console = Console(width=140)

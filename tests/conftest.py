@@ -1,0 +1,43 @@
+"""Shared fixtures."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoints import build_variant
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """tiny_checkpoint(name) -> directory of the random tiny HF checkpoint checkpoints.VARIANTS[name],
+    built once per session. Treat it as read-only: tests that damage a checkpoint build their own."""
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = build_variant(name, tmp_path_factory.mktemp(name))
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def torch_single_thread() -> Iterator[None]:
+    """One intra-op thread for a module's tiny models: on a shared, busy machine torch's spinning
+    worker threads make tiny ops many times slower. Restores the previous setting afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_profile_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Operator profiles measured by tests (tiny models, a busy machine) stay out of ~/.cache."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("FLOWPREFILL_CACHE", str(tmp_path_factory.mktemp("profile-cache")))
+    yield
+    mp.undo()
