@@ -1,0 +1,140 @@
+"""The documentation site builds cleanly, and its reference tables agree with the code.
+
+The configuration reference in docs/engine.md is written by hand (so it can explain each setting) and
+checked here: a new EngineConfig field, a changed default or a new `serve` / `worker` option fails
+this test until the page is updated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.slo import DEFAULT_CLASSES
+from gateway.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+BENCH_MARKER = "<!-- numbers: filled from bench-results/prefill.json -->"
+
+
+def _section(page: str, heading: str) -> str:
+    """The text under `heading` (a full heading line) up to the next heading of any level."""
+    text = (DOCS / page).read_text(encoding="utf-8")
+    lines = text.splitlines()
+    assert heading in lines, f"{page}: heading {heading!r} not found"
+    start = lines.index(heading) + 1
+    end = next((i for i in range(start, len(lines)) if lines[i].startswith("#")), len(lines))
+    return "\n".join(lines[start:end])
+
+
+def _table(section: str) -> list[list[str]]:
+    """Body rows of the first Markdown table in `section`, cells stripped."""
+    rows = [line.strip() for line in section.splitlines() if line.strip().startswith("|")]
+    assert len(rows) >= 2, "no table found"
+    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows[2:]]
+
+
+def _code(cell: str) -> str:
+    """`name` -> name; anything else (e.g. an em dash for 'none') -> ''."""
+    m = re.fullmatch(r"`([^`]*)`", cell)
+    return m.group(1) if m else ""
+
+
+def _cli_options(command: str) -> set[str]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
+        cli_main([command, "--help"])
+    assert exit_info.value.code == 0
+    text = re.sub(r"\x1b\[[0-9;]*m", "", out.getvalue())  # argparse may colour its help
+    return set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text)) - {"--help"}
+
+
+def test_mkdocs_build_strict(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"),
+         "--site-dir", str(site)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240, check=False,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
+    for page in ("index", "quickstart", "concepts", "engine", "deploy", "benchmarks", "architecture"):
+        expected = site / "index.html" if page == "index" else site / page / "index.html"
+        assert expected.is_file(), f"{expected} was not built"
+
+
+def test_engine_settings_table_matches_engine_config() -> None:
+    rows = _table(_section("engine.md", "### Engine settings"))
+    documented = {_code(r[0]): r for r in rows}
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    missing = sorted(set(fields) - set(documented))
+    stale = sorted(set(documented) - set(fields))
+    assert not missing, f"EngineConfig fields missing from docs/engine.md 'Engine settings': {missing}"
+    assert not stale, f"docs/engine.md 'Engine settings' lists fields EngineConfig does not have: {stale}"
+    defaults = EngineConfig()
+    for name, row in documented.items():
+        assert _code(row[2]) == str(getattr(defaults, name)), (
+            f"docs/engine.md: default of {name} is {row[2]}, EngineConfig says {getattr(defaults, name)!r}")
+
+
+@pytest.mark.parametrize("command", ["serve", "worker"])
+def test_cli_options_are_documented(command: str) -> None:
+    engine_rows = _table(_section("engine.md", "### Engine settings"))
+    server_rows = _table(_section("engine.md", "### Server options"))
+    documented = {_code(r[1]) for r in engine_rows} | {_code(r[0]) for r in server_rows}
+    documented.discard("")
+    actual = _cli_options(command)
+    assert not actual - documented, (
+        f"`flowprefill {command}` options missing from docs/engine.md: {sorted(actual - documented)}")
+    assert not documented - actual, (
+        f"docs/engine.md documents options `flowprefill {command}` does not have: {sorted(documented - actual)}")
+
+
+def test_quickstart_has_the_readme_commands_verbatim() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    commands = [line for line in readme.splitlines() if line.startswith("python3 -m venv")]
+    assert len(commands) == 2, "expected the README's two set-up commands"
+    quickstart = (DOCS / "quickstart.md").read_text(encoding="utf-8")
+    for command in commands:
+        assert command in quickstart, f"docs/quickstart.md lacks the README command: {command}"
+
+
+def test_quickstart_slo_classes_match_defaults() -> None:
+    rows = _table(_section("quickstart.md", "## SLO classes"))
+    documented = {_code(r[0]): r for r in rows}
+    assert set(documented) == set(DEFAULT_CLASSES)
+    for name, c in DEFAULT_CLASSES.items():
+        row = documented[name]
+        assert [float(row[1]), float(row[2]), int(row[3]), row[4]] == [
+            c.ttft_ms, c.tbt_ms, c.priority, "yes" if c.sheddable else "no"], f"SLO class {name}"
+
+
+def test_benchmarks_page_has_its_sections_and_markers() -> None:
+    for heading in ("## Prefill throughput vs transformers", "## Checkpoint overhead",
+                    "## Preemption stop latency"):
+        section = _section("benchmarks.md", heading)
+        assert "flowprefill bench prefill" in section, heading
+        assert BENCH_MARKER in section, heading
+
+
+def test_documented_policies_exist() -> None:
+    import engine.scheduler as scheduler
+
+    rows = {_code(r[0]): r for r in _table(_section("engine.md", "### Server options"))}
+    documented = re.findall(r"`([a-z][a-z0-9:N]*)`", rows["--policy"][2])
+    assert documented, "docs/engine.md: the --policy row names no policy"
+    for name in documented:
+        scheduler.make_policy(name.replace("N", "2048"))  # raises ValueError for an unknown policy
+    listed = getattr(scheduler, "POLICIES", ())  # the names make_policy advertises in its errors
+    assert not set(listed) - set(documented), (
+        f"policies missing from docs/engine.md's --policy row: {sorted(set(listed) - set(documented))}")
