@@ -153,8 +153,8 @@ class Engine:
     def _iteration(self) -> None:
         if self._cancels:
             self._process_cancels()
+        batch = self.scheduler.chosen  # read before the clock: a later decision never looks negative
         now = self.clock()
-        batch = self.scheduler.chosen
         if self._decoding and (batch is None or now >= self._next_decode_at):
             try:
                 self._decode_step()

@@ -82,15 +82,15 @@ class LlamaModel:
         """Yields the index of each finished step; returns last-token logits [batch, vocab]
         (or every token's, with all_logits). token_ids[i] are the tokens of spans[i]."""
         c, dev = self.cfg, self.device
-        flat = [t for ids in token_ids for t in ids]
-        positions = torch.tensor([p for s in spans for p in range(s.start, s.start + s.length)], device=dev)
+        # Set-up runs before the first step, outside the step budget: keep it to vectorised work.
+        positions = torch.cat([torch.arange(s.start, s.start + s.length, device=dev) for s in spans])
         slots = torch.cat([kv.slots(bt, s.start, s.start + s.length)
                            for s, bt in zip(spans, block_tables, strict=True)])
         row0 = [0]
         for s in spans:
             row0.append(row0[-1] + s.length)
-        x = self.embed[torch.tensor(flat, device=dev)]
-        n = len(flat)
+        x = self.embed[torch.cat([torch.tensor(ids, dtype=torch.long) for ids in token_ids]).to(dev)]
+        n = x.shape[0]
         q = x.new_empty(n, c.num_attention_heads, c.head_dim)
         k = x.new_empty(n, c.num_key_value_heads, c.head_dim)
         v = torch.empty_like(k)

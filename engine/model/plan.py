@@ -14,6 +14,7 @@ from typing import NamedTuple, overload
 from engine.config import ModelConfig
 
 ATTN_IN, ATTENTION, FFN = "attn_in", "attention", "ffn"
+CAUSAL_BLOCK = 256  # granularity at which attention kernels skip masked work
 
 
 class Step(NamedTuple):
@@ -51,7 +52,9 @@ class OpCost:
         return self.scale * (self.step_overhead_s + max(self.row_step_floor_s, rows * per_row))
 
     def attn_s(self, queries: int, keys: int, causal: bool) -> float:
-        pairs = queries * (keys + 1) / 2 if causal else queries * keys
+        # Causal kernels skip the blocks above the diagonal but compute the diagonal blocks whole:
+        # half the square plus one kernel block's worth (which makes a small diagonal tile cost a full one).
+        pairs = queries * (keys + min(keys, CAUSAL_BLOCK)) / 2 if causal else queries * keys
         return self.scale * (self.step_overhead_s + pairs * self.attn_s_per_pair)
 
     @classmethod
