@@ -41,7 +41,7 @@ class PrefillBatch:
     @classmethod
     def on_model(cls, requests: list[Request], spans: list[SeqSpan], model: LlamaModel, kv: KVCache,
                  cost: OpCost, budget_s: float | None) -> PrefillBatch:
-        steps = plan_prefill(cost, spans, budget_s)
+        steps = plan_prefill(cost, spans, budget_s, last_token_only=True)
         tokens = [r.prompt_token_ids[s.start : s.start + s.length] for r, s in zip(requests, spans, strict=True)]
         run = model.prefill(tokens, spans, [r.block_table for r in requests], kv, steps)
         return cls(requests, spans, steps, run)

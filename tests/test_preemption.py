@@ -346,3 +346,33 @@ def test_ragged_batch_equals_each_request_alone(model: LlamaModel, budget: float
         alone = new_batch([reqs[i]], [SeqSpan(item[1], item[2])], model, kv, budget)
         assert run(alone)
         torch.testing.assert_close(together[i], alone.logits[0], **FP32)
+
+
+# -- the last layer computes what is read --------------------------------------------------------
+
+@pytest.mark.parametrize("budget", [None, BUDGET])
+def test_last_token_only_plan_gives_same_logits_and_kv(model: LlamaModel, budget: float | None) -> None:
+    """The serving plan skips last-layer attention/MLP rows whose outputs are never read; the
+    last-token logits and every layer's KV stay those of the full forward."""
+    from engine.model.plan import plan_prefill
+
+    spans = [SeqSpan(0, 37), SeqSpan(0, 300), SeqSpan(0, 1)]
+    ids = [prompt(s.length, i) for i, s in enumerate(spans)]
+    results = []
+    for last_only in (False, True):
+        kv = fresh_kv()
+        tables = [kv.allocate(s.length) for s in spans]
+        plan = plan_prefill(COST, spans, budget, last_token_only=last_only)
+        logits = drain(model.prefill(ids, spans, tables, kv, plan))
+        kvs = [kv.gather(layer, t, s.length) for t, s in zip(tables, spans, strict=True)
+               for layer in range(CFG.num_hidden_layers)]
+        results.append((plan, logits, kvs))
+    (full, full_logits, full_kv), (trim, trim_logits, trim_kv) = results
+    torch.testing.assert_close(trim_logits, full_logits, rtol=1e-5, atol=1e-6)
+    assert_kv_equal(trim_kv, full_kv)
+    assert trim.total_cost < full.total_cost
+    # The scheduler's closed-form prediction is within rounding of tiles of what the plan costs.
+    assert trim.total_cost == pytest.approx(COST.prefill_s(spans), rel=0.25)
+    steps = list(trim)
+    assert [trim[i] for i in range(len(trim))] == steps
+    assert all(trim.cost_before(i + 1) - trim.cost_before(i) == pytest.approx(steps[i].cost) for i in range(len(trim)))

@@ -80,12 +80,15 @@ class OpCost:
         return self.row_op_s(step.op, step.rows[1] - step.rows[0])
 
     def prefill_s(self, spans: list[SeqSpan]) -> float:
-        """Predicted time of a whole prefill (every layer) of these spans."""
+        """Predicted time of a whole prefill (every layer) of these spans, as the engine plans it
+        (the last layer computes attention and MLP for each sequence's last token only)."""
         rows = sum(s.length for s in spans)
-        per_layer = self.row_op_s(ATTN_IN, rows) + self.row_op_s(FFN, rows)
+        attn_in = self.row_op_s(ATTN_IN, rows)
+        per_layer = attn_in + self.row_op_s(FFN, rows)
         per_layer += sum(self.attn_s(s.length, s.start, False) + self.attn_s(s.length, s.length, True)
                          for s in spans)
-        return per_layer * self.cfg.num_hidden_layers
+        last = attn_in + sum(self.attn_s(1, s.start + s.length, False) + self.row_op_s(FFN, 1) for s in spans)
+        return per_layer * (self.cfg.num_hidden_layers - 1) + last
 
 
 def _blocks(total: int, size: int) -> list[tuple[int, int]]:
@@ -97,27 +100,38 @@ def _fit(budget_s: float, per_unit_s: float, quantum: int) -> int:
 
 
 class Plan(Sequence[Step]):
-    """A batch's steps: the same per-layer sequence repeated for every layer, materialised lazily
-    (a long prompt on a deep model has hundreds of thousands of steps)."""
+    """A batch's steps: one per-layer sequence repeated for every layer but the last, which may
+    have its own (see `plan_prefill`); materialised lazily, since a long prompt on a deep model
+    has hundreds of thousands of steps."""
 
-    def __init__(self, layer_steps: list[Step], num_layers: int) -> None:
+    def __init__(self, layer_steps: list[Step], num_layers: int, last_layer: list[Step] | None = None) -> None:
         self.layer_steps, self.num_layers = layer_steps, num_layers
+        self.last_layer = layer_steps if last_layer is None else last_layer
         self._per_layer = len(layer_steps)
-        self._prefix = [0.0]
-        for s in layer_steps:
-            self._prefix.append(self._prefix[-1] + s.cost)
-        self.total_cost = self._prefix[-1] * num_layers
+        self._body = self._per_layer * (num_layers - 1)  # steps before the last layer
+        self._prefix = _prefix_sums(layer_steps)
+        self._last_prefix = _prefix_sums(self.last_layer)
+        self.total_cost = self._prefix[-1] * (num_layers - 1) + self._last_prefix[-1]
 
     def __len__(self) -> int:
-        return self._per_layer * self.num_layers
+        return self._body + len(self.last_layer)
+
+    def _locate(self, i: int) -> tuple[int, list[Step], int]:
+        if i < self._body:
+            layer, j = divmod(i, self._per_layer)
+            return layer, self.layer_steps, j
+        return self.num_layers - 1, self.last_layer, i - self._body
 
     def cost(self, i: int) -> float:
-        return self.layer_steps[i % self._per_layer].cost
+        _, steps, j = self._locate(i)
+        return steps[j].cost
 
     def cost_before(self, i: int) -> float:
         """Predicted time of steps [0, i)."""
-        layers, j = divmod(i, self._per_layer)
-        return layers * self._prefix[-1] + self._prefix[j]
+        if i <= self._body:
+            layers, j = divmod(i, self._per_layer)
+            return layers * self._prefix[-1] + self._prefix[j]
+        return (self.num_layers - 1) * self._prefix[-1] + self._last_prefix[i - self._body]
 
     def first_step_ending_after(self, t: float) -> int:
         """Index of the step during which cumulative predicted time passes t."""
@@ -141,16 +155,25 @@ class Plan(Sequence[Step]):
             i += len(self)
         if not 0 <= i < len(self):
             raise IndexError(i)
-        return self.layer_steps[i % self._per_layer]._replace(layer=i // self._per_layer)
+        layer, steps, j = self._locate(i)
+        return steps[j]._replace(layer=layer)
 
     def __iter__(self) -> Iterator[Step]:
         for layer in range(self.num_layers):
-            for s in self.layer_steps:
+            for s in self.layer_steps if layer < self.num_layers - 1 else self.last_layer:
                 yield s._replace(layer=layer)
 
 
-def plan_prefill(cost: OpCost, spans: list[SeqSpan], budget_s: float | None) -> Plan:
-    """All steps of a batch's prefill, layer by layer. budget_s=None: one step per operator."""
+def _prefix_sums(steps: list[Step]) -> list[float]:
+    out = [0.0]
+    for s in steps:
+        out.append(out[-1] + s.cost)
+    return out
+
+
+def plan_prefill(cost: OpCost, spans: list[SeqSpan], budget_s: float | None, last_token_only: bool = False) -> Plan:
+    """All steps of a batch's prefill, layer by layer. budget_s=None: one step per operator.
+    last_token_only: only each sequence's last-token logits will be read (what serving needs)."""
     rows = sum(s.length for s in spans)
     starts = [0]
     for s in spans:
@@ -168,17 +191,25 @@ def plan_prefill(cost: OpCost, spans: list[SeqSpan], budget_s: float | None) -> 
             q_block //= 2
         key_tile = max(q_block, _fit(work_s, q_block * cost.attn_s_per_pair, 64))
 
-    layer_steps: list[Step] = []
-    for a, b in _blocks(rows, in_rows):
-        layer_steps.append(Step(0, ATTN_IN, (a, b), cost=cost.row_op_s(ATTN_IN, b - a)))
-    for i, span in enumerate(spans):
-        for qs, qe in _blocks(span.length, q_block):
+    def layer(query_rows: list[tuple[int, int]] | None) -> list[Step]:
+        """One layer's steps; query_rows: per sequence, the rows whose outputs are needed (all if None)."""
+        steps = [Step(0, ATTN_IN, (a, b), cost=cost.row_op_s(ATTN_IN, b - a)) for a, b in _blocks(rows, in_rows)]
+        for i, span in enumerate(spans):
             row0 = starts[i]
-            for ka, kb in _blocks(span.start + qs, key_tile):
-                layer_steps.append(Step(0, ATTENTION, (row0 + qs, row0 + qe), i, (ka, kb),
-                                        cost=cost.attn_s(qe - qs, kb - ka, False)))
-            layer_steps.append(Step(0, ATTENTION, (row0 + qs, row0 + qe), i,
-                                    (span.start + qs, span.start + qe), True, cost.attn_s(qe - qs, qe - qs, True)))
-    for a, b in _blocks(rows, ffn_rows):
-        layer_steps.append(Step(0, FFN, (a, b), cost=cost.row_op_s(FFN, b - a)))
-    return Plan(layer_steps, cost.cfg.num_hidden_layers)
+            q_ranges = _blocks(span.length, q_block) if query_rows is None else [query_rows[i]]
+            for qs, qe in q_ranges:
+                for ka, kb in _blocks(span.start + qs, key_tile):
+                    steps.append(Step(0, ATTENTION, (row0 + qs, row0 + qe), i, (ka, kb),
+                                      cost=cost.attn_s(qe - qs, kb - ka, False)))
+                steps.append(Step(0, ATTENTION, (row0 + qs, row0 + qe), i, (span.start + qs, span.start + qe),
+                                  True, cost.attn_s(qe - qs, qe - qs, True)))
+        ffn_rows_ranges = (_blocks(rows, ffn_rows) if query_rows is None
+                           else [(starts[i] + qs, starts[i] + qe) for i, (qs, qe) in enumerate(query_rows)])
+        steps += [Step(0, FFN, (a, b), cost=cost.row_op_s(FFN, b - a)) for a, b in ffn_rows_ranges]
+        return steps
+
+    body = layer(None)
+    # The last layer's attention and MLP outputs are read only at each sequence's last token (its
+    # logits); its K/V are still written for every token.
+    last = layer([(s.length - 1, s.length) for s in spans]) if last_token_only else None
+    return Plan(body, cost.cfg.num_hidden_layers, last)

@@ -75,7 +75,7 @@ def simulate(requests: list[Request], policy: Policy, cost: OpCost, cfg: SimConf
         for r in reqs:
             if not r.block_table:
                 r.block_table = pool.allocate(r.max_total_tokens)
-        steps = plan_prefill(cost, spans, cfg.step_budget_s)
+        steps = plan_prefill(cost, spans, cfg.step_budget_s, last_token_only=True)
         return PrefillBatch(reqs, spans, steps, VirtualRun(len(steps)))  # type: ignore[arg-type]
 
     sched = Scheduler(policy, make_batch, cost, pool, cfg.max_batch_tokens, clock)
