@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,8 @@ from engine.model.plan import OpCost, SeqSpan
 from engine.predictor import load_cost
 from engine.prefill import PrefillBatch
 from engine.request import Request, SamplingParams
+
+BASE_CONFIG = EngineConfig()  # main() replaces it with the command line's settings
 
 STOP_TARGET_MS = 5.0  # what a preemption should cost at most (the line on the plot)
 URGENT_PROMPT_TOKENS = 32
@@ -248,7 +250,7 @@ class Bench:
     workdir: Path
 
     def __post_init__(self) -> None:
-        self.cfg = EngineConfig()
+        self.cfg = BASE_CONFIG
         self.budget_s = self.cfg.step_budget_ms / 1000
         self.gen = torch.Generator().manual_seed(self.seed)
         self._model: tuple[LlamaModel, OpCost, KVCache] | None = None
@@ -405,7 +407,7 @@ class Bench:
                                "long_ttft_target_s": LONG_TTFT_S, "modes": {}}
         for mode, preemptible in (("split", True), ("unsplit", False)):
             self.progress.update(task, description=f"stop latency: engine start ({mode})")
-            engine = Engine(EngineConfig(preemptible=preemptible), policy="flowprefill").start()
+            engine = Engine(replace(BASE_CONFIG, preemptible=preemptible), policy="flowprefill").start()
             per: dict[str, Any] = {"budget_s": engine.budget_s, "calibration": _cost_dict(engine.cost)}
             try:
                 self._warm_up(engine)
@@ -666,6 +668,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-transformers", action="store_true", help="leave the transformers contender out")
     p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step-budget-ms", type=float, default=EngineConfig().step_budget_ms,
+                   help="the engine's step budget for the split (default: EngineConfig's)")
     return p
 
 
@@ -711,6 +715,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir: Path = args.out
     out_dir.mkdir(parents=True, exist_ok=True)
     threads = args.threads or _cpu_count()
+    global BASE_CONFIG
+    BASE_CONFIG = EngineConfig(step_budget_ms=args.step_budget_ms)
     started, t_start = dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), time.monotonic()
     argv_used = sys.argv[1:] if argv is None else list(argv)
     invoked = getattr(sys, "orig_argv", sys.argv) if argv is None else ["flowprefill", "bench", "prefill", *argv_used]
@@ -722,7 +728,7 @@ def main(argv: list[str] | None = None) -> int:
             "started_at": started,
             "machine": machine_info(),
             "config": {"quick": args.quick, "seed": args.seed, "plan": asdict(plan),
-                       "engine_config": asdict(EngineConfig()), "step_budget_ms": EngineConfig().step_budget_ms},
+                       "engine_config": asdict(BASE_CONFIG), "step_budget_ms": BASE_CONFIG.step_budget_ms},
         }
         results["config"]["model"] = asdict(default_model(EngineConfig().seed)[0])
         console.print(f"[bold]FlowPrefill prefill bench[/] · {results['machine']['cpu_count']} CPUs, "
