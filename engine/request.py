@@ -90,6 +90,9 @@ class Request(msgspec.Struct, kw_only=True):
     state: RequestState = RequestState.WAITING
     block_table: list[int] = []
     num_computed_tokens: int = 0  # prompt tokens whose KV is in the cache (chunked prefill progress)
+    # Set on arrival when even running it next could not meet the deadline: the gateway sheds such
+    # a request if its class is sheddable; the engine still serves it (after the feasible ones).
+    predicted_miss: bool = False
     output_token_ids: list[int] = []
     prefill_start: float | None = None  # first time its batch ran
     first_token_time: float | None = None

@@ -91,6 +91,8 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         headers = {"x-slo-class": slo.name, "x-request-id": rid}
+        if req.predicted_miss:  # served anyway, after feasible requests; a gateway may shed instead
+            headers["x-flowprefill-predicted-miss"] = "true"
         model = model_name
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)

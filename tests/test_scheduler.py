@@ -79,6 +79,7 @@ def test_sedf_orders_feasible_by_deadline_then_hopeless() -> None:
     soon = req("soon", 100, "standard", 0.0)
     for r in (hopeless, late, soon):
         s.on_arrival(r)
+    assert hopeless.predicted_miss and not (late.predicted_miss or soon.predicted_miss)  # flagged at arrival
     order = []
     batch = s.chosen
     while batch is not None:

@@ -48,6 +48,7 @@ class Scheduler:
 
     # -- events --------------------------------------------------------------------------------
     def on_arrival(self, req: Request) -> None:
+        req.predicted_miss = req.deadline - self.clock() - self.predict_s(req) < 0
         self.waiting.append(req)
         self._decide()
 
