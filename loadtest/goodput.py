@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from engine.bench.machine import machine_info
 from engine.config import EngineConfig
 from engine.model.plan import OpCost
 from engine.request import Request, SamplingParams
@@ -190,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         extra={"slo_scale_sweep": {"rate": scale_rate, "policies": scale_results,
                                    "tightest_scale_at_target": scale_needed},
                "cost_model": args.cost if args.engine == "sim" else "cpu (measured)",
+               "machine": machine_info(),
                "command": "flowprefill bench goodput " + " ".join(argv or [])})
     fp, sn = scale_needed.get("flowprefill"), scale_needed
     for base_pol in ("chunked:2048", "chunked:8192"):

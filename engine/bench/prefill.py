@@ -23,7 +23,6 @@ import datetime as dt
 import gc
 import json
 import os
-import platform
 import random
 import shlex
 import statistics
@@ -43,6 +42,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from engine.bench.machine import cpu_count, machine_info
+from engine.bench.prefill_plot import HF, PREEMPTIBLE, UNSPLIT, plot, size_label
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.kv_cache import KVCache
@@ -61,7 +62,6 @@ URGENT_TTFT_S = 0.25
 LONG_TTFT_S = 3600.0  # the long request never becomes urgent itself
 MIN_INJECTION_GAP_S = 0.02  # mean spacing of urgent arrivals within one long prefill
 
-UNSPLIT, PREEMPTIBLE, HF = "ours unsplit", "ours preemptible", "transformers"
 
 
 @dataclass(frozen=True)
@@ -104,56 +104,12 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(values)
 
 
-def _label(n: int) -> str:
-    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
-
-
 def _pct(samples: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(samples, dtype=float), q)) if samples else float("nan")
 
 
 def _median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
-
-
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def machine_info() -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "cpu_count": _cpu_count(),
-        "os_cpu_count": os.cpu_count(),
-        "cpu_model": _cpu_model(),
-        "torch_version": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "torch_interop_threads": torch.get_num_interop_threads(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "hostname": platform.node(),
-    }
-    with suppress(OSError):
-        info["loadavg_at_start"] = os.getloadavg()
-    try:
-        import transformers
-
-        info["transformers_version"] = transformers.__version__
-    except ImportError:
-        info["transformers_version"] = None
-    return info
 
 
 def _prompt(n: int, vocab: int, gen: torch.Generator) -> list[int]:
@@ -286,7 +242,7 @@ class Bench:
         steps: dict[str, dict[str, int]] = {name: {} for name in ours}
         check: dict[str, Any] = {}
         for n in sizes:
-            self.progress.update(task, description=f"throughput {_label(n)}")
+            self.progress.update(task, description=f"throughput {size_label(n)}")
             ids = _prompt(n, model.cfg.vocab_size, self.gen)
             table = kv.allocate(n)
             try:
@@ -335,7 +291,7 @@ class Bench:
             t.add_column(f"{name.removeprefix('ours ')}\n/ transformers", justify="right")
         for n in r["sizes"]:
             k = str(n)
-            row = [_label(n)]
+            row = [size_label(n)]
             row += [f"{r['tokens_per_s'][name][k]:,.0f} ({r['median_s'][name][k] * 1e3:,.1f})"
                     for name in r["contenders"]]
             for per in r["ratio_vs_transformers"].values():
@@ -346,7 +302,7 @@ class Bench:
         if r["agreement"]:
             diffs = ", ".join(f"{k.removeprefix('max_abs_logit_diff_')}: {v:.2e}"
                               for k, v in r["agreement"].items() if k != "tokens")
-            self.console.print(f"  max |logit diff| vs ours unsplit at {_label(r['agreement']['tokens'])}: {diffs}")
+            self.console.print(f"  max |logit diff| vs ours unsplit at {size_label(r['agreement']['tokens'])}: {diffs}")
 
     def overhead(self) -> dict[str, Any]:
         model, cost, kv = self.model()
@@ -356,7 +312,7 @@ class Bench:
         task = self.progress.add_task("overhead", total=len(sizes) * (self.plan.repeats + 1) * 2)
         out: dict[str, Any] = {"sizes": list(sizes), "step_budget_ms": self.cfg.step_budget_ms, "per_size": {}}
         for n in sizes:
-            self.progress.update(task, description=f"overhead {_label(n)}")
+            self.progress.update(task, description=f"overhead {size_label(n)}")
             ids = _prompt(n, model.cfg.vocab_size, self.gen)
             table = kv.allocate(n)
             try:
@@ -387,7 +343,7 @@ class Bench:
         for n in r["sizes"]:
             p = r["per_size"][str(n)]
             pct = p["overhead_pct"]
-            t.add_row(_label(n), f"{p['steps_preemptible']} / {p['steps_off']}", f"{p['median_off_s'] * 1e3:,.1f}",
+            t.add_row(size_label(n), f"{p['steps_preemptible']} / {p['steps_off']}", f"{p['median_off_s'] * 1e3:,.1f}",
                       f"{p['median_preemptible_s'] * 1e3:,.1f}",
                       f"[{'green' if pct <= 5 else 'red'}]{pct:+.1f}%[/]", f"{p['median_paired_overhead_pct']:+.1f}%")
         self.console.print(t)
@@ -412,7 +368,7 @@ class Bench:
             try:
                 self._warm_up(engine)
                 for n in sizes:
-                    self.progress.update(task, description=f"stop latency {_label(n)} {mode}")
+                    self.progress.update(task, description=f"stop latency {size_label(n)} {mode}")
                     per[str(n)] = self._stop_cell(engine, n, targets[mode][n], rng, task)
             finally:
                 engine.shutdown()
@@ -502,7 +458,7 @@ class Bench:
             for col in ("n", "p50 ms", "p99 ms", "max ms", "urgent TTFT p99"):
                 t.add_column(f"{mode}\n{col}", justify="right")
         for n in r["sizes"]:
-            row = [_label(n)]
+            row = [size_label(n)]
             for per in r["modes"].values():
                 c = per[str(n)]
                 ok = c["p99_ms"] <= STOP_TARGET_MS
@@ -542,110 +498,6 @@ def _finite(x: Any) -> Any:
 def _cost_dict(cost: OpCost) -> dict[str, float]:
     return {"attn_in_s_per_row": cost.attn_in_s_per_row, "ffn_s_per_row": cost.ffn_s_per_row,
             "attn_s_per_pair": cost.attn_s_per_pair, "step_overhead_s": cost.step_overhead_s}
-
-
-# -- the plot --------------------------------------------------------------------------------------------
-def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [k for k in ("throughput", "overhead", "stop_latency") if k in results]
-    if not panels:
-        return
-    widths = {"throughput": 1.2, "overhead": 0.7, "stop_latency": 1.4}
-    fig, axes = plt.subplots(1, len(panels), figsize=(max(9.0, 5.2 * sum(widths[p] for p in panels)), 5.0),
-                             gridspec_kw={"width_ratios": [widths[p] for p in panels]}, squeeze=False)
-    colors = {UNSPLIT: "tab:orange", PREEMPTIBLE: "tab:blue", HF: "tab:gray"}
-    for ax, panel in zip(axes[0], panels, strict=True):
-        r = results[panel]
-        if panel == "throughput":
-            for name in r["contenders"]:
-                xs = r["sizes"]
-                med = [r["tokens_per_s"][name][str(n)] for n in xs]
-                ax.plot(xs, med, "o-", color=colors.get(name), label=name, lw=2)
-                for n in xs:  # every repetition, faint: the spread the median hides
-                    reps = [n / t for t in r["raw_s"][name][str(n)]]
-                    ax.scatter([n] * len(reps), reps, color=colors.get(name), s=12, alpha=0.35, lw=0)
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(r["sizes"], [_label(n) for n in r["sizes"]])
-            ax.set_ylim(bottom=0)
-            ax.set_xlabel("prompt tokens")
-            ax.set_ylabel("prefill tokens / s (line: median; dots: repetitions)")
-            ax.set_title("Prefill throughput")
-            ax.legend(fontsize=8)
-        elif panel == "overhead":
-            xs = r["sizes"]
-            vals = [r["per_size"][str(n)]["overhead_pct"] for n in xs]
-            paired = [r["per_size"][str(n)]["paired_overhead_pct"] for n in xs]
-            pos = list(range(len(xs)))
-            bars = ax.bar(pos, vals, color=["tab:red" if v > 5 else "tab:blue" for v in vals], width=0.5,
-                          label="ratio of medians")
-            # Keep the bars readable: a wild repetition (a descheduled thread) is drawn at the edge.
-            second = [sorted(abs(v) for v in pts)[-2] for pts in paired if len(pts) > 1]
-            hi = max(10.0, *(1.4 * abs(v) for v in vals), *(1.2 * v for v in second))
-            for p, pts in zip(pos, paired, strict=True):
-                inside = [v for v in pts if -hi <= v <= hi]
-                ax.scatter([p] * len(inside), inside, color="k", s=10, zorder=3,
-                           label="per-repetition pair" if p == 0 else None)
-                above, below = sum(v > hi for v in pts), sum(v < -hi for v in pts)
-                if above:
-                    ax.scatter([p], [hi * 0.97], marker="^", color="k", s=25, zorder=3)
-                    ax.annotate(f"{above} off scale", (p, hi * 0.97), xytext=(6, -3), textcoords="offset points",
-                                fontsize=7)
-                if below:
-                    ax.scatter([p], [-hi * 0.97], marker="v", color="k", s=25, zorder=3)
-                    ax.annotate(f"{below} off scale", (p, -hi * 0.97), xytext=(6, -3), textcoords="offset points",
-                                fontsize=7)
-            ax.set_ylim(-hi if min(min(vals), *(min(pts) for pts in paired)) < 0 else 0, hi)
-            for b, v in zip(bars, vals, strict=True):
-                ax.annotate(f"{v:+.1f}%", (b.get_x() + b.get_width(), v), xytext=(4, 0), textcoords="offset points",
-                            ha="left", va="center", fontsize=9, fontweight="bold")
-            ax.axhline(0, color="k", lw=0.8)
-            ax.set_xticks(pos, [_label(n) for n in xs])
-            ax.set_xlim(-0.75, len(xs) - 0.25)
-            ax.set_xlabel("prompt tokens")
-            ax.set_ylabel("preemptible vs checkpoints off (% slower)")
-            ax.set_title(f"Checkpoint overhead ({r['step_budget_ms']:g} ms steps)")
-            ax.legend(fontsize=8)
-        else:
-            xs = r["sizes"]
-            styles = {"split": ("tab:blue", "with split"), "unsplit": ("tab:orange", "without split")}
-            for mode, per in r["modes"].items():
-                color, name = styles[mode]
-                have = [n for n in xs if per[str(n)]["n"]]
-                for n in have:
-                    ms = per[str(n)]["samples_ms"]
-                    jitter = np.exp(np.random.default_rng(n).uniform(-0.06, 0.06, len(ms)))
-                    ax.scatter(np.asarray([n] * len(ms)) * jitter, np.maximum(ms, 1e-3), color=color, s=10,
-                               alpha=0.35, lw=0)
-                ax.plot(have, [per[str(n)]["p50_ms"] for n in have], "o-", color=color, lw=2, label=f"{name} p50")
-                ax.plot(have, [per[str(n)]["p99_ms"] for n in have], "s--", color=color, lw=1.5,
-                        label=f"{name} p99")
-            ax.axhline(r["target_ms"], color="tab:red", ls=":", lw=1.5, label=f"{r['target_ms']:g} ms target")
-            budget = r["modes"].get("split", {}).get("budget_s")
-            if budget:
-                ax.axhline(budget * 1e3, color="tab:blue", ls=":", lw=1, alpha=0.6,
-                           label=f"{budget * 1e3:g} ms step budget")
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xticks(xs, [_label(n) for n in xs])
-            ax.set_xlabel("prompt tokens of the preempted prefill")
-            ax.set_ylabel("stop latency (ms, log)")
-            ax.set_title("Preemption stop latency (engine, flowprefill)")
-            ax.legend(fontsize=8, loc="upper left")
-        ax.grid(True, which="major", alpha=0.3)
-    m = results["machine"]
-    load = m.get("loadavg_at_start")
-    fig.suptitle(f"FlowPrefill prefill bench · default model{' · QUICK' if results['config']['quick'] else ''}\n"
-                 f"{m['cpu_count']} CPUs ({m['cpu_model']}), "
-                 f"{m['torch_threads']} torch threads, torch {m['torch_version']}"
-                 f"{f' · load avg {load[0]:.1f}' if load else ''}"
-                 f" · {results['started_at'][:16]}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 # -- CLI -------------------------------------------------------------------------------------------------
@@ -714,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
         console = Console(width=140)
     out_dir: Path = args.out
     out_dir.mkdir(parents=True, exist_ok=True)
-    threads = args.threads or _cpu_count()
+    threads = args.threads or cpu_count()
     global BASE_CONFIG
     BASE_CONFIG = EngineConfig(step_budget_ms=args.step_budget_ms)
     started, t_start = dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), time.monotonic()
