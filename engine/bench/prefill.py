@@ -262,8 +262,10 @@ class Bench:
         tok_s = {name: {k: int(k) / s for k, s in per.items()} for name, per in median_s.items()}
         ratio = ({name: {k: tok_s[name][k] / tok_s[HF][k] for k in tok_s[name]} for name in (UNSPLIT, PREEMPTIBLE)}
                  if HF in tok_s else {})
+        # The TTFT predictor's closed form against what was measured (engine/predictor.py).
+        predicted_s = {str(n): cost.prefill_s([SeqSpan(0, n)]) for n in sizes}
         result = {"sizes": list(sizes), "contenders": list(runners), "transformers_note": note,
-                  "raw_s": raw, "median_s": median_s, "tokens_per_s": tok_s,
+                  "raw_s": raw, "median_s": median_s, "tokens_per_s": tok_s, "predicted_s": predicted_s,
                   "ratio_vs_transformers": ratio, "steps": steps, "agreement": check,
                   "transformers_setup": {"dtype": "float32", "attn_implementation": "sdpa",
                                          "inference_mode": True, "logits_to_keep": 1, "use_cache": True},
@@ -289,6 +291,7 @@ class Bench:
             t.add_column(f"{name.removeprefix('ours ')}\ntok/s (ms)", justify="right")
         for name in r["ratio_vs_transformers"]:
             t.add_column(f"{name.removeprefix('ours ')}\n/ transformers", justify="right")
+        t.add_column("predicted ms\n(error vs unsplit)", justify="right")
         for n in r["sizes"]:
             k = str(n)
             row = [size_label(n)]
@@ -297,6 +300,8 @@ class Bench:
             for per in r["ratio_vs_transformers"].values():
                 x = per[k]
                 row.append(f"[{'green' if x >= 1 else 'red'}]{x:.2f}x[/]")
+            pred, meas = r["predicted_s"][k], r["median_s"][UNSPLIT][k]
+            row.append(f"{pred * 1e3:,.1f} ({(pred - meas) / meas:+.0%})")
             t.add_row(*row)
         self.console.print(t)
         if r["agreement"]:
