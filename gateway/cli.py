@@ -51,12 +51,103 @@ def _run_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _worker_argv(args: argparse.Namespace, port: int, threads: int | None) -> list[str]:
+    argv = [sys.executable, "-m", "gateway.cli", "worker", "--host", "127.0.0.1", "--port", str(port),
+            "--policy", args.policy, "--device", args.device, "--dtype", args.dtype,
+            "--attention-backend", args.attention_backend, "--kv-capacity-tokens", str(args.kv_capacity_tokens),
+            "--kv-block-size", str(args.kv_block_size), "--max-batch-tokens", str(args.max_batch_tokens),
+            "--step-budget-ms", str(args.step_budget_ms)]
+    if args.model:
+        argv += ["--model", args.model]
+    if threads:
+        argv += ["--threads", str(threads)]
+    return argv
+
+
+def _exit_on_sigterm() -> None:
+    """uvicorn re-raises SIGTERM after its graceful shutdown; exit through Python instead, so
+    `finally` blocks (stopping child workers) run."""
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    """Gateway in this process, engine workers as child processes on the next ports."""
+    import os
+    import subprocess
+    import time
+
+    import httpx
+    from rich.console import Console
+
+    if args.workers < 1:
+        raise SystemExit("--workers must be >= 1")
+    _exit_on_sigterm()
+    console = Console(stderr=True)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
+    ports = [args.port + 1 + i for i in range(args.workers)]
+    children = [subprocess.Popen(_worker_argv(args, p, threads)) for p in ports]
+    try:
+        with console.status(f"starting {args.workers} engine worker(s)…"):
+            deadline = time.monotonic() + 180
+            for child, port in zip(children, ports, strict=True):
+                while True:
+                    if child.poll() is not None:
+                        raise SystemExit(f"engine worker on port {port} exited with code {child.returncode}")
+                    try:
+                        if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                            break
+                    except httpx.HTTPError:
+                        pass
+                    if time.monotonic() > deadline:
+                        raise SystemExit(f"engine worker on port {port} did not become healthy")
+                    time.sleep(0.2)
+        args.workers_urls = [f"http://127.0.0.1:{p}" for p in ports]
+        return _run_gateway(args, console)
+    finally:
+        for child in children:
+            child.terminate()
+        for child in children:
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+
+
+def _run_gateway(args: argparse.Namespace, console: object = None) -> int:
+    import uvicorn
+    from rich.console import Console
+
+    from gateway.app import create_gateway_app
+    from gateway.config import GatewayConfig
+
+    console = console or Console(stderr=True)
+    cfg = GatewayConfig.load(args.config, args.workers_urls)
+    app = create_gateway_app(cfg)
+    url = f"http://{args.host}:{args.port}"
+    console.print(f"[bold green]FlowPrefill[/] gateway at [link={url}/v1]{url}/v1[/] → "  # type: ignore[attr-defined]
+                  f"{', '.join(cfg.workers)}")
+    print(url, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll is noise
     parser = argparse.ArgumentParser(prog="flowprefill", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="serve the OpenAI API on this machine (embedded model by default)")
+    serve = sub.add_parser("serve", help="gateway + engine worker(s) on this machine (embedded model by default)")
     _engine_args(serve)
+    serve.add_argument("--workers", type=int, default=1, help="engine worker processes (ports after --port)")
+    serve.add_argument("--config", default=None, help="gateway TOML: SLO classes, API keys, rules")
+    gateway = sub.add_parser("gateway", help="the SLO gateway alone, in front of running workers")
+    gateway.add_argument("--workers", dest="workers_urls", required=True, type=lambda s: s.split(","),
+                         help="comma-separated worker base URLs (flowprefill workers or any OpenAI server)")
+    gateway.add_argument("--config", default=None, help="gateway TOML: SLO classes, API keys, rules")
+    gateway.add_argument("--host", default="127.0.0.1")
+    gateway.add_argument("--port", type=int, default=8000)
     worker = sub.add_parser("worker", help="run one engine worker (OpenAI API + /load, /health, /metrics)")
     _engine_args(worker)
     bench = sub.add_parser("bench", help="benchmarks")
@@ -76,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
         return prefill.main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "serve":
+        return _run_serve(args)
+    if args.command == "gateway":
+        return _run_gateway(args)
     return _run_worker(args)
 
 

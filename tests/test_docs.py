@@ -87,11 +87,16 @@ def test_engine_settings_table_matches_engine_config() -> None:
             f"docs/engine.md: default of {name} is {row[2]}, EngineConfig says {getattr(defaults, name)!r}")
 
 
-@pytest.mark.parametrize("command", ["serve", "worker"])
+@pytest.mark.parametrize("command", ["serve", "worker", "gateway"])
 def test_cli_options_are_documented(command: str) -> None:
     engine_rows = _table(_section("engine.md", "### Engine settings"))
     server_rows = _table(_section("engine.md", "### Server options"))
-    documented = {_code(r[1]) for r in engine_rows} | {_code(r[0]) for r in server_rows}
+    gateway_rows = _table(_section("engine.md", "### Gateway options"))
+    documented = {_code(r[0]) for r in gateway_rows if f"`{command}`" in r[1]}
+    if command == "gateway":
+        documented |= {"--host", "--port"}
+    else:
+        documented |= {_code(r[1]) for r in engine_rows} | {_code(r[0]) for r in server_rows}
     documented.discard("")
     actual = _cli_options(command)
     assert not actual - documented, (

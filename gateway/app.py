@@ -1,0 +1,147 @@
+"""The Litestar SLO gateway: classify, stamp a deadline, route, forward (streaming or not)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import msgspec
+from litestar import Litestar, Request, Response, get, post
+from litestar.response import Stream
+
+from engine.openai_api import error_body, new_id
+from gateway.classify import ClassificationError, classify
+from gateway.config import GatewayConfig
+from gateway.routing import Worker, WorkerPool
+
+FORWARDED_HEADERS = ("traceparent", "tracestate", "content-type")
+
+
+class GatewayError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.type, self.param, self.headers = status, type_, param, headers or {}
+
+
+def _error(_: Request, exc: GatewayError) -> Response:
+    return Response(error_body(str(exc), exc.type, exc.param), status_code=exc.status, headers=exc.headers)
+
+
+def create_gateway_app(cfg: GatewayConfig) -> Litestar:
+    client = httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout_s, connect=2.0),
+                               limits=httpx.Limits(max_connections=512, max_keepalive_connections=128))
+    pool = WorkerPool(cfg.workers, client)
+
+    async def forward(request: Request, path: str) -> Response | Stream:
+        arrival = time.monotonic()
+        raw = await request.body()
+        try:
+            body = msgspec.json.decode(raw)
+        except msgspec.DecodeError:
+            raise GatewayError(400, "request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise GatewayError(400, "request body must be a JSON object")
+        api_key = _bearer(request.headers.get("authorization"))
+        if cfg.api_keys and api_key not in cfg.api_keys:
+            raise GatewayError(401, "invalid API key", "authentication_error")
+        try:
+            slo = classify(cfg, request.headers, body, api_key)
+        except ClassificationError as exc:
+            raise GatewayError(400, str(exc), param=exc.param) from None
+        rid = request.headers.get("x-request-id") or new_id("cmpl")
+        ours = {"x-slo-class": slo.name, "x-request-id": rid}
+        elapsed_ms = (time.monotonic() - arrival) * 1000
+        upstream_headers = {h: v for h in FORWARDED_HEADERS if (v := request.headers.get(h))}
+        upstream_headers |= {"x-slo-class": slo.name, "x-request-id": rid,
+                             # the deadline was fixed at gateway arrival: the worker gets what is left
+                             "x-slo-ttft-ms": f"{max(1.0, slo.ttft_ms - elapsed_ms):.3f}"}
+        tried: set[str] = set()
+        if pool.pick() is None:  # every worker looked down at the last poll: look again before refusing
+            await pool.poll_once()
+        while (worker := pool.pick(tried)) is not None:
+            tried.add(worker.url)
+            worker.in_flight += 1
+            try:
+                up = await client.send(client.build_request("POST", f"{worker.url}{path}", content=raw,
+                                                            headers=upstream_headers), stream=True)
+            except httpx.HTTPError:
+                worker.in_flight -= 1
+                pool.mark_failed(worker)
+                continue  # nothing was sent to the client yet: retry elsewhere
+            if up.status_code >= 500:
+                await up.aclose()
+                worker.in_flight -= 1
+                pool.mark_failed(worker)
+                continue
+            headers = ours | {k: v for k, v in up.headers.items()
+                              if k in ("content-type", "x-flowprefill-predicted-miss")}
+            if body.get("stream"):
+                return Stream(_relay(up, worker), status_code=up.status_code, headers=headers,
+                              media_type=up.headers.get("content-type", "text/event-stream"))
+            try:
+                content = await up.aread()
+            except httpx.HTTPError:
+                pool.mark_failed(worker)
+                raise GatewayError(502, f"worker {worker.url} failed mid-response", "server_error",
+                                   headers=ours) from None
+            finally:
+                await up.aclose()
+                worker.in_flight -= 1
+            return Response(content, status_code=up.status_code, headers=headers,
+                            media_type=up.headers.get("content-type", "application/json"))
+        raise GatewayError(503, "no healthy worker", "server_error",
+                           headers=ours | {"retry-after": "1", "x-flowprefill-dropped-reason": "no_healthy_worker"})
+
+    @post("/v1/completions", status_code=200)
+    async def completions(request: Request) -> Any:
+        return await forward(request, "/v1/completions")
+
+    @post("/v1/chat/completions", status_code=200)
+    async def chat_completions(request: Request) -> Any:
+        return await forward(request, "/v1/chat/completions")
+
+    @get("/v1/models")
+    async def models() -> Any:
+        worker = pool.pick()
+        if worker is None:
+            raise GatewayError(503, "no healthy worker", "server_error", headers={"retry-after": "1"})
+        r = await client.get(f"{worker.url}/v1/models")
+        return Response(r.content, status_code=r.status_code, media_type="application/json")
+
+    @get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "workers": {w.url: w.healthy for w in pool.workers}}
+
+    async def startup() -> None:
+        await pool.poll_once()
+        pool.start()
+
+    async def shutdown() -> None:
+        await pool.stop()
+        await client.aclose()
+
+    return Litestar(route_handlers=[completions, chat_completions, models, health],
+                    exception_handlers={GatewayError: _error}, on_startup=[startup], on_shutdown=[shutdown],
+                    request_max_body_size=cfg.max_body_bytes)
+
+
+def _bearer(value: str | None) -> str | None:
+    if value and value.lower().startswith("bearer "):
+        return value[7:].strip() or None
+    return None
+
+
+async def _relay(up: httpx.Response, worker: Worker) -> AsyncIterator[bytes]:
+    """Pass the worker's SSE through; a stream cut by a dead worker ends with a clean error event."""
+    try:
+        async for chunk in up.aiter_raw():
+            yield chunk
+    except httpx.HTTPError:
+        err = error_body(f"worker {worker.url} went away mid-stream", "server_error")
+        yield b"data: " + msgspec.json.encode(err) + b"\n\ndata: [DONE]\n\n"
+    finally:  # also when our client went away: closing the upstream cancels the engine's work
+        await up.aclose()
+        worker.in_flight -= 1

@@ -1,0 +1,61 @@
+"""SLO classification precedence and API-key ceilings (SPEC: HTTP)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.classify import ClassificationError, classify
+from gateway.config import APIKey, GatewayConfig, LengthRule
+
+
+def cfg(**kw: object) -> GatewayConfig:
+    c = GatewayConfig(**kw)  # type: ignore[arg-type]
+    c.check()
+    return c
+
+
+def test_precedence() -> None:
+    c = cfg(api_keys={"k": APIKey(default_class="relaxed")}, rules=[LengthRule(10, "interactive")])
+    body = {"prompt": "short", "service_tier": "batch"}
+    both = {"x-slo-class": "standard", "x-gateway-inference-objective": "batch"}
+    assert classify(c, both, body, "k").name == "standard"
+    assert classify(c, {"x-gateway-inference-objective": "batch", "x-slo-ttft-ms": "100"}, body, "k").name == "batch"
+    explicit = classify(c, {"x-slo-ttft-ms": "300"}, body, "k")
+    assert explicit.ttft_ms == 300 and explicit.name == "standard"  # the tightest class meeting 300 ms
+    assert classify(c, {}, body, "k").name == "batch"  # service_tier
+    assert classify(c, {}, {"prompt": "short"}, "k").name == "relaxed"  # the key's default
+    assert classify(c, {}, {"prompt": "short"}, None).name == "interactive"  # rules
+    assert classify(c, {}, {"prompt": "x" * 400}, None).name == "standard"  # the default class
+
+
+def test_ceiling_caps_never_escalates() -> None:
+    c = cfg(api_keys={"cheap": APIKey(ceiling="relaxed")})
+    assert classify(c, {"x-slo-class": "interactive"}, {}, "cheap").name == "relaxed"
+    assert classify(c, {"x-slo-class": "batch"}, {}, "cheap").name == "batch"
+
+
+def test_bad_values() -> None:
+    c = cfg()
+    with pytest.raises(ClassificationError, match="unknown SLO class"):
+        classify(c, {"x-slo-class": "gold"}, {}, None)
+    for bad in ("fast", "-5", "0"):
+        with pytest.raises(ClassificationError):
+            classify(c, {"x-slo-ttft-ms": bad}, {}, None)
+
+
+def test_toml_config(tmp_path: Path) -> None:
+    p = tmp_path / "gw.toml"
+    p.write_text('default_class = "relaxed"\nworkers = ["http://127.0.0.1:9"]\n'
+                 '[classes.premium]\nttft_ms = 100\ntbt_ms = 50\npriority = 9\n'
+                 '[classes.relaxed]\nttft_ms = 4000\ntbt_ms = 200\npriority = 1\n'
+                 '[api_keys.abc]\nceiling = "relaxed"\n')
+    c = GatewayConfig.load(p)
+    assert c.classes["premium"].priority == 9 and c.api_keys["abc"].ceiling == "relaxed"
+    p.write_text('default_class = "nope"\n')
+    with pytest.raises(ValueError, match="unknown SLO class"):
+        GatewayConfig.load(p)
+    p.write_text('request_timeout_s = "long"\n')
+    with pytest.raises(ValueError):
+        GatewayConfig.load(p)

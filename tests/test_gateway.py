@@ -1,0 +1,143 @@
+"""The gateway in front of real engine workers, through the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"process for {url} exited with {proc.returncode}"
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(url)
+
+
+def start(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "gateway.cli", *args], env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[str]:
+    """`flowprefill serve`: the gateway and one worker child process."""
+    port = free_port()
+    proc = start("serve", "--port", str(port), "--kv-capacity-tokens", "65536", "--threads", "1")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc)
+        yield url
+    finally:
+        stop(proc)
+    assert proc.returncode is not None
+    # No orphans: the worker child is gone with the gateway.
+    time.sleep(0.5)
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://127.0.0.1:{port + 1}/health", timeout=1)
+
+
+def test_openai_client_sync_and_stream(served: str) -> None:
+    client = openai.OpenAI(base_url=f"{served}/v1", api_key="unused")
+    out = client.completions.create(model="flowprefill-default", prompt="Hello", max_tokens=5, temperature=0)
+    assert out.choices[0].finish_reason in ("length", "stop") and out.usage.completion_tokens <= 5
+    raw = client.completions.with_raw_response.create(model="flowprefill-default", prompt="Hi", max_tokens=2,
+                                                      extra_headers={"x-slo-class": "interactive"})
+    assert raw.headers["x-slo-class"] == "interactive" and raw.headers["x-request-id"]
+    chunks = list(client.chat.completions.create(
+        model="flowprefill-default", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens == 4
+    assert chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_openai_async_client(served: str) -> None:
+    async def run() -> None:
+        client = openai.AsyncOpenAI(base_url=f"{served}/v1", api_key="unused")
+        out = await client.chat.completions.create(model="flowprefill-default", max_tokens=3,
+                                                   messages=[{"role": "user", "content": "hello"}])
+        assert out.choices[0].message.role == "assistant"
+        stream = await client.completions.create(model="flowprefill-default", prompt=[65, 66, 67], max_tokens=3,
+                                                 stream=True)
+        reasons = [c.choices[0].finish_reason async for c in stream if c.choices]
+        assert reasons[-1] == "length"
+        await client.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(("body", "headers", "status"), [
+    (b"{not json", {}, 400),
+    (b'{"prompt": "x", "max_tokens": 0}', {}, 400),
+    (b'{"prompt": "x", "max_tokens": 2}', {"x-slo-class": "platinum"}, 400),
+    (b'{"prompt": "x", "max_tokens": 2}', {"x-slo-ttft-ms": "soon"}, 400),
+    (b'{"prompt": "x", "max_tokens": 2, "model": "gpt-9"}', {}, 404),
+    (b'{"prompt": 5}', {}, 400),
+])
+def test_bad_input_gets_openai_errors(served: str, body: bytes, headers: dict[str, str], status: int) -> None:
+    r = httpx.post(f"{served}/v1/completions", content=body, headers={"content-type": "application/json", **headers})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+
+
+def test_failover_when_a_worker_dies() -> None:
+    ports = [free_port(), free_port()]
+    workers = [start("worker", "--port", str(p), "--threads", "1", "--kv-capacity-tokens", "32768") for p in ports]
+    gw_port = free_port()
+    gateway = start("gateway", "--port", str(gw_port), "--workers", ",".join(f"http://127.0.0.1:{p}" for p in ports))
+    url = f"http://127.0.0.1:{gw_port}"
+    try:
+        for p, w in zip(ports, workers, strict=True):
+            wait_healthy(f"http://127.0.0.1:{p}", w)
+        wait_healthy(url, gateway)
+        deadline = time.monotonic() + 30
+        while not all(httpx.get(f"{url}/health").json()["workers"].values()):  # the gateway's view
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        workers[0].kill()
+        workers[0].wait()
+        for _ in range(6):  # every request lands, on the surviving worker
+            r = httpx.post(f"{url}/v1/completions", json={"prompt": "hey", "max_tokens": 2}, timeout=60)
+            assert r.status_code == 200, r.text
+        workers[1].kill()
+        workers[1].wait()
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "hey", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 503 and r.headers["retry-after"]
+        assert r.headers["x-flowprefill-dropped-reason"] == "no_healthy_worker"
+    finally:
+        for proc in [gateway, *workers]:
+            if proc.poll() is None:
+                stop(proc)
