@@ -147,7 +147,6 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
     return Litestar(
         route_handlers=[completions, chat_completions, models, health, load, prometheus],
         exception_handlers={BadRequest: _error},
-        on_startup=[lambda: None],
         on_shutdown=[engine.shutdown],
         request_max_body_size=16 * 1024 * 1024,
     )

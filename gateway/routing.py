@@ -39,7 +39,7 @@ class WorkerPool:
         self._rr = itertools.count()
         self._task: asyncio.Task[None] | None = None
 
-    def pick(self, exclude: set[str] = frozenset()) -> Worker | None:  # type: ignore[assignment]
+    def pick(self, exclude: frozenset[str] | set[str] = frozenset()) -> Worker | None:
         now = time.monotonic()
         live = [w for w in self.workers if w.url not in exclude and w.healthy and w.down_until <= now]
         if not live:
