@@ -18,10 +18,19 @@ import pytest
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(span: int = 1) -> int:
+    """A port P with P .. P+span-1 all free (serve puts its workers on the ports after its own)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            for p in range(port + 1, port + span):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            continue
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -54,7 +63,7 @@ def stop(proc: subprocess.Popen) -> None:
 @pytest.fixture(scope="module")
 def served() -> Iterator[str]:
     """`flowprefill serve`: the gateway and one worker child process."""
-    port = free_port()
+    port = free_port(span=2)
     proc = start("serve", "--port", str(port), "--kv-capacity-tokens", "65536", "--threads", "1")
     url = f"http://127.0.0.1:{port}"
     try:
