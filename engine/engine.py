@@ -48,6 +48,7 @@ class Engine:
         self.kv = KVCache(self.model.cfg, cfg.kv_block_size, cfg.kv_capacity_tokens, dtype, device)
         self.cost = load_cost(self.model)
         self.budget_s = cfg.step_budget_ms / 1000 if cfg.preemptible else None
+        self.cost.budget_s = self.budget_s
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.clock = clock
         self.scheduler = Scheduler(self.policy, self._new_batch, self.cost, self.kv, cfg.max_batch_tokens, clock)

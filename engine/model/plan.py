@@ -45,6 +45,7 @@ class OpCost:
     step_overhead_s: float = 20e-6
     row_step_floor_s: float = 0.0  # a row-wise step reads its weights once, however few its rows
     scale: float = 1.0  # online correction: observed / predicted execution time (see `observe`)
+    budget_s: float | None = None  # the step budget plans use (prefill_s counts the steps it makes)
     observations: int = 0
 
     def row_op_s(self, op: str, rows: int) -> float:
@@ -81,14 +82,19 @@ class OpCost:
 
     def prefill_s(self, spans: list[SeqSpan]) -> float:
         """Predicted time of a whole prefill (every layer) of these spans, as the engine plans it
-        (the last layer computes attention and MLP for each sequence's last token only)."""
+        (the last layer computes attention and MLP for each sequence's last token only; the split
+        into steps of `budget_s` adds one step overhead per step)."""
         rows = sum(s.length for s in spans)
         attn_in = self.row_op_s(ATTN_IN, rows)
         per_layer = attn_in + self.row_op_s(FFN, rows)
         per_layer += sum(self.attn_s(s.length, s.start, False) + self.attn_s(s.length, s.length, True)
                          for s in spans)
         last = attn_in + sum(self.attn_s(1, s.start + s.length, False) + self.row_op_s(FFN, 1) for s in spans)
-        return per_layer * (self.cfg.num_hidden_layers - 1) + last
+        total = per_layer * (self.cfg.num_hidden_layers - 1) + last
+        if self.budget_s:  # the split's extra steps, each with its overhead
+            step_s = self.scale * self.step_overhead_s
+            total += max(0.0, total / max(self.budget_s - step_s, self.budget_s / 2)) * step_s
+        return total
 
 
 def _blocks(total: int, size: int) -> list[tuple[int, int]]:
