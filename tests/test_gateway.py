@@ -150,3 +150,22 @@ def test_failover_when_a_worker_dies() -> None:
         for proc in [gateway, *workers]:
             if proc.poll() is None:
                 stop(proc)
+
+
+def test_client_going_away_cancels_the_engine_work(served: str) -> None:
+    """A client that disconnects mid-stream ends the request in the engine: its KV comes back."""
+    worker = served.rsplit(":", 1)[0] + f":{int(served.rsplit(':', 1)[1]) + 1}"
+    body = {"prompt": "tell me everything", "max_tokens": 30000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{served}/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        load = httpx.get(f"{worker}/load").json()
+        assert load["decoding"] + load["waiting"] >= 1 and load["kv_cache_usage"] > 0
+    deadline = time.monotonic() + 15
+    while True:  # the stream is closed: the gateway closes its upstream, the worker cancels
+        load = httpx.get(f"{worker}/load").json()
+        if load["decoding"] == 0 and load["waiting"] == 0 and load["kv_cache_usage"] == 0:
+            break
+        assert time.monotonic() < deadline, load
+        time.sleep(0.1)
