@@ -97,6 +97,7 @@ class EngineConfig:
     kv_block_size: int = 256
     kv_capacity_tokens: int = 262_144
     max_batch_tokens: int = 2048
+    max_waiting: int = 1024  # overload bound: beyond it new requests of every class get a 503
     # Sub-operator split: no single step of a prefill is predicted to run longer than this,
     # which bounds how long a preemption request waits for the running batch to stop.
     step_budget_ms: float = 2.0

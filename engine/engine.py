@@ -100,6 +100,16 @@ class Engine:
             raise ValueError(f"request needs {req.max_total_tokens} tokens of KV cache, "
                              f"the worker has {self.kv.num_blocks * self.kv.block_size}")
 
+    def admission(self, req: Request, sheddable: bool) -> str | None:
+        """Why a new request should be refused now, or None. Sheddable classes are refused when even
+        running next could not meet their deadline; every class when the queue is past its bound."""
+        s = self.scheduler
+        if len(s.waiting) + sum(len(b.requests) for b in list(s.pool)) >= self.cfg.max_waiting:
+            return "queue_full"  # counted: every request whose prefill is not done
+        if sheddable and req.deadline - self.clock() - self.scheduler.predict_s(req) < 0:
+            return "predicted_slo_miss"
+        return None
+
     def cancel(self, request_id: str) -> None:
         with self._cv:
             self._cancels.append(request_id)

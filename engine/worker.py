@@ -86,11 +86,22 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
         req.sink = lambda out: loop.call_soon_threadsafe(queue.put_nowait, out)
+        headers = {"x-slo-class": slo.name, "x-request-id": rid}
+        try:
+            engine.validate(req)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        if reason := engine.admission(req, slo.sheddable):
+            status = 429 if reason == "predicted_slo_miss" else 503
+            message = ("the request cannot meet its TTFT target here (predicted); retry later or with a looser class"
+                       if status == 429 else "the worker's queue is full")
+            return Response(error_body(message, "rate_limit_exceeded" if status == 429 else "server_error",
+                                       code=reason), status_code=status,
+                            headers=headers | {"retry-after": "1", "x-flowprefill-dropped-reason": reason})
         try:
             engine.add_request(req)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
-        headers = {"x-slo-class": slo.name, "x-request-id": rid}
         if req.predicted_miss:  # served anyway, after feasible requests; a gateway may shed instead
             headers["x-flowprefill-predicted-miss"] = "true"
         model = model_name

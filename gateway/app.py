@@ -59,6 +59,7 @@ def create_gateway_app(cfg: GatewayConfig) -> Litestar:
                              # the deadline was fixed at gateway arrival: the worker gets what is left
                              "x-slo-ttft-ms": f"{max(1.0, slo.ttft_ms - elapsed_ms):.3f}"}
         tried: set[str] = set()
+        shed: httpx.Response | None = None
         if pool.pick() is None:  # every worker looked down at the last poll: look again before refusing
             await pool.poll_once()
         while (worker := pool.pick(tried)) is not None:
@@ -71,6 +72,12 @@ def create_gateway_app(cfg: GatewayConfig) -> Litestar:
                 worker.in_flight -= 1
                 pool.mark_failed(worker)
                 continue  # nothing was sent to the client yet: retry elsewhere
+            if up.headers.get("x-flowprefill-dropped-reason"):  # shed there: another worker may take it
+                shed = up
+                await up.aread()
+                await up.aclose()
+                worker.in_flight -= 1
+                continue
             if up.status_code >= 500:
                 await up.aclose()
                 worker.in_flight -= 1
@@ -92,6 +99,10 @@ def create_gateway_app(cfg: GatewayConfig) -> Litestar:
                 worker.in_flight -= 1
             return Response(content, status_code=up.status_code, headers=headers,
                             media_type=up.headers.get("content-type", "application/json"))
+        if shed is not None:  # every worker shed it: the client gets the reason and when to retry
+            keep = ("retry-after", "x-flowprefill-dropped-reason")
+            return Response(shed.content, status_code=shed.status_code, media_type="application/json",
+                            headers=ours | {k: v for k, v in shed.headers.items() if k in keep})
         raise GatewayError(503, "no healthy worker", "server_error",
                            headers=ours | {"retry-after": "1", "x-flowprefill-dropped-reason": "no_healthy_worker"})
 

@@ -22,6 +22,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-capacity-tokens", type=int, default=d.kv_capacity_tokens)
     p.add_argument("--kv-block-size", type=int, default=d.kv_block_size)
     p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens)
+    p.add_argument("--max-waiting", type=int, default=d.max_waiting,
+                   help="queue bound: past it new requests get 503 (every class)")
     p.add_argument("--step-budget-ms", type=float, default=d.step_budget_ms,
                    help="longest predicted prefill step: bounds the preemption stop latency")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -37,6 +39,7 @@ def _run_worker(args: argparse.Namespace) -> int:
     cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                        attention_backend=args.attention_backend, kv_capacity_tokens=args.kv_capacity_tokens,
                        kv_block_size=args.kv_block_size, max_batch_tokens=args.max_batch_tokens,
+                       max_waiting=args.max_waiting,
                        step_budget_ms=args.step_budget_ms, num_threads=args.threads)
     console = Console(stderr=True)
     with console.status("loading model and profiling operators…"):
@@ -56,6 +59,7 @@ def _worker_argv(args: argparse.Namespace, port: int, threads: int | None) -> li
             "--policy", args.policy, "--device", args.device, "--dtype", args.dtype,
             "--attention-backend", args.attention_backend, "--kv-capacity-tokens", str(args.kv_capacity_tokens),
             "--kv-block-size", str(args.kv_block_size), "--max-batch-tokens", str(args.max_batch_tokens),
+            "--max-waiting", str(args.max_waiting),
             "--step-budget-ms", str(args.step_budget_ms)]
     if args.model:
         argv += ["--model", args.model]

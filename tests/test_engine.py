@@ -513,3 +513,19 @@ def test_request_cancelled_in_a_preempted_batch_stays_cancelled(make_engine: Cal
     assert b.state is RequestState.CANCELLED
     assert b.output_token_ids == []
     assert_idle_and_free(eng)
+
+
+def test_admission_sheds_only_sheddable_predicted_misses_and_bounds_the_queue() -> None:
+    from engine.config import EngineConfig
+    from engine.engine import Engine as _Engine
+    from engine.request import Request as _Request
+
+    eng = _Engine(EngineConfig(max_waiting=1))  # not started: requests stay queued
+    try:
+        hopeless = _Request(request_id="h", prompt_token_ids=[65] * 20000, ttft_target_s=0.01)
+        assert eng.admission(hopeless, sheddable=True) == "predicted_slo_miss"
+        assert eng.admission(hopeless, sheddable=False) is None
+        eng.add_request(_Request(request_id="q", prompt_token_ids=[65] * 10))
+        assert eng.admission(_Request(request_id="x", prompt_token_ids=[65] * 10), sheddable=False) == "queue_full"
+    finally:
+        eng.shutdown()

@@ -169,3 +169,18 @@ def test_client_going_away_cancels_the_engine_work(served: str) -> None:
             break
         assert time.monotonic() < deadline, load
         time.sleep(0.1)
+
+
+def test_sheddable_request_predicted_to_miss_is_shed_with_retry_after(served: str) -> None:
+    """A `relaxed` request (sheddable, 4 s) that cannot be prefilled in 4 s even if run next gets a
+    429 with Retry-After and the reason; an `interactive` one (not sheddable) is served anyway."""
+    long_prompt = [65 + i % 26 for i in range(30000)]
+    r = httpx.post(f"{served}/v1/completions", json={"prompt": long_prompt, "max_tokens": 1},
+                   headers={"x-slo-class": "relaxed"}, timeout=60)
+    assert r.status_code == 429, r.text
+    assert r.headers["retry-after"] == "1"
+    assert r.headers["x-flowprefill-dropped-reason"] == "predicted_slo_miss"
+    assert r.json()["error"]["code"] == "predicted_slo_miss"
+    ok = httpx.post(f"{served}/v1/completions", json={"prompt": [65] * 3000, "max_tokens": 1},
+                    headers={"x-slo-class": "interactive"}, timeout=60)
+    assert ok.status_code == 200 and ok.headers["x-flowprefill-predicted-miss"] == "true"
