@@ -15,6 +15,7 @@ from engine.openai_api import error_body, new_id
 from gateway.classify import ClassificationError, classify
 from gateway.config import GatewayConfig
 from gateway.routing import Worker, WorkerPool
+from telemetry.metrics import GatewayMetrics
 
 FORWARDED_HEADERS = ("traceparent", "tracestate", "content-type")
 
@@ -26,11 +27,14 @@ class GatewayError(Exception):
         self.status, self.type, self.param, self.headers = status, type_, param, headers or {}
 
 
-def _error(_: Request, exc: GatewayError) -> Response:
-    return Response(error_body(str(exc), exc.type, exc.param), status_code=exc.status, headers=exc.headers)
-
-
 def create_gateway_app(cfg: GatewayConfig) -> Litestar:
+    metrics = GatewayMetrics()
+
+    def _error(_: Request, exc: GatewayError) -> Response:
+        metrics.answered(exc.headers.get("x-slo-class", "unclassified"), exc.status,
+                         exc.headers.get("x-flowprefill-dropped-reason"))
+        return Response(error_body(str(exc), exc.type, exc.param), status_code=exc.status, headers=exc.headers)
+
     client = httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout_s, connect=2.0),
                                limits=httpx.Limits(max_connections=512, max_keepalive_connections=128))
     pool = WorkerPool(cfg.workers, client)
@@ -85,6 +89,7 @@ def create_gateway_app(cfg: GatewayConfig) -> Litestar:
                 continue
             headers = ours | {k: v for k, v in up.headers.items()
                               if k in ("content-type", "x-flowprefill-predicted-miss")}
+            metrics.answered(slo.name, up.status_code)
             if body.get("stream"):
                 return Stream(_relay(up, worker), status_code=up.status_code, headers=headers,
                               media_type=up.headers.get("content-type", "text/event-stream"))
@@ -101,6 +106,7 @@ def create_gateway_app(cfg: GatewayConfig) -> Litestar:
                             media_type=up.headers.get("content-type", "application/json"))
         if shed is not None:  # every worker shed it: the client gets the reason and when to retry
             keep = ("retry-after", "x-flowprefill-dropped-reason")
+            metrics.answered(slo.name, shed.status_code, shed.headers.get("x-flowprefill-dropped-reason"))
             return Response(shed.content, status_code=shed.status_code, media_type="application/json",
                             headers=ours | {k: v for k, v in shed.headers.items() if k in keep})
         raise GatewayError(503, "no healthy worker", "server_error",
@@ -126,6 +132,10 @@ def create_gateway_app(cfg: GatewayConfig) -> Litestar:
     async def health() -> dict[str, Any]:
         return {"status": "ok", "workers": {w.url: w.healthy for w in pool.workers}}
 
+    @get("/metrics", media_type="text/plain; version=0.0.4")
+    async def prometheus() -> bytes:
+        return metrics.render()
+
     async def startup() -> None:
         await pool.poll_once()
         pool.start()
@@ -134,7 +144,7 @@ def create_gateway_app(cfg: GatewayConfig) -> Litestar:
         await pool.stop()
         await client.aclose()
 
-    return Litestar(route_handlers=[completions, chat_completions, models, health],
+    return Litestar(route_handlers=[completions, chat_completions, models, health, prometheus],
                     exception_handlers={GatewayError: _error}, on_startup=[startup], on_shutdown=[shutdown],
                     request_max_body_size=cfg.max_body_bytes)
 

@@ -54,3 +54,22 @@ class EngineMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class GatewayMetrics:
+    """The gateway's Prometheus metrics: requests by class and status, and shed requests by reason."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("flowprefill_gateway_requests", "Requests answered by the gateway",
+                                ["slo_class", "code"], registry=r)
+        self.shed = Counter("flowprefill_gateway_shed", "Requests refused (shed) instead of served",
+                            ["slo_class", "reason"], registry=r)
+
+    def answered(self, slo_class: str, code: int, shed_reason: str | None = None) -> None:
+        self.requests.labels(slo_class, str(code)).inc()
+        if shed_reason:
+            self.shed.labels(slo_class, shed_reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -184,3 +184,7 @@ def test_sheddable_request_predicted_to_miss_is_shed_with_retry_after(served: st
     ok = httpx.post(f"{served}/v1/completions", json={"prompt": [65] * 3000, "max_tokens": 1},
                     headers={"x-slo-class": "interactive"}, timeout=60)
     assert ok.status_code == 200 and ok.headers["x-flowprefill-predicted-miss"] == "true"
+    metrics = httpx.get(f"{served}/metrics").text
+    assert 'flowprefill_gateway_shed_total{reason="predicted_slo_miss",slo_class="relaxed"} 1.0' in metrics
+    assert 'flowprefill_gateway_requests_total{code="429",slo_class="relaxed"} 1.0' in metrics
+    assert 'flowprefill_gateway_requests_total{code="200",slo_class="interactive"}' in metrics
