@@ -1,0 +1,23 @@
+"""`flowprefill bench prefill` end to end at toy sizes: every section runs and writes its results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from gateway.cli import main
+
+
+def test_prefill_bench_smoke(tmp_path: Path) -> None:
+    assert main(["bench", "prefill", "--quick", "--sizes", "256", "--overhead-sizes", "512", "--stop-sizes", "512",
+                 "--repeats", "1", "--stop-samples", "3", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "prefill.json").read_text())
+    tput = doc["throughput"]
+    assert set(tput["contenders"]) == {"ours unsplit", "ours preemptible", "transformers"}
+    assert all(v > 0 for per in tput["tokens_per_s"].values() for v in per.values())
+    # Same weights, same answer: the three forwards agree on the last-token logits.
+    assert all(v < 1e-4 for k, v in tput["agreement"].items() if k.startswith("max_abs_logit_diff"))
+    assert doc["overhead"]["per_size"]["512"]
+    split = doc["stop_latency"]["modes"]["split"]["512"]
+    assert split["n"] >= 1 and all(ms >= 0 for ms in split["samples_ms"])
+    assert (tmp_path / "prefill.png").stat().st_size > 10_000
