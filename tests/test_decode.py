@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+from helpers import EngineFactory, drain
 
 import engine.engine as engine_module
 from engine.attention.sdpa import SDPABackend
-from engine.config import EngineConfig, ModelConfig
+from engine.config import ModelConfig
 from engine.decode import OutputStream
 from engine.engine import Engine
 from engine.kv_cache import KVCache
@@ -247,14 +248,6 @@ TINY = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hid
                    eos_token_id=[0], name="tiny-decode")
 
 
-def drain(gen: Generator[int, None, torch.Tensor]) -> torch.Tensor:
-    while True:
-        try:
-            next(gen)
-        except StopIteration as stop:
-            return stop.value
-
-
 def test_model_decode_matches_prefill_logits() -> None:
     """Prefill prompts, then decode known tokens batched over 4-token KV blocks: each step's logits
     equal the logits a single prefill over prompt + continuation gives at that position."""
@@ -289,29 +282,11 @@ def test_model_decode_matches_prefill_logits() -> None:
         torch.set_num_threads(threads)
 
 
-_shared: dict[str, object] = {}
-
-
 @pytest.fixture
-def make_engine(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Engine]]:
-    engines: list[Engine] = []
-    threads = torch.get_num_threads()
-
-    def make(policy: str = "flowprefill", **cfg: object) -> Engine:
-        if "model" in _shared:
-            monkeypatch.setattr(engine_module, "load_model", lambda c: _shared["model"])
-            monkeypatch.setattr(OpCost, "calibrate", classmethod(lambda cls, m: _shared["cost"]))
-        fields = {"kv_capacity_tokens": 8192, "kv_block_size": 16, "num_threads": 1, **cfg}
-        eng = Engine(EngineConfig(**fields), policy)  # type: ignore[arg-type]
-        _shared.setdefault("model", (eng.model, eng.tokenizer))
-        _shared.setdefault("cost", eng.cost)
-        engines.append(eng)
-        return eng.start()
-
-    yield make
-    for eng in engines:
-        eng.shutdown()
-    torch.set_num_threads(threads)
+def make_engine(monkeypatch: pytest.MonkeyPatch) -> Iterator[EngineFactory]:
+    factory = EngineFactory(monkeypatch, kv_capacity_tokens=16384, kv_block_size=64)
+    yield factory
+    factory.close()
 
 
 def prompt(n: int, seed: int) -> list[int]:

@@ -18,44 +18,23 @@ from typing import ClassVar
 
 import pytest
 import torch
+from helpers import EngineFactory
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.model.plan import OpCost
 from engine.request import Request, RequestState, SamplingParams, TokenOutput
 
 WAIT_S = 60.0  # generous: the shared CPUs are slow; a hang still ends the test
 LONG_MARK, URGENT_MARK, OTHER_MARK = 300, 301, 302  # prompt markers (specials of the byte vocabulary)
 
-_shared: dict[str, object] = {}  # the default model + tokenizer and its calibration, built once
-
-
 @pytest.fixture
-def make_engine(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Engine]]:
-    engines: list[Engine] = []
-    threads = torch.get_num_threads()
-
-    def make(policy: str = "flowprefill", start: bool = True, **cfg: object) -> Engine:
-        if "model" in _shared:  # the same weights (seed 0) every time: skip rebuilding + recalibrating
-            import engine.engine as engine_module
-
-            monkeypatch.setattr(engine_module, "load_model", lambda c: _shared["model"])
-            monkeypatch.setattr(OpCost, "calibrate", classmethod(lambda cls, m: _shared["cost"]))
-        # one intra-op thread: much faster for this small model on shared cores
-        fields = {"kv_capacity_tokens": 16384, "kv_block_size": 64, "num_threads": 1, **cfg}
-        eng = Engine(EngineConfig(**fields), policy)  # type: ignore[arg-type]
-        _shared.setdefault("model", (eng.model, eng.tokenizer))
-        _shared.setdefault("cost", eng.cost)
-        engines.append(eng)
-        return eng.start() if start else eng
-
-    yield make
+def make_engine(monkeypatch: pytest.MonkeyPatch) -> Iterator[EngineFactory]:
+    factory = EngineFactory(monkeypatch, kv_capacity_tokens=16384, kv_block_size=64)
+    yield factory
     for gate in Gate.all:
         gate.release.set()
     Gate.all.clear()
-    for eng in engines:
-        eng.shutdown()
-    torch.set_num_threads(threads)
+    factory.close()
 
 
 class Gate:
@@ -516,7 +495,6 @@ def test_request_cancelled_in_a_preempted_batch_stays_cancelled(make_engine: Cal
 
 
 def test_admission_sheds_only_sheddable_predicted_misses_and_bounds_the_queue() -> None:
-    from engine.config import EngineConfig
     from engine.engine import Engine as _Engine
     from engine.request import Request as _Request
 

@@ -14,6 +14,7 @@ from itertools import pairwise
 
 import pytest
 import torch
+from helpers import drain
 
 from engine.attention.sdpa import SDPABackend
 from engine.config import ModelConfig
@@ -85,14 +86,6 @@ def run(batch: PrefillBatch, max_steps: int | None = None) -> bool:
             return True
         n += 1
     return False
-
-
-def drain(gen: Generator[int, None, torch.Tensor]) -> torch.Tensor:
-    while True:
-        try:
-            next(gen)
-        except StopIteration as stop:
-            return stop.value
 
 
 class Case:

@@ -1,0 +1,51 @@
+"""Helpers shared by the test modules (imported by name, like `checkpoints`)."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import ClassVar
+
+import pytest
+import torch
+
+import engine.engine as engine_module
+from engine.config import EngineConfig
+from engine.engine import Engine
+
+
+def drain(gen: Generator[int, None, torch.Tensor]) -> torch.Tensor:
+    """Run a prefill generator to the end; its return value (the logits)."""
+    while True:
+        try:
+            next(gen)
+        except StopIteration as stop:
+            return stop.value
+
+
+class EngineFactory:
+    """Engines on the embedded model (seed 0), loaded and profiled once per session: later engines
+    reuse the weights and the operator profile. One intra-op thread (much faster for this small
+    model on shared cores); `close` shuts every engine down and restores the thread count."""
+
+    _shared: ClassVar[dict[str, object]] = {}
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, **defaults: object) -> None:
+        self.monkeypatch, self.defaults = monkeypatch, {"num_threads": 1, **defaults}
+        self.engines: list[Engine] = []
+        self._threads = torch.get_num_threads()
+
+    def __call__(self, policy: str = "flowprefill", start: bool = True, **cfg: object) -> Engine:
+        shared = self._shared
+        if "model" in shared:
+            self.monkeypatch.setattr(engine_module, "load_model", lambda c: shared["model"])
+            self.monkeypatch.setattr(engine_module, "load_cost", lambda m: shared["cost"])
+        eng = Engine(EngineConfig(**{**self.defaults, **cfg}), policy)  # type: ignore[arg-type]
+        shared.setdefault("model", (eng.model, eng.tokenizer))
+        shared.setdefault("cost", eng.cost)
+        self.engines.append(eng)
+        return eng.start() if start else eng
+
+    def close(self) -> None:
+        for eng in self.engines:
+            eng.shutdown()
+        torch.set_num_threads(self._threads)
