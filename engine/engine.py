@@ -8,7 +8,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 
@@ -30,10 +29,14 @@ log = logging.getLogger("flowprefill.engine")
 DECODE_TBT_SHARE = 0.5
 
 
-class EngineObserver(Protocol):
-    """Telemetry hooks, called on the engine thread. Observers watch; they never steer."""
+class EngineObserver:
+    """Telemetry hooks, called on the engine thread with the engine's clock readings. Observers
+    watch; they never steer. A segment is one uninterrupted stretch of a batch's execution."""
 
-    def on_preempt(self, victim: PrefillBatch, by: PrefillBatch) -> None: ...
+    def on_segment_start(self, batch: PrefillBatch, now: float) -> None: ...
+    def on_segment_end(self, batch: PrefillBatch, now: float) -> None: ...
+    def on_preempt(self, victim: PrefillBatch, by: PrefillBatch) -> None:
+        """Called once `by` has started its segment, so its spans exist to be linked to."""
     def on_finish(self, req: Request) -> None: ...
 
 
@@ -190,12 +193,17 @@ class Engine:
 
     def _switch(self, batch: PrefillBatch, now: float) -> None:
         prev = self._current
-        if prev is not None and prev in self.scheduler.pool:  # it still owes work: preempted
+        preempted = prev is not None and prev in self.scheduler.pool  # it still owes work
+        if preempted:
             prev.suspend(now, self.scheduler.chosen_at, batch)
             self.preemptions += 1
             for o in self.observers:
-                o.on_preempt(prev, batch)
+                o.on_segment_end(prev, now)
         batch.begin_segment(now)
+        for o in self.observers:
+            o.on_segment_start(batch, now)
+            if preempted:
+                o.on_preempt(prev, batch)
         self._current = batch
 
     def _new_batch(self, reqs: list[Request], spans: list[SeqSpan]) -> PrefillBatch:
@@ -207,6 +215,8 @@ class Engine:
     def _complete(self, batch: PrefillBatch) -> None:
         now = self.clock()
         batch.end_segment(now)
+        for o in self.observers:
+            o.on_segment_end(batch, now)
         self.cost.observe(batch.total_cost, batch.exec_s)
         live, unfinished = [], []
         for i, (r, whole) in enumerate(zip(batch.requests, batch.completes_prompts, strict=True)):

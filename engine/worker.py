@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from litestar import Litestar, Request, Response, get, post
@@ -26,6 +26,9 @@ from engine.request import TokenOutput
 from engine.slo import DEFAULT_CLASS, DEFAULT_CLASSES, SLOClass
 from telemetry.metrics import EngineMetrics
 
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+
 DEFAULT_MAX_TOKENS = 16
 
 
@@ -41,9 +44,15 @@ def _error(_: Request, exc: BadRequest) -> Response:
 
 
 def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOClass] | None = None,
-                      default_class: str = DEFAULT_CLASS) -> Litestar:
+                      default_class: str = DEFAULT_CLASS, tracing: TracerProvider | None = None) -> Litestar:
+    """`tracing`: a configured provider (telemetry.tracing.setup_tracing) turns on request and
+    preemption spans; without one, no tracing code runs."""
     classes = classes or DEFAULT_CLASSES
-    metrics = EngineMetrics(engine)
+    metrics = EngineMetrics(engine, model_name)
+    tracer = None
+    if tracing is not None:
+        from telemetry.tracing import EngineTracer
+        tracer = EngineTracer(engine, model_name)
 
     def slo_for(request: Request, body: Any) -> SLOClass:
         name = request.headers.get("x-slo-class") or body.service_tier or default_class
@@ -98,9 +107,14 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
             return Response(error_body(message, "rate_limit_exceeded" if status == 429 else "server_error",
                                        code=reason), status_code=status,
                             headers=headers | {"retry-after": "1", "x-flowprefill-dropped-reason": reason})
+        if tracer is not None:
+            tracer.start(req, "chat" if chat else "text_completion")
         try:
             engine.add_request(req)
         except ValueError as exc:
+            if tracer is not None:  # never queued: the engine will not close its span
+                req.finish_reason = "error"
+                tracer.on_finish(req)
             raise BadRequest(str(exc)) from None
         if req.predicted_miss:  # served anyway, after feasible requests; a gateway may shed instead
             headers["x-flowprefill-predicted-miss"] = "true"
@@ -155,11 +169,16 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
     async def prometheus() -> bytes:
         return metrics.render()
 
+    plugins = []
+    if tracing is not None:
+        from telemetry.tracing import litestar_plugin
+        plugins.append(litestar_plugin(exclude=["/health", "/load", "/metrics"]))
     return Litestar(
         route_handlers=[completions, chat_completions, models, health, load, prometheus],
         exception_handlers={BadRequest: _error},
-        on_shutdown=[engine.shutdown],
+        on_shutdown=[engine.shutdown] + ([tracing.shutdown] if tracing is not None else []),
         request_max_body_size=16 * 1024 * 1024,
+        plugins=plugins,
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import msgspec
@@ -17,6 +17,9 @@ from gateway.config import GatewayConfig
 from gateway.routing import Worker, WorkerPool
 from telemetry.metrics import GatewayMetrics
 
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+
 FORWARDED_HEADERS = ("traceparent", "tracestate", "content-type")
 
 
@@ -27,8 +30,11 @@ class GatewayError(Exception):
         self.status, self.type, self.param, self.headers = status, type_, param, headers or {}
 
 
-def create_gateway_app(cfg: GatewayConfig) -> Litestar:
+def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None) -> Litestar:
+    """`tracing`: a configured provider (telemetry.tracing.setup_tracing) turns on a server span per
+    request, annotated with the SLO decision and the route, and W3C propagation to the workers."""
     metrics = GatewayMetrics()
+    annotate = _span_annotator() if tracing is not None else None
 
     def _error(_: Request, exc: GatewayError) -> Response:
         metrics.answered(exc.headers.get("x-slo-class", "unclassified"), exc.status,
@@ -62,6 +68,14 @@ def create_gateway_app(cfg: GatewayConfig) -> Litestar:
         upstream_headers |= {"x-slo-class": slo.name, "x-request-id": rid,
                              # the deadline was fixed at gateway arrival: the worker gets what is left
                              "x-slo-ttft-ms": f"{max(1.0, slo.ttft_ms - elapsed_ms):.3f}"}
+        if annotate is not None:
+            annotate(upstream_headers, {
+                "gen_ai.operation.name": "chat" if path.endswith("chat/completions") else "text_completion",
+                "gen_ai.request.model": str(body.get("model") or ""),
+                "flowprefill.request_id": rid, "flowprefill.slo_class": slo.name,
+                "flowprefill.ttft_target_ms": slo.ttft_ms,
+                "flowprefill.deadline_unix_ms": time.time() * 1000 + slo.ttft_ms - elapsed_ms,
+                "flowprefill.stream": bool(body.get("stream"))})
         tried: set[str] = set()
         shed: httpx.Response | None = None
         if pool.pick() is None:  # every worker looked down at the last poll: look again before refusing
@@ -89,6 +103,9 @@ def create_gateway_app(cfg: GatewayConfig) -> Litestar:
                 continue
             headers = ours | {k: v for k, v in up.headers.items()
                               if k in ("content-type", "x-flowprefill-predicted-miss")}
+            if annotate is not None:
+                annotate(None, {"flowprefill.route.worker": worker.url, "flowprefill.route.attempts": len(tried),
+                                "http.upstream.status_code": up.status_code})
             metrics.answered(slo.name, up.status_code)
             if body.get("stream"):
                 return Stream(_relay(up, worker), status_code=up.status_code, headers=headers,
@@ -106,6 +123,9 @@ def create_gateway_app(cfg: GatewayConfig) -> Litestar:
                             media_type=up.headers.get("content-type", "application/json"))
         if shed is not None:  # every worker shed it: the client gets the reason and when to retry
             keep = ("retry-after", "x-flowprefill-dropped-reason")
+            if annotate is not None:
+                annotate(None, {"flowprefill.shed_reason": shed.headers.get("x-flowprefill-dropped-reason", ""),
+                                "flowprefill.route.attempts": len(tried)})
             metrics.answered(slo.name, shed.status_code, shed.headers.get("x-flowprefill-dropped-reason"))
             return Response(shed.content, status_code=shed.status_code, media_type="application/json",
                             headers=ours | {k: v for k, v in shed.headers.items() if k in keep})
@@ -144,9 +164,29 @@ def create_gateway_app(cfg: GatewayConfig) -> Litestar:
         await pool.stop()
         await client.aclose()
 
+    on_shutdown: list[Any] = [shutdown]
+
+    plugins = []
+    if tracing is not None:
+        from telemetry.tracing import litestar_plugin
+        plugins.append(litestar_plugin(exclude=["/health", "/metrics"]))
+        on_shutdown.append(tracing.shutdown)
     return Litestar(route_handlers=[completions, chat_completions, models, health, prometheus],
-                    exception_handlers={GatewayError: _error}, on_startup=[startup], on_shutdown=[shutdown],
-                    request_max_body_size=cfg.max_body_bytes)
+                    exception_handlers={GatewayError: _error}, on_startup=[startup], on_shutdown=on_shutdown,
+                    request_max_body_size=cfg.max_body_bytes, plugins=plugins)
+
+
+def _span_annotator() -> Any:
+    """Sets attributes on the current (server) span and, given headers, injects the W3C context."""
+    from opentelemetry import trace
+
+    from telemetry.tracing import inject
+
+    def annotate(headers: dict[str, str] | None, attrs: dict[str, Any]) -> None:
+        trace.get_current_span().set_attributes(attrs)
+        if headers is not None:
+            inject(headers)
+    return annotate
 
 
 def _bearer(value: str | None) -> str | None:

@@ -35,6 +35,7 @@ def _run_worker(args: argparse.Namespace) -> int:
 
     from engine.engine import Engine
     from engine.worker import create_worker_app
+    from telemetry.tracing import setup_tracing
 
     cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                        attention_backend=args.attention_backend, kv_capacity_tokens=args.kv_capacity_tokens,
@@ -45,7 +46,7 @@ def _run_worker(args: argparse.Namespace) -> int:
     with console.status("loading model and profiling operators…"):
         engine = Engine(cfg, policy=args.policy).start()
     name = engine.model.cfg.name
-    app = create_worker_app(engine, name)
+    app = create_worker_app(engine, name, tracing=setup_tracing("flowprefill-worker"))
     url = f"http://{args.host}:{args.port}"
     console.print(f"[bold green]FlowPrefill[/] serving [bold]{name}[/] (policy {args.policy}, "
                   f"{engine.model.backend.name} attention) at [link={url}/v1]{url}/v1[/]")
@@ -125,10 +126,11 @@ def _run_gateway(args: argparse.Namespace, console: object = None) -> int:
 
     from gateway.app import create_gateway_app
     from gateway.config import GatewayConfig
+    from telemetry.tracing import setup_tracing
 
     console = console or Console(stderr=True)
     cfg = GatewayConfig.load(args.config, args.workers_urls)
-    app = create_gateway_app(cfg)
+    app = create_gateway_app(cfg, tracing=setup_tracing("flowprefill-gateway"))
     url = f"http://{args.host}:{args.port}"
     console.print(f"[bold green]FlowPrefill[/] gateway at [link={url}/v1]{url}/v1[/] → "  # type: ignore[attr-defined]
                   f"{', '.join(cfg.workers)}")

@@ -2,25 +2,43 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import threading
+import time
+from collections import deque
+from importlib.metadata import PackageNotFoundError, version
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
+from engine.engine import Engine, EngineObserver
 from engine.prefill import PrefillBatch
 from engine.request import Request
 
-if TYPE_CHECKING:
-    from engine.engine import Engine
+GOODPUT_WINDOW_S = 60.0
+
+
+def flowprefill_version() -> str:
+    try:
+        return version("flowprefill")
+    except PackageNotFoundError:
+        return "unknown"
 
 # OpenTelemetry GenAI semantic conventions' bucket boundaries for time to first token.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 
 
-class EngineMetrics:
+class EngineMetrics(EngineObserver):
     """An engine observer that keeps the worker's Prometheus metrics."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, model: str = "") -> None:
         self.registry = r = CollectorRegistry()
+        Info("flowprefill_engine", "What this worker serves and how", registry=r).info(
+            {"model": model or engine.model.cfg.name, "policy": engine.policy.name, "version": flowprefill_version()})
+        # Goodput over a sliding window: first tokens that met their target, per second.
+        self._attained_at: deque[float] = deque()
+        self._lock = threading.Lock()
+        Gauge("flowprefill_goodput_requests_per_second",
+              f"Requests per second that met their TTFT target, over the last {GOODPUT_WINDOW_S:.0f} s",
+              registry=r).set_function(self._goodput)
         self.ttft = Histogram("flowprefill_time_to_first_token_seconds", "Time to first token",
                               ["slo_class"], buckets=TTFT_BUCKETS, registry=r)
         self.attained = Counter("flowprefill_slo_attained", "Requests whose TTFT met their class target",
@@ -50,7 +68,18 @@ class EngineMetrics:
         if req.ttft is None:
             return
         self.ttft.labels(req.slo_class).observe(req.ttft)
-        (self.attained if req.ttft <= req.ttft_target_s else self.violated).labels(req.slo_class).inc()
+        met = req.ttft <= req.ttft_target_s
+        (self.attained if met else self.violated).labels(req.slo_class).inc()
+        if met:
+            with self._lock:
+                self._attained_at.append(time.monotonic())
+
+    def _goodput(self) -> float:
+        cutoff = time.monotonic() - GOODPUT_WINDOW_S
+        with self._lock:
+            while self._attained_at and self._attained_at[0] < cutoff:
+                self._attained_at.popleft()
+            return len(self._attained_at) / GOODPUT_WINDOW_S
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
