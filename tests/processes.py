@@ -55,3 +55,30 @@ def stop(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def preemption_scenario(url: str, trace_id: str | None = None) -> dict[str, httpx.Response]:
+    """A long `batch` request whose prefill three `interactive` requests arrive during: under
+    flowprefill they preempt it. Returns the responses by request id."""
+    import threading
+
+    results: dict[str, httpx.Response] = {}
+
+    def send(rid: str, cls: str, n: int) -> None:
+        headers = {"x-slo-class": cls, "x-request-id": rid}
+        if trace_id:
+            headers["traceparent"] = f"00-{trace_id}-{rid.encode().hex()[-16:].rjust(16, '0')}-01"
+        results[rid] = httpx.post(f"{url}/v1/completions", timeout=120, headers=headers,
+                                  json={"prompt": [(7 * i) % 500 for i in range(n)], "max_tokens": 2,
+                                        "temperature": 0})
+
+    threads = [threading.Thread(target=send, args=("long-batch", "batch", 12000))]
+    threads[0].start()
+    time.sleep(0.3)  # its prefill is under way
+    for i in range(3):
+        threads.append(threading.Thread(target=send, args=(f"chat-{i}", "interactive", 64)))
+        threads[-1].start()
+        time.sleep(0.08)
+    for t in threads:
+        t.join()
+    return results

@@ -16,7 +16,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from processes import free_port, start, stop, wait_healthy
+from processes import free_port, preemption_scenario, start, stop, wait_healthy
 
 from telemetry import tracing
 
@@ -137,25 +137,7 @@ def test_preemptions_traced_gateway_to_worker(otlp_http: tuple[str, Collected]) 
     trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
     try:
         wait_healthy(url, proc)
-        results: dict[str, httpx.Response] = {}
-
-        def send(rid: str, cls: str, n: int) -> None:
-            results[rid] = httpx.post(f"{url}/v1/completions", timeout=120, headers={
-                "x-slo-class": cls, "x-request-id": rid,
-                "traceparent": f"00-{trace_id}-{rid.encode().hex()[-16:].rjust(16, '0')}-01"},
-                json={"prompt": [(7 * i) % 500 for i in range(n)], "max_tokens": 2, "temperature": 0})
-
-        long = threading.Thread(target=send, args=("long-batch", "batch", 12000))
-        long.start()
-        time.sleep(0.3)  # its prefill is under way
-        shorts = []
-        for i in range(3):
-            t = threading.Thread(target=send, args=(f"chat-{i}", "interactive", 64))
-            t.start()
-            shorts.append(t)
-            time.sleep(0.08)
-        for t in [long, *shorts]:
-            t.join()
+        results = preemption_scenario(url, trace_id)
         assert all(r.status_code == 200 for r in results.values()), {k: r.text for k, r in results.items()}
         metrics = httpx.get(f"http://127.0.0.1:{port + 1}/metrics").text
         counted = sum(float(line.split()[-1]) for line in metrics.splitlines()
