@@ -162,7 +162,13 @@ def main(argv: list[str] | None = None) -> int:
                          add_help=False)
     bench_sub.add_parser("goodput", help="max goodput per policy vs rate and SLO scale (real engine or sim)",
                          add_help=False)
+    sub.add_parser("loadtest", help="a Locust profile, headless, against a gateway: per-class goodput report",
+                   add_help=False)
     args, rest = parser.parse_known_args(argv)
+    if args.command == "loadtest":
+        from loadtest import run
+
+        return run.main(rest)
     if args.command == "bench":
         if args.bench == "goodput":
             from loadtest import goodput
