@@ -186,7 +186,8 @@ def load_profile(spec: str, **overrides: object) -> Profile:
         try:
             profile = msgspec.convert(raw, Profile)
         except msgspec.ValidationError as exc:
-            raise ProfileError(f"profile {path}: {exc}") from None
+            hint = " (kind: poisson, ramp, burst or trace)" if "$.kind" in str(exc) else ""
+            raise ProfileError(f"profile {path}: {exc}{hint}") from None
     changes = {k: v for k, v in overrides.items() if v is not None}
     if changes:
         try:

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         profile = load_profile(args.profile, rate=args.rate, requests=args.requests, max_tokens=args.max_tokens)
         n = len(profile.schedule())
     except ProfileError as exc:
-        console.print(f"[red]error:[/] {exc}")
+        console.print(f"[red]error:[/] {exc}", soft_wrap=True, markup=True, highlight=False)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,171 @@
+"""Locust load profiles: schedules, profile validation, and headless / distributed / web-UI runs
+against a real `flowprefill serve`."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from processes import free_port, start, stop, wait_healthy
+
+from gateway.cli import main as flowprefill
+from loadtest.profiles import BUILTIN, Profile, ProfileError, load_profile
+from loadtest.run import LOCUSTFILE
+
+# A small burst: two long batch requests, then an interactive spike over them; one of each other class.
+SMALL = """
+kind = "burst"
+backlog_requests = 2
+backlog_tokens = 3000
+burst_at_s = 0.3
+burst_requests = 6
+burst_rate = 10
+burst_tokens = 100
+max_tokens = 4
+"""
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[str]:
+    port = free_port(span=2)
+    proc = start("serve", "--port", str(port), "--kv-capacity-tokens", "65536", "--threads", "1")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc)
+        yield url
+    finally:
+        stop(proc)
+
+
+def test_schedules() -> None:
+    p = load_profile("steady", rate=4.0, requests=50)
+    s = p.schedule()
+    assert len(s) == 50 and s.workload.requests[0].arrival_s == 0.0
+    assert 2.0 < s.workload.rate < 8.0  # Poisson around 4 req/s
+    assert p.schedule().workload == s.workload  # deterministic: every Locust process builds the same
+    ramp = Profile(kind="ramp", rates=[1, 3], step_s=10, lengths="mix").schedule()
+    assert sorted(set(ramp.phase)) == [1, 3]
+    assert all(r.arrival_s < 10 for r, ph in zip(ramp.workload.requests, ramp.phase, strict=True) if ph == 1)
+    burst = Profile(kind="burst", backlog_requests=3, burst_requests=5).schedule()
+    assert [r.slo_class for r in burst.workload.requests] == ["batch"] * 3 + ["interactive"] * 5
+    trace = load_profile("azure", rate=2.0, requests=30).schedule()
+    assert len(trace) == 30 and trace.workload.rate == pytest.approx(2.0)
+    assert {r.slo_class for r in trace.workload.requests} <= {"interactive", "standard", "relaxed", "batch"}
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ('kind = "poisson"\nrate = -1', "rate must be > 0"),
+    ('kind = "poisson"', "rate is required"),
+    ('kind = "ramp"\nrates = []', "rates must list rates > 0"),
+    ('kind = "burst"\nburst_class = "vip"', "unknown SLO class 'vip'"),
+    ('kind = "trace"\ntrace = "/nonexistent.csv"', "is not azure-mix or an existing trace file"),
+    ('kind = "sometimes"', "Invalid enum value 'sometimes' - at `$.kind` (kind: poisson"),
+    ('kind = "poisson"\nrate = 1\nrat = 2', "unknown field `rat`"),
+    ('kind = "poisson"\nrate = "fast"', "Expected `float | null`, got `str` - at `$.rate`"),
+    ("kind = ", "not valid TOML"),
+])
+def test_bad_profiles_rejected(tmp_path: Path, text: str, message: str,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ProfileError, match=re.escape(message)):
+        load_profile(str(path))
+    # the command refuses it before starting Locust, with the message and exit code 2
+    assert flowprefill(["loadtest", "--profile", str(path), "--host", "http://127.0.0.1:9"]) == 2
+    assert message in capsys.readouterr().out
+
+
+def test_unknown_profile_name() -> None:
+    with pytest.raises(ProfileError, match="neither a built-in"):
+        load_profile("stedy")
+    assert set(BUILTIN) == {"steady", "ramp", "burst", "azure"}
+
+
+def _check_report(out: Path, n_classes: set[str]) -> dict:
+    doc = json.loads((out / "goodput.json").read_text())
+    a = doc["accounting"]
+    assert a["sent"] == a["succeeded"] + a["failed"] and a["missing"] == 0 and a["scheduled"] == a["sent"]
+    assert doc["engine"] == "http" and set(doc["policies"]) == {"http"}
+    (pt,) = doc["policies"]["http"]["points"]
+    assert set(pt["per_class"]) == n_classes
+    assert sum(c["n"] for c in pt["per_class"].values()) == a["scheduled"]
+    rows = list(csv.DictReader((out / "requests.csv").open()))
+    assert sorted(int(r["index"]) for r in rows) == list(range(a["scheduled"]))
+    assert (out / "goodput.png").stat().st_size > 10_000
+    return doc
+
+
+@pytest.mark.slow
+def test_headless_run_accounts_for_every_request(served: str, tmp_path: Path) -> None:
+    (tmp_path / "small.toml").write_text(SMALL)
+    out = tmp_path / "out"
+    assert flowprefill(["loadtest", "--profile", str(tmp_path / "small.toml"), "--host", served,
+                        "--out", str(out)]) == 0
+    doc = _check_report(out, {"batch", "interactive"})
+    assert doc["accounting"]["failed"] == 0
+    assert doc["loadgen"]["cores_used"] > 0 and doc["loadgen"]["processes"] == 1
+    # Open loop: the spike was sent while the long requests were still being answered.
+    rows = list(csv.DictReader((out / "requests.csv").open()))
+    sent = {int(r["index"]): float(r["scheduled_s"]) + float(r["lag_ms"]) / 1000 for r in rows}
+    first_batch_done = min(sent[int(r["index"])] + float(r["e2e_ms"]) / 1000 for r in rows
+                           if r["slo_class"] == "batch")
+    assert sum(sent[int(r["index"])] < first_batch_done for r in rows if r["slo_class"] == "interactive") >= 3
+    assert all(r["applied_class"] == r["slo_class"] for r in rows)
+
+
+@pytest.mark.slow
+def test_distributed_two_workers(served: str, tmp_path: Path) -> None:
+    (tmp_path / "small.toml").write_text(SMALL)
+    out = tmp_path / "out"
+    assert flowprefill(["loadtest", "--profile", str(tmp_path / "small.toml"), "--host", served,
+                        "--processes", "2", "--max-in-flight", "8", "--out", str(out)]) == 0
+    doc = _check_report(out, {"batch", "interactive"})
+    assert doc["accounting"]["failed"] == 0 and doc["loadgen"]["processes"] == 3
+
+
+def test_dead_server_every_request_fails_explicitly(tmp_path: Path) -> None:
+    (tmp_path / "small.toml").write_text(SMALL)
+    out = tmp_path / "out"
+    assert flowprefill(["loadtest", "--profile", str(tmp_path / "small.toml"), "--host",
+                        f"http://127.0.0.1:{free_port()}", "--out", str(out), "--drain-s", "10"]) == 0
+    doc = _check_report(out, {"batch", "interactive"})
+    assert doc["accounting"]["failed"] == doc["accounting"]["sent"] == 8
+    assert doc["policies"]["http"]["points"][0]["attainment"] == 0.0
+    assert sum(doc["errors"].values()) == 8
+
+
+@pytest.mark.slow
+def test_web_ui_slo_tab(served: str, tmp_path: Path) -> None:
+    (tmp_path / "small.toml").write_text(SMALL)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--host", served,
+                             "--load-profile", str(tmp_path / "small.toml"), "--web-host", "127.0.0.1",
+                             "--web-port", str(port), "--autostart"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline, rows = time.monotonic() + 60, []
+        while time.monotonic() < deadline:
+            try:
+                stats = httpx.get(f"http://127.0.0.1:{port}/stats/requests", timeout=2).json()
+                (tab,) = [t for t in stats.get("extended_stats", []) if t["key"] == "slo"]
+                rows = tab["data"]
+                if sum(r["requests"] for r in rows) == 8:
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.5)
+        page = httpx.get(f"http://127.0.0.1:{port}/", timeout=5).text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+    assert {r["slo_class"] for r in rows} == {"batch", "interactive"}
+    assert sum(r["requests"] for r in rows) == 8
+    assert '"extended_tabs"' in page or "extended_tabs" in page
