@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     real = args.engine == "real"
     n = args.requests or (100 if real else 1000)
     rates = [float(x) for x in (args.rates or "1,2,3,4,6,8,10,12,14,16").split(",")]
-    scales = [float(x) for x in args.slo_scales.split(",")]
+    scales = [float(x) for x in args.slo_scales.split(",") if x]  # empty: no SLO-scale sweep
     policies = [x for x in args.policies.split(",") if x]
     for name in policies:
         make_policy(name)  # reject bad names before any work

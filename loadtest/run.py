@@ -15,6 +15,8 @@ import argparse
 import json
 import os
 import resource
+import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -22,11 +24,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import msgspec
 from rich.console import Console
 from rich.table import Table
 
-from loadtest.profiles import ProfileError, load_profile
+from loadtest import report
+from loadtest.goodput import RATIO_PAIRS
+from loadtest.profiles import Profile, ProfileError, load_profile
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 
@@ -37,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", default="steady", help="steady | ramp | burst | azure, or a profile TOML file")
     p.add_argument("--host", default="http://127.0.0.1:8000", help="the gateway's base URL")
     p.add_argument("--rate", type=float, default=None, help="override the profile's rate (req/s)")
+    p.add_argument("--rates", default=None, help="comma-separated rates: one run (one report point) per rate")
     p.add_argument("--requests", type=int, default=None, help="override the profile's request cap")
     p.add_argument("--max-tokens", type=int, default=None, help="override the profile's output tokens")
     p.add_argument("--processes", type=int, default=0,
@@ -44,28 +50,63 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-in-flight", type=int, default=128, help="users per load-generating process")
     p.add_argument("--drain-s", type=float, default=120.0, help="wait this long for answers after the last arrival")
     p.add_argument("--label", default="http", help="name of this run in goodput.json (e.g. the server's policy)")
+    p.add_argument("--serve-policies", default=None,
+                   help="comma-separated policies: start `flowprefill serve --policy P` for each (instead of "
+                        "--host) and report them side by side")
+    p.add_argument("--serve-args", default="--threads 1",
+                   help="extra `flowprefill serve` options with --serve-policies (default leaves a core to Locust)")
     p.add_argument("--out", default="bench-results/loadtest")
     args = p.parse_args(argv)
     console = Console()
 
+    rates = [float(r) for r in args.rates.split(",")] if args.rates else [args.rate]
     try:
-        profile = load_profile(args.profile, rate=args.rate, requests=args.requests, max_tokens=args.max_tokens)
-        n = len(profile.schedule())
-    except ProfileError as exc:
+        profiles = [load_profile(args.profile, rate=r, requests=args.requests, max_tokens=args.max_tokens)
+                    for r in rates]
+        sizes = [len(pr.schedule()) for pr in profiles]
+    except (ProfileError, ValueError) as exc:
         console.print(f"[red]error:[/] {exc}", soft_wrap=True, markup=True, highlight=False)
         return 2
     out = Path(args.out)
+    policies = args.serve_policies.split(",") if args.serve_policies else [None]
+    docs: list[dict[str, Any]] = []
+    for policy in policies:
+        server = _serve(policy, args.serve_args, console) if policy else None
+        try:
+            host = server[1] if server else args.host
+            for profile, n in zip(profiles, sizes, strict=True):
+                several = len(policies) > 1 or len(rates) > 1
+                run_dir = out / f"{policy or args.label}@{profile.rate or 'native'}" if several else out
+                pace = f"{profile.rate:g} req/s" if profile.rate else "the profile's pace"
+                console.print(f"[bold]loadtest[/] {profile.name or profile.kind}: {n} requests at {pace} "
+                              f"against {host} ({policy or args.label})")
+                doc = _locust(profile, host, policy or args.label, run_dir, args)
+                if doc is None:
+                    return 1
+                docs.append(doc)
+        finally:
+            if server:
+                _stop(server[0])
+    doc = _merge(docs, argv) if len(docs) > 1 else docs[0]
+    (out / "goodput.json").write_text(json.dumps(doc, indent=2))
+    if len(docs) > 1:
+        _side_by_side(console, doc)
+        _plot_rates(doc, out / "goodput.png")
+    console.print(f"wrote {out / 'goodput.json'} and {out / 'goodput.png'}")
+    return 0 if all(d["accounting"]["missing"] == 0 for d in docs) else 1
+
+
+def _locust(profile: Profile, host: str, label: str, out: Path, args: argparse.Namespace) -> dict[str, Any] | None:
+    """One headless Locust run (single process, or a master and --processes workers)."""
+    console = Console()
     out.mkdir(parents=True, exist_ok=True)
     for stale in ("goodput.json", "requests.csv", "goodput.png"):
         (out / stale).unlink(missing_ok=True)
     resolved = out / "profile.json"  # the profile with its overrides: every Locust process reads it
     resolved.write_bytes(msgspec.json.encode(profile))
-    console.print(f"[bold]loadtest[/] {profile.name or profile.kind}: {n} requests against {args.host} "
-                  f"({'1 process' if not args.processes else f'master + {args.processes} workers'})")
-
     common = ["-f", str(LOCUSTFILE), "--load-profile", str(resolved), "--max-in-flight", str(args.max_in_flight),
-              "--drain-s", str(args.drain_s), "--label", args.label, "--flowprefill-out", str(out)]
-    master = [sys.executable, "-m", "locust", *common, "--headless", "--host", args.host, "--loglevel", "WARNING",
+              "--drain-s", str(args.drain_s), "--label", label, "--flowprefill-out", str(out)]
+    master = [sys.executable, "-m", "locust", *common, "--headless", "--host", host, "--loglevel", "WARNING",
               "--csv", str(out / "locust")]
     workers: list[list[str]] = []
     if args.processes:
@@ -74,7 +115,6 @@ def main(argv: list[str] | None = None) -> int:
                    "--master-bind-port", str(port)]
         workers = [[sys.executable, "-m", "locust", *common, "--worker", "--master-host", "127.0.0.1",
                     "--master-port", str(port), "--loglevel", "WARNING"] for _ in range(args.processes)]
-
     t0, cpu0 = time.monotonic(), _children_cpu()
     procs = [subprocess.Popen(cmd) for cmd in [master, *workers]]
     try:
@@ -90,15 +130,96 @@ def main(argv: list[str] | None = None) -> int:
     report = out / "goodput.json"
     if not report.exists():
         console.print(f"[red]error:[/] Locust exited with {rc} and wrote no report")
-        return 1
+        return None
     doc: dict[str, Any] = json.loads(report.read_text())
     doc["loadgen"] |= {"processes": 1 + len(workers), "cpu_s": round(cpu, 2), "wall_s": round(wall, 2),
                        "cores_used": round(cpu / wall, 3), "machine_cores": os.cpu_count()}
-    doc["command"] = "flowprefill loadtest " + " ".join(argv if argv is not None else sys.argv[2:])
     report.write_text(json.dumps(doc, indent=2))
     _summary(console, doc)
-    console.print(f"wrote {report}, {out / 'requests.csv'} and {out / 'goodput.png'}")
-    return 0 if doc["accounting"]["missing"] == 0 else 1
+    return doc
+
+
+def _serve(policy: str, extra: str, console: Console) -> tuple[subprocess.Popen, str]:
+    port = _free_port()  # serve puts its worker on the next port; a clash fails the health wait loudly
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--policy", policy, "--port", str(port),
+                             *shlex.split(extra)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    with console.status(f"starting flowprefill serve --policy {policy}…"):
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"flowprefill serve --policy {policy} exited with {proc.returncode}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).json()["workers"] and all(
+                        httpx.get(f"{url}/health", timeout=1).json()["workers"].values()):
+                    return proc, url
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            time.sleep(0.5)
+    _stop(proc)
+    raise RuntimeError(f"flowprefill serve --policy {policy} did not become healthy")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _merge(docs: list[dict[str, Any]], argv: list[str] | None) -> dict[str, Any]:
+    """Runs of several policies and rates in one goodput.json: a point per (policy, rate)."""
+    policies: dict[str, list[dict[str, Any]]] = {}
+    for d in docs:
+        for name, pol in d["policies"].items():
+            policies.setdefault(name, []).extend(pol["points"])
+    first = docs[0]
+    return report.report(
+        first["workload"] | {"requests": max(d["workload"]["requests"] for d in docs)}, "http", first["model"], 1.0,
+        first["classes"], policies, RATIO_PAIRS,
+        extra={"runs": [{k: d[k] for k in ("host", "accounting", "per_class", "loadgen", "errors")}
+                        | {"policy": next(iter(d["policies"])), "rate": d["profile"]["rate"]} for d in docs],
+               "accounting": {k: sum(d["accounting"][k] for d in docs) for k in first["accounting"]},
+               "command": "flowprefill loadtest " + " ".join(argv if argv is not None else sys.argv[2:])})
+
+
+def _side_by_side(console: Console, doc: dict[str, Any]) -> None:
+    t = Table(title=f"goodput by policy and offered rate ({doc['workload']['name']}, over HTTP)")
+    rates = sorted({pt["rate"] for pol in doc["policies"].values() for pt in pol["points"]})
+    t.add_column("policy")
+    for r in rates:
+        t.add_column(f"{r:g} req/s", justify="right")
+    t.add_column("max goodput", justify="right")
+    for name, pol in doc["policies"].items():
+        by_rate = {pt["rate"]: pt for pt in pol["points"]}
+        t.add_row(name, *[f"{by_rate[r]['goodput_rps']:.2f} ({by_rate[r]['attainment']:.0%})" if r in by_rate
+                          else "-" for r in rates], f"{pol['max_goodput_rps']:.2f}")
+    console.print(t)
+    for k, v in doc["ratios"].items():
+        console.print(f"{k}: {v:.2f}x")
+
+
+def _plot_rates(doc: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, pol in doc["policies"].items():
+        pts = sorted(pol["points"], key=lambda p: p["rate"])
+        ax.plot([p["rate"] for p in pts], [p["attainment"] for p in pts], marker="o", label=name)
+    ax.axhline(doc["attainment_target"], color="k", linestyle="--", linewidth=1)
+    ax.set_xlabel("offered rate (req/s)")
+    ax.set_ylabel("TTFT SLO attainment")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(f"Locust over HTTP: {doc['workload']['name']} ({doc['workload']['requests']} requests)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _children_cpu() -> float:
