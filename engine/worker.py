@@ -204,9 +204,10 @@ async def _sse(engine: Engine, req: EngineRequest, queue: asyncio.Queue[TokenOut
                 err = error_body(out.error or "engine error", "server_error")
                 yield b"data: " + msgspec.json.encode(err) + b"\n\n"
                 break
-            if out.text or finish or first:
-                yield _event(completion_chunk(rid, model, out.text, finish, chat, first))
-                first = False
+            # One event per token, even when its text is held back (a partial UTF-8 character, a
+            # possible stop string): clients time tokens by events, so TBT stays measurable.
+            yield _event(completion_chunk(rid, model, out.text, finish, chat, first))
+            first = False
         if include_usage:
             chunk = completion_chunk(rid, model, "", None, chat) | {
                 "choices": [], "usage": usage(req.num_prompt_tokens, len(req.output_token_ids))}

@@ -14,7 +14,7 @@ from litestar.response import Stream
 from engine.openai_api import error_body, new_id
 from gateway.classify import ClassificationError, classify
 from gateway.config import GatewayConfig
-from gateway.routing import Worker, WorkerPool
+from gateway.routing import QueueFull, Worker, WorkerPool
 from telemetry.metrics import GatewayMetrics
 
 if TYPE_CHECKING:
@@ -43,7 +43,8 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
 
     client = httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout_s, connect=2.0),
                                limits=httpx.Limits(max_connections=512, max_keepalive_connections=128))
-    pool = WorkerPool(cfg.workers, client)
+    pool = WorkerPool(cfg.workers, client, upstream=cfg.upstream)
+    metrics.track_queue(lambda: pool.queued)
 
     async def forward(request: Request, path: str) -> Response | Stream:
         arrival = time.monotonic()
@@ -63,6 +64,10 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
             raise GatewayError(400, str(exc), param=exc.param) from None
         rid = request.headers.get("x-request-id") or new_id("cmpl")
         ours = {"x-slo-class": slo.name, "x-request-id": rid}
+        deadline = arrival + slo.ttft_ms / 1000
+        if pool.gated and cfg.upstream.priority_field:  # a plain OpenAI server: its own priority knob
+            body[cfg.upstream.priority_field] = cfg.upstream_priority(slo)
+            raw = msgspec.json.encode(body)
         elapsed_ms = (time.monotonic() - arrival) * 1000
         upstream_headers = {h: v for h in FORWARDED_HEADERS if (v := request.headers.get(h))}
         upstream_headers |= {"x-slo-class": slo.name, "x-request-id": rid,
@@ -80,25 +85,31 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
         shed: httpx.Response | None = None
         if pool.pick() is None:  # every worker looked down at the last poll: look again before refusing
             await pool.poll_once()
-        while (worker := pool.pick(tried)) is not None:
+        while True:
+            try:
+                worker = await pool.acquire(deadline, tried)
+            except QueueFull:
+                raise GatewayError(503, "the gateway's queue is full", "server_error", headers=ours | {
+                    "retry-after": "1", "x-flowprefill-dropped-reason": "queue_full"}) from None
+            if worker is None:
+                break
             tried.add(worker.url)
-            worker.in_flight += 1
             try:
                 up = await client.send(client.build_request("POST", f"{worker.url}{path}", content=raw,
                                                             headers=upstream_headers), stream=True)
             except httpx.HTTPError:
-                worker.in_flight -= 1
+                pool.release(worker)
                 pool.mark_failed(worker)
                 continue  # nothing was sent to the client yet: retry elsewhere
             if up.headers.get("x-flowprefill-dropped-reason"):  # shed there: another worker may take it
                 shed = up
                 await up.aread()
                 await up.aclose()
-                worker.in_flight -= 1
+                pool.release(worker)
                 continue
             if up.status_code >= 500:
                 await up.aclose()
-                worker.in_flight -= 1
+                pool.release(worker)
                 pool.mark_failed(worker)
                 continue
             headers = ours | {k: v for k, v in up.headers.items()
@@ -108,7 +119,7 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
                                 "http.upstream.status_code": up.status_code})
             metrics.answered(slo.name, up.status_code)
             if body.get("stream"):
-                return Stream(_relay(up, worker), status_code=up.status_code, headers=headers,
+                return Stream(_relay(up, worker, pool), status_code=up.status_code, headers=headers,
                               media_type=up.headers.get("content-type", "text/event-stream"))
             try:
                 content = await up.aread()
@@ -118,7 +129,7 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
                                    headers=ours) from None
             finally:
                 await up.aclose()
-                worker.in_flight -= 1
+                pool.release(worker)
             return Response(content, status_code=up.status_code, headers=headers,
                             media_type=up.headers.get("content-type", "application/json"))
         if shed is not None:  # every worker shed it: the client gets the reason and when to retry
@@ -195,7 +206,7 @@ def _bearer(value: str | None) -> str | None:
     return None
 
 
-async def _relay(up: httpx.Response, worker: Worker) -> AsyncIterator[bytes]:
+async def _relay(up: httpx.Response, worker: Worker, pool: WorkerPool) -> AsyncIterator[bytes]:
     """Pass the worker's SSE through; a stream cut by a dead worker ends with a clean error event."""
     try:
         async for chunk in up.aiter_raw():
@@ -205,4 +216,4 @@ async def _relay(up: httpx.Response, worker: Worker) -> AsyncIterator[bytes]:
         yield b"data: " + msgspec.json.encode(err) + b"\n\ndata: [DONE]\n\n"
     finally:  # also when our client went away: closing the upstream cancels the engine's work
         await up.aclose()
-        worker.in_flight -= 1
+        pool.release(worker)

@@ -121,6 +121,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _run_gateway(args: argparse.Namespace, console: object = None) -> int:
+    import msgspec
     import uvicorn
     from rich.console import Console
 
@@ -130,6 +131,11 @@ def _run_gateway(args: argparse.Namespace, console: object = None) -> int:
 
     console = console or Console(stderr=True)
     cfg = GatewayConfig.load(args.config, args.workers_urls)
+    overrides = {k: v for k, v in (("kind", getattr(args, "upstream", None)),
+                                   ("max_concurrency", getattr(args, "max_concurrency", None))) if v}
+    if overrides:
+        cfg.upstream = msgspec.structs.replace(cfg.upstream, **overrides)
+        cfg.check()
     app = create_gateway_app(cfg, tracing=setup_tracing("flowprefill-gateway"))
     url = f"http://{args.host}:{args.port}"
     console.print(f"[bold green]FlowPrefill[/] gateway at [link={url}/v1]{url}/v1[/] → "  # type: ignore[attr-defined]
@@ -154,6 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     gateway.add_argument("--config", default=None, help="gateway TOML: SLO classes, API keys, rules")
     gateway.add_argument("--host", default="127.0.0.1")
     gateway.add_argument("--port", type=int, default=8000)
+    gateway.add_argument("--upstream", choices=["flowprefill", "openai"], default=None,
+                         help="what the workers are (overrides the config's [upstream] kind): openai = plain "
+                              "OpenAI-compatible servers (vLLM, SGLang) behind an EDF queue at the gateway")
+    gateway.add_argument("--max-concurrency", type=int, default=None,
+                         help="openai upstreams: requests in flight per server (overrides the config)")
     worker = sub.add_parser("worker", help="run one engine worker (OpenAI API + /load, /health, /metrics)")
     _engine_args(worker)
     bench = sub.add_parser("bench", help="benchmarks")

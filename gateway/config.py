@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
@@ -22,6 +23,25 @@ class LengthRule(msgspec.Struct, frozen=True):
     slo_class: str
 
 
+class Upstream(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What the workers are. `flowprefill`: engine workers (they schedule by SLO themselves; the
+    gateway routes on their /load). `openai`: unmodified OpenAI-compatible servers (vLLM, SGLang, …)
+    that schedule first-come first-served: the gateway holds requests in an EDF queue and lets at
+    most `max_concurrency` run on each, so urgent requests overtake, and maps the class to the
+    upstream's priority field."""
+
+    kind: Literal["flowprefill", "openai"] = "flowprefill"
+    max_concurrency: int = 8  # openai: requests in flight per upstream server
+    max_queue: int = 1024  # openai: requests waiting at the gateway; past it, 503 queue_full
+    priority_field: str = "priority"  # openai: body field for the class's priority ("" = send none)
+    priority_order: Literal["lower_first", "higher_first"] = "lower_first"  # vLLM: lower first; SGLang: higher
+    health_path: str = "/health"  # openai: what the health check GETs
+
+    def check(self) -> None:
+        if self.max_concurrency < 1 or self.max_queue < 0:
+            raise ValueError("upstream: max_concurrency must be >= 1 and max_queue >= 0")
+
+
 class GatewayConfig(msgspec.Struct, kw_only=True):
     classes: dict[str, SLOClass] = msgspec.field(default_factory=lambda: dict(DEFAULT_CLASSES))
     default_class: str = DEFAULT_CLASS
@@ -30,8 +50,10 @@ class GatewayConfig(msgspec.Struct, kw_only=True):
     workers: list[str] = []
     request_timeout_s: float = 600.0
     max_body_bytes: int = 16 * 1024 * 1024
+    upstream: Upstream = Upstream()
 
     def check(self) -> None:
+        self.upstream.check()
         names = set(self.classes)
         wanted = [self.default_class, *(r.slo_class for r in self.rules)]
         for key in self.api_keys.values():
@@ -39,6 +61,12 @@ class GatewayConfig(msgspec.Struct, kw_only=True):
         for name in wanted:
             if name not in names:
                 raise ValueError(f"gateway config names unknown SLO class {name!r} (known: {sorted(names)})")
+
+    def upstream_priority(self, slo: SLOClass) -> int:
+        """The class's priority as the upstream reads it (SLO classes: higher = more urgent)."""
+        if self.upstream.priority_order == "higher_first":
+            return slo.priority
+        return max(c.priority for c in self.classes.values()) - slo.priority
 
     @classmethod
     def load(cls, path: str | Path | None, workers: list[str] | None = None) -> GatewayConfig:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import itertools
 import logging
 import time
 
 import httpx
+
+from gateway.config import Upstream
 
 log = logging.getLogger("flowprefill.gateway")
 
@@ -25,19 +28,91 @@ class Worker:
         return f"Worker({self.url}, healthy={self.healthy}, in_flight={self.in_flight})"
 
 
+class QueueFull(Exception):
+    pass
+
+
 class WorkerPool:
     """SLO-aware routing: least predicted backlog (the worker's own /load plus what this gateway
     has in flight there), round robin among equals; a failing worker leaves rotation until its
-    health check passes again."""
+    health check passes again.
+
+    In front of plain OpenAI servers (`upstream.kind = "openai"`), which serve first come first
+    served, the pool is also an EDF gate: at most `max_concurrency` requests run on each server and
+    the rest wait here in deadline order, so an urgent request overtakes the queued ones."""
 
     def __init__(self, urls: list[str], client: httpx.AsyncClient, poll_s: float = 1.0,
-                 per_request_s: float = 0.05) -> None:
+                 per_request_s: float = 0.05, upstream: Upstream | None = None) -> None:
         if not urls:
             raise ValueError("the gateway needs at least one worker URL")
         self.workers = [Worker(u) for u in urls]
         self.client, self.poll_s, self.per_request_s = client, poll_s, per_request_s
+        self.upstream = upstream or Upstream()
+        self.gated = self.upstream.kind == "openai"
         self._rr = itertools.count()
+        self._seq = itertools.count()
+        self._waiting: list[tuple[float, int, frozenset[str], asyncio.Future[Worker]]] = []
         self._task: asyncio.Task[None] | None = None
+
+    @property
+    def queued(self) -> int:
+        return sum(not f.done() for *_, f in self._waiting)
+
+    async def acquire(self, deadline: float, exclude: frozenset[str] | set[str] = frozenset()) -> Worker | None:
+        """A worker for this request, counted in flight there (give it back with `release`).
+        None when no healthy worker is left to try. Gated: waits its turn in deadline order."""
+        exclude = frozenset(exclude)
+        if not self.gated:
+            w = self.pick(exclude)
+            if w is not None:
+                w.in_flight += 1
+            return w
+        if self.pick(exclude) is None:
+            return None
+        if not self.queued and (w := self._free(exclude)) is not None:
+            w.in_flight += 1
+            return w
+        if self.queued >= self.upstream.max_queue:
+            raise QueueFull
+        fut: asyncio.Future[Worker] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiting, (deadline, next(self._seq), exclude, fut))
+        try:
+            return await fut
+        except asyncio.CancelledError:  # the client went away while queued (or just as it got a slot)
+            if fut.done() and not fut.cancelled():
+                self.release(fut.result())
+            fut.cancel()
+            raise
+
+    def release(self, w: Worker) -> None:
+        w.in_flight -= 1
+        if self.gated:
+            self._dispatch()
+
+    def _free(self, exclude: frozenset[str]) -> Worker | None:
+        now, cap = time.monotonic(), self.upstream.max_concurrency
+        free = [w for w in self.workers if w.url not in exclude and w.healthy and w.down_until <= now
+                and w.in_flight < cap]
+        return min(free, key=lambda w: w.in_flight) if free else None
+
+    def _dispatch(self) -> None:
+        """Hand free slots to waiters, earliest deadline first."""
+        later = []
+        while self._waiting:
+            item = heapq.heappop(self._waiting)
+            fut = item[3]
+            if fut.done():
+                continue
+            w = self._free(item[2])
+            if w is None:
+                later.append(item)
+                if self._free(frozenset()) is None:
+                    break  # no slot anywhere: the rest wait too
+                continue
+            w.in_flight += 1
+            fut.set_result(w)
+        for item in later:
+            heapq.heappush(self._waiting, item)
 
     def pick(self, exclude: frozenset[str] | set[str] = frozenset()) -> Worker | None:
         now = time.monotonic()
@@ -59,9 +134,12 @@ class WorkerPool:
     async def poll_once(self) -> None:
         async def check(w: Worker) -> None:
             try:
-                r = await self.client.get(f"{w.url}/load", timeout=2.0)
-                r.raise_for_status()
-                w.backlog_s = float(r.json().get("predicted_backlog_s", 0.0))
+                if self.gated:  # a plain OpenAI server: alive or not
+                    (await self.client.get(f"{w.url}{self.upstream.health_path}", timeout=2.0)).raise_for_status()
+                else:
+                    r = await self.client.get(f"{w.url}/load", timeout=2.0)
+                    r.raise_for_status()
+                    w.backlog_s = float(r.json().get("predicted_backlog_s", 0.0))
                 if not w.healthy and time.monotonic() >= w.down_until:
                     log.info("worker %s healthy again", w.url)
                 w.healthy = time.monotonic() >= w.down_until
@@ -69,6 +147,8 @@ class WorkerPool:
                 w.healthy = False
 
         await asyncio.gather(*(check(w) for w in self.workers))
+        if self.gated:
+            self._dispatch()  # a worker back in rotation has free slots
 
     async def _loop(self) -> None:
         while True:

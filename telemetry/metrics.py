@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
@@ -94,6 +95,11 @@ class GatewayMetrics:
                                 ["slo_class", "code"], registry=r)
         self.shed = Counter("flowprefill_gateway_shed", "Requests refused (shed) instead of served",
                             ["slo_class", "reason"], registry=r)
+        self.queued = Gauge("flowprefill_gateway_requests_queued",
+                            "Requests waiting in the gateway's EDF queue (plain OpenAI upstreams)", registry=r)
+
+    def track_queue(self, depth: Callable[[], int]) -> None:
+        self.queued.set_function(depth)
 
     def answered(self, slo_class: str, code: int, shed_reason: str | None = None) -> None:
         self.requests.labels(slo_class, str(code)).inc()

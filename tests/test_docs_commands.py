@@ -1,0 +1,80 @@
+"""The commands the Quickstart and the README tell a new user to run, run verbatim against a real
+`flowprefill serve` (only the ports are moved to free ones)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from processes import free_port, start, stop, wait_healthy
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+
+
+def blocks(doc: str, lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", (ROOT / doc).read_text(), re.S)
+
+
+@pytest.fixture(scope="module")
+def port() -> Iterator[int]:
+    port = free_port(span=2)
+    proc = start("serve", "--port", str(port), "--kv-capacity-tokens", "65536", "--threads", "1")
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", proc)
+        yield port
+    finally:
+        stop(proc)
+
+
+def moved(text: str, port: int) -> str:
+    text = re.sub(r"(127\.0\.0\.1|localhost):8001", rf"\g<1>:{port + 1}", text)
+    text = re.sub(r"(127\.0\.0\.1|localhost):8000", rf"\g<1>:{port}", text)
+    return text.replace(".venv/bin/", f"{VENV_BIN}/")
+
+
+def run(cmd: str, port: int, timeout: float = 120) -> str:
+    done = subprocess.run(["bash", "-c", moved(cmd, port)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, (cmd, done.stdout[-2000:], done.stderr[-2000:])
+    return done.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("doc", ["docs/quickstart.md", "README.md"])
+def test_curl_commands(port: int, doc: str) -> None:
+    cmds = [b for b in blocks(doc, "bash") if b.lstrip().startswith("curl")]
+    assert cmds, f"no curl commands in {doc}"
+    for block in cmds:
+        for cmd in re.split(r"\n(?=curl)", block.strip()):
+            out = run(cmd, port)
+            assert out.strip(), cmd
+            if "-si" not in cmd and "-sN" not in cmd and "/metrics" not in cmd:
+                json.loads(out.split("#")[0])  # plain curl prints a JSON body
+            if "/metrics" in cmd:
+                assert "flowprefill_" in out
+            if "stream" in cmd:
+                assert out.rstrip().endswith("data: [DONE]")
+
+
+@pytest.mark.slow
+def test_python_snippets(port: int) -> None:
+    code = blocks("docs/quickstart.md", "python")
+    assert len(code) == 2
+    out = subprocess.run([sys.executable, "-c", moved("\n".join(code), port)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines()[-1].startswith("batch ")  # the class the gateway applied
+
+
+@pytest.mark.slow
+def test_quickstart_load_test(port: int, tmp_path: Path) -> None:
+    (cmd,) = [b.strip() for b in blocks("docs/quickstart.md", "bash") if "flowprefill loadtest" in b]
+    out = run(f"cd {tmp_path} && {cmd}", port, timeout=300)
+    assert "accounting: scheduled 36 = sent 36 + missing 0" in " ".join(out.split())
+    assert (tmp_path / "bench-results/loadtest/goodput.json").exists()

@@ -1,0 +1,109 @@
+"""Generic upstream mode: the gateway in front of a plain OpenAI-compatible server, holding an EDF
+queue with a concurrency cap so urgent requests overtake queued ones."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from processes import free_port, start, stop, wait_healthy
+
+from engine.slo import DEFAULT_CLASSES
+from gateway.config import GatewayConfig, Upstream
+
+
+def test_priority_mapping() -> None:
+    vllm = GatewayConfig(upstream=Upstream(kind="openai"))  # lower runs sooner
+    assert [vllm.upstream_priority(c) for c in DEFAULT_CLASSES.values()] == [0, 1, 2, 3]
+    sglang = GatewayConfig(upstream=Upstream(kind="openai", priority_order="higher_first"))
+    assert [sglang.upstream_priority(c) for c in DEFAULT_CLASSES.values()] == [3, 2, 1, 0]
+    with pytest.raises(ValueError, match="max_concurrency"):
+        GatewayConfig(upstream=Upstream(max_concurrency=0)).check()
+
+
+@pytest.fixture(scope="module")
+def gated() -> Iterator[str]:
+    """A plain OpenAI server (a flowprefill worker scheduling FCFS, addressed only through the OpenAI
+    API and /health) behind `flowprefill gateway --upstream openai --max-concurrency 1`."""
+    up_port, gw_port = free_port(), free_port()
+    upstream = start("worker", "--port", str(up_port), "--policy", "fcfs", "--threads", "1",
+                     "--kv-capacity-tokens", "65536")
+    gateway = None
+    try:
+        wait_healthy(f"http://127.0.0.1:{up_port}", upstream)
+        gateway = start("gateway", "--workers", f"http://127.0.0.1:{up_port}", "--port", str(gw_port),
+                        "--upstream", "openai", "--max-concurrency", "1")
+        wait_healthy(f"http://127.0.0.1:{gw_port}", gateway)
+        yield f"http://127.0.0.1:{gw_port}"
+    finally:
+        if gateway is not None:
+            stop(gateway)
+        stop(upstream)
+
+
+def test_urgent_request_overtakes_queue(gated: str) -> None:
+    async def main() -> dict[str, float]:
+        done: dict[str, float] = {}
+        async with httpx.AsyncClient(base_url=gated, timeout=120) as c:
+            async def send(rid: str, cls: str, n: int, delay: float) -> None:
+                await asyncio.sleep(delay)
+                r = await c.post("/v1/completions", headers={"x-slo-class": cls, "x-request-id": rid},
+                                 json={"prompt": [65] * n, "max_tokens": 2, "temperature": 0})
+                assert r.status_code == 200, r.text
+                assert r.headers["x-slo-class"] == cls
+                done[rid] = time.monotonic()
+
+            # one long request holds the only slot; three batch requests queue; then an urgent one
+            await asyncio.gather(send("long", "batch", 6000, 0), *(send(f"b{i}", "batch", 1500, 0.1 + i * 0.02)
+                                 for i in range(3)), send("urgent", "interactive", 32, 0.3))
+            metrics = (await c.get("/metrics")).text
+        assert "flowprefill_gateway_requests_queued 0.0" in metrics
+        return done
+
+    done = asyncio.run(main())
+    order = sorted(done, key=done.get)
+    assert order[0] == "long" and order[1] == "urgent", order  # EDF at the gateway: it overtook b0..b2
+
+
+def test_no_healthy_upstream(tmp_path: Path) -> None:
+    cfg = tmp_path / "gw.toml"
+    cfg.write_text('[upstream]\nkind = "openai"\nmax_concurrency = 1\nmax_queue = 0\n')
+    port = free_port()
+    dead = f"http://127.0.0.1:{free_port()}"
+    gw = start("gateway", "--workers", dead, "--port", str(port), "--config", str(cfg))
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", gw)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi"}, timeout=10)
+        assert r.status_code == 503 and r.headers["x-flowprefill-dropped-reason"] == "no_healthy_worker"
+        assert r.json()["error"]["type"] == "server_error"
+    finally:
+        stop(gw)
+
+
+def test_edf_gate_order_bound_and_cancel() -> None:
+    from gateway.routing import QueueFull, WorkerPool
+
+    async def main() -> None:
+        async with httpx.AsyncClient() as client:
+            pool = WorkerPool(["http://a", "http://b"], client,
+                              upstream=Upstream(kind="openai", max_concurrency=1, max_queue=3))
+            a, b = await pool.acquire(10.0), await pool.acquire(10.0)
+            assert {a.url, b.url} == {"http://a", "http://b"}  # one per server, up to the cap
+            late = asyncio.ensure_future(pool.acquire(9.0))
+            urgent = asyncio.ensure_future(pool.acquire(1.0))
+            gone = asyncio.ensure_future(pool.acquire(0.5))
+            await asyncio.sleep(0)
+            with pytest.raises(QueueFull):
+                await pool.acquire(5.0)
+            gone.cancel()  # the client went away while queued: it leaves the queue
+            await asyncio.sleep(0)
+            pool.release(a)
+            assert (await urgent).url == a.url and not late.done()  # earliest deadline first
+            pool.release(b)
+            assert (await late).url == b.url and pool.queued == 0
+
+    asyncio.run(main())
