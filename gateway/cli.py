@@ -145,9 +145,7 @@ def _run_gateway(args: argparse.Namespace, console: object = None) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll is noise
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flowprefill", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="gateway + engine worker(s) on this machine (embedded model by default)")
@@ -175,6 +173,13 @@ def main(argv: list[str] | None = None) -> int:
                          add_help=False)
     sub.add_parser("loadtest", help="a Locust profile, headless, against a gateway: per-class goodput report",
                    add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll is noise
+    parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "loadtest":
         from loadtest import run

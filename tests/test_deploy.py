@@ -43,3 +43,52 @@ def test_grafana_provisioning_matches_dashboard() -> None:
 def test_promtool_accepts_scrape_config() -> None:
     subprocess.run(["promtool", "check", "config", str(DEPLOY / "prometheus.yml")], check=True,
                    capture_output=True)
+
+
+K8S = Path(__file__).resolve().parents[1] / "docs" / "examples" / "kubernetes"
+
+
+def test_kubernetes_manifests(tmp_path: Path) -> None:
+    from gateway.cli import build_parser
+    from gateway.config import GatewayConfig
+
+    docs = list(yaml.safe_load_all((K8S / "flowprefill.yaml").read_text()))
+    by_kind: dict[str, list[dict]] = {}
+    for d in docs:
+        by_kind.setdefault(d["kind"], []).append(d)
+    assert {k: len(v) for k, v in by_kind.items()} == {"ConfigMap": 1, "Service": 2, "StatefulSet": 1,
+                                                       "Deployment": 1}
+    (workers,), (gateway,) = by_kind["StatefulSet"], by_kind["Deployment"]
+    parser = build_parser()
+    for obj in (workers, gateway):
+        (container,) = obj["spec"]["template"]["spec"]["containers"]
+        args, rest = parser.parse_known_args(container["args"])
+        assert not rest, f"{obj['metadata']['name']}: flowprefill does not accept {rest}"
+        port = container["ports"][0]["containerPort"]
+        assert args.port == port and container["readinessProbe"]["httpGet"]["port"] == port
+    wargs = parser.parse_args(workers["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert wargs.command == "worker" and wargs.host == "0.0.0.0" and wargs.device == "cuda"
+    assert workers["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # the gateway routes to exactly the StatefulSet's pods, by their headless-service names
+    gargs = parser.parse_args(gateway["spec"]["template"]["spec"]["containers"][0]["args"])
+    name, svc, n = workers["metadata"]["name"], workers["spec"]["serviceName"], workers["spec"]["replicas"]
+    assert gargs.workers_urls == [f"http://{name}-{i}.{svc}:{wargs.port}" for i in range(n)]
+    headless = next(s for s in by_kind["Service"] if s["metadata"]["name"] == svc)
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["selector"] == workers["spec"]["selector"]["matchLabels"]
+    # the gateway's config file in the ConfigMap is one GatewayConfig accepts
+    (cm,) = by_kind["ConfigMap"]
+    mount = gateway["spec"]["template"]["spec"]["containers"][0]["volumeMounts"][0]["mountPath"]
+    assert gargs.config == f"{mount}/gateway.toml"
+    cfg_file = tmp_path / "gateway.toml"
+    cfg_file.write_text(cm["data"]["gateway.toml"])
+    cfg = GatewayConfig.load(cfg_file, gargs.workers_urls)
+    assert cfg.api_keys["sk-batch-jobs"].ceiling == "relaxed"
+
+
+def test_dockerfile_copies_the_packages() -> None:
+    root = K8S.parents[2]
+    for line in (K8S / "Dockerfile").read_text().splitlines():
+        if line.startswith("COPY "):
+            for src in line.split()[1:-1]:
+                assert (root / src).exists(), src
