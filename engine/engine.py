@@ -13,9 +13,10 @@ import torch
 
 from engine.config import EngineConfig
 from engine.decode import OutputStream
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, OutOfBlocks
 from engine.model import load_model
 from engine.model.plan import SeqSpan
+from engine.observer import EngineObserver
 from engine.predictor import load_cost
 from engine.prefill import PrefillBatch
 from engine.request import Request, RequestState, SamplingParams, TokenOutput
@@ -27,17 +28,6 @@ log = logging.getLogger("flowprefill.engine")
 # Decode runs when the most urgent decoding request has used this share of its TBT target,
 # so prefill keeps the device between decode steps and TBT holds (a prefill step is bounded).
 DECODE_TBT_SHARE = 0.5
-
-
-class EngineObserver:
-    """Telemetry hooks, called on the engine thread with the engine's clock readings. Observers
-    watch; they never steer. A segment is one uninterrupted stretch of a batch's execution."""
-
-    def on_segment_start(self, batch: PrefillBatch, now: float) -> None: ...
-    def on_segment_end(self, batch: PrefillBatch, now: float) -> None: ...
-    def on_preempt(self, victim: PrefillBatch, by: PrefillBatch) -> None:
-        """Called once `by` has started its segment, so its spans exist to be linked to."""
-    def on_finish(self, req: Request) -> None: ...
 
 
 class Engine:
@@ -62,6 +52,7 @@ class Engine:
         self._decoding: dict[str, OutputStream] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._cancels: deque[str] = deque()
+        self._imports: deque[tuple[Request, dict[str, torch.Tensor], int]] = deque()
         self._current: PrefillBatch | None = None
         self._next_decode_at = float("inf")
         self._stop = False
@@ -118,6 +109,26 @@ class Engine:
             self._cancels.append(request_id)
             self._cv.notify()
 
+    def add_prefilled(self, req: Request, kv: dict[str, torch.Tensor], first_token: int) -> None:
+        """Decode a request another worker prefilled (PD disaggregation): its prompt's KV
+        (`k.{layer}` / `v.{layer}`: [prompt tokens, kv heads, head dim]) and its first token.
+        Raises ValueError for KV that does not fit this model or prompt."""
+        self.validate(req)
+        cfg, n = self.model.cfg, req.num_prompt_tokens
+        want = (n, cfg.num_key_value_heads, cfg.head_dim)
+        for layer in range(cfg.num_hidden_layers):
+            for kind in "kv":
+                t = kv.get(f"{kind}.{layer}")
+                if t is None or tuple(t.shape) != want:
+                    raise ValueError(f"handed-off KV {kind}.{layer}: expected shape {want}, got "
+                                     f"{None if t is None else tuple(t.shape)}")
+        with self._cv:
+            if req.request_id in self._requests:
+                raise ValueError(f"duplicate request id {req.request_id!r}")
+            self._requests[req.request_id] = req
+            self._imports.append((req, kv, first_token))
+            self._cv.notify()
+
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None,
                  **request_fields: object) -> list[Request]:
         """Blocking convenience: run prompts to completion (the engine must be started)."""
@@ -145,9 +156,10 @@ class Engine:
     # -- the engine thread ---------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
-            if not (self._cancels or self.scheduler.chosen or self._decoding):
+            if not (self._cancels or self._imports or self.scheduler.chosen or self._decoding):
                 with self._cv:
-                    while not (self._stop or self._cancels or self.scheduler.chosen or self._decoding):
+                    while not (self._stop or self._cancels or self._imports or self.scheduler.chosen
+                               or self._decoding):
                         self._cv.wait()
             if self._stop:
                 break
@@ -167,6 +179,8 @@ class Engine:
     def _iteration(self) -> None:
         if self._cancels:
             self._process_cancels()
+        if self._imports:
+            self._process_imports()
         batch = self.scheduler.chosen  # read before the clock: a later decision never looks negative
         now = self.clock()
         if self._decoding and (batch is None or now >= self._next_decode_at):
@@ -232,11 +246,11 @@ class Engine:
         tokens = sample(logits[[i for i, _ in live]], [r for _, r in live], self._generators) if live else []
         now = self.clock()
         for (_, r), token in zip(live, tokens, strict=True):
-            r.first_token_time = r.last_token_time = now
-            stream = OutputStream(r, self.tokenizer)
-            r.state = RequestState.DECODING
-            self._decoding[r.request_id] = stream
-            self._emit(stream.push(token))
+            if r.export_kv:  # hand-off: copy the prompt's KV out before the blocks can be freed
+                r.kv_export = {f"{kind}.{layer}": t.clone() for layer in range(self.model.cfg.num_hidden_layers)
+                               for kind, t in zip("kv", self.kv.gather(layer, r.block_table, r.num_prompt_tokens),
+                                                  strict=True)}
+            self._start_decoding(r, token, now)
         for r in batch.requests:  # cancelled while the batch ran: their KV was in use until now
             if r.state.done:
                 self.kv.free(r.block_table)  # on_completion below decides anyway
@@ -244,6 +258,34 @@ class Engine:
             self.scheduler.on_completion(batch, unfinished)
         self._current = None
         self._schedule_decode(now)
+
+    def _start_decoding(self, r: Request, token: int, now: float) -> None:
+        r.first_token_time = r.last_token_time = now
+        stream = OutputStream(r, self.tokenizer)
+        r.state = RequestState.DECODING
+        self._decoding[r.request_id] = stream
+        self._emit(stream.push(token))
+
+    def _process_imports(self) -> None:
+        while self._imports:
+            req, kv, token = self._imports.popleft()
+            if req.request_id not in self._requests:  # cancelled before it got here
+                continue
+            try:
+                req.block_table = self.kv.allocate(req.max_total_tokens)
+            except OutOfBlocks as exc:
+                self._finish(req, "error", f"KV cache full: {exc}")
+                continue
+            n = req.num_prompt_tokens
+            slots = self.kv.slots(req.block_table, 0, n)
+            dtype = self.kv.k[0].dtype
+            for layer in range(self.model.cfg.num_hidden_layers):
+                self.kv.write(layer, slots, kv[f"k.{layer}"].to(self.kv.k[0].device, dtype),
+                              kv[f"v.{layer}"].to(self.kv.v[0].device, dtype))
+            req.num_computed_tokens = n
+            req.prefill_start = self.clock()
+            self._start_decoding(req, token, self.clock())
+            self._schedule_decode(self.clock())
 
     def _decode_step(self) -> None:
         streams = list(self._decoding.values())

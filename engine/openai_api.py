@@ -10,6 +10,11 @@ import msgspec
 
 from engine.request import SamplingParams
 
+# Prefill/decode disaggregation (engine/handoff.py): the gateway sends a request's prefill half with
+# KV_TO (where the KV goes) and its decode half with KV_ID (which handed-off KV to decode from).
+KV_TO_HEADER = "x-flowprefill-kv-to"
+KV_ID_HEADER = "x-flowprefill-kv-id"
+
 
 class StreamOptions(msgspec.Struct, omit_defaults=True):
     include_usage: bool = False

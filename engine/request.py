@@ -102,6 +102,10 @@ class Request(msgspec.Struct, kw_only=True):
     segments: list[tuple[float, float]] = []  # execution intervals of its prefill
     suspensions: list[Suspension] = []
     sink: Callable[[TokenOutput], None] | None = None  # called from the engine thread
+    # Prefill/decode disaggregation: a prefill worker keeps the prompt's KV when the first token is
+    # out (`kv_export`, filled on the engine thread) for hand-off to a decode worker.
+    export_kv: bool = False
+    kv_export: dict[str, Any] | None = None
     trace_context: Any = None  # telemetry's carrier, never read by the engine
 
     def __post_init__(self) -> None:

@@ -4,13 +4,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+import httpx
 import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.response import Stream
 
+from engine import handoff
 from engine.engine import Engine
 from engine.openai_api import (
     ChatCompletionRequest,
@@ -30,6 +34,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
 
 DEFAULT_MAX_TOKENS = 16
+HANDOFF_TIMEOUT_S = 30.0  # a decode request waits this long for its prefill worker's KV
 
 
 class BadRequest(Exception):
@@ -53,6 +58,11 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
     if tracing is not None:
         from telemetry.tracing import EngineTracer
         tracer = EngineTracer(engine, model_name)
+    inbox = handoff.KVInbox()
+    peers = httpx.AsyncClient(timeout=httpx.Timeout(HANDOFF_TIMEOUT_S, connect=2.0))
+
+    def transfer_span(name: str, **attrs: Any) -> Any:
+        return tracer.span(name, attrs) if tracer is not None else contextlib.nullcontext()
 
     def slo_for(request: Request, body: Any) -> SLOClass:
         name = request.headers.get("x-slo-class") or body.service_tier or default_class
@@ -91,7 +101,13 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
             raise BadRequest(str(exc)) from None
         slo = slo_for(request, body)
         rid = request.headers.get("x-request-id") or new_id("chatcmpl" if chat else "cmpl")
-        req = EngineRequest.for_class(slo, request_id=rid, prompt_token_ids=ids, sampling=sampling)
+        kv_to, kv_id = request.headers.get(handoff.KV_TO_HEADER), request.headers.get(handoff.KV_ID_HEADER)
+        if kv_to:  # the prefill half of a disaggregated request: the first token, then hand the KV over
+            if body.stream:
+                raise BadRequest(f"a request with {handoff.KV_TO_HEADER} must not stream")
+            sampling = msgspec.structs.replace(sampling, max_tokens=1)
+        req = EngineRequest.for_class(slo, request_id=rid, prompt_token_ids=ids, sampling=sampling,
+                                      export_kv=bool(kv_to))
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
         req.sink = lambda out: loop.call_soon_threadsafe(queue.put_nowait, out)
@@ -100,22 +116,43 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
             engine.validate(req)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
-        if reason := engine.admission(req, slo.sheddable):
+        if kv_id:  # the decode half: admitted at prefill; its KV comes from the prefill worker
+            with transfer_span("kv_transfer", **{"flowprefill.direction": "in", "flowprefill.request_id": kv_id}):
+                try:
+                    wait_s = min(HANDOFF_TIMEOUT_S, float(request.headers.get("x-flowprefill-handoff-timeout-s")
+                                                          or HANDOFF_TIMEOUT_S))
+                except ValueError:
+                    raise BadRequest("x-flowprefill-handoff-timeout-s must be a number") from None
+                try:
+                    kv, first = await inbox.take(kv_id, wait_s)
+                except TimeoutError:
+                    raise BadRequest(f"no KV was handed off for {kv_id!r}", status=504) from None
+            if tracer is not None:
+                tracer.start(req, "chat" if chat else "text_completion", handed_off=True)
+            try:
+                engine.add_prefilled(req, kv, first)
+            except ValueError as exc:
+                if tracer is not None:
+                    req.finish_reason = "error"
+                    tracer.on_finish(req)
+                raise BadRequest(str(exc)) from None
+        elif reason := engine.admission(req, slo.sheddable):
             status = 429 if reason == "predicted_slo_miss" else 503
             message = ("the request cannot meet its TTFT target here (predicted); retry later or with a looser class"
                        if status == 429 else "the worker's queue is full")
             return Response(error_body(message, "rate_limit_exceeded" if status == 429 else "server_error",
                                        code=reason), status_code=status,
                             headers=headers | {"retry-after": "1", "x-flowprefill-dropped-reason": reason})
-        if tracer is not None:
-            tracer.start(req, "chat" if chat else "text_completion")
-        try:
-            engine.add_request(req)
-        except ValueError as exc:
-            if tracer is not None:  # never queued: the engine will not close its span
-                req.finish_reason = "error"
-                tracer.on_finish(req)
-            raise BadRequest(str(exc)) from None
+        else:
+            if tracer is not None:
+                tracer.start(req, "chat" if chat else "text_completion")
+            try:
+                engine.add_request(req)
+            except ValueError as exc:
+                if tracer is not None:  # never queued: the engine will not close its span
+                    req.finish_reason = "error"
+                    tracer.on_finish(req)
+                raise BadRequest(str(exc)) from None
         if req.predicted_miss:  # served anyway, after feasible requests; a gateway may shed instead
             headers["x-flowprefill-predicted-miss"] = "true"
         model = model_name
@@ -134,6 +171,19 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
                 engine.cancel(rid)
         if finish == "error":
             return Response(error_body(out.error or "engine error", "server_error"), status_code=500, headers=headers)
+        if kv_to and req.kv_export is not None:
+            blob = handoff.pack(req.kv_export, req.output_token_ids[0])
+            req.kv_export = None
+            t0 = time.perf_counter()
+            try:
+                with transfer_span("kv_transfer", **{"flowprefill.direction": "out", "flowprefill.request_id": rid,
+                                                     "flowprefill.kv_bytes": len(blob), "server.address": kv_to}):
+                    await handoff.send(peers, kv_to, rid, blob)
+            except httpx.HTTPError as exc:
+                return Response(error_body(f"handing the KV to {kv_to} failed: {exc}", "server_error"),
+                                status_code=502, headers=headers)
+            headers |= {"x-flowprefill-kv-bytes": str(len(blob)),
+                        "x-flowprefill-kv-ms": f"{(time.perf_counter() - t0) * 1000:.3f}"}
         return Response(completion_body(rid, model, "".join(texts), finish, chat, req.num_prompt_tokens,
                                         len(req.output_token_ids)), headers=headers)
 
@@ -144,6 +194,14 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
     @post("/v1/chat/completions", status_code=200)
     async def chat_completions(request: Request) -> Any:
         return await run(request, chat=True)
+
+    @post("/v1/internal/kv/{request_id:str}", status_code=204, request_max_body_size=4 * 1024**3)
+    async def receive_kv(request: Request, request_id: str) -> None:
+        try:
+            kv, first = handoff.unpack(await request.body())
+        except Exception as exc:
+            raise BadRequest(f"handed-off KV is not readable: {exc}") from None
+        inbox.put(request_id, kv, first)
 
     @get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -174,9 +232,9 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
         from telemetry.tracing import litestar_plugin
         plugins.append(litestar_plugin(exclude=["/health", "/load", "/metrics"]))
     return Litestar(
-        route_handlers=[completions, chat_completions, models, health, load, prometheus],
+        route_handlers=[completions, chat_completions, receive_kv, models, health, load, prometheus],
         exception_handlers={BadRequest: _error},
-        on_shutdown=[engine.shutdown] + ([tracing.shutdown] if tracing is not None else []),
+        on_shutdown=[engine.shutdown, peers.aclose] + ([tracing.shutdown] if tracing is not None else []),
         request_max_body_size=16 * 1024 * 1024,
         plugins=plugins,
     )

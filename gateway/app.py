@@ -11,7 +11,7 @@ import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.response import Stream
 
-from engine.openai_api import error_body, new_id
+from engine.openai_api import KV_ID_HEADER, KV_TO_HEADER, error_body, new_id
 from gateway.classify import ClassificationError, classify
 from gateway.config import GatewayConfig
 from gateway.routing import QueueFull, Worker, WorkerPool
@@ -45,6 +45,37 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
                                limits=httpx.Limits(max_connections=512, max_keepalive_connections=128))
     pool = WorkerPool(cfg.workers, client, upstream=cfg.upstream)
     metrics.track_queue(lambda: pool.queued)
+    # Disaggregated: `workers` decode; these prefill and hand the KV to the decode worker chosen.
+    prefill_pool = WorkerPool(cfg.prefill_workers, client) if cfg.prefill_workers else None
+
+    async def prefill_first(decode: Worker, path: str, body: dict[str, Any], headers: dict[str, str],
+                            deadline: float, slo_name: str) -> Response | None:
+        """The prefill half on a prefill worker, its KV sent to `decode`. None when the KV is there;
+        else the answer the client gets (shed, bad input). Raises GatewayError with no prefill worker."""
+        assert prefill_pool is not None
+        first = {k: v for k, v in body.items() if k != "stream_options"} | {"max_tokens": 1, "stream": False}
+        tried: set[str] = set()
+        while (pre := await prefill_pool.acquire(deadline, tried)) is not None:
+            tried.add(pre.url)
+            try:
+                r = await client.post(f"{pre.url}{path}", content=msgspec.json.encode(first),
+                                      headers=headers | {KV_TO_HEADER: decode.url})
+            except httpx.HTTPError:
+                prefill_pool.mark_failed(pre)
+                continue
+            finally:
+                prefill_pool.release(pre)
+            if r.status_code >= 500 and not r.headers.get("x-flowprefill-dropped-reason"):
+                prefill_pool.mark_failed(pre)
+                continue
+            if r.status_code == 200:
+                return None
+            keep = ("retry-after", "x-flowprefill-dropped-reason")
+            metrics.answered(slo_name, r.status_code, r.headers.get("x-flowprefill-dropped-reason"))
+            return Response(r.content, status_code=r.status_code, media_type="application/json",
+                            headers={k: v for k, v in r.headers.items() if k in keep})
+        raise GatewayError(503, "no healthy prefill worker", "server_error",
+                           headers={"retry-after": "1", "x-flowprefill-dropped-reason": "no_healthy_worker"})
 
     async def forward(request: Request, path: str) -> Response | Stream:
         arrival = time.monotonic()
@@ -94,9 +125,22 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
             if worker is None:
                 break
             tried.add(worker.url)
+            to_worker = upstream_headers
+            if prefill_pool is not None:
+                try:
+                    refused = await prefill_first(worker, path, body, upstream_headers, deadline, slo.name)
+                except GatewayError as exc:
+                    pool.release(worker)
+                    exc.headers |= ours
+                    raise
+                if refused is not None:
+                    pool.release(worker)
+                    refused.headers.update(ours)
+                    return refused
+                to_worker = upstream_headers | {KV_ID_HEADER: rid}
             try:
                 up = await client.send(client.build_request("POST", f"{worker.url}{path}", content=raw,
-                                                            headers=upstream_headers), stream=True)
+                                                            headers=to_worker), stream=True)
             except httpx.HTTPError:
                 pool.release(worker)
                 pool.mark_failed(worker)
@@ -161,18 +205,22 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
 
     @get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "workers": {w.url: w.healthy for w in pool.workers}}
+        return {"status": "ok", "workers": {w.url: w.healthy for p in pools for w in p.workers}}
 
     @get("/metrics", media_type="text/plain; version=0.0.4")
     async def prometheus() -> bytes:
         return metrics.render()
 
+    pools = [p for p in (pool, prefill_pool) if p is not None]
+
     async def startup() -> None:
-        await pool.poll_once()
-        pool.start()
+        for p in pools:
+            await p.poll_once()
+            p.start()
 
     async def shutdown() -> None:
-        await pool.stop()
+        for p in pools:
+            await p.stop()
         await client.aclose()
 
     on_shutdown: list[Any] = [shutdown]

@@ -88,6 +88,8 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     if args.workers < 1:
         raise SystemExit("--workers must be >= 1")
+    if args.disaggregate and args.workers < 2:
+        raise SystemExit("--disaggregate needs --workers 2 or more (prefill and decode workers)")
     _exit_on_sigterm()
     console = Console(stderr=True)
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
@@ -108,7 +110,9 @@ def _run_serve(args: argparse.Namespace) -> int:
                     if time.monotonic() > deadline:
                         raise SystemExit(f"engine worker on port {port} did not become healthy")
                     time.sleep(0.2)
-        args.workers_urls = [f"http://127.0.0.1:{p}" for p in ports]
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        n_prefill = len(urls) // 2 if args.disaggregate else 0
+        args.prefill_urls, args.workers_urls = urls[:n_prefill] or None, urls[n_prefill:]
         return _run_gateway(args, console)
     finally:
         for child in children:
@@ -130,7 +134,7 @@ def _run_gateway(args: argparse.Namespace, console: object = None) -> int:
     from telemetry.tracing import setup_tracing
 
     console = console or Console(stderr=True)
-    cfg = GatewayConfig.load(args.config, args.workers_urls)
+    cfg = GatewayConfig.load(args.config, args.workers_urls, getattr(args, "prefill_urls", None))
     overrides = {k: v for k, v in (("kind", getattr(args, "upstream", None)),
                                    ("max_concurrency", getattr(args, "max_concurrency", None))) if v}
     if overrides:
@@ -138,8 +142,9 @@ def _run_gateway(args: argparse.Namespace, console: object = None) -> int:
         cfg.check()
     app = create_gateway_app(cfg, tracing=setup_tracing("flowprefill-gateway"))
     url = f"http://{args.host}:{args.port}"
-    console.print(f"[bold green]FlowPrefill[/] gateway at [link={url}/v1]{url}/v1[/] → "  # type: ignore[attr-defined]
-                  f"{', '.join(cfg.workers)}")
+    route = (f"prefill {', '.join(cfg.prefill_workers)} → decode {', '.join(cfg.workers)}" if cfg.prefill_workers
+             else ", ".join(cfg.workers))
+    console.print(f"[bold green]FlowPrefill[/] gateway at [link={url}/v1]{url}/v1[/] → {route}")  # type: ignore[attr-defined]
     print(url, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
@@ -152,10 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(serve)
     serve.add_argument("--workers", type=int, default=1, help="engine worker processes (ports after --port)")
     serve.add_argument("--config", default=None, help="gateway TOML: SLO classes, API keys, rules")
+    serve.add_argument("--disaggregate", action="store_true",
+                       help="prefill/decode disaggregation: the first half of the workers prefill, the rest decode")
     gateway = sub.add_parser("gateway", help="the SLO gateway alone, in front of running workers")
     gateway.add_argument("--workers", dest="workers_urls", required=True, type=lambda s: s.split(","),
                          help="comma-separated worker base URLs (flowprefill workers or any OpenAI server)")
     gateway.add_argument("--config", default=None, help="gateway TOML: SLO classes, API keys, rules")
+    gateway.add_argument("--prefill-workers", dest="prefill_urls", default=None, type=lambda s: s.split(","),
+                         help="comma-separated prefill worker URLs: disaggregated, --workers then decode")
     gateway.add_argument("--host", default="127.0.0.1")
     gateway.add_argument("--port", type=int, default=8000)
     gateway.add_argument("--upstream", choices=["flowprefill", "openai"], default=None,
@@ -170,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub.add_parser("prefill", help="prefill throughput, checkpoint overhead, preemption stop latency",
                          add_help=False)
     bench_sub.add_parser("goodput", help="max goodput per policy vs rate and SLO scale (real engine or sim)",
+                         add_help=False)
+    bench_sub.add_parser("gateway", help="latency the gateway adds and its requests/s on one core",
                          add_help=False)
     sub.add_parser("loadtest", help="a Locust profile, headless, against a gateway: per-class goodput report",
                    add_help=False)
@@ -190,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
             from loadtest import goodput
 
             return goodput.main(rest)
+        if args.bench == "gateway":
+            from gateway import bench
+
+            return bench.main(rest)
         from engine.bench import prefill
 
         return prefill.main(rest)

@@ -48,6 +48,7 @@ class GatewayConfig(msgspec.Struct, kw_only=True):
     api_keys: dict[str, APIKey] = {}  # none configured: the gateway is open
     rules: list[LengthRule] = []
     workers: list[str] = []
+    prefill_workers: list[str] = []  # set: disaggregated, `workers` decode and these prefill
     request_timeout_s: float = 600.0
     max_body_bytes: int = 16 * 1024 * 1024
     upstream: Upstream = Upstream()
@@ -69,7 +70,8 @@ class GatewayConfig(msgspec.Struct, kw_only=True):
         return max(c.priority for c in self.classes.values()) - slo.priority
 
     @classmethod
-    def load(cls, path: str | Path | None, workers: list[str] | None = None) -> GatewayConfig:
+    def load(cls, path: str | Path | None, workers: list[str] | None = None,
+             prefill_workers: list[str] | None = None) -> GatewayConfig:
         raw = tomllib.loads(Path(path).read_text()) if path else {}
         if "classes" in raw:  # a TOML table per class: [classes.interactive] ttft_ms = 250 ...
             raw["classes"] = {name: {"name": name, **c} for name, c in raw["classes"].items()}
@@ -79,5 +81,7 @@ class GatewayConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"{path}: {exc}") from None
         if workers:
             cfg.workers = workers
+        if prefill_workers:
+            cfg.prefill_workers = prefill_workers
         cfg.check()
         return cfg

@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             if server:
                 _stop(server[0])
     doc = _merge(docs, argv) if len(docs) > 1 else docs[0]
+    doc["machine"] = _machine()
     (out / "goodput.json").write_text(json.dumps(doc, indent=2))
     if len(docs) > 1:
         _side_by_side(console, doc)
@@ -220,6 +221,15 @@ def _plot_rates(doc: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _machine() -> dict[str, Any]:
+    import platform
+
+    from engine.bench.machine import cpu_count, cpu_model
+
+    return {"cpu_count": cpu_count(), "cpu_model": cpu_model(), "python": platform.python_version(),
+            "loadavg_at_end": os.getloadavg()}
 
 
 def _children_cpu() -> float:

@@ -7,12 +7,16 @@ import time
 from collections import deque
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
-from engine.engine import Engine, EngineObserver
-from engine.prefill import PrefillBatch
-from engine.request import Request
+from engine.observer import EngineObserver
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
+    from engine.prefill import PrefillBatch
+    from engine.request import Request
 
 GOODPUT_WINDOW_S = 60.0
 

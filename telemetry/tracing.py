@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import context, propagate, trace
 from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
@@ -20,9 +20,12 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 
-from engine.engine import Engine, EngineObserver
-from engine.prefill import PrefillBatch
-from engine.request import Request
+from engine.observer import EngineObserver
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
+    from engine.prefill import PrefillBatch
+    from engine.request import Request
 from telemetry.metrics import flowprefill_version
 
 TRACER_NAME = "flowprefill"
@@ -106,9 +109,10 @@ class EngineTracer(EngineObserver):
     def _ns(self, t: float) -> int:
         return self._wall0 + int((t - self._mono0) * 1e9)
 
-    def start(self, req: Request, operation: str) -> None:
+    def start(self, req: Request, operation: str, handed_off: bool = False) -> None:
         """Open the request's span as a child of the current (HTTP server) span. Call before the
-        engine sees the request; everything after happens on the engine thread."""
+        engine sees the request; everything after happens on the engine thread. A handed-off request
+        (PD disaggregation: prefilled elsewhere) has no queue or prefill here, only decode."""
         ctx = context.get_current()
         root = self.tracer.start_span(f"{operation} {self.model}", context=ctx, kind=SpanKind.INTERNAL,
                                       start_time=self._ns(req.arrival_time), attributes={
@@ -124,8 +128,13 @@ class EngineTracer(EngineObserver):
             "flowprefill.predicted_miss": req.predicted_miss,
         })
         rt = _RequestTrace(root)
-        rt.queue = self._child(rt, "queue", req.arrival_time)
+        if not handed_off:
+            rt.queue = self._child(rt, "queue", req.arrival_time)
         req.trace_context = rt
+
+    def span(self, name: str, attrs: dict[str, Any]) -> Any:
+        """A span in the current context (e.g. `kv_transfer` around a KV hand-off)."""
+        return self.tracer.start_as_current_span(name, attributes=attrs)
 
     def _child(self, rt: _RequestTrace, name: str, start: float, **kw: Any) -> Span:
         return self.tracer.start_span(name, context=trace.set_span_in_context(rt.root),

@@ -169,3 +169,17 @@ def test_web_ui_slo_tab(served: str, tmp_path: Path) -> None:
     assert {r["slo_class"] for r in rows} == {"batch", "interactive"}
     assert sum(r["requests"] for r in rows) == 8
     assert '"extended_tabs"' in page or "extended_tabs" in page
+
+
+def test_trace_replay_profile_from_mooncake_jsonl(tmp_path: Path) -> None:
+    """A profile replays any loader's trace: here Mooncake JSONL with types, windowed and rate-scaled."""
+    trace = tmp_path / "mooncake.jsonl"
+    rows = [{"timestamp": 10_000 * i, "input_length": 100 + i, "output_length": 5, "type": t}
+            for i, t in enumerate(["text", "file", "search", "image"] * 5)]
+    trace.write_text("\n".join(json.dumps(r) for r in rows))
+    (tmp_path / "p.toml").write_text(
+        f'kind = "trace"\ntrace = "{trace}"\nwindow_start_s = 40\nwindow_s = 80\nrate = 2\n')
+    s = load_profile(str(tmp_path / "p.toml")).schedule()
+    assert [r.input_tokens for r in s.workload.requests] == list(range(104, 112))
+    assert [r.slo_class for r in s.workload.requests[:4]] == ["interactive", "batch", "relaxed", "standard"]
+    assert s.workload.rate == pytest.approx(2.0)

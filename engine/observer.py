@@ -1,0 +1,20 @@
+"""The engine's telemetry hooks (light: telemetry imports it without torch)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.prefill import PrefillBatch
+    from engine.request import Request
+
+
+class EngineObserver:
+    """Telemetry hooks, called on the engine thread with the engine's clock readings. Observers
+    watch; they never steer. A segment is one uninterrupted stretch of a batch's execution."""
+
+    def on_segment_start(self, batch: PrefillBatch, now: float) -> None: ...
+    def on_segment_end(self, batch: PrefillBatch, now: float) -> None: ...
+    def on_preempt(self, victim: PrefillBatch, by: PrefillBatch) -> None:
+        """Called once `by` has started its segment, so its spans exist to be linked to."""
+    def on_finish(self, req: Request) -> None: ...

@@ -1,0 +1,246 @@
+"""`flowprefill bench gateway`: what the gateway adds over calling an engine worker directly.
+
+A real worker and a real gateway in front of it run as separate processes, the gateway pinned to one
+core. Latency: the same short request sent directly and through the gateway, alternating, one at a
+time (non-streaming, and streaming: first token and last byte); the added latency is the difference
+of the medians / p99s. Throughput on one core: the gateway's CPU seconds per proxied request, read from
+/proc while concurrent clients drive it, inverted — what one core of gateway can proxy, whatever the
+worker behind it manages (a CPU engine is the bottleneck here, not the gateway).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+BODY = {"prompt": [65, 66, 67, 68, 69, 70, 71, 72], "max_tokens": 1, "temperature": 0}
+STREAM_BODY = BODY | {"max_tokens": 4, "stream": True, "ignore_eos": True}
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(args: list[str], core: int | None) -> subprocess.Popen:
+    def pin() -> None:
+        if core is not None and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, {core})
+
+    return subprocess.Popen([sys.executable, "-m", "gateway.cli", *args], preexec_fn=pin,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _wait(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(url)
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _one(client: httpx.Client, url: str, stream: bool) -> tuple[float, float]:
+    """(time to first token, time to last byte) in seconds."""
+    t0 = time.perf_counter()
+    if not stream:
+        r = client.post(f"{url}/v1/completions", json=BODY)
+        r.raise_for_status()
+        t = time.perf_counter() - t0
+        return t, t
+    first = None
+    with client.stream("POST", f"{url}/v1/completions", json=STREAM_BODY) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if first is None and line.startswith("data: {"):
+                first = time.perf_counter() - t0
+    return first or 0.0, time.perf_counter() - t0
+
+
+async def _drive(url: str, concurrency: int, seconds: float) -> int:
+    done = 0
+    stop_at = time.monotonic() + seconds
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency), timeout=30) as client:
+        async def user() -> None:
+            nonlocal done
+            while time.monotonic() < stop_at:
+                (await client.post(f"{url}/v1/completions", json=BODY)).raise_for_status()
+                done += 1
+        await asyncio.gather(*(user() for _ in range(concurrency)))
+    return done
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="flowprefill bench gateway", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=300, help="latency samples per path and mode")
+    p.add_argument("--concurrency", type=int, default=32, help="clients for the throughput run")
+    p.add_argument("--seconds", type=float, default=15.0, help="length of the throughput run")
+    p.add_argument("--handoff-tokens", default="1024,4096,16384",
+                   help="prompt lengths for the KV hand-off (PD disaggregation) cost; empty: skip")
+    p.add_argument("--out", default="bench-results")
+    args = p.parse_args(argv)
+    console = Console()
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+    w_port, g_port = _port(), _port()
+    worker = _start(["worker", "--port", str(w_port), "--threads", "1"], cores[-1])
+    gateway = _start(["gateway", "--workers", f"http://127.0.0.1:{w_port}", "--port", str(g_port)], cores[0])
+    direct, via = f"http://127.0.0.1:{w_port}", f"http://127.0.0.1:{g_port}"
+    results: dict[str, Any] = {"command": "flowprefill bench gateway " + " ".join(argv or sys.argv[3:]),
+                               "cores": len(cores), "gateway_core": cores[0], "worker_core": cores[-1]}
+    try:
+        with console.status("starting a worker and a gateway…"):
+            _wait(direct, worker)
+            _wait(via, gateway)
+        with httpx.Client(timeout=30) as client, Progress(console=console) as progress:
+            task = progress.add_task("latency", total=4 * args.requests)
+            for stream in (False, True):
+                for _ in range(20):  # warm-up: connections, the engine's first batches
+                    _one(client, direct, stream), _one(client, via, stream)
+                samples: dict[str, list[tuple[float, float]]] = {"direct": [], "gateway": []}
+                for i in range(args.requests):
+                    order = (("direct", direct), ("gateway", via)) if i % 2 else (("gateway", via), ("direct", direct))
+                    for name, url in order:
+                        samples[name].append(_one(client, url, stream))
+                        progress.advance(task)
+                results["streaming" if stream else "non_streaming"] = _latency(samples, stream)
+        with console.status(f"throughput: {args.concurrency} clients for {args.seconds:g} s through the gateway…"):
+            cpu0, t0 = _cpu_s(gateway.pid), time.monotonic()
+            n = asyncio.run(_drive(via, args.concurrency, args.seconds))
+            cpu, wall = _cpu_s(gateway.pid) - cpu0, time.monotonic() - t0
+        results["throughput"] = {"requests": n, "seconds": wall, "achieved_rps": n / wall,
+                                 "gateway_cpu_s": cpu, "gateway_cpu_ms_per_request": 1000 * cpu / n,
+                                 "one_core_capacity_rps": n / cpu if cpu else float("inf")}
+        if args.handoff_tokens:
+            results["handoff"] = _handoff(console, direct, [int(x) for x in args.handoff_tokens.split(",")], cores)
+    finally:
+        for proc in (gateway, worker):
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gateway.json").write_text(json.dumps(results, indent=2))
+    _table(console, results)
+    _plot(results, out / "gateway.png")
+    console.print(f"wrote {out / 'gateway.json'} and {out / 'gateway.png'}")
+    return 0
+
+
+def _handoff(console: Console, prefill: str, lengths: list[int], cores: list[int]) -> list[dict[str, Any]]:
+    """PD disaggregation: what handing a prompt's KV to a decode worker costs, per prompt length.
+    The prefill worker reports the bytes and the time from pack to the decode worker's 204."""
+    d_port = _port()
+    decode = _start(["worker", "--port", str(d_port), "--threads", "1"], cores[0])
+    rows = []
+    try:
+        with console.status("KV hand-off: starting a decode worker…"):
+            _wait(f"http://127.0.0.1:{d_port}", decode)
+        with httpx.Client(timeout=300) as client:
+            for n in lengths:
+                ms, total = [], []
+                for i in range(5):
+                    t0 = time.perf_counter()
+                    r = client.post(f"{prefill}/v1/completions", headers={
+                        "x-flowprefill-kv-to": f"http://127.0.0.1:{d_port}", "x-request-id": f"h{n}-{i}"},
+                        json={"prompt": [65 + (j % 26) for j in range(n)], "max_tokens": 1})
+                    r.raise_for_status()
+                    total.append((time.perf_counter() - t0) * 1000)
+                    ms.append(float(r.headers["x-flowprefill-kv-ms"]))
+                    kv_bytes = int(r.headers["x-flowprefill-kv-bytes"])
+                rows.append({"prompt_tokens": n, "kv_bytes": kv_bytes, "bytes_per_token": kv_bytes / n,
+                             "handoff_ms_p50": float(np.median(ms)), "us_per_token": 1000 * float(np.median(ms)) / n,
+                             "prefill_request_ms_p50": float(np.median(total)),
+                             "share_of_prefill_request": float(np.median(ms) / np.median(total))})
+    finally:
+        decode.send_signal(signal.SIGTERM)
+        decode.wait(timeout=20)
+    return rows
+
+
+def _latency(samples: dict[str, list[tuple[float, float]]], stream: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {"raw_ms": {k: [[round(a * 1000, 4), round(b * 1000, 4)] for a, b in v]
+                                      for k, v in samples.items()}}
+    for idx, what in ((0, "ttft"), (1, "total")) if stream else ((1, "total"),):
+        d = np.array([s[idx] for s in samples["direct"]]) * 1000
+        g = np.array([s[idx] for s in samples["gateway"]]) * 1000
+        out[what] = {"direct_p50_ms": float(np.median(d)), "gateway_p50_ms": float(np.median(g)),
+                     "direct_p99_ms": float(np.percentile(d, 99)), "gateway_p99_ms": float(np.percentile(g, 99)),
+                     "added_p50_ms": float(np.median(g) - np.median(d)),
+                     "added_p99_ms": float(np.percentile(g, 99) - np.percentile(d, 99))}
+    return out
+
+
+def _table(console: Console, r: dict[str, Any]) -> None:
+    t = Table(title="gateway overhead (added = through the gateway - direct to the worker)")
+    for col in ("request", "direct p50 ms", "gateway p50 ms", "added p50 ms", "added p99 ms"):
+        t.add_column(col, justify="left" if col == "request" else "right")
+    for mode, what in (("non_streaming", "total"), ("streaming", "ttft"), ("streaming", "total")):
+        x = r[mode][what]
+        t.add_row(f"{mode.replace('_', '-')} {what}", f"{x['direct_p50_ms']:.2f}", f"{x['gateway_p50_ms']:.2f}",
+                  f"{x['added_p50_ms']:.2f}", f"{x['added_p99_ms']:.2f}")
+    console.print(t)
+    if r.get("handoff"):
+        h = Table(title="KV hand-off to a decode worker (PD disaggregation, HTTP on loopback)")
+        for col in ("prompt tokens", "KV MB", "bytes/token", "hand-off ms", "µs/token", "share of prefill request"):
+            h.add_column(col, justify="right")
+        for row in r["handoff"]:
+            h.add_row(str(row["prompt_tokens"]), f"{row['kv_bytes'] / 1e6:.1f}", f"{row['bytes_per_token']:.0f}",
+                      f"{row['handoff_ms_p50']:.1f}", f"{row['us_per_token']:.2f}",
+                      f"{row['share_of_prefill_request']:.0%}")
+        console.print(h)
+    th = r["throughput"]
+    console.print(f"throughput: {th['achieved_rps']:.0f} req/s achieved (the worker's limit); the gateway used "
+                  f"{th['gateway_cpu_ms_per_request']:.3f} ms of CPU per request = "
+                  f"[bold]{th['one_core_capacity_rps']:.0f} req/s[/] on one core")
+
+
+def _plot(r: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, (mode, idx, title) in zip(axes, (("non_streaming", 1, "non-streaming, end to end"),
+                                             ("streaming", 0, "streaming, first token")), strict=True):
+        for name, color in (("direct", "C0"), ("gateway", "C1")):
+            v = np.sort([s[idx] for s in r[mode]["raw_ms"][name]])
+            ax.step(v, np.arange(1, len(v) + 1) / len(v), where="post", color=color, label=name)
+        ax.set_xlabel("latency (ms)")
+        ax.set_ylabel("share of requests")
+        ax.set_title(title)
+        ax.legend()
+    fig.suptitle(f"gateway adds {r['non_streaming']['total']['added_p50_ms']:.2f} ms at p50; "
+                 f"{r['throughput']['one_core_capacity_rps']:.0f} req/s per core")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,124 @@
+"""Prefill/decode disaggregation: the KV a prefill worker hands off decodes, on another worker, to
+exactly what one worker alone produces."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+import torch
+from helpers import EngineFactory
+from processes import free_port, start, stop, wait_healthy
+from safetensors.torch import save
+
+from engine import handoff
+from engine.engine import Engine
+from engine.request import Request, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engines(torch_single_thread: None) -> Iterator[tuple[Engine, Engine]]:
+    mp = pytest.MonkeyPatch()
+    factory = EngineFactory(mp, kv_capacity_tokens=16384, kv_block_size=64)
+    try:
+        yield factory(), factory()
+    finally:
+        factory.close()
+        mp.undo()
+
+
+def _run(eng: Engine, req: Request, add: object = None) -> Request:
+    done = threading.Event()
+    req.sink = lambda out: out.finish_reason and done.set()
+    (add or eng.add_request)(req)  # type: ignore[operator]
+    assert done.wait(60)
+    return req
+
+
+def test_handoff_decodes_like_one_worker(engines: tuple[Engine, Engine]) -> None:
+    prefill, decode = engines
+    prompt = [(11 * i + 3) % 250 + 1 for i in range(700)]
+    (alone,) = prefill.generate([prompt], GREEDY)
+    first = _run(prefill, Request(request_id="p", prompt_token_ids=prompt, export_kv=True,
+                                  sampling=SamplingParams(max_tokens=1, temperature=0)))
+    assert first.kv_export is not None and first.block_table == []  # its KV went back to the pool
+    kv, token = handoff.unpack(handoff.pack(first.kv_export, first.output_token_ids[0]))
+    assert set(kv) == {f"{k}.{i}" for k in "kv" for i in range(prefill.model.cfg.num_hidden_layers)}
+    free_before = decode.kv.num_free_blocks
+    req = Request(request_id="d", prompt_token_ids=prompt, sampling=GREEDY)
+    _run(decode, req, lambda r: decode.add_prefilled(r, kv, token))
+    assert req.output_token_ids == alone.output_token_ids
+    assert decode.kv.num_free_blocks == free_before  # and its blocks came back
+
+
+def test_handoff_rejects_kv_of_another_shape(engines: tuple[Engine, Engine]) -> None:
+    _, decode = engines
+    bad = {f"{k}.{i}": torch.zeros(5, 2, 32) for k in "kv" for i in range(decode.model.cfg.num_hidden_layers)}
+    with pytest.raises(ValueError, match=r"expected shape \(6, 2, 32\)"):
+        decode.add_prefilled(Request(request_id="x", prompt_token_ids=[1] * 6), bad, 7)
+    with pytest.raises(ValueError, match="no first_token"):
+        handoff.unpack(save({"k.0": torch.zeros(1)}))
+
+
+def test_inbox_waits_and_expires() -> None:
+    async def main() -> None:
+        inbox = handoff.KVInbox(ttl_s=0.0)
+        waiter = asyncio.ensure_future(inbox.take("a", 5))
+        await asyncio.sleep(0)
+        inbox.put("a", {}, 3)
+        assert await waiter == ({}, 3)
+        with pytest.raises(TimeoutError):
+            await inbox.take("never", 0.05)
+        inbox.put("stale", {}, 1)
+        inbox.put("fresh", {}, 2)  # putting expires what nobody claimed within the TTL
+        assert len(inbox) == 1
+
+    asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def disaggregated() -> Iterator[int]:
+    port = free_port(span=3)
+    proc = start("serve", "--workers", "2", "--disaggregate", "--port", str(port), "--threads", "1",
+                 "--kv-capacity-tokens", "32768")
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", proc)
+        yield port
+    finally:
+        stop(proc)
+
+
+@pytest.mark.slow
+def test_served_disaggregated_matches_one_worker(disaggregated: int) -> None:
+    port = disaggregated
+    health = httpx.get(f"http://127.0.0.1:{port}/health").json()
+    assert len(health["workers"]) == 2 and all(health["workers"].values())
+    prompt = "A long document about scheduling. " * 40
+    # the decode worker alone (no hand-off): the reference
+    ref = httpx.post(f"http://127.0.0.1:{port + 2}/v1/completions", timeout=60, json={
+        "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}).json()["choices"][0]["text"]
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
+    got = client.completions.create(model="flowprefill-default", prompt=prompt, max_tokens=10, temperature=0,
+                                    extra_body={"ignore_eos": True}, extra_headers={"x-slo-class": "interactive"})
+    assert got.choices[0].text == ref
+    streamed = client.completions.create(model="flowprefill-default", prompt=prompt, max_tokens=10, temperature=0,
+                                         stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed) == ref
+    # the prefill worker did prefill only: its KV went to the decode worker, nothing is left behind
+    pre = httpx.get(f"http://127.0.0.1:{port + 1}/load").json()
+    dec = httpx.get(f"http://127.0.0.1:{port + 2}/load").json()
+    assert pre["kv_cache_usage"] == 0 and dec["kv_cache_usage"] == 0
+
+
+@pytest.mark.slow
+def test_decode_without_handoff_times_out_cleanly(disaggregated: int) -> None:
+    r = httpx.post(f"http://127.0.0.1:{disaggregated + 2}/v1/completions", timeout=60,
+                   headers={"x-flowprefill-kv-id": "nobody-sent-this", "x-flowprefill-handoff-timeout-s": "0.2"},
+                   json={"prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 504 and "no KV was handed off" in r.json()["error"]["message"]
