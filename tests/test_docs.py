@@ -146,6 +146,15 @@ def test_benchmark_tables_match_the_recorded_results() -> None:
         per = prefill["stop_latency"]["modes"]["split"][str(n)]
         label = f"{n // 1024}K" if n >= 1024 else str(n)
         assert stop[label][3] == f"{per['p99_ms']:.2f}", label
+    gw = json.loads((RESULTS / "gateway.json").read_text())
+    rows = {r[0]: r for r in _table(_section("benchmarks.md", "## Gateway overhead"))}
+    assert rows["non-streaming, end to end"][3] == f"{gw['non_streaming']['total']['added_p50_ms']:.2f}"
+    assert rows["proxied requests/s on one core"][1].startswith(f"**{gw['throughput']['one_core_capacity_rps']:.0f}**")
+    e2e = json.loads((RESULTS / "loadtest-e2e.json").read_text())
+    rows = {_code(r[0]): r for r in _table(_section("benchmarks.md", "## Locust over HTTP, end to end"))}
+    for name, pol in e2e["policies"].items():
+        assert f"{pol['max_goodput_rps']:.2f}" in rows[name][6], name
+        assert rows[name][7] == f"{pol['max_goodput_per_class_rps']:.2f}", name
     goodput = json.loads((RESULTS / "goodput-real.json").read_text())
     text = (DOCS / "benchmarks.md").read_text()
     for name, pol in goodput["policies"].items():
