@@ -70,6 +70,14 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+def http_error_body(status: int, detail: str) -> dict[str, Any]:
+    """Litestar's own HTTP errors (no such route, wrong method, body too large, …) in OpenAI's shape."""
+    kind = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
+            429: "rate_limit_exceeded"}.get(status, "invalid_request_error" if status < 500 else "server_error")
+    code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(status)
+    return error_body(detail, kind, code=code)
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}

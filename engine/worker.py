@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import msgspec
 from litestar import Litestar, Request, Response, get, post
+from litestar.exceptions import HTTPException
 from litestar.response import Stream
 
 from engine import handoff
@@ -22,6 +23,7 @@ from engine.openai_api import (
     completion_body,
     completion_chunk,
     error_body,
+    http_error_body,
     new_id,
     usage,
 )
@@ -233,7 +235,7 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
         plugins.append(litestar_plugin(exclude=["/health", "/load", "/metrics"]))
     return Litestar(
         route_handlers=[completions, chat_completions, receive_kv, models, health, load, prometheus],
-        exception_handlers={BadRequest: _error},
+        exception_handlers={BadRequest: _error, HTTPException: _http_error},
         on_shutdown=[engine.shutdown, peers.aclose] + ([tracing.shutdown] if tracing is not None else []),
         request_max_body_size=16 * 1024 * 1024,
         plugins=plugins,
@@ -278,3 +280,8 @@ async def _sse(engine: Engine, req: EngineRequest, queue: asyncio.Queue[TokenOut
 
 def _event(obj: dict[str, Any]) -> bytes:
     return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+def _http_error(_: Request, exc: HTTPException) -> Response:
+    return Response(http_error_body(exc.status_code, exc.detail), status_code=exc.status_code,
+                    headers=exc.headers or None)

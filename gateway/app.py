@@ -10,11 +10,13 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import msgspec
 from litestar import Litestar, Request, Response, get, post
+from litestar.exceptions import HTTPException
 from litestar.response import Stream
 
-from engine.openai_api import KV_ID_HEADER, KV_TO_HEADER, error_body, new_id
+from engine.openai_api import KV_ID_HEADER, KV_TO_HEADER, error_body, http_error_body, new_id
 from gateway.classify import ClassificationError, classify
 from gateway.config import GatewayConfig
+from gateway.openapi import openapi_document
 from gateway.routing import QueueFull, Worker, WorkerPool
 from telemetry.metrics import GatewayMetrics
 
@@ -212,6 +214,12 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
         r = await client.get(f"{worker.url}/v1/models")
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
+    document = openapi_document()
+
+    @get("/openapi.json", include_in_schema=False)
+    async def openapi() -> dict[str, Any]:
+        return document
+
     @get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "workers": {w.url: w.healthy for p in pools for w in p.workers}}
@@ -240,8 +248,10 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
         from telemetry.tracing import litestar_plugin
         plugins.append(litestar_plugin(exclude=["/health", "/metrics"]))
         on_shutdown.append(tracing.shutdown)
-    return Litestar(route_handlers=[completions, chat_completions, models, health, prometheus],
-                    exception_handlers={GatewayError: _error}, on_startup=[startup], on_shutdown=on_shutdown,
+    return Litestar(route_handlers=[completions, chat_completions, models, openapi, health, prometheus],
+                    openapi_config=None,  # gateway/openapi.py serves the complete document
+                    exception_handlers={GatewayError: _error, HTTPException: _http_error},
+                    on_startup=[startup], on_shutdown=on_shutdown,
                     request_max_body_size=cfg.max_body_bytes, plugins=plugins)
 
 
@@ -275,3 +285,8 @@ async def _relay(up: httpx.Response, worker: Worker, pool: WorkerPool) -> AsyncI
     finally:  # also when our client went away: closing the upstream cancels the engine's work
         await up.aclose()
         pool.release(worker)
+
+
+def _http_error(_: Request, exc: HTTPException) -> Response:
+    return Response(http_error_body(exc.status_code, exc.detail), status_code=exc.status_code,
+                    headers=exc.headers or None)

@@ -34,7 +34,7 @@ def _requested(cfg: GatewayConfig, headers: Mapping[str, str], body: Mapping[str
     for header in ("x-slo-class", "x-gateway-inference-objective"):
         if name := headers.get(header):
             if name not in cfg.classes:
-                raise ClassificationError(f"unknown SLO class {name!r} in {header}; known: {sorted(cfg.classes)}",
+                raise ClassificationError(f"unknown SLO class {name[:64]!r} in {header}; known: {sorted(cfg.classes)}",
                                           header)
             return cfg.classes[name]
     if ttft := headers.get("x-slo-ttft-ms"):

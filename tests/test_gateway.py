@@ -66,12 +66,25 @@ def test_openai_async_client(served: str) -> None:
     (b'{"prompt": "x", "max_tokens": 2}', {"x-slo-ttft-ms": "soon"}, 400),
     (b'{"prompt": "x", "max_tokens": 2, "model": "gpt-9"}', {}, 404),
     (b'{"prompt": 5}', {}, 400),
+    (b'[1, 2]', {}, 400),
+    (b'{"prompt": "x", "temperature": "hot"}', {}, 400),
+    (b'{"prompt": [65, 66], "max_tokens": 40000}', {}, 400),  # beyond the model's context
+    (b'{"prompt": "x"}', {"x-slo-class": "a" * 300}, 400),
+    (b'{"prompt": "' + b"x" * (17 * 1024 * 1024) + b'"}', {}, 413),  # past the body limit
 ])
 def test_bad_input_gets_openai_errors(served: str, body: bytes, headers: dict[str, str], status: int) -> None:
     r = httpx.post(f"{served}/v1/completions", content=body, headers={"content-type": "application/json", **headers})
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert len(err["message"]) < 300  # a bad header is not echoed back whole
+
+
+def test_unknown_route_and_method_get_openai_errors(served: str) -> None:
+    r = httpx.get(f"{served}/v1/engines")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = httpx.get(f"{served}/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
 
 
 def test_failover_when_a_worker_dies() -> None:

@@ -1,0 +1,77 @@
+"""The gateway's OpenAPI document, generated from the request structs the workers decode (so it cannot
+drift from what is accepted). The gateway forwards bodies without decoding them into these types,
+so Litestar's own generator would see no request bodies; this one does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from engine.openai_api import ChatCompletionRequest, CompletionRequest
+
+_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": "string", "nullable": True}, "code": {"type": "string", "nullable": True}}}}}
+
+_SLO_HEADERS = [
+    {"name": "x-slo-class", "in": "header", "required": False, "schema": {"type": "string"},
+     "description": "SLO class to run at (interactive, standard, relaxed, batch, or a configured one)"},
+    {"name": "x-slo-ttft-ms", "in": "header", "required": False, "schema": {"type": "number"},
+     "description": "explicit time-to-first-token target in milliseconds"},
+    {"name": "x-request-id", "in": "header", "required": False, "schema": {"type": "string"}},
+]
+
+
+def _openapi_30(schema: Any) -> Any:
+    """msgspec writes JSON Schema 2020-12; OpenAPI 3.0 wants `nullable` instead of a null type."""
+    if isinstance(schema, list):
+        return [_openapi_30(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _openapi_30(v) for k, v in schema.items()}
+    for key in ("anyOf", "oneOf"):
+        options = out.get(key)
+        if options and {"type": "null"} in options:
+            rest = [o for o in options if o != {"type": "null"}]
+            del out[key]
+            if len(rest) == 1:
+                out |= rest[0]
+            else:
+                out[key] = rest
+            out["nullable"] = True
+    return out
+
+
+def openapi_document(title: str = "FlowPrefill gateway", version: str = "") -> dict[str, Any]:
+    (completion, chat), components = msgspec.json.schema_components(
+        [CompletionRequest, ChatCompletionRequest], ref_template="#/components/schemas/{name}")
+    components["Error"] = _ERROR
+
+    def generate(summary: str, body: dict[str, Any]) -> dict[str, Any]:
+        return {"post": {
+            "summary": summary, "parameters": _SLO_HEADERS,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+            "responses": {
+                "200": {"description": "the completion (JSON), or server-sent events with `stream: true`",
+                        "content": {"application/json": {"schema": {"type": "object"}},
+                                    "text/event-stream": {"schema": {"type": "string"}}}},
+                "default": {"description": "an OpenAI error body",
+                            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}},
+            }}}
+
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": title, "version": version or "0"},
+        "paths": {
+            "/v1/completions": generate("Create a completion", completion),
+            "/v1/chat/completions": generate("Create a chat completion", chat),
+            "/v1/models": {"get": {"summary": "The served model", "responses": {
+                "200": {"description": "OpenAI model list", "content": {"application/json": {
+                    "schema": {"type": "object"}}}}}}},
+            "/health": {"get": {"summary": "Gateway and worker health", "responses": {
+                "200": {"description": "ok", "content": {"application/json": {"schema": {"type": "object"}}}}}}},
+        },
+        "components": {"schemas": _openapi_30(components)},
+    }
