@@ -73,8 +73,10 @@ class GatewayConfig(msgspec.Struct, kw_only=True):
     def load(cls, path: str | Path | None, workers: list[str] | None = None,
              prefill_workers: list[str] | None = None) -> GatewayConfig:
         raw = tomllib.loads(Path(path).read_text()) if path else {}
-        if "classes" in raw:  # a TOML table per class: [classes.interactive] ttft_ms = 250 ...
-            raw["classes"] = {name: {"name": name, **c} for name, c in raw["classes"].items()}
+        if "classes" in raw:  # [classes.NAME] tables: change a default class's fields, or add a class
+            defaults = {n: msgspec.structs.asdict(c) for n, c in DEFAULT_CLASSES.items()}
+            raw["classes"] = defaults | {name: defaults.get(name, {}) | c | {"name": name}
+                                         for name, c in raw["classes"].items()}
         try:
             cfg = msgspec.convert(raw, cls)
         except msgspec.ValidationError as exc:

@@ -53,6 +53,13 @@ def test_toml_config(tmp_path: Path) -> None:
                  '[api_keys.abc]\nceiling = "relaxed"\n')
     c = GatewayConfig.load(p)
     assert c.classes["premium"].priority == 9 and c.api_keys["abc"].ceiling == "relaxed"
+    assert set(c.classes) == {"interactive", "standard", "relaxed", "batch", "premium"}  # defaults kept
+    p.write_text('[classes.interactive]\nttft_ms = 200\n')  # one field of a default class
+    c = GatewayConfig.load(p)
+    assert c.classes["interactive"].ttft_ms == 200 and c.classes["interactive"].tbt_ms == 100
+    p.write_text('[classes.vip]\nttft_ms = 100\n')  # a new class needs its fields
+    with pytest.raises(ValueError, match="missing required field `tbt_ms`"):
+        GatewayConfig.load(p)
     p.write_text('default_class = "nope"\n')
     with pytest.raises(ValueError, match="unknown SLO class"):
         GatewayConfig.load(p)

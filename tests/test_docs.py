@@ -173,3 +173,25 @@ def test_documented_policies_exist() -> None:
     listed = getattr(scheduler, "POLICIES", ())  # the names make_policy advertises in its errors
     assert not set(listed) - set(documented), (
         f"policies missing from docs/engine.md's --policy row: {sorted(set(listed) - set(documented))}")
+
+
+def test_gateway_config_reference_matches_code(tmp_path: Path) -> None:
+    import msgspec
+
+    from gateway.config import GatewayConfig, Upstream
+
+    rows = {_code(r[0]): r for r in _table(_section("engine.md", "### Gateway configuration file"))}
+    fields = {f.name: f for f in msgspec.structs.fields(GatewayConfig)}
+    fields |= {f"upstream.{f.name}": f for f in msgspec.structs.fields(Upstream)}
+    fields.pop("upstream")
+    assert set(rows) == set(fields)
+    for name, f in fields.items():
+        default = f.default if f.default is not msgspec.NODEFAULT else None
+        if isinstance(default, str | int | float) and not isinstance(default, bool):
+            assert rows[name][1] == f"`{json.dumps(default)}`", name
+    # the example in the section is a file the gateway accepts
+    example = re.search(r"```toml\n(.*?)```", _section("engine.md", "### Gateway configuration file"), re.S)
+    assert example is not None
+    (tmp_path / "gw.toml").write_text(example.group(1))
+    cfg = GatewayConfig.load(tmp_path / "gw.toml", ["http://127.0.0.1:1"])
+    assert cfg.classes["interactive"].ttft_ms == 200 and cfg.api_keys["sk-batch-jobs"].ceiling == "relaxed"
