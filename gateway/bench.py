@@ -96,7 +96,7 @@ async def _drive(url: str, concurrency: int, seconds: float) -> int:
     return done
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flowprefill bench gateway", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=300, help="latency samples per path and mode")
@@ -105,7 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--handoff-tokens", default="1024,4096,16384",
                    help="prompt lengths for the KV hand-off (PD disaggregation) cost; empty: skip")
     p.add_argument("--out", default="bench-results")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     console = Console()
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
     w_port, g_port = _port(), _port()

@@ -140,7 +140,7 @@ def _scale_needed(points: list[dict[str, Any]]) -> float | None:
     return min(ok) if ok else None
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flowprefill bench goodput", description=__doc__)
     p.add_argument("--engine", choices=["real", "sim"], default="sim")
     p.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated policy names")
@@ -153,7 +153,11 @@ def main(argv: list[str] | None = None) -> int:
                    "e.g. llama-3.1-8b@h100")
     p.add_argument("--no-ideal", action="store_true", help="skip the ideal-preemption bound")
     p.add_argument("--out", default="bench-results")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     console = Console()
     real = args.engine == "real"

@@ -36,7 +36,7 @@ from loadtest.profiles import Profile, ProfileError, load_profile
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flowprefill loadtest", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", default="steady", help="steady | ramp | burst | azure, or a profile TOML file")
@@ -56,7 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve-args", default="--threads 1",
                    help="extra `flowprefill serve` options with --serve-policies (default leaves a core to Locust)")
     p.add_argument("--out", default="bench-results/loadtest")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     console = Console()
 
     rates = [float(r) for r in args.rates.split(",")] if args.rates else [args.rate]

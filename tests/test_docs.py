@@ -195,3 +195,52 @@ def test_gateway_config_reference_matches_code(tmp_path: Path) -> None:
     (tmp_path / "gw.toml").write_text(example.group(1))
     cfg = GatewayConfig.load(tmp_path / "gw.toml", ["http://127.0.0.1:1"])
     assert cfg.classes["interactive"].ttft_ms == 200 and cfg.api_keys["sk-batch-jobs"].ceiling == "relaxed"
+
+
+def _documented_commands() -> list[tuple[str, list[str]]]:
+    """(page, argv after `flowprefill`) for every flowprefill command in a bash block of the docs."""
+    import shlex
+
+    found = []
+    pages = [*sorted(DOCS.glob("*.md")), ROOT / "README.md"]
+    for page in pages:
+        for block in re.findall(r"```bash\n(.*?)```", page.read_text(), re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = line.split(" #")[0]
+                for part in re.split(r"&&|\|\||;", line):
+                    words = shlex.split(part.strip().rstrip("&").strip()) if part.strip() else []
+                    while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
+                        words = words[1:]
+                    if words and words[0].endswith("flowprefill"):
+                        found.append((page.name, words[1:]))
+    return found
+
+
+def test_every_documented_command_parses() -> None:
+    """Every `flowprefill …` command in the docs is one the CLI accepts (options and values), so a
+    renamed or removed option fails here; the long-running ones are not run, only parsed."""
+    from engine.bench import prefill as bench_prefill
+    from gateway import bench as bench_gateway
+    from gateway.cli import build_parser
+    from loadtest import goodput as bench_goodput
+    from loadtest import run as loadtest_run
+    from loadtest.profiles import BUILTIN
+
+    commands = _documented_commands()
+    assert len(commands) >= 15
+    seen = set()
+    for page, argv in commands:
+        head = tuple(argv[:2]) if argv[:1] == ["bench"] else tuple(argv[:1])
+        seen.add(head)
+        sub = {("bench", "prefill"): bench_prefill.build_parser, ("bench", "goodput"): bench_goodput.build_parser,
+               ("bench", "gateway"): bench_gateway.build_parser, ("loadtest",): loadtest_run.build_parser}.get(head)
+        try:
+            if sub is None:
+                build_parser().parse_args(argv)
+            else:
+                args = sub().parse_args(argv[len(head):])
+                if head == ("loadtest",) and not args.profile.endswith(".toml"):
+                    assert args.profile in BUILTIN, (page, argv)
+        except SystemExit as exc:
+            raise AssertionError(f"{page}: `flowprefill {' '.join(argv)}` is not accepted") from exc
+    assert {("serve",), ("gateway",), ("loadtest",), ("bench", "goodput"), ("bench", "gateway")} <= seen
