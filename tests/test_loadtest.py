@@ -183,3 +183,29 @@ def test_trace_replay_profile_from_mooncake_jsonl(tmp_path: Path) -> None:
     assert [r.input_tokens for r in s.workload.requests] == list(range(104, 112))
     assert [r.slo_class for r in s.workload.requests[:4]] == ["interactive", "batch", "relaxed", "standard"]
     assert s.workload.rate == pytest.approx(2.0)
+
+
+def test_documented_locust_commands_parse() -> None:
+    """The `locust -f loadtest/locustfile.py …` commands in the docs are accepted by Locust's own
+    parser with this locustfile's options (in a fresh process: Locust must patch the stdlib first)."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "loadtest.md").read_text()
+    commands = [line.split(" #")[0] for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+                for line in block.replace("\\\n", " ").splitlines() if line.strip().startswith("locust ")]
+    assert len(commands) >= 2
+    code = """
+import json, shlex, sys
+import locust.argument_parser as locust_args
+from locust import events
+import loadtest.locustfile
+from loadtest.profiles import BUILTIN
+for cmd in json.loads(sys.argv[1]):
+    parser = locust_args.get_parser()
+    events.init_command_line_parser.fire(parser=parser)
+    opts = parser.parse_args(shlex.split(cmd)[1:])
+    assert opts.locustfile.endswith("loadtest/locustfile.py"), cmd
+    assert opts.load_profile in BUILTIN or opts.load_profile.endswith(".toml"), cmd
+print("ok", len(json.loads(sys.argv[1])))
+"""
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(commands)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr[-2000:]
