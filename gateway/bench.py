@@ -14,9 +14,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,37 +25,10 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from gateway.processes import free_port, start, stop, wait_healthy
+
 BODY = {"prompt": [65, 66, 67, 68, 69, 70, 71, 72], "max_tokens": 1, "temperature": 0}
 STREAM_BODY = BODY | {"max_tokens": 4, "stream": True, "ignore_eos": True}
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(args: list[str], core: int | None) -> subprocess.Popen:
-    def pin() -> None:
-        if core is not None and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, {core})
-
-    return subprocess.Popen([sys.executable, "-m", "gateway.cli", *args], preexec_fn=pin,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def _wait(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: process exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(url)
 
 
 def _cpu_s(pid: int) -> float:
@@ -112,16 +82,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console()
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
-    w_port, g_port = _port(), _port()
-    worker = _start(["worker", "--port", str(w_port), "--threads", "1"], cores[-1])
-    gateway = _start(["gateway", "--workers", f"http://127.0.0.1:{w_port}", "--port", str(g_port)], cores[0])
+    w_port, g_port = free_port(), free_port()
+    worker = start("worker", "--port", str(w_port), "--threads", "1", core=cores[-1])
+    gateway = start("gateway", "--workers", f"http://127.0.0.1:{w_port}", "--port", str(g_port), core=cores[0])
     direct, via = f"http://127.0.0.1:{w_port}", f"http://127.0.0.1:{g_port}"
     results: dict[str, Any] = {"command": "flowprefill bench gateway " + " ".join(argv or sys.argv[3:]),
                                "cores": len(cores), "gateway_core": cores[0], "worker_core": cores[-1]}
     try:
         with console.status("starting a worker and a gateway…"):
-            _wait(direct, worker)
-            _wait(via, gateway)
+            wait_healthy(direct, worker)
+            wait_healthy(via, gateway)
         with httpx.Client(timeout=30) as client, Progress(console=console) as progress:
             task = progress.add_task("latency", total=4 * args.requests)
             for stream in (False, True):
@@ -145,11 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             results["handoff"] = _handoff(console, direct, [int(x) for x in args.handoff_tokens.split(",")], cores)
     finally:
         for proc in (gateway, worker):
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop(proc)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gateway.json").write_text(json.dumps(results, indent=2))
@@ -162,12 +128,12 @@ def main(argv: list[str] | None = None) -> int:
 def _handoff(console: Console, prefill: str, lengths: list[int], cores: list[int]) -> list[dict[str, Any]]:
     """PD disaggregation: what handing a prompt's KV to a decode worker costs, per prompt length.
     The prefill worker reports the bytes and the time from pack to the decode worker's 204."""
-    d_port = _port()
-    decode = _start(["worker", "--port", str(d_port), "--threads", "1"], cores[0])
+    d_port = free_port()
+    decode = start("worker", "--port", str(d_port), "--threads", "1", core=cores[0])
     rows = []
     try:
         with console.status("KV hand-off: starting a decode worker…"):
-            _wait(f"http://127.0.0.1:{d_port}", decode)
+            wait_healthy(f"http://127.0.0.1:{d_port}", decode)
         with httpx.Client(timeout=300) as client:
             for n in lengths:
                 ms, total = [], []
@@ -185,8 +151,7 @@ def _handoff(console: Console, prefill: str, lengths: list[int], cores: list[int
                              "prefill_request_ms_p50": float(np.median(total)),
                              "share_of_prefill_request": float(np.median(ms) / np.median(total))})
     finally:
-        decode.send_signal(signal.SIGTERM)
-        decode.wait(timeout=20)
+        stop(decode)
     return rows
 
 

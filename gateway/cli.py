@@ -81,10 +81,10 @@ def _run_serve(args: argparse.Namespace) -> int:
     """Gateway in this process, engine workers as child processes on the next ports."""
     import os
     import subprocess
-    import time
 
-    import httpx
     from rich.console import Console
+
+    from gateway.processes import wait_healthy
 
     if args.workers < 1:
         raise SystemExit("--workers must be >= 1")
@@ -97,19 +97,11 @@ def _run_serve(args: argparse.Namespace) -> int:
     children = [subprocess.Popen(_worker_argv(args, p, threads)) for p in ports]
     try:
         with console.status(f"starting {args.workers} engine worker(s)…"):
-            deadline = time.monotonic() + 180
             for child, port in zip(children, ports, strict=True):
-                while True:
-                    if child.poll() is not None:
-                        raise SystemExit(f"engine worker on port {port} exited with code {child.returncode}")
-                    try:
-                        if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                            break
-                    except httpx.HTTPError:
-                        pass
-                    if time.monotonic() > deadline:
-                        raise SystemExit(f"engine worker on port {port} did not become healthy")
-                    time.sleep(0.2)
+                try:
+                    wait_healthy(f"http://127.0.0.1:{port}", child)
+                except (RuntimeError, TimeoutError) as exc:
+                    raise SystemExit(f"engine worker on port {port}: {exc}") from None
         urls = [f"http://127.0.0.1:{p}" for p in ports]
         n_prefill = len(urls) // 2 if args.disaggregate else 0
         args.prefill_urls, args.workers_urls = urls[:n_prefill] or None, urls[n_prefill:]

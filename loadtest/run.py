@@ -16,19 +16,17 @@ import json
 import os
 import resource
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import msgspec
 from rich.console import Console
 from rich.table import Table
 
+from gateway.processes import free_port, start, stop, wait_healthy
 from loadtest import report
 from loadtest.goodput import RATIO_PAIRS
 from loadtest.profiles import Profile, ProfileError, load_profile
@@ -90,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                 docs.append(doc)
         finally:
             if server:
-                _stop(server[0])
+                stop(server[0])
     doc = _merge(docs, argv) if len(docs) > 1 else docs[0]
     doc["machine"] = _machine()
     (out / "goodput.json").write_text(json.dumps(doc, indent=2))
@@ -115,7 +113,7 @@ def _locust(profile: Profile, host: str, label: str, out: Path, args: argparse.N
               "--csv", str(out / "locust")]
     workers: list[list[str]] = []
     if args.processes:
-        port = _free_port()
+        port = free_port()
         master += ["--master", "--expect-workers", str(args.processes), "--master-bind-host", "127.0.0.1",
                    "--master-bind-port", str(port)]
         workers = [[sys.executable, "-m", "locust", *common, "--worker", "--master-host", "127.0.0.1",
@@ -145,33 +143,16 @@ def _locust(profile: Profile, host: str, label: str, out: Path, args: argparse.N
 
 
 def _serve(policy: str, extra: str, console: Console) -> tuple[subprocess.Popen, str]:
-    port = _free_port()  # serve puts its worker on the next port; a clash fails the health wait loudly
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--policy", policy, "--port", str(port),
-                             *shlex.split(extra)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    port = free_port(span=2)  # serve puts its worker on the next port
+    proc = start("serve", "--policy", policy, "--port", str(port), *shlex.split(extra))
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
     with console.status(f"starting flowprefill serve --policy {policy}…"):
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"flowprefill serve --policy {policy} exited with {proc.returncode}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).json()["workers"] and all(
-                        httpx.get(f"{url}/health", timeout=1).json()["workers"].values()):
-                    return proc, url
-            except (httpx.HTTPError, ValueError, KeyError):
-                pass
-            time.sleep(0.5)
-    _stop(proc)
-    raise RuntimeError(f"flowprefill serve --policy {policy} did not become healthy")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        try:
+            wait_healthy(url, proc, timeout=300)
+        except (RuntimeError, TimeoutError):
+            stop(proc)
+            raise
+    return proc, url
 
 
 def _merge(docs: list[dict[str, Any]], argv: list[str] | None) -> dict[str, Any]:
@@ -239,12 +220,6 @@ def _machine() -> dict[str, Any]:
 def _children_cpu() -> float:
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     return ru.ru_utime + ru.ru_stime
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _summary(console: Console, doc: dict[str, Any]) -> None:

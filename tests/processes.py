@@ -1,67 +1,37 @@
-"""Starting and stopping `flowprefill` processes on free local ports."""
+"""Starting and stopping `flowprefill` processes on free local ports (gateway/processes.py), plus a
+scenario several tests share."""
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+from gateway.processes import free_port, start, stop, wait_healthy
+
+__all__ = ["free_port", "preemption_scenario", "serving", "start", "stop", "wait_healthy"]
 
 
-def free_port(span: int = 1) -> int:
-    """A port P with P .. P+span-1 all free (serve puts its workers on the ports after its own)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            for p in range(port + 1, port + span):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-            return port
-        except OSError:
-            continue
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"process for {url} exited with {proc.returncode}"
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(url)
-
-
-def start(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """`flowprefill ARGS` as a child process (output discarded)."""
-    return subprocess.Popen([sys.executable, "-m", "gateway.cli", *args], env={**ENV, **(env or {})},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
+@contextmanager
+def serving(*args: str, env: dict[str, str] | None = None) -> Iterator[str]:
+    """`flowprefill serve` (gateway + one worker, one torch thread) on free ports: its URL.
+    Stopped on exit; the no-orphans check is the caller's (the worker is on the next port)."""
+    port = free_port(span=2)
+    proc = start("serve", "--port", str(port), "--kv-capacity-tokens", "65536", "--threads", "1", *args, env=env)
+    url = f"http://127.0.0.1:{port}"
     try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        wait_healthy(url, proc)
+        yield url
+    finally:
+        stop(proc)
 
 
 def preemption_scenario(url: str, trace_id: str | None = None) -> dict[str, httpx.Response]:
     """A long `batch` request whose prefill three `interactive` requests arrive during: under
     flowprefill they preempt it. Returns the responses by request id."""
-    import threading
-
     results: dict[str, httpx.Response] = {}
 
     def send(rid: str, cls: str, n: int) -> None:

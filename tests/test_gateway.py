@@ -9,22 +9,16 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from processes import free_port, start, stop, wait_healthy
+from processes import free_port, serving, start, stop, wait_healthy
 
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[str]:
     """`flowprefill serve`: the gateway and one worker child process."""
-    port = free_port(span=2)
-    proc = start("serve", "--port", str(port), "--kv-capacity-tokens", "65536", "--threads", "1")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc)
+    with serving() as url:
         yield url
-    finally:
-        stop(proc)
-    assert proc.returncode is not None
     # No orphans: the worker child is gone with the gateway.
+    port = int(url.rsplit(":", 1)[1])
     time.sleep(0.5)
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{port + 1}/health", timeout=1)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from processes import free_port, start, stop, wait_healthy
+from processes import free_port, serving
 
 from gateway.cli import main as flowprefill
 from loadtest.profiles import BUILTIN, Profile, ProfileError, load_profile
@@ -35,14 +35,8 @@ max_tokens = 4
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[str]:
-    port = free_port(span=2)
-    proc = start("serve", "--port", str(port), "--kv-capacity-tokens", "65536", "--threads", "1")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc)
+    with serving() as url:
         yield url
-    finally:
-        stop(proc)
 
 
 def test_schedules() -> None:
