@@ -92,7 +92,9 @@ def _run_serve(args: argparse.Namespace) -> int:
         raise SystemExit("--disaggregate needs --workers 2 or more (prefill and decode workers)")
     _exit_on_sigterm()
     console = Console(stderr=True)
-    threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
+    # One core stays with the gateway (and the engine's own Python threads): on a 2-core host one torch
+    # thread per worker gave far more goodput than two (docs/benchmarks.md, ideal-bound runs).
+    threads = args.threads or max(1, ((os.cpu_count() or 1) - 1) // args.workers)
     ports = [args.port + 1 + i for i in range(args.workers)]
     children = [subprocess.Popen(_worker_argv(args, p, threads)) for p in ports]
     try:
