@@ -122,3 +122,17 @@ def test_decode_without_handoff_times_out_cleanly(disaggregated: int) -> None:
                    headers={"x-flowprefill-kv-id": "nobody-sent-this", "x-flowprefill-handoff-timeout-s": "0.2"},
                    json={"prompt": "hi", "max_tokens": 2})
     assert r.status_code == 504 and "no KV was handed off" in r.json()["error"]["message"]
+
+
+@pytest.mark.slow
+def test_failed_handoff_is_an_explicit_error_and_frees_the_kv(disaggregated: int) -> None:
+    prefill = f"http://127.0.0.1:{disaggregated + 1}"
+    r = httpx.post(f"{prefill}/v1/completions", timeout=60,
+                   headers={"x-flowprefill-kv-to": f"http://127.0.0.1:{free_port()}", "x-request-id": "lost"},
+                   json={"prompt": "x" * 300, "max_tokens": 4})
+    assert r.status_code == 502 and "handing the KV" in r.json()["error"]["message"]
+    assert httpx.get(f"{prefill}/load").json()["kv_cache_usage"] == 0
+    # a prefill half must not stream: it answers with one token, not a stream
+    r = httpx.post(f"{prefill}/v1/completions", timeout=60, headers={"x-flowprefill-kv-to": "http://x"},
+                   json={"prompt": "hi", "stream": True})
+    assert r.status_code == 400

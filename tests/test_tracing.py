@@ -199,3 +199,33 @@ def test_preemptions_traced_gateway_to_worker(otlp_http: tuple[str, Collected]) 
         s = by_id[s["parent"]]
         chain.append(s["service"])
     assert "flowprefill-gateway" in chain
+
+
+@pytest.mark.slow
+def test_disaggregated_request_traces_its_kv_transfer(otlp_http: tuple[str, Collected]) -> None:
+    endpoint, got = otlp_http
+    port = free_port(span=3)
+    proc = start("serve", "--workers", "2", "--disaggregate", "--port", str(port), "--threads", "1",
+                 "--kv-capacity-tokens", "32768",
+                 env={"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"})
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", proc)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
+            "prompt": "y" * 500, "max_tokens": 3}, headers={
+            "x-request-id": "pd-1", "traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"})
+        assert r.status_code == 200
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and len(got.named("kv_transfer")) < 2:
+            time.sleep(0.2)
+    finally:
+        stop(proc)
+    transfers = {s["attrs"]["flowprefill.direction"]: s for s in got.named("kv_transfer")}
+    assert set(transfers) == {"out", "in"}
+    assert all(s["trace_id"] == trace_id for s in transfers.values())
+    assert transfers["out"]["attrs"]["flowprefill.kv_bytes"] > 500 * 1000  # 2 KB per prompt token here
+    # the prefill worker's request span has queue + prefill; the decode worker's only decode
+    roots = [s for s in got.spans if s["attrs"].get("flowprefill.request_id") == "pd-1"
+             and s["service"] == "flowprefill-worker" and s["name"].startswith("text_completion")]
+    kinds = sorted(sorted(k["name"] for k in got.spans if k["parent"] == root["span_id"]) for root in roots)
+    assert kinds == [["decode"], ["decode", "prefill", "queue"]]
