@@ -26,6 +26,7 @@ from engine.model.plan import OpCost
 from engine.request import Request, SamplingParams
 from engine.scheduler import make_policy
 from engine.sim import SimConfig, simulate
+from engine.sim.oracle import BatchCostRecorder, ExactCosts
 from engine.slo import DEFAULT_CLASSES, SLOClass
 from loadtest import report
 from loadtest.workload import ClassRule, Workload, azure_mix, head, load_trace, scale_to_rate, synthesize_prompt
@@ -76,13 +77,13 @@ class Runner:
             self.model_name, self.vocab = f"{model} on {gpu} (analytical)", None
 
     def sim(self, policy: str, w: Workload, classes: dict[str, SLOClass], scale: float,
-            cost: OpCost | None = None) -> dict[str, Any]:
+            cost: OpCost | None = None, exact: ExactCosts | None = None) -> dict[str, Any]:
         reqs = make_requests(w, classes, scale, 0.0, None)
         name = "flowprefill" if policy == IDEAL else policy
         budget = self.engine_cfg.step_budget_ms / 1000 if self.engine_cfg.preemptible else None
         cfg = SimConfig(step_budget_s=budget, max_batch_tokens=self.engine_cfg.max_batch_tokens,
                         kv_capacity_tokens=self.engine_cfg.kv_capacity_tokens, ideal=policy == IDEAL)
-        pre = simulate(reqs, make_policy(name), cost or self.cost, cfg)
+        pre = simulate(reqs, make_policy(name), cost or self.cost, cfg, exact=exact)
         return report.point(w.rate, outcomes(reqs), pre)
 
     def real(self, policy: str, w: Workload, classes: dict[str, SLOClass], scale: float) -> dict[str, Any]:
@@ -91,8 +92,11 @@ class Runner:
         if policy not in self._engines:
             engine = Engine(self.engine_cfg, policy=policy)
             engine.cost = engine.scheduler.cost = self.cost  # one calibration for every policy
+            engine.observers.append(BatchCostRecorder())
             self._engines[policy] = engine.start()
         engine = self._engines[policy]
+        measured = next(o for o in engine.observers if isinstance(o, BatchCostRecorder))
+        measured.batches.clear()
         start_preemptions = engine.preemptions
         t0 = time.monotonic() + 0.5
         reqs = make_requests(w, classes, scale, t0, self.vocab)
@@ -113,8 +117,9 @@ class Runner:
         # online refinement tracks the machine's speed during the run).
         snapshot = copy.copy(self.cost)
         pt["sim_attainment"] = self.sim(policy, w, classes, scale, snapshot)["attainment"]
-        if policy == "flowprefill":  # the ideal-preemption bound is taken at the same point, same costs
-            self._ideal[(round(w.rate, 6), scale)] = self.sim(IDEAL, w, classes, scale, snapshot)
+        if policy == "flowprefill":  # the ideal-preemption bound: the same arrivals, the costs measured here
+            exact = ExactCosts.from_batches(self.cost, measured.batches)
+            self._ideal[(round(w.rate, 6), scale)] = self.sim(IDEAL, w, classes, scale, exact=exact)
         return pt
 
     def run(self, policy: str, w: Workload, classes: dict[str, SLOClass], scale: float) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -12,8 +13,9 @@ from engine.config import EngineConfig, ModelConfig
 from engine.model.plan import OpCost
 from engine.request import Request, SamplingParams
 from engine.scheduler import make_policy
-from engine.sim import SimConfig, simulate
+from engine.sim import ExactCosts, SimConfig, simulate
 from engine.sim.costs import analytical
+from engine.sim.oracle import BatchCostRecorder
 from engine.slo import DEFAULT_CLASSES
 from loadtest.workload import poisson
 
@@ -81,7 +83,10 @@ def test_simulator_agrees_with_real_engine() -> None:
     from engine.engine import Engine
     from engine.model.plan import SeqSpan
 
-    engine = Engine(EngineConfig(), policy="flowprefill").start()
+    engine = Engine(EngineConfig(), policy="flowprefill")
+    measured = BatchCostRecorder()
+    engine.observers.append(measured)
+    engine.start()
     try:
         # Arrivals placed by the engine's own prediction of the long prefill, refined by one run of
         # it, so the decisions do not hinge on how fast this shared machine happens to be today.
@@ -112,3 +117,43 @@ def test_simulator_agrees_with_real_engine() -> None:
     assert len(real[0].suspensions) == len(sim[0].suspensions) == 3
     for a, b in zip(real, sim, strict=True):  # TTFTs of the same order (the machine is shared and noisy)
         assert b.ttft / 2.5 - 0.1 < a.ttft < b.ttft * 2.5 + 0.1, (a.request_id, a.ttft, b.ttft)
+
+    # The ideal bound replays what each batch measured, with zero stop latency and exact prediction:
+    # the same decisions, and no request later than it really was (beyond timer resolution).
+    base = replace(cost, scale=1.0)
+    exact = ExactCosts.from_batches(base, [b for b in measured.batches if b[0][0].startswith("r")])
+    assert set(exact.factors) == {"r0", "r1", "r2", "r3"}
+    ideal = requests(spec)
+    simulate(ideal, make_policy("flowprefill"), base, SimConfig(ideal=True), exact=exact)
+    assert order(ideal) == order(real)
+    for a, b in zip(real, ideal, strict=True):
+        assert b.ttft <= a.ttft * 1.02 + 0.002, (a.request_id, a.ttft, b.ttft)
+
+
+def test_exact_costs_time_and_predict_each_request_by_its_measured_factor() -> None:
+    spec = [(0.0, 3000, "batch"), (0.05, 200, "interactive"), (0.3, 1500, "standard")]
+    uniform = ExactCosts(COST, {"r0": 1.5, "r1": 1.5, "r2": 1.5})
+    a, b = requests(spec), requests(spec)
+    simulate(a, make_policy("flowprefill"), COST, SimConfig(ideal=True), exact=uniform)
+    simulate(b, make_policy("flowprefill"), replace(COST, scale=1.5), SimConfig(ideal=True))
+    assert [r.first_token_time for r in a] == pytest.approx([r.first_token_time for r in b])
+
+    # A request measured twice as slow takes twice as long alone, and is predicted so on arrival.
+    ttft = {}
+    for factor in (1.0, 2.0):
+        alone = requests([(0.0, 1500, "standard")])
+        simulate(alone, make_policy("flowprefill"), COST, SimConfig(ideal=True), exact=ExactCosts(COST, {"r0": factor}))
+        ttft[factor] = alone[0].ttft
+    assert ttft[2.0] == pytest.approx(2 * ttft[1.0], rel=0.05)
+    from engine.model.plan import SeqSpan
+
+    hopeless = requests([(0.0, 1500, "standard")])
+    hopeless[0].deadline = hopeless[0].arrival_time + 1.5 * COST.prefill_s([SeqSpan(0, 1500)])
+    simulate(hopeless, make_policy("flowprefill"), COST, SimConfig(), exact=ExactCosts(COST, {"r0": 2.0}))
+    assert hopeless[0].predicted_miss
+
+
+def test_exact_costs_from_batches_sum_a_chunked_request() -> None:
+    exact = ExactCosts.from_batches(COST, [(["a", "b"], 0.1, 0.2), (["a"], 0.1, 0.1)])
+    assert exact.factors == pytest.approx({"a": 1.5, "b": 2.0})
+    assert exact.default == pytest.approx(1.75)

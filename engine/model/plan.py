@@ -118,6 +118,12 @@ class Plan(Sequence[Step]):
         self._prefix = _prefix_sums(layer_steps)
         self._last_prefix = _prefix_sums(self.last_layer)
         self.total_cost = self._prefix[-1] * (num_layers - 1) + self._last_prefix[-1]
+        self.scale = 1.0  # the cost model's online correction when this plan was made
+
+    @property
+    def base_cost(self) -> float:
+        """Predicted time in the calibrated model's own units (before the online correction)."""
+        return self.total_cost / self.scale
 
     def __len__(self) -> int:
         return self._body + len(self.last_layer)
@@ -218,4 +224,6 @@ def plan_prefill(cost: OpCost, spans: list[SeqSpan], budget_s: float | None, las
     # The last layer's attention and MLP outputs are read only at each sequence's last token (its
     # logits); its K/V are still written for every token.
     last = layer([(s.length - 1, s.length) for s in spans]) if last_token_only else None
-    return Plan(body, cost.cfg.num_hidden_layers, last)
+    plan = Plan(body, cost.cfg.num_hidden_layers, last)
+    plan.scale = cost.scale
+    return plan

@@ -94,9 +94,18 @@ class Scheduler:
             self.chosen, self.chosen_at = choice, self.now
 
     # -- helpers for policies ------------------------------------------------------------------
+    def cost_for(self, reqs: Sequence[Request]) -> OpCost:
+        """The cost model that predicts these requests (the simulator's exact-cost oracle overrides it)."""
+        return self.cost
+
     def predict_s(self, req: Request) -> float:
         """Predicted time to prefill the rest of a queued request's prompt."""
-        return self.cost.prefill_s([SeqSpan(req.num_computed_tokens, req.remaining_prompt_tokens)])
+        return self.predict_batch_s([req])
+
+    def predict_batch_s(self, reqs: Sequence[Request]) -> float:
+        """Predicted time to prefill the rest of these requests' prompts as one batch."""
+        spans = [SeqSpan(r.num_computed_tokens, r.remaining_prompt_tokens) for r in reqs]
+        return self.cost_for(reqs).prefill_s(spans)
 
     def _blocks_needed(self, r: Request) -> int:
         return 0 if r.block_table else self.kv.blocks_for(r.max_total_tokens)

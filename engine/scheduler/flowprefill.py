@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.model.plan import SeqSpan
 from engine.prefill import PrefillBatch
 from engine.request import Request
 from engine.scheduler.slack import sedf_key
@@ -28,8 +27,4 @@ class FlowPrefill:
         ordered = sorted(s.waiting, key=lambda r: sedf_key(s, r))
         budget = head.deadline - s.now - self.guard * head.ttft_target_s
 
-        def fits(batch: list[Request]) -> bool:
-            spans = [SeqSpan(r.num_computed_tokens, r.remaining_prompt_tokens) for r in batch]
-            return s.cost.prefill_s(spans) <= budget
-
-        return s.fill(ordered, fits) or None
+        return s.fill(ordered, lambda batch: s.predict_batch_s(batch) <= budget) or None

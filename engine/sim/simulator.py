@@ -18,6 +18,7 @@ from engine.model.plan import OpCost, SeqSpan, plan_prefill
 from engine.prefill import PrefillBatch
 from engine.request import Request, RequestState
 from engine.scheduler import Policy, Scheduler
+from engine.sim.oracle import ExactCosts, OracleScheduler
 
 
 @dataclass
@@ -62,9 +63,11 @@ class VirtualRun:
 
 
 def simulate(requests: list[Request], policy: Policy, cost: OpCost, cfg: SimConfig | None = None,
-             true_cost: OpCost | None = None) -> int:
+             true_cost: OpCost | None = None, exact: ExactCosts | None = None) -> int:
     """Run `requests` (arrival_time and deadline set, in seconds of virtual time) to their first
-    token; fills in their timings like the engine does. Returns the number of preemptions."""
+    token; fills in their timings like the engine does. Returns the number of preemptions.
+    `true_cost`: what steps really take when it differs from the scheduler's `cost` model;
+    `exact`: measured per-request costs that both predict and time every batch (the bound)."""
     cfg = cfg or SimConfig()
     true_cost = true_cost or cost
     rng = random.Random(cfg.seed)
@@ -75,10 +78,14 @@ def simulate(requests: list[Request], policy: Policy, cost: OpCost, cfg: SimConf
         for r in reqs:
             if not r.block_table:
                 r.block_table = pool.allocate(r.max_total_tokens)
-        steps = plan_prefill(cost, spans, cfg.step_budget_s, last_token_only=True)
+        steps = plan_prefill(sched.cost_for(reqs), spans, cfg.step_budget_s, last_token_only=True)
         return PrefillBatch(reqs, spans, steps, VirtualRun(len(steps)))  # type: ignore[arg-type]
 
-    sched = Scheduler(policy, make_batch, cost, pool, cfg.max_batch_tokens, clock)
+    if exact is None:
+        sched = Scheduler(policy, make_batch, cost, pool, cfg.max_batch_tokens, clock)
+    else:
+        sched = OracleScheduler(policy, make_batch, exact.base, pool, cfg.max_batch_tokens, clock)
+        sched.exact = exact
     arrivals = deque(sorted(requests, key=lambda r: r.arrival_time))
     current: PrefillBatch | None = None
     step_left: dict[int, float] = {}  # batch id -> seconds left of its current step
