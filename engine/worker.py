@@ -50,10 +50,18 @@ def _error(_: Request, exc: BadRequest) -> Response:
     return Response(error_body(str(exc), param=exc.param, code=code), status_code=exc.status)
 
 
+ROLES = ("colocated", "prefill", "decode")
+
+
 def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOClass] | None = None,
-                      default_class: str = DEFAULT_CLASS, tracing: TracerProvider | None = None) -> Litestar:
+                      default_class: str = DEFAULT_CLASS, tracing: TracerProvider | None = None,
+                      role: str = "colocated") -> Litestar:
     """`tracing`: a configured provider (telemetry.tracing.setup_tracing) turns on request and
-    preemption spans; without one, no tracing code runs."""
+    preemption spans; without one, no tracing code runs. `role`: colocated (prefill and decode),
+    prefill (only the prefill half of disaggregated requests, handing the KV on) or decode (only
+    requests whose KV is handed to it)."""
+    if role not in ROLES:
+        raise ValueError(f"unknown worker role {role!r}; choose from {', '.join(ROLES)}")
     classes = classes or DEFAULT_CLASSES
     metrics = EngineMetrics(engine, model_name)
     tracer = None
@@ -104,6 +112,11 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
         slo = slo_for(request, body)
         rid = request.headers.get("x-request-id") or new_id("chatcmpl" if chat else "cmpl")
         kv_to, kv_id = request.headers.get(handoff.KV_TO_HEADER), request.headers.get(handoff.KV_ID_HEADER)
+        # A misrouted request is refused before any work, so the router can send it where it belongs.
+        if role == "prefill" and not kv_to:
+            raise BadRequest(f"this worker only prefills: send it requests with {handoff.KV_TO_HEADER}", status=421)
+        if role == "decode" and not kv_id:
+            raise BadRequest(f"this worker only decodes: send it requests with {handoff.KV_ID_HEADER}", status=421)
         if kv_to:  # the prefill half of a disaggregated request: the first token, then hand the KV over
             if body.stream:
                 raise BadRequest(f"a request with {handoff.KV_TO_HEADER} must not stream")
@@ -212,7 +225,7 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
 
     @get("/health")
     async def health() -> dict[str, str]:
-        return {"status": "ok"}
+        return {"status": "ok", "role": role}
 
     @get("/load")
     async def load() -> dict[str, Any]:
@@ -220,7 +233,7 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
         backlog: dict[str, float] = {}
         for r in list(s.waiting):
             backlog[r.slo_class] = backlog.get(r.slo_class, 0.0) + s.predict_s(r)
-        return {"waiting": engine.num_waiting, "decoding": engine.num_decoding,
+        return {"role": role, "waiting": engine.num_waiting, "decoding": engine.num_decoding,
                 "suspended_batches": max(0, len(s.pool) - 1),
                 "predicted_backlog_s": sum(b.remaining_s for b in list(s.pool)) + sum(backlog.values()),
                 "predicted_backlog_by_class_s": backlog, "kv_cache_usage": engine.kv.usage}

@@ -53,10 +53,12 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
                for _ in range(CLIENT_SHARDS)]
     shards = itertools.cycle(clients)
     client = clients[0]  # health polls and /v1/models
-    pool = WorkerPool(cfg.workers, client, upstream=cfg.upstream)
-    metrics.track_queue(lambda: pool.queued)
     # Disaggregated: `workers` decode; these prefill and hand the KV to the decode worker chosen.
-    prefill_pool = WorkerPool(cfg.prefill_workers, client) if cfg.prefill_workers else None
+    pool = WorkerPool(cfg.workers, client, upstream=cfg.upstream,
+                      roles=frozenset({"decode", "colocated"} if cfg.prefill_workers else {"colocated"}))
+    metrics.track_queue(lambda: pool.queued)
+    prefill_pool = (WorkerPool(cfg.prefill_workers, client, roles=frozenset({"prefill", "colocated"}))
+                    if cfg.prefill_workers else None)
 
     async def prefill_first(decode: Worker, path: str, body: dict[str, Any], headers: dict[str, str],
                             deadline: float, slo_name: str) -> Response | None:

@@ -46,18 +46,18 @@ def _run_worker(args: argparse.Namespace) -> int:
     with console.status("loading model and profiling operators…"):
         engine = Engine(cfg, policy=args.policy).start()
     name = engine.model.cfg.name
-    app = create_worker_app(engine, name, tracing=setup_tracing("flowprefill-worker"))
+    app = create_worker_app(engine, name, tracing=setup_tracing("flowprefill-worker"), role=args.role)
     url = f"http://{args.host}:{args.port}"
-    console.print(f"[bold green]FlowPrefill[/] serving [bold]{name}[/] (policy {args.policy}, "
+    console.print(f"[bold green]FlowPrefill[/] {args.role} worker serving [bold]{name}[/] (policy {args.policy}, "
                   f"{engine.model.backend.name} attention) at [link={url}/v1]{url}/v1[/]")
     print(url, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
 
-def _worker_argv(args: argparse.Namespace, port: int, threads: int | None) -> list[str]:
-    argv = [sys.executable, "-m", "gateway.cli", "worker", "--host", "127.0.0.1", "--port", str(port),
-            "--policy", args.policy, "--device", args.device, "--dtype", args.dtype,
+def _worker_argv(args: argparse.Namespace, port: int, threads: int | None, role: str) -> list[str]:
+    argv = [sys.executable, "-m", "gateway.cli", "worker", "--role", role, "--host", "127.0.0.1",
+            "--port", str(port), "--policy", args.policy, "--device", args.device, "--dtype", args.dtype,
             "--attention-backend", args.attention_backend, "--kv-capacity-tokens", str(args.kv_capacity_tokens),
             "--kv-block-size", str(args.kv_block_size), "--max-batch-tokens", str(args.max_batch_tokens),
             "--max-waiting", str(args.max_waiting),
@@ -96,7 +96,9 @@ def _run_serve(args: argparse.Namespace) -> int:
     # thread per worker gave far more goodput than two (docs/benchmarks.md, ideal-bound runs).
     threads = args.threads or max(1, ((os.cpu_count() or 1) - 1) // args.workers)
     ports = [args.port + 1 + i for i in range(args.workers)]
-    children = [subprocess.Popen(_worker_argv(args, p, threads)) for p in ports]
+    n_prefill = args.workers // 2 if args.disaggregate else 0
+    roles = ["prefill"] * n_prefill + ["decode" if args.disaggregate else "colocated"] * (args.workers - n_prefill)
+    children = [subprocess.Popen(_worker_argv(args, p, threads, role)) for p, role in zip(ports, roles, strict=True)]
     try:
         with console.status(f"starting {args.workers} engine worker(s)…"):
             for child, port in zip(children, ports, strict=True):
@@ -105,7 +107,6 @@ def _run_serve(args: argparse.Namespace) -> int:
                 except (RuntimeError, TimeoutError) as exc:
                     raise SystemExit(f"engine worker on port {port}: {exc}") from None
         urls = [f"http://127.0.0.1:{p}" for p in ports]
-        n_prefill = len(urls) // 2 if args.disaggregate else 0
         args.prefill_urls, args.workers_urls = urls[:n_prefill] or None, urls[n_prefill:]
         return _run_gateway(args, console)
     finally:
@@ -168,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="openai upstreams: requests in flight per server (overrides the config)")
     worker = sub.add_parser("worker", help="run one engine worker (OpenAI API + /load, /health, /metrics)")
     _engine_args(worker)
+    worker.add_argument("--role", choices=["colocated", "prefill", "decode"], default="colocated",
+                        help="colocated: prefill and decode; prefill or decode: one half of PD disaggregation")
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     bench_sub.add_parser("prefill", help="prefill throughput, checkpoint overhead, preemption stop latency",

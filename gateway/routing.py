@@ -23,6 +23,7 @@ class Worker:
         self.in_flight = 0
         self.backlog_s = 0.0  # predicted prefill work queued there (its /load)
         self.down_until = 0.0
+        self.role = ""  # what the worker says it does (its /load): colocated, prefill or decode
 
     def __repr__(self) -> str:
         return f"Worker({self.url}, healthy={self.healthy}, in_flight={self.in_flight})"
@@ -42,13 +43,16 @@ class WorkerPool:
     the rest wait here in deadline order, so an urgent request overtakes the queued ones."""
 
     def __init__(self, urls: list[str], client: httpx.AsyncClient, poll_s: float = 1.0,
-                 per_request_s: float = 0.05, upstream: Upstream | None = None) -> None:
+                 per_request_s: float = 0.05, upstream: Upstream | None = None,
+                 roles: frozenset[str] = frozenset({"colocated"})) -> None:
+        """`roles`: the worker roles this pool's job needs; a worker declaring another stays out."""
         if not urls:
             raise ValueError("the gateway needs at least one worker URL")
         self.workers = [Worker(u) for u in urls]
         self.client, self.poll_s, self.per_request_s = client, poll_s, per_request_s
         self.upstream = upstream or Upstream()
         self.gated = self.upstream.kind == "openai"
+        self.roles = roles
         self._rr = itertools.count()
         self._seq = itertools.count()
         self._waiting: list[tuple[float, int, frozenset[str], asyncio.Future[Worker]]] = []
@@ -139,7 +143,16 @@ class WorkerPool:
                 else:
                     r = await self.client.get(f"{w.url}/load", timeout=2.0)
                     r.raise_for_status()
-                    w.backlog_s = float(r.json().get("predicted_backlog_s", 0.0))
+                    load = r.json()
+                    w.backlog_s = float(load.get("predicted_backlog_s", 0.0))
+                    role = str(load.get("role", "colocated"))
+                    if role not in self.roles:
+                        if role != w.role:
+                            log.error("worker %s has role %r, but it is listed where %s is needed: not routing to it",
+                                      w.url, role, " or ".join(sorted(self.roles)))
+                        w.role, w.healthy = role, False
+                        return
+                    w.role = role
                 if not w.healthy and time.monotonic() >= w.down_until:
                     log.info("worker %s healthy again", w.url)
                 w.healthy = time.monotonic() >= w.down_until

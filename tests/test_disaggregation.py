@@ -95,14 +95,18 @@ def disaggregated() -> Iterator[int]:
 
 
 @pytest.mark.slow
-def test_served_disaggregated_matches_one_worker(disaggregated: int) -> None:
+def test_served_disaggregated_matches_one_worker(disaggregated: int, engines: tuple[Engine, Engine]) -> None:
     port = disaggregated
     health = httpx.get(f"http://127.0.0.1:{port}/health").json()
     assert len(health["workers"]) == 2 and all(health["workers"].values())
+    roles = [httpx.get(f"http://127.0.0.1:{port + i}/health").json()["role"] for i in (1, 2)]
+    assert roles == ["prefill", "decode"]
     prompt = "A long document about scheduling. " * 40
-    # the decode worker alone (no hand-off): the reference
-    ref = httpx.post(f"http://127.0.0.1:{port + 2}/v1/completions", timeout=60, json={
-        "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}).json()["choices"][0]["text"]
+    # one engine alone (no hand-off): the reference
+    eng = engines[0]
+    (alone,) = eng.generate([eng.tokenizer.encode(prompt)], SamplingParams(max_tokens=10, temperature=0,
+                                                                           ignore_eos=True))
+    ref = eng.tokenizer.decode(alone.output_token_ids)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
     got = client.completions.create(model="flowprefill-default", prompt=prompt, max_tokens=10, temperature=0,
                                     extra_body={"ignore_eos": True}, extra_headers={"x-slo-class": "interactive"})
@@ -114,6 +118,30 @@ def test_served_disaggregated_matches_one_worker(disaggregated: int) -> None:
     pre = httpx.get(f"http://127.0.0.1:{port + 1}/load").json()
     dec = httpx.get(f"http://127.0.0.1:{port + 2}/load").json()
     assert pre["kv_cache_usage"] == 0 and dec["kv_cache_usage"] == 0
+
+
+@pytest.mark.slow
+def test_workers_refuse_requests_outside_their_role(disaggregated: int) -> None:
+    for port, header in ((disaggregated + 1, "x-flowprefill-kv-to"), (disaggregated + 2, "x-flowprefill-kv-id")):
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 421 and header in r.json()["error"]["message"]
+        assert httpx.get(f"http://127.0.0.1:{port}/load").json()["waiting"] == 0
+
+
+@pytest.mark.slow
+def test_gateway_keeps_a_worker_out_of_a_pool_its_role_does_not_fit(disaggregated: int) -> None:
+    """A decode worker listed as an ordinary (colocated) worker would refuse everything: the gateway
+    reads its role and does not route there."""
+    port = free_port()
+    proc = start("gateway", "--workers", f"http://127.0.0.1:{disaggregated + 2}", "--port", str(port))
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", proc)
+        assert httpx.get(f"http://127.0.0.1:{port}/health").json()["workers"] == {
+            f"http://127.0.0.1:{disaggregated + 2}": False}
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503 and r.headers["x-flowprefill-dropped-reason"] == "no_healthy_worker"
+    finally:
+        stop(proc)
 
 
 @pytest.mark.slow

@@ -97,7 +97,8 @@ def test_cli_options_are_documented(command: str) -> None:
     if command == "gateway":
         documented |= {"--host", "--port"}
     else:
-        documented |= {_code(r[1]) for r in engine_rows} | {_code(r[0]) for r in server_rows}
+        documented |= {_code(r[1]) for r in engine_rows} | {
+            _code(r[0]) for r in server_rows if command == "worker" or "`flowprefill worker` only" not in r[2]}
     documented.discard("")
     actual = _cli_options(command)
     assert not actual - documented, (
@@ -244,3 +245,17 @@ def test_every_documented_command_parses() -> None:
         except SystemExit as exc:
             raise AssertionError(f"{page}: `flowprefill {' '.join(argv)}` is not accepted") from exc
     assert {("serve",), ("gateway",), ("loadtest",), ("bench", "goodput"), ("bench", "gateway")} <= seen
+
+
+def test_otel_variable_table_matches_the_code_and_the_sdk() -> None:
+    """Every OTEL_* variable telemetry/tracing.py reads is documented, and every documented one is a
+    variable OpenTelemetry itself defines (so a typo or an invented name fails here)."""
+    import opentelemetry.environment_variables as api_vars
+    import opentelemetry.sdk.environment_variables as sdk_vars
+
+    known = {v for mod in (api_vars, sdk_vars) for k, v in vars(mod).items() if k.startswith("OTEL_")}
+    rows = _table(_section("observability.md", "## Turning tracing on"))
+    documented = {name for row in rows for name in re.findall(r"`(OTEL_[A-Z_]+)`", row[0])}
+    read = set(re.findall(r'"(OTEL_[A-Z_]+)"', (ROOT / "telemetry" / "tracing.py").read_text(encoding="utf-8")))
+    assert read and read <= documented, f"read by tracing.py but not documented: {sorted(read - documented)}"
+    assert documented <= known, f"not OpenTelemetry variables: {sorted(documented - known)}"
