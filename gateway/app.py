@@ -16,6 +16,7 @@ from litestar.response import Stream
 from engine.openai_api import KV_ID_HEADER, KV_TO_HEADER, error_body, http_error_body, new_id
 from gateway.classify import ClassificationError, classify
 from gateway.config import GatewayConfig
+from gateway.netio import UpstreamTransport
 from gateway.openapi import openapi_document
 from gateway.routing import QueueFull, Worker, WorkerPool
 from telemetry.metrics import GatewayMetrics
@@ -45,13 +46,14 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
                          exc.headers.get("x-flowprefill-dropped-reason"))
         return Response(error_body(str(exc), exc.type, exc.param), status_code=exc.status, headers=exc.headers)
 
-    # Several small connection pools instead of one large one: httpcore scans every pooled connection
-    # (a readability syscall each) on every request, so the cost per request grows with the pool; at
-    # 32 concurrent requests one pool spent half the gateway's CPU there (py-spy).
-    clients = [httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout_s, connect=2.0),
-                                 limits=httpx.Limits(max_connections=64, max_keepalive_connections=16))
-               for _ in range(CLIENT_SHARDS)]
-    shards = itertools.cycle(clients)
+    # Several small connection pools instead of one large one: httpcore walks every pooled
+    # connection of a pool on each request, so the cost per request grows with the pool.
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=16)
+    upstreams = [UpstreamTransport(limits) for _ in range(CLIENT_SHARDS)]
+    clients = [httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout_s, connect=2.0), transport=t)
+               for t in upstreams]
+    shards, transports = itertools.cycle(clients), itertools.cycle(upstreams)
+    upstream_timeout = {"timeout": httpx.Timeout(cfg.request_timeout_s, connect=2.0).as_dict()}
     client = clients[0]  # health polls and /v1/models
     # Disaggregated: `workers` decode; these prefill and hand the KV to the decode worker chosen.
     pool = WorkerPool(cfg.workers, client, upstream=cfg.upstream,
@@ -151,9 +153,10 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
                     return refused
                 to_worker = upstream_headers | {KV_ID_HEADER: rid}
             try:
-                shard = next(shards)
-                up = await shard.send(shard.build_request("POST", f"{worker.url}{path}", content=raw,
-                                                          headers=to_worker), stream=True)
+                # httpx's transport interface directly: the client's redirect, auth and cookie
+                # machinery has nothing to do between a gateway and its workers.
+                up = await next(transports).handle_async_request(httpx.Request(
+                    "POST", f"{worker.url}{path}", content=raw, headers=to_worker, extensions=upstream_timeout))
             except httpx.HTTPError:
                 pool.release(worker)
                 pool.mark_failed(worker)

@@ -1,0 +1,167 @@
+"""An asyncio network backend for httpcore (the connection layer under httpx).
+
+httpcore reaches asyncio through anyio, which wraps every socket read and write in a cancel scope and
+answers "is this pooled connection still usable?" with a poll() system call per idle connection per
+request. On the gateway's hot path that was a third of httpx's cost. This backend speaks to asyncio's
+transports directly: data arrives in `data_received`, so whether an idle connection has been closed
+or sent stray bytes is already known without a system call. HTTP itself stays with httpcore and h11.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+from collections.abc import Iterable
+from typing import Any
+
+import httpcore
+import httpx
+
+
+class _Stream(asyncio.Protocol, httpcore.AsyncNetworkStream):
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._eof = False
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._can_write: asyncio.Future[None] | None = None
+
+    # -- asyncio.Protocol ----------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self._eof = True
+        self._wake()
+        return False  # close the transport
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._eof, self._error = True, exc
+        self._wake()
+        if self._can_write is not None and not self._can_write.done():
+            self._can_write.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._can_write = self._loop.create_future()
+
+    def resume_writing(self) -> None:
+        if self._can_write is not None and not self._can_write.done():
+            self._can_write.set_result(None)
+        self._can_write = None
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    # -- httpcore.AsyncNetworkStream -----------------------------------------------------------
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        if not self._buffer and not self._eof:
+            self._waiter = waiter = self._loop.create_future()
+            timer = self._loop.call_later(timeout, _expire, waiter) if timeout is not None else None
+            try:
+                await waiter
+            except TimeoutError:
+                raise httpcore.ReadTimeout(f"no data for {timeout} s") from None
+            finally:
+                self._waiter = None
+                if timer is not None:
+                    timer.cancel()
+        if not self._buffer and self._error is not None:
+            raise httpcore.ReadError(str(self._error))
+        data = bytes(self._buffer[:max_bytes])
+        del self._buffer[:max_bytes]
+        return data  # b"" at end of stream, as httpcore expects
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        if self._transport is None or self._transport.is_closing():
+            raise httpcore.WriteError("connection closed")
+        self._transport.write(buffer)
+        if self._can_write is not None:  # the socket's send buffer is full: wait for it to drain
+            try:
+                await asyncio.wait_for(asyncio.shield(self._can_write), timeout)
+            except TimeoutError:
+                raise httpcore.WriteTimeout(f"could not write for {timeout} s") from None
+
+    async def aclose(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    async def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None,
+                        timeout: float | None = None) -> httpcore.AsyncNetworkStream:
+        assert self._transport is not None
+        try:
+            tls = await self._loop.start_tls(self._transport, self, ssl_context, server_hostname=server_hostname,
+                                             ssl_handshake_timeout=timeout)
+        except (OSError, ssl.SSLError) as exc:
+            raise httpcore.ConnectError(str(exc)) from exc
+        if tls is None:
+            raise httpcore.ConnectError("TLS handshake failed")
+        self._transport = tls
+        return self
+
+    def get_extra_info(self, info: str) -> Any:
+        if info == "is_readable":  # an idle pooled connection that got data or EOF is not reusable
+            return bool(self._buffer) or self._eof
+        if self._transport is None:
+            return None
+        key = {"ssl_object": "ssl_object", "client_addr": "sockname", "server_addr": "peername",
+               "socket": "socket"}.get(info)
+        return self._transport.get_extra_info(key) if key else None
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
+
+
+class AsyncioBackend(httpcore.AsyncNetworkBackend):
+    async def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
+                          socket_options: Iterable[Any] | None = None) -> httpcore.AsyncNetworkStream:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(timeout):
+                _, stream = await loop.create_connection(
+                    _Stream, host, port, local_addr=(local_address, 0) if local_address else None)
+        except TimeoutError:
+            raise httpcore.ConnectTimeout(f"connecting to {host}:{port} took over {timeout} s") from None
+        except OSError as exc:
+            raise httpcore.ConnectError(str(exc)) from exc
+        sock = stream.get_extra_info("socket")
+        for option in socket_options or ():
+            sock.setsockopt(*option)
+        return stream
+
+    async def connect_unix_socket(self, path: str, timeout: float | None = None,
+                                  socket_options: Iterable[Any] | None = None) -> httpcore.AsyncNetworkStream:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(timeout):
+                _, stream = await loop.create_unix_connection(_Stream, path)
+        except TimeoutError:
+            raise httpcore.ConnectTimeout(f"connecting to {path} took over {timeout} s") from None
+        except OSError as exc:
+            raise httpcore.ConnectError(str(exc)) from exc
+        return stream
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+
+class UpstreamTransport(httpx.AsyncHTTPTransport):
+    """httpx's own transport (and its connection pool), on the asyncio backend above."""
+
+    def __init__(self, limits: httpx.Limits, verify: ssl.SSLContext | bool = True) -> None:
+        super().__init__(limits=limits, verify=verify)
+        # httpx builds its httpcore pool without a way to pass a network backend: rebuild it with one.
+        self._pool = httpcore.AsyncConnectionPool(
+            ssl_context=httpx.create_ssl_context(verify=verify),
+            max_connections=limits.max_connections, max_keepalive_connections=limits.max_keepalive_connections,
+            keepalive_expiry=limits.keepalive_expiry, network_backend=AsyncioBackend(),
+            socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])

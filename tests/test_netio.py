@@ -1,0 +1,116 @@
+"""The gateway's asyncio network backend under httpx, against a real uvicorn server: connection reuse,
+idle connections the server closed, timeouts, refused connections, large bodies and TLS."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import ssl
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from processes import free_port
+
+from gateway.netio import UpstreamTransport
+
+LIMITS = httpx.Limits(max_connections=8, max_keepalive_connections=8)
+
+
+async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    if scope["type"] != "http":
+        return
+    size = 0
+    while True:
+        msg = await receive()
+        size += len(msg.get("body", b""))
+        if not msg.get("more_body"):
+            break
+    if scope["path"] == "/slow":
+        await asyncio.sleep(1.0)
+    body = f"{scope['client'][1]} {size}".encode()  # the client's port: which connection served it
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _serve(**kw: Any) -> Iterator[str]:
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_keep_alive=1, **kw))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"{'https' if kw else 'http'}://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    yield from _serve()
+
+
+def _client(**kw: Any) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=UpstreamTransport(LIMITS, **kw), timeout=5)
+
+
+def test_requests_reuse_one_connection_and_survive_the_server_closing_it(server: str) -> None:
+    async def main() -> list[str]:
+        async with _client() as c:
+            ports = [(await c.get(server)).text.split()[0] for _ in range(3)]
+            await asyncio.sleep(1.5)  # past the server's keep-alive: it closes the idle connection
+            ports.append((await c.get(server)).text.split()[0])
+            return ports
+
+    ports = asyncio.run(main())
+    assert ports[0] == ports[1] == ports[2]
+    assert ports[3] != ports[0]  # a fresh connection, not an error on the closed one
+
+
+def test_concurrent_requests_and_large_bodies(server: str) -> None:
+    async def main() -> list[str]:
+        async with _client() as c:
+            big = b"x" * (8 << 20)  # larger than the socket buffers: writes must wait for the reader
+            rs = await asyncio.gather(*(c.post(server, content=big) for _ in range(4)),
+                                      *(c.get(server) for _ in range(20)))
+            return [r.text.split()[1] for r in rs]
+
+    sizes = asyncio.run(main())
+    assert sizes[:4] == [str(8 << 20)] * 4 and sizes[4:] == ["0"] * 20
+
+
+def test_timeouts_and_refused_connections_are_httpx_errors(server: str) -> None:
+    async def main() -> None:
+        async with _client() as c:
+            with pytest.raises(httpx.ReadTimeout):
+                await c.get(f"{server}/slow", timeout=0.2)
+            assert (await c.get(server)).status_code == 200  # the pool is still usable
+            with pytest.raises(httpx.ConnectError):
+                await c.get(f"http://127.0.0.1:{free_port()}")
+
+    asyncio.run(main())
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_tls(tmp_path: Path) -> None:
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    for url in _serve(ssl_keyfile=str(key), ssl_certfile=str(cert)):
+        async def main(url: str = url) -> str:
+            async with _client(verify=ssl.create_default_context(cafile=str(cert))) as c:
+                return (await c.get(url)).text
+
+        assert asyncio.run(main()).endswith(" 0")
