@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from gateway.netio import UpstreamTransport
 from gateway.processes import free_port, start, stop, wait_healthy
 
 BODY = {"prompt": [65, 66, 67, 68, 69, 70, 71, 72], "max_tokens": 1, "temperature": 0}
@@ -98,12 +100,17 @@ def main(argv: list[str] | None = None) -> int:
                 for _ in range(20):  # warm-up: connections, the engine's first batches
                     _one(client, direct, stream), _one(client, via, stream)
                 samples: dict[str, list[tuple[float, float]]] = {"direct": [], "gateway": []}
+                cpu0 = _cpu_s(gateway.pid)
                 for i in range(args.requests):
                     order = (("direct", direct), ("gateway", via)) if i % 2 else (("gateway", via), ("direct", direct))
                     for name, url in order:
                         samples[name].append(_one(client, url, stream))
                         progress.advance(task)
                 results["streaming" if stream else "non_streaming"] = _latency(samples, stream)
+                if not stream:  # the gateway idles while the direct requests run: its CPU is theirs
+                    gateway_ms = 1000 * (_cpu_s(gateway.pid) - cpu0) / args.requests
+        with console.status("where the time goes: Litestar's floor and the upstream client alone…"):
+            results["breakdown"] = _breakdown(direct, gateway_ms, args.requests, cores[0])
         with console.status(f"throughput: {args.concurrency} clients for {args.seconds:g} s through the gateway…"):
             cpu0, t0 = _cpu_s(gateway.pid), time.monotonic()
             n = asyncio.run(_drive(via, args.concurrency, args.seconds))
@@ -155,6 +162,70 @@ def _handoff(console: Console, prefill: str, lengths: list[int], cores: list[int
     return rows
 
 
+def floor_app() -> Any:
+    """The least a Litestar app under uvicorn can do per request: read the body, answer a fixed
+    completion. What any Litestar gateway pays before doing anything."""
+    from litestar import Litestar, Request, Response, get, post
+
+    answer = json.dumps({"id": "cmpl-x", "object": "text_completion", "model": "m", "choices": [
+        {"index": 0, "text": "a", "finish_reason": "length", "logprobs": None}]}).encode()
+
+    @post("/v1/completions", status_code=200)
+    async def completions(request: Request) -> Response:
+        await request.body()
+        return Response(answer, media_type="application/json", headers={"x-request-id": "x"})
+
+    @get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    return Litestar([completions, health], openapi_config=None)
+
+
+def _breakdown(worker_url: str, gateway_ms: float, n: int, core: int) -> dict[str, float]:
+    """CPU per sequential request: the gateway, a bare Litestar app on its core, and the gateway's
+    upstream client alone sending the same request to the worker; the rest is the gateway's own work."""
+    port = free_port()
+    floor = subprocess.Popen([sys.executable, "-m", "uvicorn", "--factory", "gateway.bench:floor_app", "--port",
+                              str(port), "--log-level", "warning", "--no-access-log"],
+                             preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", floor)
+        with httpx.Client() as client:
+            for _ in range(50):
+                _one(client, f"http://127.0.0.1:{port}", False)
+            cpu0 = _cpu_s(floor.pid)
+            for _ in range(n):
+                _one(client, f"http://127.0.0.1:{port}", False)
+            floor_ms = 1000 * (_cpu_s(floor.pid) - cpu0) / n
+    finally:
+        stop(floor)
+
+    async def client_alone() -> float:
+        transport = UpstreamTransport(httpx.Limits(max_connections=4))
+        body = json.dumps(BODY).encode()
+        headers = {"content-type": "application/json", "x-slo-class": "standard", "x-request-id": "b"}
+        timeout = {"timeout": httpx.Timeout(30).as_dict()}
+        cpu = 0.0
+        for i in range(n + 50):
+            t0 = time.thread_time()
+            up = await transport.handle_async_request(httpx.Request(
+                "POST", f"{worker_url}/v1/completions", content=body, headers=headers, extensions=timeout))
+            await up.aread()
+            await up.aclose()
+            cpu += (time.thread_time() - t0) if i >= 50 else 0.0  # the thread's CPU: waiting is free
+        await transport.aclose()
+        return 1000 * cpu / n
+
+    try:  # the event loop uvicorn runs the gateway on, where it is installed
+        import uvloop
+        client_ms = uvloop.run(client_alone())
+    except ImportError:
+        client_ms = asyncio.run(client_alone())
+    return {"gateway_cpu_ms": gateway_ms, "litestar_floor_cpu_ms": floor_ms, "upstream_client_cpu_ms": client_ms,
+            "own_work_cpu_ms": gateway_ms - floor_ms - client_ms}
+
+
 def _latency(samples: dict[str, list[tuple[float, float]]], stream: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"raw_ms": {k: [[round(a * 1000, 4), round(b * 1000, 4)] for a, b in v]
                                       for k, v in samples.items()}}
@@ -186,6 +257,13 @@ def _table(console: Console, r: dict[str, Any]) -> None:
                       f"{row['handoff_ms_p50']:.1f}", f"{row['us_per_token']:.2f}",
                       f"{row['share_of_prefill_request']:.0%}")
         console.print(h)
+    if b := r.get("breakdown"):
+        w = Table(title="where the gateway's CPU goes (ms per request, one request at a time)")
+        for col in ("Litestar + uvicorn floor", "httpx upstream call", "FlowPrefill's own work", "gateway total"):
+            w.add_column(col, justify="right")
+        w.add_row(*(f"{b[k]:.3f}" for k in ("litestar_floor_cpu_ms", "upstream_client_cpu_ms", "own_work_cpu_ms",
+                                             "gateway_cpu_ms")))
+        console.print(w)
     th = r["throughput"]
     console.print(f"throughput: {th['achieved_rps']:.0f} req/s achieved (the worker's limit); the gateway used "
                   f"{th['gateway_cpu_ms_per_request']:.3f} ms of CPU per request = "

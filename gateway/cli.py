@@ -51,7 +51,7 @@ def _run_worker(args: argparse.Namespace) -> int:
     console.print(f"[bold green]FlowPrefill[/] {args.role} worker serving [bold]{name}[/] (policy {args.policy}, "
                   f"{engine.model.backend.name} attention) at [link={url}/v1]{url}/v1[/]")
     print(url, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False, proxy_headers=False)
     return 0
 
 
@@ -141,7 +141,7 @@ def _run_gateway(args: argparse.Namespace, console: object = None) -> int:
              else ", ".join(cfg.workers))
     console.print(f"[bold green]FlowPrefill[/] gateway at [link={url}/v1]{url}/v1[/] → {route}")  # type: ignore[attr-defined]
     print(url, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False, proxy_headers=False)
     return 0
 
 
