@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+from litestar import Litestar, Request, Response, get, post
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
@@ -165,8 +166,6 @@ def _handoff(console: Console, prefill: str, lengths: list[int], cores: list[int
 def floor_app() -> Any:
     """The least a Litestar app under uvicorn can do per request: read the body, answer a fixed
     completion. What any Litestar gateway pays before doing anything."""
-    from litestar import Litestar, Request, Response, get, post
-
     answer = json.dumps({"id": "cmpl-x", "object": "text_completion", "model": "m", "choices": [
         {"index": 0, "text": "a", "finish_reason": "length", "logprobs": None}]}).encode()
 
