@@ -258,7 +258,7 @@ def _table(console: Console, r: dict[str, Any]) -> None:
         console.print(h)
     if b := r.get("breakdown"):
         w = Table(title="where the gateway's CPU goes (ms per request, one request at a time)")
-        for col in ("Litestar + uvicorn floor", "httpx upstream call", "FlowPrefill's own work", "gateway total"):
+        for col in ("Litestar + uvicorn floor", "httpx upstream call", "the rest", "gateway total"):
             w.add_column(col, justify="right")
         w.add_row(*(f"{b[k]:.3f}" for k in ("litestar_floor_cpu_ms", "upstream_client_cpu_ms", "own_work_cpu_ms",
                                              "gateway_cpu_ms")))

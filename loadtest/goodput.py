@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -113,12 +114,14 @@ class Runner:
             if not remaining.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 engine.cancel(r.request_id)  # counted as a miss: nothing is dropped silently
         pt = report.point(w.rate, outcomes(reqs), engine.preemptions - start_preemptions)
-        # The simulator's twin of this very point, with the cost model as the engine left it (its
-        # online refinement tracks the machine's speed during the run).
+        # The simulator's twins of this very point: with the cost model as the engine left it (its
+        # online refinement tracks the machine's speed during the run), and with the costs each
+        # batch measured (what is left is the simulator's mechanics: the same decisions, or not).
         snapshot = copy.copy(self.cost)
         pt["sim_attainment"] = self.sim(policy, w, classes, scale, snapshot)["attainment"]
+        exact = ExactCosts.from_batches(self.cost, measured.batches)
+        pt["sim_exact_attainment"] = self.sim(policy, w, classes, scale, exact=exact)["attainment"]
         if policy == "flowprefill":  # the ideal-preemption bound: the same arrivals, the costs measured here
-            exact = ExactCosts.from_batches(self.cost, measured.batches)
             self._ideal[(round(w.rate, 6), scale)] = self.sim(IDEAL, w, classes, scale, exact=exact)
         return pt
 
@@ -241,6 +244,17 @@ def _table(console: Console, doc: dict[str, Any]) -> None:
     for k, v in doc["ratios"].items():
         r.add_row(k, f"{v:.2f}")
     console.print(r)
+    if doc["engine"] == "real":
+        a = Table(title="simulator against the real engine (every measured point, percentage points)")
+        for col in ("simulated with", "points", "median |sim - real|", "within 5 pp"):
+            a.add_column(col, justify="right")
+        for key, label in (("sim_attainment", "the cost model"), ("sim_exact_attainment", "the measured costs")):
+            gaps = [abs(pt[key] - pt["attainment"]) * 100 for pol in doc["policies"].values()
+                    for pt in pol["points"] if pt.get(key) is not None]
+            if gaps:
+                a.add_row(label, str(len(gaps)), f"{statistics.median(gaps):.1f}",
+                          f"{sum(g <= 5 for g in gaps)} of {len(gaps)}")
+        console.print(a)
 
 
 def _plot(doc: dict[str, Any], path: Path) -> None:
