@@ -49,7 +49,8 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
     # Several small connection pools instead of one large one: httpcore walks every pooled
     # connection of a pool on each request, so the cost per request grows with the pool.
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=16)
-    upstreams = [UpstreamTransport(limits) for _ in range(CLIENT_SHARDS)]
+    tls = httpx.create_ssl_context()  # one CA bundle for every pool
+    upstreams = [UpstreamTransport(limits, tls) for _ in range(CLIENT_SHARDS)]
     clients = [httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout_s, connect=2.0), transport=t)
                for t in upstreams]
     shards, transports = itertools.cycle(clients), itertools.cycle(upstreams)

@@ -155,13 +155,14 @@ class AsyncioBackend(httpcore.AsyncNetworkBackend):
 
 
 class UpstreamTransport(httpx.AsyncHTTPTransport):
-    """httpx's own transport (and its connection pool), on the asyncio backend above."""
+    """httpx's own transport (and its connection pool), on the asyncio backend above. `verify`: as
+    httpx's; pass one SSLContext to many transports to load the CA bundle once."""
 
     def __init__(self, limits: httpx.Limits, verify: ssl.SSLContext | bool = True) -> None:
-        super().__init__(limits=limits, verify=verify)
+        context = verify if isinstance(verify, ssl.SSLContext) else httpx.create_ssl_context(verify=verify)
+        super().__init__(limits=limits, verify=context)
         # httpx builds its httpcore pool without a way to pass a network backend: rebuild it with one.
         self._pool = httpcore.AsyncConnectionPool(
-            ssl_context=httpx.create_ssl_context(verify=verify),
-            max_connections=limits.max_connections, max_keepalive_connections=limits.max_keepalive_connections,
-            keepalive_expiry=limits.keepalive_expiry, network_backend=AsyncioBackend(),
-            socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+            ssl_context=context, max_connections=limits.max_connections,
+            max_keepalive_connections=limits.max_keepalive_connections, keepalive_expiry=limits.keepalive_expiry,
+            network_backend=AsyncioBackend(), socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])

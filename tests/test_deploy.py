@@ -8,6 +8,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -84,6 +85,12 @@ def test_kubernetes_manifests(tmp_path: Path) -> None:
     cfg_file.write_text(cm["data"]["gateway.toml"])
     cfg = GatewayConfig.load(cfg_file, gargs.workers_urls)
     assert cfg.api_keys["sk-batch-jobs"].ceiling == "relaxed"
+
+
+def test_kubernetes_manifests_match_the_kubernetes_schema() -> None:
+    """Each object validates against Kubernetes' own OpenAPI schema (strict: no unknown fields), offline."""
+    for obj in yaml.safe_load_all((K8S / "flowprefill.yaml").read_text()):
+        kubernetes_validate.validate(obj, "1.32", strict=True)
 
 
 def test_dockerfile_copies_the_packages() -> None:
