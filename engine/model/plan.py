@@ -198,7 +198,11 @@ def plan_prefill(cost: OpCost, spans: list[SeqSpan], budget_s: float | None, las
         work_s = max(budget_s / cost.scale - cost.step_overhead_s, budget_s / cost.scale / 2)
         in_rows = _fit(work_s, cost.attn_in_s_per_row, 32)
         ffn_rows = _fit(work_s, cost.ffn_s_per_row, 32)
+        # Query blocks as large as the budget allows (fewer, larger tiles parallelise better and
+        # need fewer merges), down to 32 when even a small diagonal tile would outlast it.
         q_block = 256
+        while q_block < 1024 and cost.attn_s(2 * q_block, 2 * q_block, True) <= budget_s:
+            q_block *= 2
         while q_block > 32 and cost.attn_s(q_block, q_block, True) > budget_s:
             q_block //= 2
         key_tile = max(q_block, _fit(work_s, q_block * cost.attn_s_per_pair, 64))
