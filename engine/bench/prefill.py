@@ -20,19 +20,16 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import gc
 import json
 import os
-import random
 import shlex
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,23 +41,18 @@ from rich.table import Table
 
 from engine.bench.machine import cpu_count, machine_info
 from engine.bench.prefill_plot import HF, PREEMPTIBLE, UNSPLIT, plot, size_label
+from engine.bench.stop_latency import StopLatencySection, cost_dict, random_prompt
 from engine.config import EngineConfig
-from engine.engine import Engine
 from engine.kv_cache import KVCache
 from engine.model import LlamaModel, load_model
 from engine.model.loader import default_model, save_checkpoint
 from engine.model.plan import OpCost, SeqSpan
 from engine.predictor import load_cost
 from engine.prefill import PrefillBatch
-from engine.request import Request, SamplingParams
+from engine.request import Request
 
 BASE_CONFIG = EngineConfig()  # main() replaces it with the command line's settings
 
-STOP_TARGET_MS = 5.0  # what a preemption should cost at most (the line on the plot)
-URGENT_PROMPT_TOKENS = 32
-URGENT_TTFT_S = 0.25
-LONG_TTFT_S = 3600.0  # the long request never becomes urgent itself
-MIN_INJECTION_GAP_S = 0.02  # mean spacing of urgent arrivals within one long prefill
 
 
 
@@ -104,16 +96,9 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(values)
 
 
-def _pct(samples: Sequence[float], q: float) -> float:
-    return float(np.percentile(np.asarray(samples, dtype=float), q)) if samples else float("nan")
-
-
 def _median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
-
-def _prompt(n: int, vocab: int, gen: torch.Generator) -> list[int]:
-    return torch.randint(0, min(vocab, 256), (n,), generator=gen).tolist()
 
 
 # -- the contenders ---------------------------------------------------------------------------------
@@ -197,7 +182,7 @@ def interleaved(contenders: dict[str, Callable[[], object]], repeats: int,
 
 # -- sections 1 and 2: throughput and checkpoint overhead --------------------------------------------
 @dataclass
-class Bench:
+class Bench(StopLatencySection):
     console: Console
     progress: Progress
     plan: Plan
@@ -243,7 +228,7 @@ class Bench:
         check: dict[str, Any] = {}
         for n in sizes:
             self.progress.update(task, description=f"throughput {size_label(n)}")
-            ids = _prompt(n, model.cfg.vocab_size, self.gen)
+            ids = random_prompt(n, model.cfg.vocab_size, self.gen)
             table = kv.allocate(n)
             try:
                 if n == sizes[0]:
@@ -318,7 +303,7 @@ class Bench:
         out: dict[str, Any] = {"sizes": list(sizes), "step_budget_ms": self.cfg.step_budget_ms, "per_size": {}}
         for n in sizes:
             self.progress.update(task, description=f"overhead {size_label(n)}")
-            ids = _prompt(n, model.cfg.vocab_size, self.gen)
+            ids = random_prompt(n, model.cfg.vocab_size, self.gen)
             table = kv.allocate(n)
             try:
                 times = interleaved({"preemptible": lambda ids=ids, table=table: on(ids, table),
@@ -353,142 +338,6 @@ class Bench:
                       f"[{'green' if pct <= 5 else 'red'}]{pct:+.1f}%[/]", f"{p['median_paired_overhead_pct']:+.1f}%")
         self.console.print(t)
 
-    # -- section 3: stop latency through the engine ------------------------------------------------------
-    def stop_latency(self) -> dict[str, Any]:
-        sizes = self.plan.stop_sizes
-        targets = {
-            "split": {n: self.plan.stop_samples for n in sizes},
-            "unsplit": {n: self.plan.stop_samples_unsplit_long if n >= 16384 else self.plan.stop_samples_unsplit
-                        for n in sizes},
-        }
-        task = self.progress.add_task("stop latency", total=sum(sum(t.values()) for t in targets.values()))
-        rng = random.Random(self.seed)
-        out: dict[str, Any] = {"sizes": list(sizes), "target_ms": STOP_TARGET_MS, "policy": "flowprefill",
-                               "urgent_prompt_tokens": URGENT_PROMPT_TOKENS, "urgent_ttft_target_s": URGENT_TTFT_S,
-                               "long_ttft_target_s": LONG_TTFT_S, "modes": {}}
-        for mode, preemptible in (("split", True), ("unsplit", False)):
-            self.progress.update(task, description=f"stop latency: engine start ({mode})")
-            engine = Engine(replace(BASE_CONFIG, preemptible=preemptible), policy="flowprefill").start()
-            per: dict[str, Any] = {"budget_s": engine.budget_s, "calibration": _cost_dict(engine.cost)}
-            try:
-                self._warm_up(engine)
-                for n in sizes:
-                    self.progress.update(task, description=f"stop latency {size_label(n)} {mode}")
-                    per[str(n)] = self._stop_cell(engine, n, targets[mode][n], rng, task)
-            finally:
-                engine.shutdown()
-                del engine
-                gc.collect()
-            out["modes"][mode] = per
-        self.progress.update(task, description="stop latency")
-        self._stop_table(out)
-        return out
-
-    def _warm_up(self, engine: Engine) -> None:
-        """One unmeasured prefill and one urgent request: first-touch costs stay out of the samples."""
-        vocab = engine.model.cfg.vocab_size
-        for i, (n, ttft) in enumerate(((2048, LONG_TTFT_S), (URGENT_PROMPT_TOKENS, URGENT_TTFT_S))):
-            req, done = _request(f"bench-warmup-{i}", _prompt(n, vocab, self.gen), "batch", ttft)
-            engine.add_request(req)
-            if not done.wait(120.0):
-                raise RuntimeError("the engine did not finish a warm-up request")
-
-    def _stop_cell(self, engine: Engine, n: int, target: int, rng: random.Random, task: Any) -> dict[str, Any]:
-        """Prefill a long request again and again; while it runs, urgent requests arrive at random
-        moments and each preemption it suffers is one sample. Once the samples are in (or the
-        cell's time is up) the long request is cancelled rather than left to finish."""
-        vocab = engine.model.cfg.vocab_size
-        predicted_s = engine.cost.prefill_s([SeqSpan(0, n)])
-        cell_end = time.monotonic() + self.plan.stop_cell_cap_s
-        suspensions: list[dict[str, Any]] = []
-        urgent_ttft: list[float] = []
-        injected = long_runs = cancelled = 0
-        long_wall: list[float] = []
-        while len(suspensions) < target and (long_runs == 0 or time.monotonic() < cell_end):
-            long_req, long_done = _request(f"bench-long-{n}-{long_runs}", _prompt(n, vocab, self.gen),
-                                           "batch", LONG_TTFT_S)
-            long_runs += 1
-            t0 = time.monotonic()
-            engine.add_request(long_req)
-            _wait_until(lambda r=long_req: r.prefill_start is not None or r.finish_reason is not None,
-                        timeout=60.0)
-            # Spread the wanted arrivals over what this prefill (or the cell's time) will last.
-            want = target - len(suspensions)
-            expected_s = max(long_wall) if long_wall else predicted_s
-            span_s = min(expected_s, max(cell_end - time.monotonic(), MIN_INJECTION_GAP_S))
-            gap = max(MIN_INJECTION_GAP_S, span_s / want)
-            while not long_done.is_set() and len(suspensions) + len(long_req.suspensions) < target:
-                if long_done.wait(rng.uniform(0.0, 2.0 * gap)) or time.monotonic() > cell_end:
-                    break
-                ids = _prompt(URGENT_PROMPT_TOKENS, vocab, self.gen)
-                urgent, urgent_done = _request(f"bench-urgent-{n}-{injected}", ids, "interactive", URGENT_TTFT_S)
-                engine.add_request(urgent)
-                injected += 1
-                if not urgent_done.wait(60.0 + 10 * predicted_s):
-                    raise RuntimeError(f"urgent request {urgent.request_id} did not finish")
-                if urgent.ttft is not None:
-                    urgent_ttft.append(urgent.ttft)
-            if not long_done.is_set():  # sampling is over: don't sit out the rest of the prefill
-                engine.cancel(long_req.request_id)
-                cancelled += 1
-            if not long_done.wait(120.0 + 20 * predicted_s):
-                raise RuntimeError(f"long request of {n} tokens did not finish")
-            if long_req.finish_reason == "error":
-                raise RuntimeError(f"long request of {n} tokens failed in the engine")
-            if long_req.finish_reason != "cancelled":
-                long_wall.append(time.monotonic() - t0)
-            new = [{"stop_ms": s.stop_latency_s * 1e3, "layer": s.layer, "operator": s.operator,
-                    "tokens_done": s.tokens_done} for s in long_req.suspensions]
-            self.progress.advance(task, min(target, len(suspensions) + len(new)) - min(target, len(suspensions)))
-            suspensions += new
-        self.progress.advance(task, max(0, target - len(suspensions)))  # what the time cap left undone
-        ms = [s["stop_ms"] for s in suspensions]
-        return {
-            "samples_ms": ms, "suspensions": suspensions, "n": len(ms), "target_n": target,
-            "p50_ms": _pct(ms, 50), "p99_ms": _pct(ms, 99), "max_ms": max(ms) if ms else float("nan"),
-            "within_target": (sum(x <= STOP_TARGET_MS for x in ms) / len(ms)) if ms else float("nan"),
-            "injected": injected, "missed": injected - len(ms), "long_prefills": long_runs,
-            "long_prefills_cancelled": cancelled,
-            "long_prefill_wall_s": long_wall, "predicted_prefill_s": predicted_s,
-            "urgent_ttft_ms": [x * 1e3 for x in urgent_ttft],
-            "urgent_ttft_p50_ms": _pct([x * 1e3 for x in urgent_ttft], 50),
-            "urgent_ttft_p99_ms": _pct([x * 1e3 for x in urgent_ttft], 99),
-        }
-
-    def _stop_table(self, r: dict[str, Any]) -> None:
-        t = Table(title=f"3 · Stop latency through the engine: preemption decided -> batch suspended "
-                  f"(target {STOP_TARGET_MS:g} ms)", title_justify="left")
-        t.add_column("prompt", justify="right")
-        for mode in r["modes"]:
-            for col in ("n", "p50 ms", "p99 ms", "max ms", "urgent TTFT p99"):
-                t.add_column(f"{mode}\n{col}", justify="right")
-        for n in r["sizes"]:
-            row = [size_label(n)]
-            for per in r["modes"].values():
-                c = per[str(n)]
-                ok = c["p99_ms"] <= STOP_TARGET_MS
-                row += [str(c["n"]), f"{c['p50_ms']:.2f}", f"[{'green' if ok else 'red'}]{c['p99_ms']:.2f}[/]",
-                        f"{c['max_ms']:.2f}", f"{c['urgent_ttft_p99_ms']:.0f} ms"]
-            t.add_row(*row)
-        self.console.print(t)
-
-
-def _request(rid: str, ids: list[int], slo_class: str, ttft_s: float) -> tuple[Request, threading.Event]:
-    done = threading.Event()
-    req = Request(request_id=rid, prompt_token_ids=ids, sampling=SamplingParams(max_tokens=1, temperature=0.0),
-                  slo_class=slo_class, ttft_target_s=ttft_s)
-    req.sink = lambda out, e=done: out.finish_reason and e.set()  # type: ignore[func-returns-value]
-    return req, done
-
-
-def _wait_until(cond: Callable[[], bool], timeout: float) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise RuntimeError("timed out waiting for the engine")
-        time.sleep(0.0005)
-
-
 def _finite(x: Any) -> Any:
     """NaN/inf (a statistic of no samples) as null: the JSON stays standard."""
     if isinstance(x, float) and not np.isfinite(x):
@@ -498,11 +347,6 @@ def _finite(x: Any) -> Any:
     if isinstance(x, list | tuple):
         return [_finite(v) for v in x]
     return x
-
-
-def _cost_dict(cost: OpCost) -> dict[str, float]:
-    return {"attn_in_s_per_row": cost.attn_in_s_per_row, "ffn_s_per_row": cost.ffn_s_per_row,
-            "attn_s_per_pair": cost.attn_s_per_pair, "step_overhead_s": cost.step_overhead_s}
 
 
 # -- CLI -------------------------------------------------------------------------------------------------
@@ -607,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
             if "stop" in plan.sections:
                 results["stop_latency"] = bench.stop_latency()
         if bench._model is not None:
-            results["config"]["calibration"] = _cost_dict(bench._model[1])
+            results["config"]["calibration"] = cost_dict(bench._model[1])
         results["duration_s"] = time.monotonic() - t_start
         with suppress(OSError):
             results["machine"]["loadavg_at_end"] = os.getloadavg()
