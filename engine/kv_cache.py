@@ -80,7 +80,14 @@ class KVCache(BlockPool):
 
     def gather(self, layer: int, block_table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of a request's first `length` tokens, contiguous: [length, kv_heads, head_dim]."""
-        idx = torch.tensor(block_table[: self.blocks_for(length)], dtype=torch.long, device=self.k[0].device)
-        k = self.k[layer].index_select(0, idx).flatten(0, 1)[:length]
-        v = self.v[layer].index_select(0, idx).flatten(0, 1)[:length]
+        return self.gather_blocks(layer, self.block_index(block_table, length), length)
+
+    def block_index(self, block_table: list[int], length: int) -> torch.Tensor:
+        """The blocks holding a request's first `length` tokens, as a device index (made once per
+        batch: building it is a host-to-device copy, which waits for the device's queue)."""
+        return torch.tensor(block_table[: self.blocks_for(length)], dtype=torch.long, device=self.k[0].device)
+
+    def gather_blocks(self, layer: int, index: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k = self.k[layer].index_select(0, index).flatten(0, 1)[:length]
+        v = self.v[layer].index_select(0, index).flatten(0, 1)[:length]
         return k, v

@@ -22,7 +22,7 @@ import torch
 from engine.model.llama import LlamaModel
 from engine.model.plan import OpCost
 
-_MEASURED = ("attn_in_s_per_row", "ffn_s_per_row", "attn_s_per_pair")
+_MEASURED = ("attn_in_s_per_row", "ffn_s_per_row", "attn_s_per_pair", "row_step_floor_s")
 
 
 def cache_dir() -> Path:
@@ -38,35 +38,44 @@ def profile_key(model: LlamaModel) -> str:
 
 
 def calibrate(model: LlamaModel) -> OpCost:
-    """Time one block of each operator kind (about 0.1 s)."""
+    """Time one block of each operator kind (about 0.1 s).
+
+    On a CPU the cost per row is nearly flat in the block size; a GPU needs thousands of rows to
+    fill, so there the per-row cost is taken from large blocks and a small block's time becomes
+    the floor under any row-wise step (weights read once, kernels launched once)."""
     c, dev = model.cfg, model.device
     dtype = model.embed.dtype
     layer = model.layers[0]
-    q_n, k_n = 256, 1024
+    gpu = dev.type == "cuda"
+    q_n, k_n = (1024, 4096) if gpu else (256, 1024)
     q = torch.randn(q_n, c.num_attention_heads, c.head_dim, dtype=dtype, device=dev)
     kv = torch.randn(k_n, c.num_key_value_heads, c.head_dim, dtype=dtype, device=dev)
+    model.rotary.reserve(4096)
+
+    def block_s(op: str, rows: int) -> float:
+        x = torch.randn(rows, c.hidden_size, dtype=dtype, device=dev) * 0.02
+        if op == "attn_in":
+            pos = torch.arange(rows, device=dev)
+            return _best_time(lambda: model._attn_in(layer, x, pos))
+        attn = torch.randn(rows, c.num_attention_heads, c.head_dim, dtype=dtype, device=dev)
+        return _best_time(lambda: model._ffn(layer, x, attn))
 
     def per_row(op: str) -> float:
+        if gpu:
+            return block_s(op, 4096) / 4096
         # Two block sizes, the costlier per row: per-row cost is not quite flat in the block size.
-        worst = 0.0
-        for rows in (256, 1024):
-            x = torch.randn(rows, c.hidden_size, dtype=dtype, device=dev) * 0.02
-            if op == "attn_in":
-                pos = torch.arange(rows, device=dev)
-                t = _best_time(lambda: model._attn_in(layer, x, pos))  # noqa: B023 - called right here
-            else:
-                attn = torch.randn(rows, c.num_attention_heads, c.head_dim, dtype=dtype, device=dev)
-                t = _best_time(lambda: model._ffn(layer, x, attn))  # noqa: B023
-            worst = max(worst, t / rows)
-        return worst
+        return max(block_s(op, rows) / rows for rows in (256, 1024))
 
     with torch.inference_mode():
-        return OpCost(
+        cost = OpCost(
             c,
             attn_in_s_per_row=per_row("attn_in"),
             ffn_s_per_row=per_row("ffn"),
             attn_s_per_pair=_best_time(lambda: model.backend.tile(q, kv, kv, False)) / (q_n * k_n),
         )
+        if gpu:
+            cost.row_step_floor_s = min(block_s("attn_in", 128), block_s("ffn", 128))
+    return cost
 
 
 def load_cost(model: LlamaModel, use_cache: bool = True) -> OpCost:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from collections.abc import Generator
 
 import torch
@@ -21,12 +22,49 @@ from engine.request import Request, RequestState, Suspension
 _batch_ids = itertools.count()
 
 
+class RunAhead:
+    """Bounds how far the host runs ahead of an asynchronous device.
+
+    CUDA kernels are queued: unbounded, the host would queue a whole prefill in milliseconds and a
+    preemption would then wait for all of it on the device. Here, after queueing a step, the host
+    waits for the oldest queued steps to finish until at most `limit_s` of predicted work (and
+    never fewer than two steps: the running one and the next) is queued. The device never idles
+    between steps while the host prepares the next, and a stop waits for at most that much work.
+    Host-side step times then track device time, which is what the cost model learns from. On a
+    CPU every step is synchronous and this does nothing.
+    """
+
+    def __init__(self, device: torch.device, limit_s: float = 0.002) -> None:
+        self.limit_s = limit_s
+        self._queue: deque[tuple[torch.cuda.Event, float]] | None = deque() if device.type == "cuda" else None
+        self._queued_s = 0.0
+
+    def step_queued(self, predicted_s: float) -> None:
+        if self._queue is None:
+            return
+        event = torch.cuda.Event()
+        event.record()
+        self._queue.append((event, predicted_s))
+        self._queued_s += predicted_s
+        while len(self._queue) > 2 and self._queued_s > self.limit_s:
+            oldest, cost = self._queue.popleft()
+            oldest.synchronize()  # releases the GIL while it waits
+            self._queued_s -= cost
+
+    def drain(self) -> None:
+        """Wait until every queued step has finished on the device."""
+        if self._queue:
+            self._queue[-1][0].synchronize()
+            self._queue.clear()
+        self._queued_s = 0.0
+
+
 class PrefillBatch:
     """Requests prefilled together. `run` executes `steps` one per next() (the model's forward, or
     the simulator's virtual clock) and returns the last-token logits."""
 
     def __init__(self, requests: list[Request], spans: list[SeqSpan], steps: Plan,
-                 run: Generator[int, None, torch.Tensor | None]) -> None:
+                 run: Generator[int, None, torch.Tensor | None], device: torch.device | None = None) -> None:
         self.batch_id = next(_batch_ids)
         self.requests, self.spans, self.steps = requests, spans, steps
         self.total_cost = steps.total_cost
@@ -36,6 +74,7 @@ class PrefillBatch:
         self.exec_s = 0.0  # measured time spent in its steps
         self.logits: torch.Tensor | None = None
         self._run = run
+        self._device = RunAhead(device or torch.device("cpu"))
         self.segment_start: float | None = None
 
     @classmethod
@@ -44,7 +83,7 @@ class PrefillBatch:
         steps = plan_prefill(cost, spans, budget_s, last_token_only=True)
         tokens = [r.prompt_token_ids[s.start : s.start + s.length] for r, s in zip(requests, spans, strict=True)]
         run = model.prefill(tokens, spans, [r.block_table for r in requests], kv, steps)
-        return cls(requests, spans, steps, run)
+        return cls(requests, spans, steps, run, model.device)
 
     @property
     def completes_prompts(self) -> list[bool]:
@@ -73,7 +112,9 @@ class PrefillBatch:
         t0 = time.perf_counter()
         try:
             i = next(self._run)
+            self._device.step_queued(self.steps.cost(i))
         except StopIteration as stop:
+            self._device.drain()  # the measured time includes the device's last steps
             self.logits, self.finished = stop.value, True
             return True
         finally:
@@ -81,6 +122,12 @@ class PrefillBatch:
         self._cost_done += self.steps.cost(i)
         self.next_step = i + 1
         return False
+
+    def wait_device(self) -> None:
+        """Block until this batch's queued steps have run (a suspension is complete on the device)."""
+        t0 = time.perf_counter()
+        self._device.drain()
+        self.exec_s += time.perf_counter() - t0
 
     def skip_to(self, step: int) -> None:
         """Virtual executions only (the simulator): steps before `step` count as done."""

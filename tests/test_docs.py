@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import itertools
 import json
 import os
 import re
@@ -38,9 +39,13 @@ def _section(page: str, heading: str) -> str:
     return "\n".join(lines[start:end])
 
 
-def _table(section: str) -> list[list[str]]:
-    """Body rows of the first Markdown table in `section`, cells stripped."""
-    rows = [line.strip() for line in section.splitlines() if line.strip().startswith("|")]
+def _table(section: str, every_table: bool = False) -> list[list[str]]:
+    """Body rows of the first Markdown table in `section` (or of all its tables, each header
+    included), cells stripped."""
+    lines = [line.strip() for line in section.splitlines()]
+    start = next((i for i, line in enumerate(lines) if line.startswith("|")), len(lines))
+    rows = ([line for line in lines if line.startswith("|")] if every_table
+            else list(itertools.takewhile(lambda line: line.startswith("|"), lines[start:])))
     assert len(rows) >= 2, "no table found"
     return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows[2:]]
 
@@ -147,8 +152,19 @@ def test_benchmark_tables_match_the_recorded_results() -> None:
         per = prefill["stop_latency"]["modes"]["split"][str(n)]
         label = f"{n // 1024}K" if n >= 1024 else str(n)
         assert stop[label][3] == f"{per['p99_ms']:.2f}", label
+    h200 = json.loads((RESULTS / "prefill-h200.json").read_text())
+    rows = {r[0]: r for r in _table(_section("benchmarks.md", "## On a GPU (NVIDIA H200, Llama 3.1 8B shape)"))}
+    for n in h200["throughput"]["sizes"]:
+        label = f"{n // 1024}K" if n >= 1024 else str(n)
+        for col, name in ((1, "ours unsplit"), (2, "ours preemptible"), (3, "transformers")):
+            assert rows[label][col].startswith(f"{h200['throughput']['tokens_per_s'][name][str(n)]:,.0f} "), label
+    stop = {r[0]: r for r in _table(_section("benchmarks.md", "### Stop latency on the GPU"))}
+    for n in h200["stop_latency"]["sizes"]:
+        label = f"{n // 1024}K" if n >= 1024 else str(n)
+        for col, mode in ((3, "split"), (8, "unsplit")):
+            assert stop[label][col] == f"{h200['stop_latency']['modes'][mode][str(n)]['p99_ms']:.2f}", label
     gw = json.loads((RESULTS / "gateway.json").read_text())
-    rows = {r[0]: r for r in _table(_section("benchmarks.md", "## Gateway overhead"))}
+    rows = {r[0]: r for r in _table(_section("benchmarks.md", "## Gateway overhead"), every_table=True)}
     assert rows["non-streaming, end to end"][3] == f"{gw['non_streaming']['total']['added_p50_ms']:.2f}"
     assert rows["proxied requests/s on one core"][1].startswith(f"**{gw['throughput']['one_core_capacity_rps']:.0f}**")
     e2e = json.loads((RESULTS / "loadtest-e2e.json").read_text())

@@ -21,3 +21,22 @@ def test_prefill_bench_smoke(tmp_path: Path) -> None:
     split = doc["stop_latency"]["modes"]["split"]["512"]
     assert split["n"] >= 1 and all(ms >= 0 for ms in split["samples_ms"])
     assert (tmp_path / "prefill.png").stat().st_size > 10_000
+
+
+def test_prefill_bench_on_a_checkpoint_in_bfloat16(tmp_path: Path) -> None:
+    """--model/--dtype: a random checkpoint of a published model's structure (llama3 RoPE, GQA,
+    untied head), written by transformers, benchmarked against transformers on the same weights."""
+    from engine.bench.random_checkpoint import write_random_checkpoint
+
+    ckpt = write_random_checkpoint("tiny-llama", tmp_path / "ckpt", dtype="bfloat16")
+    out = tmp_path / "out"
+    assert main(["bench", "prefill", "--quick", "--sizes", "256", "--repeats", "1", "--sections", "throughput",
+                 "--model", str(ckpt), "--dtype", "bfloat16", "--out", str(out)]) == 0
+    doc = json.loads((out / "prefill.json").read_text())
+    assert doc["config"]["model"]["num_key_value_heads"] == 1
+    assert doc["config"]["model"]["rope_scaling"]["rope_type"] == "llama3"
+    assert doc["config"]["engine_config"]["dtype"] == "bfloat16"
+    assert doc["throughput"]["transformers_setup"]["dtype"] == "bfloat16"
+    # bfloat16 rounding differs between the two forwards (fused projections, op order), not more.
+    diffs = [v for k, v in doc["throughput"]["agreement"].items() if k.startswith("max_abs_logit_diff")]
+    assert diffs and max(diffs) < 0.05

@@ -43,12 +43,13 @@ def merge_lse(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tenso
     return (torch.stack(outs) * weights.to(outs[0].dtype)).sum(0)
 
 
-def select_backend(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> AttentionBackend:
+def select_backend(name: str, device: torch.device, dtype: torch.dtype = torch.float32,
+                   head_dim: int = 128) -> AttentionBackend:
     from engine.attention import flashinfer, sdpa
 
-    half = dtype in (torch.float16, torch.bfloat16)
     if name == "auto":
-        name = "flashinfer" if device.type == "cuda" and half and flashinfer.available() else "sdpa"
+        fits = device.type == "cuda" and flashinfer.supports(head_dim, dtype) and flashinfer.available()
+        name = "flashinfer" if fits else "sdpa"
     if name == "sdpa":
         return sdpa.SDPABackend()
     if name == "flashinfer":
@@ -56,7 +57,8 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype = torch.f
             raise ValueError("the flashinfer attention backend needs a CUDA device")
         if not flashinfer.available():
             raise ValueError("flashinfer is not installed: pip install 'flowprefill[gpu]'")
-        if not half:
-            raise ValueError("the flashinfer attention backend needs --dtype bfloat16 or float16")
+        if not flashinfer.supports(head_dim, dtype):
+            raise ValueError(f"the flashinfer attention backend needs --dtype bfloat16 or float16 and a head "
+                             f"size in {flashinfer.HEAD_DIMS} (this model: {dtype}, head size {head_dim})")
         return flashinfer.FlashInferBackend()
     raise ValueError(f"unknown attention backend {name!r} (auto, sdpa, flashinfer)")

@@ -1,4 +1,12 @@
-"""FlashInfer attention (CUDA only; `pip install 'flowprefill[gpu]'`). Chosen automatically on CUDA."""
+"""FlashInfer attention (CUDA only; `pip install 'flowprefill[gpu]'`). Chosen automatically on CUDA
+for half-precision models whose head size FlashInfer's kernels cover.
+
+Prefill tiles go to `single_prefill_with_kv_cache` (FlashAttention-3 kernels on Hopper, FA2
+elsewhere; FlashInfer decides), their partial results are combined by `merge_states`, and decode
+reads the paged KV cache in place with `BatchDecodeWithPagedKVCacheWrapper`. FlashInfer compiles
+each kernel variant the first time it is used (its JIT cache lives under ~/.cache/flashinfer), so a
+worker's first requests on a new machine pay that once.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +16,15 @@ import torch
 
 from engine.kv_cache import KVCache
 
+HEAD_DIMS = (64, 128, 256)  # what FlashInfer's prefill and decode kernels are built for
+
 
 def available() -> bool:
     return importlib.util.find_spec("flashinfer") is not None and torch.cuda.is_available()
+
+
+def supports(head_dim: int, dtype: torch.dtype) -> bool:
+    return head_dim in HEAD_DIMS and dtype in (torch.float16, torch.bfloat16)
 
 
 class FlashInferBackend:
@@ -25,14 +39,14 @@ class FlashInferBackend:
 
     def tile(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
              ) -> tuple[torch.Tensor, torch.Tensor]:
-        # FlashInfer handles grouped-query heads natively; NHD layout matches ours.
+        # Grouped-query heads are native; NHD layout matches ours. The LSE is in FlashInfer's own
+        # base, which only `merge` below reads.
         out, lse = self._fi.single_prefill_with_kv_cache(q, k, v, causal=causal, return_lse=True)
         return out, lse
 
     def merge(self, outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
         if len(outs) == 1:
             return outs[0]
-        # FlashInfer's LSE has its own base; its merge_states is the matching combine.
         out, _ = self._fi.merge_states(torch.stack(outs, dim=1), torch.stack(lses, dim=1).float())
         return out
 
@@ -50,6 +64,6 @@ class FlashInferBackend:
                 torch.tensor([b for t in tables for b in t], dtype=torch.int32, device=dev),
                 torch.tensor(last, dtype=torch.int32, device=dev),
                 q.shape[1], kv.k[0].shape[2], q.shape[2], kv.block_size,
-                q_data_type=q.dtype,
+                q_data_type=q.dtype, kv_data_type=kv.k[0].dtype,
             )
         return self._decode.run(q, (kv.k[layer], kv.v[layer]))

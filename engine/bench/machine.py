@@ -42,6 +42,16 @@ def machine_info() -> dict[str, Any]:
     }
     with suppress(OSError):
         info["loadavg_at_start"] = os.getloadavg()
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info["gpu"] = {"name": props.name, "count": torch.cuda.device_count(), "memory_gib": props.total_memory / 2**30,
+                       "cuda": torch.version.cuda, "capability": list(torch.cuda.get_device_capability(0))}
+        try:
+            import flashinfer
+
+            info["flashinfer_version"] = flashinfer.__version__
+        except ImportError:
+            info["flashinfer_version"] = None
     try:
         import transformers
 

@@ -1,10 +1,11 @@
 """`flowprefill bench prefill`: what operator-level preemption costs and what it buys, on this machine.
 
-Three measurements on the embedded default model (EngineConfig() defaults, torch threads = all cores):
+Three measurements on the embedded default model (EngineConfig() defaults, torch threads = all cores),
+or on any checkpoint and device (--model DIR --device cuda --dtype bfloat16):
 
 1. Prefill throughput (tokens/s) of our operator-step forward, unsplit (checkpoints off) and
    preemptible (the sub-operator split of the default step budget), against transformers' own
-   forward on the very same weights (fp32, sdpa attention, inference mode).
+   forward on the very same weights (same dtype and device, sdpa attention, inference mode).
 2. Checkpoint overhead: the preemptible forward (split + the engine's per-step "still chosen?"
    identity check) against the same forward with checkpoints off, in percent.
 3. Stop latency through the real Engine (scheduler included): a long 'batch' request is
@@ -145,11 +146,12 @@ class HFPrefill:
 
     def __call__(self, ids: list[int], block_table: list[int]) -> torch.Tensor:
         with torch.inference_mode():
-            out = self.model(input_ids=torch.tensor([ids]), logits_to_keep=1)
+            out = self.model(input_ids=torch.tensor([ids], device=self.model.device), logits_to_keep=1)
         return out.logits[0, -1:].float()
 
 
-def load_transformers(model_dir: Path) -> tuple[Any | None, str]:
+def load_transformers(cfg: EngineConfig, model_dir: Path) -> tuple[Any | None, str]:
+    """transformers' model of the checkpoint the bench runs (the default model is written out first)."""
     try:
         import transformers
         from transformers import AutoModelForCausalLM
@@ -157,24 +159,34 @@ def load_transformers(model_dir: Path) -> tuple[Any | None, str]:
         return None, "transformers is not installed (pip install 'flowprefill[dev]')"
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    cfg, weights = default_model(EngineConfig().seed)
-    save_checkpoint(cfg, weights, model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
-    model.eval()
+    if cfg.model:
+        model_dir = Path(cfg.model)
+    else:
+        save_checkpoint(*default_model(cfg.seed), model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, cfg.dtype), attn_implementation="sdpa")
+    model.to(cfg.device).eval()
     return model, ""
 
 
+def device_sync(device: str) -> Callable[[], None]:
+    """Waits for queued device work (CUDA kernels are asynchronous); a no-op on the CPU."""
+    return torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+
+
 def interleaved(contenders: dict[str, Callable[[], object]], repeats: int,
-                tick: Callable[[], None]) -> dict[str, list[float]]:
+                tick: Callable[[], None], sync: Callable[[], None] = lambda: None) -> dict[str, list[float]]:
     """Seconds of each contender, `repeats` rounds of A, B, C, ... after one untimed warm-up round."""
     for fn in contenders.values():
         fn()
+        sync()
         tick()
     times: dict[str, list[float]] = {name: [] for name in contenders}
     for _ in range(repeats):
         for name, fn in contenders.items():
+            sync()
             t0 = time.perf_counter()
             fn()
+            sync()
             times[name].append(time.perf_counter() - t0)
             tick()
     return times
@@ -213,7 +225,7 @@ class Bench(StopLatencySection):
         runners: dict[str, Callable[[list[int], list[int]], torch.Tensor]] = dict(ours)
         note = ""
         if self.use_transformers:
-            hf_model, note = load_transformers(self.workdir / "checkpoint")
+            hf_model, note = load_transformers(self.cfg, self.workdir / "checkpoint")
             if hf_model is not None:
                 runners[HF] = HFPrefill(hf_model)
         else:
@@ -234,7 +246,8 @@ class Bench(StopLatencySection):
                 if n == sizes[0]:
                     check = self._agreement(runners, ids, table)
                 calls = {name: (lambda fn=fn, ids=ids, table=table: fn(ids, table)) for name, fn in runners.items()}
-                times = interleaved(calls, self.plan.repeats, lambda: self.progress.advance(task))
+                times = interleaved(calls, self.plan.repeats, lambda: self.progress.advance(task),
+                                    device_sync(self.cfg.device))
             finally:
                 kv.free(table)
             for name, ts in times.items():
@@ -252,7 +265,8 @@ class Bench(StopLatencySection):
         result = {"sizes": list(sizes), "contenders": list(runners), "transformers_note": note,
                   "raw_s": raw, "median_s": median_s, "tokens_per_s": tok_s, "predicted_s": predicted_s,
                   "ratio_vs_transformers": ratio, "steps": steps, "agreement": check,
-                  "transformers_setup": {"dtype": "float32", "attn_implementation": "sdpa",
+                  "transformers_setup": {"dtype": self.cfg.dtype, "device": self.cfg.device,
+                                         "attn_implementation": "sdpa",
                                          "inference_mode": True, "logits_to_keep": 1, "use_cache": True},
                   "ours_setup": {"driver": "PrefillBatch.advance() per step (as the engine loop)",
                                  "inference_mode": False, "note": "the engine runs prefill in plain grad mode"}}
@@ -308,7 +322,8 @@ class Bench(StopLatencySection):
             try:
                 times = interleaved({"preemptible": lambda ids=ids, table=table: on(ids, table),
                                      "off": lambda ids=ids, table=table: off(ids, table)},
-                                    self.plan.repeats, lambda: self.progress.advance(task))
+                                    self.plan.repeats, lambda: self.progress.advance(task),
+                                    device_sync(self.cfg.device))
             finally:
                 kv.free(table)
             m_on, m_off = _median(times["preemptible"]), _median(times["off"])
@@ -353,8 +368,8 @@ def _finite(x: Any) -> Any:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="flowprefill bench prefill",
-        description="Prefill throughput vs transformers, checkpoint overhead and preemption stop latency "
-                    "on the embedded default model.")
+        description="Prefill throughput vs transformers, checkpoint overhead and preemption stop latency, "
+                    "on the embedded default model or a checkpoint (--model), on the CPU or a GPU (--device).")
     p.add_argument("--quick", action="store_true", help="a ~1 minute smoke run: fewer sizes, repeats and samples")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory (default bench-results)")
     p.add_argument("--repeats", type=int, help="interleaved repetitions per size (default 5, quick 3)")
@@ -369,6 +384,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-transformers", action="store_true", help="leave the transformers contender out")
     p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", help="a local Hugging Face checkpoint directory (default: the embedded model)")
+    p.add_argument("--device", default=EngineConfig().device, help="cpu (default) or cuda / cuda:N")
+    p.add_argument("--dtype", default=EngineConfig().dtype, choices=["float32", "bfloat16", "float16"],
+                   help="weights, activations and KV cache (default float32)")
+    p.add_argument("--attention-backend", default=EngineConfig().attention_backend,
+                   choices=["auto", "sdpa", "flashinfer"], help="as `flowprefill serve` (default auto)")
     p.add_argument("--step-budget-ms", type=float, default=EngineConfig().step_budget_ms,
                    help="the engine's step budget for the split (default: EngineConfig's)")
     return p
@@ -417,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     threads = args.threads or cpu_count()
     global BASE_CONFIG
-    BASE_CONFIG = EngineConfig(step_budget_ms=args.step_budget_ms)
+    BASE_CONFIG = EngineConfig(step_budget_ms=args.step_budget_ms, model=args.model, device=args.device,
+                               dtype=args.dtype, attention_backend=args.attention_backend)
     started, t_start = dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), time.monotonic()
     argv_used = sys.argv[1:] if argv is None else list(argv)
     invoked = getattr(sys, "orig_argv", sys.argv) if argv is None else ["flowprefill", "bench", "prefill", *argv_used]
@@ -431,7 +453,6 @@ def main(argv: list[str] | None = None) -> int:
             "config": {"quick": args.quick, "seed": args.seed, "plan": asdict(plan),
                        "engine_config": asdict(BASE_CONFIG), "step_budget_ms": BASE_CONFIG.step_budget_ms},
         }
-        results["config"]["model"] = asdict(default_model(EngineConfig().seed)[0])
         console.print(f"[bold]FlowPrefill prefill bench[/] · {results['machine']['cpu_count']} CPUs, "
                       f"{threads} torch threads, torch {torch.__version__}"
                       f"{' · quick' if args.quick else ''} · sections: {', '.join(plan.sections)}")
@@ -452,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
                 results["stop_latency"] = bench.stop_latency()
         if bench._model is not None:
             results["config"]["calibration"] = cost_dict(bench._model[1])
+            results["config"]["model"] = asdict(bench._model[0].cfg)
+            results["config"]["attention_backend"] = bench._model[0].backend.name
         results["duration_s"] = time.monotonic() - t_start
         with suppress(OSError):
             results["machine"]["loadavg_at_end"] = os.getloadavg()

@@ -106,11 +106,14 @@ def plot(results: dict[str, Any], path: Path) -> None:
             ax.set_title("Preemption stop latency (engine, flowprefill)")
             ax.legend(fontsize=8, loc="upper left")
         ax.grid(True, which="major", alpha=0.3)
-    m = results["machine"]
+    m, cfg = results["machine"], results["config"]
     load = m.get("loadavg_at_start")
-    fig.suptitle(f"FlowPrefill prefill bench · default model{' · QUICK' if results['config']['quick'] else ''}\n"
-                 f"{m['cpu_count']} CPUs ({m['cpu_model']}), "
-                 f"{m['torch_threads']} torch threads, torch {m['torch_version']}"
+    model = cfg.get("model", {}).get("name") or "default model"
+    where = (f"{m['gpu']['name']} · {cfg['engine_config']['dtype']} · {cfg.get('attention_backend', '')} attention"
+             if str(cfg["engine_config"].get("device", "cpu")).startswith("cuda") and m.get("gpu")
+             else f"{m['cpu_count']} CPUs ({m['cpu_model']}), {m['torch_threads']} torch threads")
+    fig.suptitle(f"FlowPrefill prefill bench · {model}{' · QUICK' if cfg['quick'] else ''}\n"
+                 f"{where}, torch {m['torch_version']}"
                  f"{f' · load avg {load[0]:.1f}' if load else ''}"
                  f" · {results['started_at'][:16]}", fontsize=10)
     fig.tight_layout()

@@ -22,7 +22,8 @@ def load_model(cfg: EngineConfig) -> tuple[LlamaModel, ByteTokenizer | HFTokeniz
         model_cfg, weights = default_model(cfg.seed)
     device = torch.device(cfg.device)
     dtype = getattr(torch, cfg.dtype)
-    model = LlamaModel(model_cfg, weights, select_backend(cfg.attention_backend, device, dtype), dtype, device)
+    backend = select_backend(cfg.attention_backend, device, dtype, model_cfg.head_dim)
+    model = LlamaModel(model_cfg, weights, backend, dtype, device)
     tokenizer = load_tokenizer(Path(cfg.model) if cfg.model else None, model_cfg.eos_token_id,
                                model_cfg.vocab_size)
     return model, tokenizer

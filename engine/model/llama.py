@@ -82,7 +82,12 @@ class LlamaModel:
         """Yields the index of each finished step; returns last-token logits [batch, vocab]
         (or every token's, with all_logits). token_ids[i] are the tokens of spans[i]."""
         c, dev = self.cfg, self.device
-        # Set-up runs before the first step, outside the step budget: keep it to vectorised work.
+        # Set-up runs before the first step, outside the step budget: keep it to vectorised work,
+        # and everything the steps need from the host is made here (a host read of device data
+        # inside a step would wait for the GPU's queue).
+        self.rotary.reserve(max(s.start + s.length for s in spans))
+        prefix_index = {i: kv.block_index(bt, s.start)
+                        for i, (s, bt) in enumerate(zip(spans, block_tables, strict=True)) if s.start > 0}
         positions = torch.cat([torch.arange(s.start, s.start + s.length, device=dev) for s in spans])
         slots = torch.cat([kv.slots(bt, s.start, s.start + s.length)
                            for s, bt in zip(spans, block_tables, strict=True)])
@@ -107,7 +112,7 @@ class LlamaModel:
                 keys.clear()
             elif step.op == ATTENTION:
                 if step.seq not in keys:
-                    keys[step.seq] = self._seq_keys(step, spans, row0, k, v, kv, block_tables)
+                    keys[step.seq] = self._seq_keys(step, spans, row0, k, v, kv, prefix_index)
                 sk, sv = keys[step.seq]
                 ka, kb = step.keys
                 out, lse = self.backend.tile(q[a:b], sk[ka:kb], sv[ka:kb], step.causal)
@@ -125,13 +130,13 @@ class LlamaModel:
 
     @staticmethod
     def _seq_keys(step: Step, spans: list[SeqSpan], row0: list[int], k: torch.Tensor, v: torch.Tensor,
-                  kv: KVCache, block_tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+                  kv: KVCache, prefix_index: dict[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of a sequence indexed by absolute position: cached prefix + this chunk's rows."""
         span, r = spans[step.seq], row0[step.seq]
         own_k, own_v = k[r : r + span.length], v[r : r + span.length]
         if span.start == 0:
             return own_k, own_v
-        pk, pv = kv.gather(step.layer, block_tables[step.seq], span.start)
+        pk, pv = kv.gather_blocks(step.layer, prefix_index[step.seq], span.start)
         return torch.cat([pk, own_k]), torch.cat([pv, own_v])
 
     # -- decode --------------------------------------------------------------------------------
@@ -139,6 +144,7 @@ class LlamaModel:
                kv: KVCache) -> torch.Tensor:
         """One token per request at `positions`; returns logits [batch, vocab]."""
         dev = self.device
+        self.rotary.reserve(max(positions) + 1)
         pos = torch.tensor(positions, device=dev)
         slots = torch.cat([kv.slots(bt, p, p + 1) for bt, p in zip(block_tables, positions, strict=True)])
         lengths = [p + 1 for p in positions]

@@ -58,7 +58,9 @@ def _yarn(dim: int, theta: float, s: dict[str, Any], max_pos: int, factor: float
 
 
 class Rotary:
-    """cos/sin tables, grown on demand, indexed by absolute token position."""
+    """cos/sin tables indexed by absolute token position. Callers `reserve` the positions they
+    will use from host-side values: checking a device tensor's maximum here would stall the host
+    until the GPU drained its queue, at every layer."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any], max_pos: int,
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -66,6 +68,11 @@ class Rotary:
         self.inv_freq = self.inv_freq.to(device)
         self.dtype, self.device = dtype, device
         self._cos = self._sin = torch.empty(0, head_dim, dtype=dtype, device=device)
+
+    def reserve(self, n: int) -> None:
+        """Make positions [0, n) available."""
+        if n > self._cos.shape[0]:
+            self._grow(n)
 
     def _grow(self, n: int) -> None:
         size = max(n, 2 * self._cos.shape[0], 4096)
@@ -75,9 +82,8 @@ class Rotary:
         self._sin = (emb.sin() * self.scale).to(self.dtype)
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [n, heads, head_dim] rotated at `positions` [n] (HF's rotate-half convention)."""
-        if int(positions.max()) >= self._cos.shape[0]:
-            self._grow(int(positions.max()) + 1)
+        """x [n, heads, head_dim] rotated at `positions` [n] (HF's rotate-half convention); every
+        position must have been reserved."""
         cos, sin = self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
