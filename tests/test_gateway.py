@@ -33,7 +33,7 @@ def test_openai_client_sync_and_stream(served: str) -> None:
     assert raw.headers["x-slo-class"] == "interactive" and raw.headers["x-request-id"]
     chunks = list(client.chat.completions.create(
         model="flowprefill-default", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True,
-        stream_options={"include_usage": True}))
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
     assert chunks[-1].usage.completion_tokens == 4
     assert chunks[-2].choices[0].finish_reason == "length"
 
@@ -45,7 +45,7 @@ def test_openai_async_client(served: str) -> None:
                                                    messages=[{"role": "user", "content": "hello"}])
         assert out.choices[0].message.role == "assistant"
         stream = await client.completions.create(model="flowprefill-default", prompt=[65, 66, 67], max_tokens=3,
-                                                 stream=True)
+                                                 stream=True, extra_body={"ignore_eos": True})  # EOS: 'stop' ~1 %
         reasons = [c.choices[0].finish_reason async for c in stream if c.choices]
         assert reasons[-1] == "length"
         await client.close()
