@@ -2,46 +2,107 @@
 decode worker.
 
 The prefill worker computes the prompt and the first token, copies the prompt's KV out of its paged
-cache and POSTs it to the decode worker's `/v1/internal/kv/{request id}` as one safetensors blob
-(`k.{layer}`, `v.{layer}`: [prompt tokens, kv heads, head dim], plus `first_token`). HTTP over a
-pooled connection is the one transport for both cases: on one host it goes over loopback, across hosts
-over the network, and the decode worker needs nothing but its HTTP port. The decode worker keeps the
-blob in an inbox until the request itself arrives (from the gateway, with `x-flowprefill-kv-id`),
-writes it into its own cache and decodes from the first token on.
+cache as one safetensors blob (`k.{layer}`, `v.{layer}`: [prompt tokens, kv heads, head dim], plus
+`first_token`) and gives it to the decode worker's `/v1/internal/kv/{request id}`:
+
+- same host (the decode worker's URL is a loopback address): through shared memory. The blob is
+  written to a file in /dev/shm (a RAM file system) and only its name travels in the POST; the decode
+  worker reads it before answering, and the prefill worker deletes it when the POST returns, whatever
+  the outcome. Two memory copies instead of a trip through the TCP stack and an HTTP body parser.
+- otherwise, or when the decode worker cannot see that file (another container's /dev/shm): the blob
+  is the POST's body, over a pooled HTTP connection.
+
+The decode worker keeps the KV in an inbox until the request itself arrives (from the gateway, with
+`x-flowprefill-kv-id`), writes it into its own cache and decodes from the first token on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import os
+import re
 import time
+import uuid
+from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import torch
-from safetensors.torch import load, save
+from safetensors.torch import load, load_file, save, save_file
 
 from engine.openai_api import KV_ID_HEADER, KV_TO_HEADER
 
-__all__ = ["KV_ID_HEADER", "KV_TO_HEADER", "KVInbox", "pack", "send", "unpack"]
+__all__ = ["KV_ID_HEADER", "KV_TO_HEADER", "SHM_HEADER", "TRANSPORT_HEADER", "KVInbox", "pack", "read_shm", "send",
+           "unpack"]
+
+SHM_DIR = Path(os.environ.get("FLOWPREFILL_SHM_DIR", "/dev/shm"))
+SHM_HEADER = "x-flowprefill-kv-shm"  # on the internal POST: the KV is in this file of SHM_DIR
+TRANSPORT_HEADER = "x-flowprefill-kv-transport"  # "http" on a prefill request: no shared memory (benchmarks)
+SHM_MISSING = "kv_shm_missing"  # the decode worker's error code when it cannot see the file
+_SHM_NAME = re.compile(r"flowprefill-kv-[0-9a-f]{32}\.safetensors")
+
+
+def _tensors(kv: dict[str, torch.Tensor], first_token: int) -> dict[str, torch.Tensor]:
+    tensors = {name: t.contiguous().cpu() for name, t in kv.items()}
+    tensors["first_token"] = torch.tensor([first_token], dtype=torch.int64)
+    return tensors
 
 
 def pack(kv: dict[str, torch.Tensor], first_token: int) -> bytes:
-    tensors = {name: t.contiguous().cpu() for name, t in kv.items()}
-    tensors["first_token"] = torch.tensor([first_token], dtype=torch.int64)
-    return save(tensors)
+    return save(_tensors(kv, first_token))
 
 
-def unpack(blob: bytes) -> tuple[dict[str, torch.Tensor], int]:
-    tensors = load(blob)
+def _split(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
     first = tensors.pop("first_token", None)
     if first is None or first.numel() != 1:
         raise ValueError("handed-off KV has no first_token")
     return tensors, int(first.item())
 
 
-async def send(client: httpx.AsyncClient, decode_url: str, request_id: str, blob: bytes) -> None:
-    r = await client.post(f"{decode_url.rstrip('/')}/v1/internal/kv/{request_id}", content=blob,
-                          headers={"content-type": "application/octet-stream"})
+def unpack(blob: bytes) -> tuple[dict[str, torch.Tensor], int]:
+    return _split(load(blob))
+
+
+def is_same_host(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def read_shm(name: str) -> tuple[dict[str, torch.Tensor], int] | None:
+    """The KV a same-host prefill worker left in SHM_DIR/name; None if this process cannot see it."""
+    if not _SHM_NAME.fullmatch(name):  # only our own files, never a path
+        raise ValueError(f"{SHM_HEADER} must name a file flowprefill-kv-<hex>.safetensors")
+    path = SHM_DIR / name
+    if not path.is_file():
+        return None
+    return _split(load_file(path))
+
+
+async def send(client: httpx.AsyncClient, decode_url: str, request_id: str, kv: dict[str, torch.Tensor],
+               first_token: int, transport: str = "auto") -> tuple[str, int]:
+    """Hand the KV to the decode worker; returns the transport used ("shm" or "http") and the bytes."""
+    url = f"{decode_url.rstrip('/')}/v1/internal/kv/{request_id}"
+    tensors = _tensors(kv, first_token)
+    if transport == "auto" and is_same_host(decode_url) and SHM_DIR.is_dir():
+        path = SHM_DIR / f"flowprefill-kv-{uuid.uuid4().hex}.safetensors"
+        try:
+            save_file(tensors, str(path))
+            r = await client.post(url, headers={SHM_HEADER: path.name})
+            if not (r.status_code == 404 and SHM_MISSING in r.text):
+                r.raise_for_status()
+                return "shm", path.stat().st_size
+        finally:
+            path.unlink(missing_ok=True)
+    blob = save(tensors)
+    r = await client.post(url, content=blob, headers={"content-type": "application/octet-stream"})
     r.raise_for_status()
+    return "http", len(blob)
 
 
 class KVInbox:

@@ -14,6 +14,7 @@ import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.exceptions import HTTPException
 from litestar.response import Stream
+from opentelemetry.trace import INVALID_SPAN
 
 from engine import handoff
 from engine.engine import Engine
@@ -40,13 +41,13 @@ HANDOFF_TIMEOUT_S = 30.0  # a decode request waits this long for its prefill wor
 
 
 class BadRequest(Exception):
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.param = status, param
+        self.status, self.param, self.code = status, param, code
 
 
 def _error(_: Request, exc: BadRequest) -> Response:
-    code = "model_not_found" if exc.status == 404 else None
+    code = exc.code or ("model_not_found" if exc.status == 404 else None)
     return Response(error_body(str(exc), param=exc.param, code=code), status_code=exc.status)
 
 
@@ -72,7 +73,8 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
     peers = httpx.AsyncClient(timeout=httpx.Timeout(HANDOFF_TIMEOUT_S, connect=2.0))
 
     def transfer_span(name: str, **attrs: Any) -> Any:
-        return tracer.span(name, attrs) if tracer is not None else contextlib.nullcontext()
+        """A span around a KV transfer (a no-op span without tracing: attributes can still be set)."""
+        return tracer.span(name, attrs) if tracer is not None else contextlib.nullcontext(INVALID_SPAN)
 
     def slo_for(request: Request, body: Any) -> SLOClass:
         name = request.headers.get("x-slo-class") or body.service_tier or default_class
@@ -187,17 +189,18 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
         if finish == "error":
             return Response(error_body(out.error or "engine error", "server_error"), status_code=500, headers=headers)
         if kv_to and req.kv_export is not None:
-            blob = handoff.pack(req.kv_export, req.output_token_ids[0])
-            req.kv_export = None
+            kv, req.kv_export = req.kv_export, None
+            transport = "http" if request.headers.get(handoff.TRANSPORT_HEADER) == "http" else "auto"
             t0 = time.perf_counter()
             try:
                 with transfer_span("kv_transfer", **{"flowprefill.direction": "out", "flowprefill.request_id": rid,
-                                                     "flowprefill.kv_bytes": len(blob), "server.address": kv_to}):
-                    await handoff.send(peers, kv_to, rid, blob)
-            except httpx.HTTPError as exc:
+                                                     "server.address": kv_to}) as span:
+                    used, size = await handoff.send(peers, kv_to, rid, kv, req.output_token_ids[0], transport)
+                    span.set_attributes({"flowprefill.kv_bytes": size, "flowprefill.kv_transport": used})
+            except (httpx.HTTPError, OSError) as exc:
                 return Response(error_body(f"handing the KV to {kv_to} failed: {exc}", "server_error"),
                                 status_code=502, headers=headers)
-            headers |= {"x-flowprefill-kv-bytes": str(len(blob)),
+            headers |= {"x-flowprefill-kv-bytes": str(size), "x-flowprefill-kv-transport": used,
                         "x-flowprefill-kv-ms": f"{(time.perf_counter() - t0) * 1000:.3f}"}
         return Response(completion_body(rid, model, "".join(texts), finish, chat, req.num_prompt_tokens,
                                         len(req.output_token_ids)), headers=headers)
@@ -212,11 +215,14 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
 
     @post("/v1/internal/kv/{request_id:str}", status_code=204, request_max_body_size=4 * 1024**3)
     async def receive_kv(request: Request, request_id: str) -> None:
+        shm = request.headers.get(handoff.SHM_HEADER)
         try:
-            kv, first = handoff.unpack(await request.body())
+            got = handoff.read_shm(shm) if shm else handoff.unpack(await request.body())
         except Exception as exc:
             raise BadRequest(f"handed-off KV is not readable: {exc}") from None
-        inbox.put(request_id, kv, first)
+        if got is None:  # not on this host's /dev/shm after all: the sender falls back to HTTP
+            raise BadRequest(f"{shm} is not visible to this worker", status=404, code=handoff.SHM_MISSING)
+        inbox.put(request_id, *got)
 
     @get("/v1/models")
     async def models() -> dict[str, Any]:

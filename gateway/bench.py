@@ -135,8 +135,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _handoff(console: Console, prefill: str, lengths: list[int], cores: list[int]) -> list[dict[str, Any]]:
-    """PD disaggregation: what handing a prompt's KV to a decode worker costs, per prompt length.
-    The prefill worker reports the bytes and the time from pack to the decode worker's 204."""
+    """PD disaggregation: what handing a prompt's KV to a decode worker costs, per prompt length and
+    transport (shared memory, as a same-host hand-off goes, and HTTP, as across hosts), alternating.
+    The prefill worker reports the bytes and the time from packing to the decode worker's 204."""
     d_port = free_port()
     decode = start("worker", "--port", str(d_port), "--threads", "1", core=cores[0])
     rows = []
@@ -145,20 +146,29 @@ def _handoff(console: Console, prefill: str, lengths: list[int], cores: list[int
             wait_healthy(f"http://127.0.0.1:{d_port}", decode)
         with httpx.Client(timeout=300) as client:
             for n in lengths:
-                ms, total = [], []
+                ms: dict[str, list[float]] = {"shm": [], "http": []}
+                total: dict[str, list[float]] = {"shm": [], "http": []}
                 for i in range(5):
-                    t0 = time.perf_counter()
-                    r = client.post(f"{prefill}/v1/completions", headers={
-                        "x-flowprefill-kv-to": f"http://127.0.0.1:{d_port}", "x-request-id": f"h{n}-{i}"},
-                        json={"prompt": [65 + (j % 26) for j in range(n)], "max_tokens": 1})
-                    r.raise_for_status()
-                    total.append((time.perf_counter() - t0) * 1000)
-                    ms.append(float(r.headers["x-flowprefill-kv-ms"]))
-                    kv_bytes = int(r.headers["x-flowprefill-kv-bytes"])
-                rows.append({"prompt_tokens": n, "kv_bytes": kv_bytes, "bytes_per_token": kv_bytes / n,
-                             "handoff_ms_p50": float(np.median(ms)), "us_per_token": 1000 * float(np.median(ms)) / n,
-                             "prefill_request_ms_p50": float(np.median(total)),
-                             "share_of_prefill_request": float(np.median(ms) / np.median(total))})
+                    for transport in ("shm", "http") if i % 2 else ("http", "shm"):
+                        t0 = time.perf_counter()
+                        r = client.post(f"{prefill}/v1/completions", headers={
+                            "x-flowprefill-kv-to": f"http://127.0.0.1:{d_port}",
+                            "x-request-id": f"h{n}-{transport}-{i}",
+                            "x-flowprefill-kv-transport": "http" if transport == "http" else "auto"},
+                            json={"prompt": [65 + (j % 26) for j in range(n)], "max_tokens": 1})
+                        r.raise_for_status()
+                        if r.headers["x-flowprefill-kv-transport"] != transport:
+                            raise RuntimeError(f"asked for {transport}, the worker used "
+                                               f"{r.headers['x-flowprefill-kv-transport']}")
+                        total[transport].append((time.perf_counter() - t0) * 1000)
+                        ms[transport].append(float(r.headers["x-flowprefill-kv-ms"]))
+                        kv_bytes = int(r.headers["x-flowprefill-kv-bytes"])
+                for transport in ("shm", "http"):
+                    p50 = float(np.median(ms[transport]))
+                    rows.append({"prompt_tokens": n, "transport": transport, "kv_bytes": kv_bytes,
+                                 "bytes_per_token": kv_bytes / n, "handoff_ms_p50": p50, "us_per_token": 1000 * p50 / n,
+                                 "prefill_request_ms_p50": float(np.median(total[transport])),
+                                 "share_of_prefill_request": p50 / float(np.median(total[transport]))})
     finally:
         stop(decode)
     return rows
@@ -257,12 +267,14 @@ def _table(console: Console, r: dict[str, Any]) -> None:
                   f"{x['added_p50_ms']:.2f}", f"{x['added_p99_ms']:.2f}")
     console.print(t)
     if r.get("handoff"):
-        h = Table(title="KV hand-off to a decode worker (PD disaggregation, HTTP on loopback)")
-        for col in ("prompt tokens", "KV MB", "bytes/token", "hand-off ms", "µs/token", "share of prefill request"):
+        h = Table(title="KV hand-off to a decode worker (PD disaggregation; same host: shared memory, "
+                  "else HTTP)")
+        for col in ("prompt tokens", "transport", "KV MB", "bytes/token", "hand-off ms", "µs/token",
+                    "share of prefill request"):
             h.add_column(col, justify="right")
         for row in r["handoff"]:
-            h.add_row(str(row["prompt_tokens"]), f"{row['kv_bytes'] / 1e6:.1f}", f"{row['bytes_per_token']:.0f}",
-                      f"{row['handoff_ms_p50']:.1f}", f"{row['us_per_token']:.2f}",
+            h.add_row(str(row["prompt_tokens"]), row.get("transport", "http"), f"{row['kv_bytes'] / 1e6:.1f}",
+                      f"{row['bytes_per_token']:.0f}", f"{row['handoff_ms_p50']:.1f}", f"{row['us_per_token']:.2f}",
                       f"{row['share_of_prefill_request']:.0%}")
         console.print(h)
     if b := r.get("breakdown"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -159,8 +160,64 @@ def test_failed_handoff_is_an_explicit_error_and_frees_the_kv(disaggregated: int
                    headers={"x-flowprefill-kv-to": f"http://127.0.0.1:{free_port()}", "x-request-id": "lost"},
                    json={"prompt": "x" * 300, "max_tokens": 4})
     assert r.status_code == 502 and "handing the KV" in r.json()["error"]["message"]
+    assert _shm_leftovers() == []  # the shared-memory file of the failed hand-off is gone too
     assert httpx.get(f"{prefill}/load").json()["kv_cache_usage"] == 0
     # a prefill half must not stream: it answers with one token, not a stream
     r = httpx.post(f"{prefill}/v1/completions", timeout=60, headers={"x-flowprefill-kv-to": "http://x"},
                    json={"prompt": "hi", "stream": True})
     assert r.status_code == 400
+
+
+def _shm_leftovers() -> list[str]:
+    return sorted(p.name for p in handoff.SHM_DIR.glob("flowprefill-kv-*")) if handoff.SHM_DIR.is_dir() else []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not handoff.SHM_DIR.is_dir(), reason="no /dev/shm on this host")
+def test_same_host_handoff_goes_through_shared_memory(disaggregated: int) -> None:
+    """A loopback decode worker gets the KV through /dev/shm; forced HTTP gives the same tokens; no
+    file is left behind either way."""
+    prefill, decode = f"http://127.0.0.1:{disaggregated + 1}", f"http://127.0.0.1:{disaggregated + 2}"
+    before = _shm_leftovers()
+    texts = {}
+    for transport in ("auto", "http"):
+        rid = f"shm-test-{transport}"
+        body = {"prompt": "Shared memory or a socket? " * 30, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        headers = {"x-flowprefill-kv-to": decode, "x-request-id": rid}
+        if transport == "http":
+            headers["x-flowprefill-kv-transport"] = "http"
+        r = httpx.post(f"{prefill}/v1/completions", timeout=60, headers=headers, json=body | {"max_tokens": 1})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-flowprefill-kv-transport"] == ("shm" if transport == "auto" else "http")
+        assert int(r.headers["x-flowprefill-kv-bytes"]) > 0
+        r = httpx.post(f"{decode}/v1/completions", timeout=60, json=body,
+                       headers={"x-flowprefill-kv-id": rid, "x-request-id": rid})
+        assert r.status_code == 200, r.text
+        texts[transport] = r.json()["choices"][0]["text"]
+    assert texts["auto"] == texts["http"]
+    assert _shm_leftovers() == before
+    assert httpx.get(f"{decode}/load").json()["kv_cache_usage"] == 0
+
+
+@pytest.mark.slow
+def test_shared_memory_names_are_checked_and_a_missing_file_falls_back_to_http(
+        disaggregated: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    decode = f"http://127.0.0.1:{disaggregated + 2}"
+    # only our own file names: never a path
+    r = httpx.post(f"{decode}/v1/internal/kv/x", headers={handoff.SHM_HEADER: "../../etc/passwd"})
+    assert r.status_code == 400 and "flowprefill-kv-" in r.json()["error"]["message"]
+    r = httpx.post(f"{decode}/v1/internal/kv/x", headers={handoff.SHM_HEADER: f"flowprefill-kv-{'0' * 32}.safetensors"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == handoff.SHM_MISSING
+    # a sender whose shared-memory folder the decode worker cannot see (another container): HTTP after all
+    monkeypatch.setattr(handoff, "SHM_DIR", tmp_path)
+    kv = {f"{kind}.{layer}": torch.zeros(5, 2, 32) for layer in range(4) for kind in "kv"}
+
+    async def go() -> tuple[str, int]:
+        async with httpx.AsyncClient() as client:
+            return await handoff.send(client, decode, "fallback", kv, 7)
+
+    assert asyncio.run(go())[0] == "http"
+    assert list(tmp_path.iterdir()) == []
+    r = httpx.post(f"{decode}/v1/completions", timeout=60, headers={"x-flowprefill-kv-id": "fallback"},
+                   json={"prompt": "x" * 5, "max_tokens": 2})
+    assert r.status_code == 200, r.text
