@@ -10,7 +10,8 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Generator
+from collections.abc import Callable, Generator
+from typing import Any
 
 import torch
 
@@ -34,15 +35,21 @@ class RunAhead:
     CPU every step is synchronous and this does nothing.
     """
 
-    def __init__(self, device: torch.device, limit_s: float = 0.002) -> None:
+    def __init__(self, device: torch.device, limit_s: float = 0.002,
+                 new_event: Callable[[], Any] | None = None) -> None:
         self.limit_s = limit_s
-        self._queue: deque[tuple[torch.cuda.Event, float]] | None = deque() if device.type == "cuda" else None
+        self._new_event = new_event or (torch.cuda.Event if device.type == "cuda" else None)
+        self._queue: deque[tuple[Any, float]] | None = deque() if self._new_event else None
         self._queued_s = 0.0
 
+    @property
+    def queued(self) -> int:
+        return len(self._queue or ())
+
     def step_queued(self, predicted_s: float) -> None:
-        if self._queue is None:
+        if self._queue is None or self._new_event is None:
             return
-        event = torch.cuda.Event()
+        event = self._new_event()
         event.record()
         self._queue.append((event, predicted_s))
         self._queued_s += predicted_s

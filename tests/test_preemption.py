@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 from collections.abc import Generator
 from itertools import pairwise
+from typing import ClassVar
 
 import pytest
 import torch
@@ -369,3 +370,39 @@ def test_last_token_only_plan_gives_same_logits_and_kv(model: LlamaModel, budget
     steps = list(trim)
     assert [trim[i] for i in range(len(trim))] == steps
     assert all(trim.cost_before(i + 1) - trim.cost_before(i) == pytest.approx(steps[i].cost) for i in range(len(trim)))
+
+
+class _FakeEvent:
+    """Stands in for torch.cuda.Event: records what the run-ahead waited for."""
+
+    log: ClassVar[list[int]] = []
+    count = 0
+
+    def __init__(self) -> None:
+        _FakeEvent.count += 1
+        self.n = _FakeEvent.count
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        _FakeEvent.log.append(self.n)
+
+
+def test_run_ahead_keeps_the_device_fed_and_the_queue_short() -> None:
+    """On an asynchronous device the host may queue about `limit_s` of predicted work, and never
+    fewer than two steps (the running one and the next); it waits for the oldest steps first."""
+    from engine.prefill import RunAhead
+
+    _FakeEvent.log, _FakeEvent.count = [], 0
+    ahead = RunAhead(torch.device("cpu"), limit_s=0.002, new_event=_FakeEvent)
+    for _ in range(10):  # short steps: up to 2 ms of them stay queued
+        ahead.step_queued(0.0005)
+        assert 2 <= ahead.queued <= 4 or _FakeEvent.count < 2
+    assert _FakeEvent.log == [1, 2, 3, 4, 5, 6]  # oldest first, never more than needed
+    for _ in range(3):  # long steps: the running one and the next
+        ahead.step_queued(0.010)
+        assert ahead.queued == 2
+    ahead.drain()
+    assert ahead.queued == 0 and _FakeEvent.log[-1] == _FakeEvent.count
+    assert RunAhead(torch.device("cpu")).queued == 0  # on the CPU: nothing to track
