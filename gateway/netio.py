@@ -5,6 +5,10 @@ answers "is this pooled connection still usable?" with a poll() system call per 
 request. On the gateway's hot path that was a third of httpx's cost. This backend speaks to asyncio's
 transports directly: data arrives in `data_received`, so whether an idle connection has been closed
 or sent stray bytes is already known without a system call. HTTP itself stays with httpcore and h11.
+
+Writes are corked until the response is read: httpcore writes a request's head and body separately,
+and each write is a send() system call and a TCP segment the worker wakes up for. A request goes out
+as one write when httpcore starts reading its response (or once 64 KiB are pending).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from typing import Any
 import httpcore
 import httpx
 
+CORK_BYTES = 64 * 1024
+
 
 class _Stream(asyncio.Protocol, httpcore.AsyncNetworkStream):
     def __init__(self) -> None:
@@ -28,6 +34,8 @@ class _Stream(asyncio.Protocol, httpcore.AsyncNetworkStream):
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._can_write: asyncio.Future[None] | None = None
+        self._pending: list[bytes] = []  # corked writes
+        self._pending_size = 0
 
     # -- asyncio.Protocol ----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -62,6 +70,8 @@ class _Stream(asyncio.Protocol, httpcore.AsyncNetworkStream):
 
     # -- httpcore.AsyncNetworkStream -----------------------------------------------------------
     async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        if self._pending:
+            self._flush()
         if not self._buffer and not self._eof:
             self._waiter = waiter = self._loop.create_future()
             timer = self._loop.call_later(timeout, _expire, waiter) if timeout is not None else None
@@ -79,10 +89,25 @@ class _Stream(asyncio.Protocol, httpcore.AsyncNetworkStream):
         del self._buffer[:max_bytes]
         return data  # b"" at end of stream, as httpcore expects
 
+    def _flush(self) -> None:
+        if self._transport is None or self._transport.is_closing():
+            self._pending.clear()
+            raise httpcore.WriteError("connection closed")
+        data = self._pending[0] if len(self._pending) == 1 else b"".join(self._pending)
+        self._pending.clear()
+        self._pending_size = 0
+        self._transport.write(data)
+
     async def write(self, buffer: bytes, timeout: float | None = None) -> None:
         if self._transport is None or self._transport.is_closing():
             raise httpcore.WriteError("connection closed")
-        self._transport.write(buffer)
+        if not buffer:
+            return
+        self._pending.append(buffer)
+        self._pending_size += len(buffer)
+        if self._pending_size < CORK_BYTES:
+            return
+        self._flush()
         if self._can_write is not None:  # the socket's send buffer is full: wait for it to drain
             try:
                 await asyncio.wait_for(asyncio.shield(self._can_write), timeout)
@@ -91,6 +116,8 @@ class _Stream(asyncio.Protocol, httpcore.AsyncNetworkStream):
 
     async def aclose(self) -> None:
         if self._transport is not None:
+            if self._pending and not self._transport.is_closing():
+                self._flush()
             self._transport.close()
 
     async def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None,

@@ -90,6 +90,33 @@ def test_concurrent_requests_and_large_bodies(server: str) -> None:
     assert sizes[:4] == [str(8 << 20)] * 4 and sizes[4:] == ["0"] * 20
 
 
+def test_a_request_goes_out_in_one_write(server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """httpcore writes a request's head and body separately; each would be a send() and a segment the
+    worker wakes up for. Corked, a small request is one transport write."""
+    from gateway import netio
+
+    writes: list[int] = []
+    made = netio._Stream.connection_made
+
+    def counting(self: Any, transport: Any) -> None:
+        write = transport.write
+        transport_proxy = type("CountingTransport", (), {
+            "write": lambda _, data: (writes.append(len(data)), write(data))[1],
+            "__getattr__": lambda _, name: getattr(transport, name)})()
+        made(self, transport_proxy)
+
+    monkeypatch.setattr(netio._Stream, "connection_made", counting)
+
+    body = b'{"prompt": "hi", "max_tokens": 1}'
+
+    async def main() -> list[str]:
+        async with _client() as c:
+            return [(await c.post(server, content=body)).text for _ in range(3)]
+
+    assert [r.split()[1] for r in asyncio.run(main())] == [str(len(body))] * 3
+    assert len(writes) == 3  # one per request: head and body together
+
+
 def test_timeouts_and_refused_connections_are_httpx_errors(server: str) -> None:
     async def main() -> None:
         async with _client() as c:
