@@ -55,8 +55,8 @@ def calibrate(model: LlamaModel) -> OpCost:
     def block_s(op: str, rows: int) -> float:
         x = torch.randn(rows, c.hidden_size, dtype=dtype, device=dev) * 0.02
         if op == "attn_in":
-            pos = torch.arange(rows, device=dev)
-            return _best_time(lambda: model._attn_in(layer, x, pos))
+            rope = model.rotary.at(torch.arange(rows, device=dev))
+            return _best_time(lambda: model._attn_in(layer, x, rope))
         attn = torch.randn(rows, c.num_attention_heads, c.head_dim, dtype=dtype, device=dev)
         return _best_time(lambda: model._ffn(layer, x, attn))
 

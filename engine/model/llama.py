@@ -54,15 +54,16 @@ class LlamaModel:
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)).to(x.dtype) * weight
 
-    def _attn_in(self, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor
+    def _attn_in(self, layer: LayerWeights, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """rope: the rotary cos/sin of x's rows (`Rotary.at`)."""
         qkv = self._rms(x, layer.input_norm) @ layer.qkv
         if layer.qkv_bias is not None:
             qkv += layer.qkv_bias
         c = self.cfg
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.rotary.apply(q.view(-1, c.num_attention_heads, c.head_dim), positions)
-        k = self.rotary.apply(k.view(-1, c.num_key_value_heads, c.head_dim), positions)
+        q = self.rotary.rotate(q.view(-1, c.num_attention_heads, c.head_dim), *rope)
+        k = self.rotary.rotate(k.view(-1, c.num_key_value_heads, c.head_dim), *rope)
         return q, k, v.reshape(-1, c.num_key_value_heads, c.head_dim)
 
     def _ffn(self, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -88,7 +89,7 @@ class LlamaModel:
         self.rotary.reserve(max(s.start + s.length for s in spans))
         prefix_index = {i: kv.block_index(bt, s.start)
                         for i, (s, bt) in enumerate(zip(spans, block_tables, strict=True)) if s.start > 0}
-        positions = torch.cat([torch.arange(s.start, s.start + s.length, device=dev) for s in spans])
+        cos, sin = self.rotary.at(torch.cat([torch.arange(s.start, s.start + s.length, device=dev) for s in spans]))
         slots = torch.cat([kv.slots(bt, s.start, s.start + s.length)
                            for s, bt in zip(spans, block_tables, strict=True)])
         row0 = [0]
@@ -107,7 +108,11 @@ class LlamaModel:
             layer = self.layers[step.layer]
             a, b = step.rows
             if step.op == ATTN_IN:
-                q[a:b], k[a:b], v[a:b] = self._attn_in(layer, x[a:b], positions[a:b])
+                new_q, new_k, new_v = self._attn_in(layer, x[a:b], (cos[a:b], sin[a:b]))
+                if b - a == n:  # the whole batch in one step (no split): keep the results, don't copy them
+                    q, k, v = new_q, new_k, new_v.contiguous()
+                else:
+                    q[a:b], k[a:b], v[a:b] = new_q, new_k, new_v
                 kv.write(step.layer, slots[a:b], k[a:b], v[a:b])
                 keys.clear()
             elif step.op == ATTENTION:
@@ -122,7 +127,10 @@ class LlamaModel:
                     attn[a:b] = self.backend.merge(outs, lses)
                     outs, lses = [], []
             elif step.op == FFN:
-                x[a:b] = self._ffn(layer, x[a:b], attn[a:b])
+                if b - a == n:
+                    x = self._ffn(layer, x, attn)
+                else:
+                    x[a:b] = self._ffn(layer, x[a:b], attn[a:b])
             yield i
         if all_logits:
             return self._logits(x)
@@ -145,12 +153,12 @@ class LlamaModel:
         """One token per request at `positions`; returns logits [batch, vocab]."""
         dev = self.device
         self.rotary.reserve(max(positions) + 1)
-        pos = torch.tensor(positions, device=dev)
+        rope = self.rotary.at(torch.tensor(positions, device=dev))
         slots = torch.cat([kv.slots(bt, p, p + 1) for bt, p in zip(block_tables, positions, strict=True)])
         lengths = [p + 1 for p in positions]
         x = self.embed[torch.tensor(token_ids, device=dev)]
         for i, layer in enumerate(self.layers):
-            q, k, v = self._attn_in(layer, x, pos)
+            q, k, v = self._attn_in(layer, x, rope)
             kv.write(i, slots, k, v)
             x = self._ffn(layer, x, self.backend.decode(q, i, kv, block_tables, lengths))
         return self._logits(x)

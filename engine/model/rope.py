@@ -81,10 +81,14 @@ class Rotary:
         self._cos = (emb.cos() * self.scale).to(self.dtype)
         self._sin = (emb.sin() * self.scale).to(self.dtype)
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [n, heads, head_dim] rotated at `positions` [n] (HF's rotate-half convention); every
-        position must have been reserved."""
-        cos, sin = self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at `positions` [n], as [n, 1, head_dim]: looked up once per batch (or decode
+        step) and shared by every layer. Every position must have been reserved."""
+        return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [n, heads, head_dim] rotated by `at`'s cos/sin of its rows (HF's rotate-half convention)."""
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
