@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from engine.bench.prefill import HFPrefill, OurPrefill, device_sync, load_transformers
+from engine.bench.contenders import HFPrefill, OurPrefill, device_sync, load_transformers
 from engine.bench.stop_latency import random_prompt
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
