@@ -16,7 +16,7 @@ from litestar.response import Stream
 from engine.openai_api import KV_ID_HEADER, KV_TO_HEADER, error_body, http_error_body, new_id
 from gateway.classify import ClassificationError, classify
 from gateway.config import GatewayConfig
-from gateway.netio import UpstreamTransport
+from gateway.netio import UpstreamResponse, UpstreamTransport
 from gateway.openapi import openapi_document
 from gateway.routing import QueueFull, Worker, WorkerPool
 from telemetry.metrics import GatewayMetrics
@@ -54,7 +54,7 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
     clients = [httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout_s, connect=2.0), transport=t)
                for t in upstreams]
     shards, transports = itertools.cycle(clients), itertools.cycle(upstreams)
-    upstream_timeout = {"timeout": httpx.Timeout(cfg.request_timeout_s, connect=2.0).as_dict()}
+    upstream_timeout = httpx.Timeout(cfg.request_timeout_s, connect=2.0).as_dict()
     client = clients[0]  # health polls and /v1/models
     # Disaggregated: `workers` decode; these prefill and hand the KV to the decode worker chosen.
     pool = WorkerPool(cfg.workers, client, upstream=cfg.upstream,
@@ -128,7 +128,7 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
                 "flowprefill.deadline_unix_ms": time.time() * 1000 + slo.ttft_ms - elapsed_ms,
                 "flowprefill.stream": bool(body.get("stream"))})
         tried: set[str] = set()
-        shed: httpx.Response | None = None
+        shed: UpstreamResponse | None = None
         if pool.pick() is None:  # every worker looked down at the last poll: look again before refusing
             await pool.poll_once()
         while True:
@@ -154,10 +154,9 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
                     return refused
                 to_worker = upstream_headers | {KV_ID_HEADER: rid}
             try:
-                # httpx's transport interface directly: the client's redirect, auth and cookie
-                # machinery has nothing to do between a gateway and its workers.
-                up = await next(transports).handle_async_request(httpx.Request(
-                    "POST", f"{worker.url}{path}", content=raw, headers=to_worker, extensions=upstream_timeout))
+                # Straight to the connection pool: a client's redirect, auth and cookie machinery
+                # has nothing to do between a gateway and its workers.
+                up = await next(transports).post(f"{worker.url}{path}", raw, to_worker, upstream_timeout)
             except httpx.HTTPError:
                 pool.release(worker)
                 pool.mark_failed(worker)
@@ -280,7 +279,7 @@ def _bearer(value: str | None) -> str | None:
     return None
 
 
-async def _relay(up: httpx.Response, worker: Worker, pool: WorkerPool) -> AsyncIterator[bytes]:
+async def _relay(up: UpstreamResponse, worker: Worker, pool: WorkerPool) -> AsyncIterator[bytes]:
     """Pass the worker's SSE through; a stream cut by a dead worker ends with a clean error event."""
     try:
         async for chunk in up.aiter_raw():

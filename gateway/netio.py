@@ -14,9 +14,10 @@ as one write when httpcore starts reading its response (or once 64 KiB are pendi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import ssl
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
 import httpcore
@@ -181,9 +182,56 @@ class AsyncioBackend(httpcore.AsyncNetworkBackend):
         await asyncio.sleep(seconds)
 
 
+class UpstreamResponse:
+    """A worker's response as the gateway's hot path uses it (status, headers, body or chunks)."""
+
+    def __init__(self, response: httpcore.Response) -> None:
+        self._response = response
+        self.status_code = response.status
+        self.headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in response.headers}
+        self.content = b""
+
+    async def aread(self) -> bytes:
+        with _httpx_errors():
+            self.content = await self._response.aread()
+        return self.content
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        with _httpx_errors():
+            async for chunk in self._response.aiter_stream():
+                yield chunk
+
+    async def aclose(self) -> None:
+        await self._response.aclose()
+
+
+# httpcore's errors as httpx's (what callers catch), most specific first
+_ERRORS: list[tuple[type[Exception], type[httpx.TransportError]]] = [
+    (httpcore.ConnectTimeout, httpx.ConnectTimeout), (httpcore.ReadTimeout, httpx.ReadTimeout),
+    (httpcore.WriteTimeout, httpx.WriteTimeout), (httpcore.PoolTimeout, httpx.PoolTimeout),
+    (httpcore.ConnectError, httpx.ConnectError), (httpcore.ReadError, httpx.ReadError),
+    (httpcore.WriteError, httpx.WriteError), (httpcore.RemoteProtocolError, httpx.RemoteProtocolError),
+    (httpcore.LocalProtocolError, httpx.LocalProtocolError), (httpcore.TimeoutException, httpx.TimeoutException),
+    (httpcore.NetworkError, httpx.NetworkError), (httpcore.ProtocolError, httpx.ProtocolError),
+]
+
+
+@contextlib.contextmanager
+def _httpx_errors() -> Iterator[None]:
+    try:
+        yield
+    except (httpcore.TimeoutException, httpcore.NetworkError, httpcore.ProtocolError) as exc:
+        mapped = next(ours for theirs, ours in _ERRORS if isinstance(exc, theirs))
+        raise mapped(str(exc)) from exc
+
+
 class UpstreamTransport(httpx.AsyncHTTPTransport):
     """httpx's own transport (and its connection pool), on the asyncio backend above. `verify`: as
-    httpx's; pass one SSLContext to many transports to load the CA bundle once."""
+    httpx's; pass one SSLContext to many transports to load the CA bundle once.
+
+    `post` is the gateway's hot path: straight to the httpcore pool under httpx, without building
+    httpx's Request and Response objects (URL parsing, header normalisation, stream wrappers: a fifth
+    of the upstream call's CPU, measured). Target URLs are parsed once per worker and path."""
 
     def __init__(self, limits: httpx.Limits, verify: ssl.SSLContext | bool = True) -> None:
         context = verify if isinstance(verify, ssl.SSLContext) else httpx.create_ssl_context(verify=verify)
@@ -193,3 +241,23 @@ class UpstreamTransport(httpx.AsyncHTTPTransport):
             ssl_context=context, max_connections=limits.max_connections,
             max_keepalive_connections=limits.max_keepalive_connections, keepalive_expiry=limits.keepalive_expiry,
             network_backend=AsyncioBackend(), socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+        self._targets: dict[str, tuple[httpcore.URL, tuple[bytes, bytes]]] = {}
+
+    async def post(self, url: str, content: bytes, headers: dict[str, str],
+                   timeout: dict[str, float | None]) -> UpstreamResponse:
+        """POST `content`; raises httpx's transport errors. timeout: httpx.Timeout(...).as_dict()."""
+        target = self._targets.get(url)
+        if target is None:
+            u = httpx.URL(url)
+            port = u.port or (443 if u.scheme == "https" else 80)
+            host = u.host if u.port is None else f"{u.host}:{u.port}"
+            target = (httpcore.URL(scheme=u.scheme.encode(), host=u.raw_host, port=port, target=u.raw_path),
+                      (b"host", host.encode("ascii")))
+            if len(self._targets) < 1024:  # workers x paths: a handful
+                self._targets[url] = target
+        fields = [target[1], (b"content-length", str(len(content)).encode())]
+        fields += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        request = httpcore.Request(b"POST", target[0], headers=fields, content=content,
+                                   extensions={"timeout": timeout})
+        with _httpx_errors():
+            return UpstreamResponse(await self._pool.handle_async_request(request))

@@ -141,3 +141,31 @@ def test_tls(tmp_path: Path) -> None:
                 return (await c.get(url)).text
 
         assert asyncio.run(main()).endswith(" 0")
+
+
+def test_post_fast_path_is_http_correct_and_raises_httpx_errors(server: str) -> None:
+    """The gateway's hot path (`UpstreamTransport.post`, httpcore without httpx's objects): the body
+    arrives whole, the connection is reused, errors are httpx's, as the gateway catches them."""
+    timeout = httpx.Timeout(5).as_dict()
+
+    async def main() -> None:
+        t = UpstreamTransport(LIMITS)
+        try:
+            answers = []
+            for _ in range(3):
+                up = await t.post(f"{server}/v1/completions", b"x" * 1000, {"x-slo-class": "batch"}, timeout)
+                assert up.status_code == 200 and up.headers["content-type"] == "text/plain"
+                answers.append((await up.aread()).decode())
+                await up.aclose()
+            assert {a.split()[1] for a in answers} == {"1000"} and len({a.split()[0] for a in answers}) == 1
+            up = await t.post(f"{server}/stream", b"", {}, timeout)
+            assert b"".join([c async for c in up.aiter_raw()]).endswith(b" 0")
+            await up.aclose()
+            with pytest.raises(httpx.ReadTimeout):
+                await t.post(f"{server}/slow", b"", {}, httpx.Timeout(0.2).as_dict())
+            with pytest.raises(httpx.ConnectError):
+                await t.post(f"http://127.0.0.1:{free_port()}/v1/completions", b"{}", {}, timeout)
+        finally:
+            await t.aclose()
+
+    asyncio.run(main())
