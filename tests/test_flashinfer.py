@@ -201,3 +201,35 @@ def test_engine_serves_with_flashinfer_and_frees_everything(checkpoint: Path) ->
             assert engine.kv.num_free_blocks == engine.kv.num_blocks
     assert all(len(ids) == 8 for ids in results["flashinfer"])
     assert [ids[0] for ids in results["flashinfer"]] == [ids[0] for ids in results["sdpa"]]
+
+
+@pytest.mark.parametrize("budget_s", [None, 0.0005])
+def test_no_step_waits_for_the_gpu(checkpoint: Path, budget_s: float | None) -> None:
+    """The rule that keeps a GPU fed: nothing inside a prefill step reads device data on the host
+    (which would wait for every queued kernel). torch's sync debug mode raises on any such read; the
+    batch set-up (before the first step's yield) and the logits (after the last's) may sync and run
+    outside it."""
+    from engine.config import EngineConfig
+    from engine.kv_cache import KVCache
+    from engine.model import load_model
+    from engine.model.plan import SeqSpan, plan_prefill
+    from engine.predictor import load_cost
+
+    model, _ = load_model(EngineConfig(model=str(checkpoint), device="cuda", dtype="bfloat16",
+                                       attention_backend="flashinfer"))
+    cost = load_cost(model, use_cache=False)
+    kv = KVCache(model.cfg, 16, 8192, DT, "cuda")
+    prompts = [[i % 500 + 1 for i in range(2000)], [5] * 300]
+    spans = [SeqSpan(0, len(p)) for p in prompts]
+    steps = plan_prefill(cost, spans, budget_s, last_token_only=True)
+    run = model.prefill(prompts, spans, [kv.allocate(len(p)) for p in prompts], kv, steps)
+    next(run)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(len(steps) - 1):  # every step after the first
+            next(run)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with pytest.raises(StopIteration):
+        next(run)
