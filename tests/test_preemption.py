@@ -141,6 +141,24 @@ def assert_kv_equal(got: list, want: list) -> None:
         torch.testing.assert_close(gv, wv, **EXACT)
 
 
+# -- attention tiles -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("n_q", "n_k", "kv_heads"), [(37, 37, 2), (37, 200, 2), (64, 300, 8), (1, 90, 1)])
+def test_causal_tile_is_bottom_right_aligned(n_q: int, n_k: int, kv_heads: int) -> None:
+    """A causal tile's queries are the last n_q positions of its keys: query j sees keys up to
+    n_k - n_q + j (what FlashInfer's causal kernels do). Against an explicit masked softmax."""
+    gen = torch.Generator().manual_seed(n_q + n_k)
+    q = torch.randn(n_q, 8, 16, generator=gen)
+    k, v = torch.randn(n_k, kv_heads, 16, generator=gen), torch.randn(n_k, kv_heads, 16, generator=gen)
+    out, lse = SDPABackend().tile(q, k, v, True)
+    kk, vv = k.repeat_interleave(8 // kv_heads, 1), v.repeat_interleave(8 // kv_heads, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, kk) * 16**-0.5
+    visible = torch.arange(n_k)[None, :] <= (n_k - n_q + torch.arange(n_q))[:, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    torch.testing.assert_close(out, torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, scores.logsumexp(-1).T, atol=1e-5, rtol=1e-5)
+
+
 # -- the plan ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("budget", [None, BUDGET, 2e-5, 1e-9])
@@ -174,18 +192,20 @@ def test_plan_partitions_every_operator(budget: float | None) -> None:
                 assert a == covered and b > a and all(t.rows == (a, b) for t in qb)
                 covered = b
                 qs, qe = a - starts[i] + span.start, b - starts[i] + span.start  # absolute positions
-                assert qb[-1].causal and qb[-1].keys == (qs, qe)
+                # the last tile is causal and ends at the queries' own positions; it starts at the
+                # block's first query (the diagonal square) or, all keys fitting one step, at 0
+                assert qb[-1].causal and qb[-1].keys[1] == qe and qb[-1].keys[0] in (qs, 0)
                 assert not any(t.causal for t in qb[:-1])
                 keys = [t.keys for t in qb[:-1]]
-                if qs == 0:
+                if qb[-1].keys[0] == 0:
                     assert keys == []
                 else:  # the off-diagonal tiles cover keys [0, qs) exactly once, in order
                     assert keys[0][0] == 0 and keys[-1][1] == qs
                     assert all(x[1] == y[0] and x[0] < x[1] for x, y in pairwise(keys))
             assert covered == starts[i + 1]
     if budget is None:
-        # one step per operator: 1 projection, one tile (+1 over a cached prefix) per sequence, 1 FFN
-        per_layer = 2 + len(spans) + sum(1 for s in spans if s.start)
+        # one step per operator: 1 projection, one attention step per sequence, 1 FFN
+        per_layer = 2 + len(spans)
         assert len(steps) == per_layer * CFG.num_hidden_layers
     elif budget >= BUDGET / 2:
         assert all(s.cost <= budget * (1 + 1e-9) for s in steps), "a step is predicted to outlast the budget"

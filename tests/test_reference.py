@@ -156,7 +156,11 @@ def test_chunked_prefill_matches_transformers(loaded: Loaded, mode: str) -> None
     logits, steps = _prefill(m, cost, paged, [long[first:], fresh],
                              [SeqSpan(first, len(long) - first), SeqSpan(0, len(fresh))], budget_s)
     prefix_tiles = [s for s in steps if s.op == ATTENTION and not s.causal]
-    assert all(s.seq == 0 for s in prefix_tiles) and any(s.keys[0] == 0 for s in prefix_tiles)
+    assert all(s.seq == 0 for s in prefix_tiles)
+    # the chunk's queries read the cached prefix: a tile of it, or one causal step over every key
+    assert any(s.keys[0] == 0 for s in steps if s.op == ATTENTION and s.seq == 0)
+    if mode == "unsplit":
+        assert [s.keys for s in steps if s.op == ATTENTION and s.seq == 0 and s.layer == 0] == [(0, len(long))]
     if mode == "split_min":  # several query blocks, each over several 64-key tiles of the cached prefix
         assert {s.keys for s in prefix_tiles} >= {(0, 64), (64, 70), (64, 128)}
 

@@ -20,7 +20,8 @@ class AttentionBackend(Protocol):
 
     def tile(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention of q against k/v. causal: q and k cover the same positions (a diagonal tile).
+        """Attention of q against k/v. causal: the queries are the last len(q) positions of the keys
+        (a bottom-right causal mask: query j of n sees keys up to len(k) - n + j).
         Returns out [n_q, q_heads, head_dim] and lse [n_q, q_heads]."""
         ...
 

@@ -19,6 +19,11 @@ class SDPABackend:
 
     def tile(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
              ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = q.shape[0]
+        if causal and k.shape[0] > n:  # bottom-right causal: the keys before the queries', then the square
+            before, square = self.tile(q, k[:-n], v[:-n], False), self.tile(q, k[-n:], v[-n:], True)
+            lse = torch.stack([before[1], square[1]])
+            return merge_lse([before[0], square[0]], [before[1], square[1]]), torch.logsumexp(lse, dim=0)
         n, hq, d = q.shape
         hkv = k.shape[1]
         group = hq // hkv

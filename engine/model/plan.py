@@ -23,7 +23,9 @@ class Step(NamedTuple):
     rows: tuple[int, int]  # rows of the batch's flattened tokens this step produces
     seq: int = -1  # attention: which sequence of the batch
     keys: tuple[int, int] = (0, 0)  # attention: absolute key positions of this tile
-    causal: bool = False  # attention: the diagonal tile (completes its query block)
+    # attention: the tile ending at the queries' own positions, masked causally from the bottom right
+    # (query j of n sees keys up to keys[1] - n + j); it completes its query block
+    causal: bool = False
     cost: float = 0.0  # predicted seconds
 
 
@@ -53,9 +55,14 @@ class OpCost:
         return self.scale * (self.step_overhead_s + max(self.row_step_floor_s, rows * per_row))
 
     def attn_s(self, queries: int, keys: int, causal: bool) -> float:
-        # Causal kernels skip the blocks above the diagonal but compute the diagonal blocks whole:
-        # half the square plus one kernel block's worth (which makes a small diagonal tile cost a full one).
-        pairs = queries * (keys + min(keys, CAUSAL_BLOCK)) / 2 if causal else queries * keys
+        # Causal (bottom-right): every key before the queries' own, then the diagonal square, of which
+        # kernels skip the blocks above the diagonal but compute the diagonal blocks whole: half the
+        # square plus one kernel block's worth (which makes a small diagonal tile cost a full one).
+        if causal:
+            square = min(queries, keys)
+            pairs = queries * (keys - square) + square * (square + min(square, CAUSAL_BLOCK)) / 2
+        else:
+            pairs = queries * keys
         return self.scale * (self.step_overhead_s + pairs * self.attn_s_per_pair)
 
     @classmethod
@@ -200,8 +207,9 @@ def plan_prefill(cost: OpCost, spans: list[SeqSpan], budget_s: float | None, las
         ffn_rows = _fit(work_s, cost.ffn_s_per_row, 32)
         # Query blocks as large as the budget allows (fewer, larger tiles parallelise better and
         # need fewer merges), down to 32 when even a small diagonal tile would outlast it.
+        longest = max((s.length for s in spans), default=1)
         q_block = 256
-        while q_block < 1024 and cost.attn_s(2 * q_block, 2 * q_block, True) <= budget_s:
+        while q_block < longest and cost.attn_s(2 * q_block, 2 * q_block, True) <= budget_s:
             q_block *= 2
         while q_block > 32 and cost.attn_s(q_block, q_block, True) > budget_s:
             q_block //= 2
@@ -214,11 +222,15 @@ def plan_prefill(cost: OpCost, spans: list[SeqSpan], budget_s: float | None, las
             row0 = starts[i]
             q_ranges = _blocks(span.length, q_block) if query_rows is None else [query_rows[i]]
             for qs, qe in q_ranges:
+                block, end = (row0 + qs, row0 + qe), span.start + qe
+                whole = cost.attn_s(qe - qs, end, True)
+                if budget_s is None or whole <= budget_s:  # every key in one step: one kernel, no merge
+                    steps.append(Step(0, ATTENTION, block, i, (0, end), True, whole))
+                    continue
                 for ka, kb in _blocks(span.start + qs, key_tile):
-                    steps.append(Step(0, ATTENTION, (row0 + qs, row0 + qe), i, (ka, kb),
-                                      cost=cost.attn_s(qe - qs, kb - ka, False)))
-                steps.append(Step(0, ATTENTION, (row0 + qs, row0 + qe), i, (span.start + qs, span.start + qe),
-                                  True, cost.attn_s(qe - qs, qe - qs, True)))
+                    steps.append(Step(0, ATTENTION, block, i, (ka, kb), cost=cost.attn_s(qe - qs, kb - ka, False)))
+                steps.append(Step(0, ATTENTION, block, i, (span.start + qs, end), True,
+                                  cost.attn_s(qe - qs, qe - qs, True)))
         ffn_rows_ranges = (_blocks(rows, ffn_rows) if query_rows is None
                            else [(starts[i] + qs, starts[i] + qe) for i, (qs, qe) in enumerate(query_rows)])
         steps += [Step(0, FFN, (a, b), cost=cost.row_op_s(FFN, b - a)) for a, b in ffn_rows_ranges]
