@@ -22,28 +22,30 @@ import torch
 _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
-# config.json values of published models (architecture-defining fields only).
+_LLAMA_3_1_8B: dict[str, Any] = {
+    "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_parameters": _LLAMA3_ROPE,
+    "bos_token_id": 128000, "eos_token_id": 128001, "tie_word_embeddings": False}
+
+# config.json values of published models (architecture-defining fields only); the Llama 3 family
+# written as what differs from Llama 3.1 8B.
 SHAPES: dict[str, dict[str, Any]] = {
-    "llama-3.1-8b": {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
-                     "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-                     "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_parameters": _LLAMA3_ROPE,
-                     "bos_token_id": 128000, "eos_token_id": 128001, "tie_word_embeddings": False},
-    "llama-3.2-1b": {"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
-                     "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
-                     "max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
-                     "rope_parameters": _LLAMA3_ROPE | {"factor": 32.0},
-                     "bos_token_id": 128000, "eos_token_id": 128001, "tie_word_embeddings": True},
+    "llama-3.1-8b": _LLAMA_3_1_8B,
+    "llama-3.2-1b": _LLAMA_3_1_8B | {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                                     "head_dim": 64, "rope_parameters": _LLAMA3_ROPE | {"factor": 32.0},
+                                     "tie_word_embeddings": True},
     "qwen2.5-7b": {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
                    "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
                    "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
                    "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
                    "bos_token_id": 151643, "eos_token_id": 151645, "tie_word_embeddings": False},
     # A few-MB stand-in of Llama 3.1's structure (GQA, llama3 RoPE): for tests of this script.
-    "tiny-llama": {"model_type": "llama", "vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
-                   "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
-                   "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
-                   "rope_parameters": _LLAMA3_ROPE | {"original_max_position_embeddings": 1024},
-                   "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False},
+    "tiny-llama": _LLAMA_3_1_8B | {"vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
+                                   "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+                                   "head_dim": 64, "max_position_embeddings": 4096, "bos_token_id": 1,
+                                   "eos_token_id": 2,
+                                   "rope_parameters": _LLAMA3_ROPE | {"original_max_position_embeddings": 1024}},
 }
 
 
