@@ -16,6 +16,7 @@ from litestar.response import Stream
 from engine.openai_api import KV_ID_HEADER, KV_TO_HEADER, error_body, http_error_body, new_id
 from gateway.classify import ClassificationError, classify
 from gateway.config import GatewayConfig
+from gateway.http1 import Http1Response
 from gateway.netio import UpstreamResponse, UpstreamTransport
 from gateway.openapi import openapi_document
 from gateway.routing import QueueFull, Worker, WorkerPool
@@ -128,7 +129,7 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
                 "flowprefill.deadline_unix_ms": time.time() * 1000 + slo.ttft_ms - elapsed_ms,
                 "flowprefill.stream": bool(body.get("stream"))})
         tried: set[str] = set()
-        shed: UpstreamResponse | None = None
+        shed: UpstreamResponse | Http1Response | None = None
         if pool.pick() is None:  # every worker looked down at the last poll: look again before refusing
             await pool.poll_once()
         while True:
@@ -279,7 +280,7 @@ def _bearer(value: str | None) -> str | None:
     return None
 
 
-async def _relay(up: UpstreamResponse, worker: Worker, pool: WorkerPool) -> AsyncIterator[bytes]:
+async def _relay(up: UpstreamResponse | Http1Response, worker: Worker, pool: WorkerPool) -> AsyncIterator[bytes]:
     """Pass the worker's SSE through; a stream cut by a dead worker ends with a clean error event."""
     try:
         async for chunk in up.aiter_raw():

@@ -1,5 +1,6 @@
-"""The gateway's asyncio network backend under httpx, against a real uvicorn server: connection reuse,
-idle connections the server closed, timeouts, refused connections, large bodies and TLS."""
+"""The gateway's upstream transport against a real uvicorn server: httpx on the asyncio network backend
+(connection reuse, idle connections the server closed, timeouts, refused connections, large bodies,
+TLS) and the hot path `post` (plain HTTP: gateway/http1.py, tested in detail in test_http1.py)."""
 
 from __future__ import annotations
 
@@ -136,16 +137,23 @@ def test_tls(tmp_path: Path) -> None:
                     "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
                    check=True, capture_output=True)
     for url in _serve(ssl_keyfile=str(key), ssl_certfile=str(cert)):
-        async def main(url: str = url) -> str:
-            async with _client(verify=ssl.create_default_context(cafile=str(cert))) as c:
-                return (await c.get(url)).text
+        async def main(url: str = url) -> list[str]:
+            context = ssl.create_default_context(cafile=str(cert))
+            async with _client(verify=context) as c:
+                answers = [(await c.get(url)).text]
+            t = UpstreamTransport(LIMITS, context)  # the gateway's post: HTTPS goes through httpcore
+            up = await t.post(f"{url}/v1/completions", b"{}", {"x-slo-class": "batch"}, httpx.Timeout(5).as_dict())
+            answers.append((await up.aread()).decode())
+            await up.aclose()
+            await t.aclose()
+            return answers
 
-        assert asyncio.run(main()).endswith(" 0")
+        assert [a.split()[1] for a in asyncio.run(main())] == ["0", "2"]
 
 
 def test_post_fast_path_is_http_correct_and_raises_httpx_errors(server: str) -> None:
-    """The gateway's hot path (`UpstreamTransport.post`, httpcore without httpx's objects): the body
-    arrives whole, the connection is reused, errors are httpx's, as the gateway catches them."""
+    """The gateway's hot path (`UpstreamTransport.post`; plain HTTP goes to gateway/http1.py's pool):
+    the body arrives whole, the connection is reused, errors are httpx's, as the gateway catches them."""
     timeout = httpx.Timeout(5).as_dict()
 
     async def main() -> None:
