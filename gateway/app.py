@@ -9,9 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import msgspec
-from litestar import Litestar, Request, Response, get, post
-from litestar.exceptions import HTTPException
+from litestar import Litestar, Request, Response, asgi, get
+from litestar.datastructures import Headers
+from litestar.exceptions import HTTPException, MethodNotAllowedException
+from litestar.exceptions.http_exceptions import RequestEntityTooLarge
+from litestar.handlers import ASGIRouteHandler
 from litestar.response import Stream
+from litestar.types import Receive, Scope, Send  # at run time: Litestar reads the annotations
 
 from engine.openai_api import KV_ID_HEADER, KV_TO_HEADER, error_body, http_error_body, new_id
 from gateway.classify import ClassificationError, classify
@@ -93,30 +97,28 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
         raise GatewayError(503, "no healthy prefill worker", "server_error",
                            headers={"retry-after": "1", "x-flowprefill-dropped-reason": "no_healthy_worker"})
 
-    async def forward(request: Request, path: str) -> Response | Stream:
-        arrival = time.monotonic()
-        raw = await request.body()
+    async def forward(headers: Headers, raw: bytes, path: str, arrival: float) -> Response | Stream:
         try:
             body = msgspec.json.decode(raw)
         except msgspec.DecodeError:
             raise GatewayError(400, "request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise GatewayError(400, "request body must be a JSON object")
-        api_key = _bearer(request.headers.get("authorization"))
+        api_key = _bearer(headers.get("authorization"))
         if cfg.api_keys and api_key not in cfg.api_keys:
             raise GatewayError(401, "invalid API key", "authentication_error")
         try:
-            slo = classify(cfg, request.headers, body, api_key)
+            slo = classify(cfg, headers, body, api_key)
         except ClassificationError as exc:
             raise GatewayError(400, str(exc), param=exc.param) from None
-        rid = request.headers.get("x-request-id") or new_id("cmpl")
+        rid = headers.get("x-request-id") or new_id("cmpl")
         ours = {"x-slo-class": slo.name, "x-request-id": rid}
         deadline = arrival + slo.ttft_ms / 1000
         if pool.gated and cfg.upstream.priority_field:  # a plain OpenAI server: its own priority knob
             body[cfg.upstream.priority_field] = cfg.upstream_priority(slo)
             raw = msgspec.json.encode(body)
         elapsed_ms = (time.monotonic() - arrival) * 1000
-        upstream_headers = {h: v for h in FORWARDED_HEADERS if (v := request.headers.get(h))}
+        upstream_headers = {h: v for h in FORWARDED_HEADERS if (v := headers.get(h))}
         upstream_headers |= {"x-slo-class": slo.name, "x-request-id": rid,
                              # the deadline was fixed at gateway arrival: the worker gets what is left
                              "x-slo-ttft-ms": f"{max(1.0, slo.ttft_ms - elapsed_ms):.3f}"}
@@ -173,14 +175,14 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
                 pool.release(worker)
                 pool.mark_failed(worker)
                 continue
-            headers = ours | {k: v for k, v in up.headers.items()
-                              if k in ("content-type", "x-flowprefill-predicted-miss")}
+            answer_headers = ours | {k: v for k, v in up.headers.items()
+                                     if k in ("content-type", "x-flowprefill-predicted-miss")}
             if annotate is not None:
                 annotate(None, {"flowprefill.route.worker": worker.url, "flowprefill.route.attempts": len(tried),
                                 "http.upstream.status_code": up.status_code})
             metrics.answered(slo.name, up.status_code)
             if body.get("stream"):
-                return Stream(_relay(up, worker, pool), status_code=up.status_code, headers=headers,
+                return Stream(_relay(up, worker, pool), status_code=up.status_code, headers=answer_headers,
                               media_type=up.headers.get("content-type", "text/event-stream"))
             try:
                 content = await up.aread()
@@ -191,7 +193,7 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
             finally:
                 await up.aclose()
                 pool.release(worker)
-            return Response(content, status_code=up.status_code, headers=headers,
+            return Response(content, status_code=up.status_code, headers=answer_headers,
                             media_type=up.headers.get("content-type", "application/json"))
         if shed is not None:  # every worker shed it: the client gets the reason and when to retry
             keep = ("retry-after", "x-flowprefill-dropped-reason")
@@ -204,13 +206,29 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
         raise GatewayError(503, "no healthy worker", "server_error",
                            headers=ours | {"retry-after": "1", "x-flowprefill-dropped-reason": "no_healthy_worker"})
 
-    @post("/v1/completions", status_code=200)
-    async def completions(request: Request) -> Any:
-        return await forward(request, "/v1/completions")
+    def proxied(path: str) -> ASGIRouteHandler:
+        # Litestar's raw-ASGI route handler: @post's per-request signature model and response
+        # conversion were 40 % of Litestar's share of a proxied request (0.08 of 0.2 ms, measured);
+        # errors still go through the app's exception handlers, streams through Litestar's Stream.
+        @asgi(path)
+        async def endpoint(scope: Scope, receive: Receive, send: Send) -> None:
+            arrival = time.monotonic()
+            if scope["method"] != "POST":
+                raise MethodNotAllowedException(headers={"allow": "POST"})
+            raw = await _read_body(scope, receive, cfg.max_body_bytes)
+            if raw is None:  # the client left before it finished sending: nobody to answer
+                return
+            out = await forward(Headers.from_scope(scope), raw, path, arrival)
+            if isinstance(out, Stream):
+                await out.to_asgi_response(None, Request(scope, receive, send))(scope, receive, send)
+                return
+            fields = [(b"content-type", (out.media_type or "application/json").encode()),
+                      (b"content-length", str(len(out.content)).encode())]
+            fields += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in out.headers.items()]
+            await send({"type": "http.response.start", "status": out.status_code, "headers": fields})
+            await send({"type": "http.response.body", "body": out.content})
 
-    @post("/v1/chat/completions", status_code=200)
-    async def chat_completions(request: Request) -> Any:
-        return await forward(request, "/v1/chat/completions")
+        return endpoint
 
     @get("/v1/models")
     async def models() -> Any:
@@ -254,7 +272,8 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
         from telemetry.tracing import litestar_plugin
         plugins.append(litestar_plugin(exclude=["/health", "/metrics"]))
         on_shutdown.append(tracing.shutdown)
-    return Litestar(route_handlers=[completions, chat_completions, models, openapi, health, prometheus],
+    return Litestar(route_handlers=[proxied("/v1/completions"), proxied("/v1/chat/completions"), models, openapi,
+                                    health, prometheus],
                     openapi_config=None,  # gateway/openapi.py serves the complete document
                     exception_handlers={GatewayError: _error, HTTPException: _http_error},
                     on_startup=[startup], on_shutdown=on_shutdown,
@@ -291,6 +310,25 @@ async def _relay(up: UpstreamResponse | Http1Response, worker: Worker, pool: Wor
     finally:  # also when our client went away: closing the upstream cancels the engine's work
         await up.aclose()
         pool.release(worker)
+
+
+async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes | None:
+    """The request body, refused (413) past `limit` bytes, declared or as it arrives; None if the
+    client disconnected first."""
+    declared = next((v for k, v in scope["headers"] if k == b"content-length"), b"0")
+    if int(declared) > limit:
+        raise RequestEntityTooLarge
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if size > limit:
+            raise RequestEntityTooLarge
+        if not message.get("more_body"):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _http_error(_: Request, exc: HTTPException) -> Response:
