@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -219,12 +220,12 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
             if raw is None:  # the client left before it finished sending: nobody to answer
                 return
             out = await forward(Headers.from_scope(scope), raw, path, arrival)
-            if isinstance(out, Stream):
-                await out.to_asgi_response(None, Request(scope, receive, send))(scope, receive, send)
-                return
-            fields = [(b"content-type", (out.media_type or "application/json").encode()),
-                      (b"content-length", str(len(out.content)).encode())]
+            fields = [(b"content-type", (out.media_type or "application/json").encode())]
             fields += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in out.headers.items()]
+            if isinstance(out, Stream):
+                await _send_stream(out.status_code, fields, out.iterator, receive, send)  # type: ignore[arg-type]
+                return
+            fields.append((b"content-length", str(len(out.content)).encode()))
             await send({"type": "http.response.start", "status": out.status_code, "headers": fields})
             await send({"type": "http.response.body", "body": out.content})
 
@@ -310,6 +311,37 @@ async def _relay(up: UpstreamResponse | Http1Response, worker: Worker, pool: Wor
     finally:  # also when our client went away: closing the upstream cancels the engine's work
         await up.aclose()
         pool.release(worker)
+
+
+async def _send_stream(status: int, fields: list[tuple[bytes, bytes]], chunks: AsyncGenerator[bytes, None],
+                       receive: Receive, send: Send) -> None:
+    """Chunks as they come. A client that leaves cancels the relay, whose closing the upstream
+    cancels the engine's work (the ASGI server drops writes to a gone client without a word)."""
+    relay = asyncio.current_task()
+    assert relay is not None
+    state = {"gone": False, "finished": False}
+
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        state["gone"] = True
+        if not state["finished"]:
+            relay.cancel()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await send({"type": "http.response.start", "status": status, "headers": fields})
+        async for chunk in chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+    except asyncio.CancelledError:
+        if not state["gone"]:
+            raise
+        relay.uncancel()  # the cancel was ours: the request is over
+    finally:
+        state["finished"] = True
+        watcher.cancel()
+        await chunks.aclose()
 
 
 async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes | None:
