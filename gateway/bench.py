@@ -278,7 +278,7 @@ def _table(console: Console, r: dict[str, Any]) -> None:
         console.print(h)
     if b := r.get("breakdown"):
         w = Table(title="where the gateway's CPU goes (ms per request, one request at a time)")
-        for col in ("Litestar floor, back to back", "Litestar floor, engine computing", "httpx upstream call",
+        for col in ("Litestar floor, back to back", "Litestar floor, engine computing", "upstream call",
                     "the rest", "gateway total"):
             w.add_column(col, justify="right")
         w.add_row(*(f"{b[k]:.3f}" for k in ("litestar_floor_cpu_ms", "litestar_floor_busy_neighbour_cpu_ms",
