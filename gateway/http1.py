@@ -21,7 +21,35 @@ import httpx
 KEEPALIVE_S = 4.0  # below uvicorn's 5 s idle timeout: the worker never closes a connection we reuse
 
 
-class _Connection(asyncio.Protocol):
+class WriteFlow(asyncio.Protocol):
+    """asyncio's write flow control as a future that is pending while the socket's send buffer is full."""
+
+    _loop: asyncio.AbstractEventLoop
+    _can_write: asyncio.Future[None] | None = None
+
+    def pause_writing(self) -> None:
+        self._can_write = self._loop.create_future()
+
+    def resume_writing(self) -> None:
+        self._release_writers()
+
+    def _release_writers(self) -> None:
+        if self._can_write is not None and not self._can_write.done():
+            self._can_write.set_result(None)
+        self._can_write = None
+
+    async def _drained(self, timeout: float | None) -> bool:
+        """Whether the send buffer drained (or the connection ended) within `timeout`."""
+        if self._can_write is None:
+            return True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._can_write), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+
+class _Connection(WriteFlow):
     """One keep-alive connection; at most one request on it at a time."""
 
     def __init__(self) -> None:
@@ -31,7 +59,6 @@ class _Connection(asyncio.Protocol):
         self._loop = asyncio.get_running_loop()
         self._parser = httptools.HttpResponseParser(self)
         self._waiter: asyncio.Future[None] | None = None
-        self._can_write: asyncio.Future[None] | None = None
         self._error: Exception | None = None
         self._reset()
 
@@ -64,16 +91,7 @@ class _Connection(asyncio.Protocol):
                 self._error = self._error or httpx.ReadError(
                     f"the upstream closed the connection{f': {exc}' if exc else ''}")
         self._wake()
-        if self._can_write is not None and not self._can_write.done():
-            self._can_write.set_result(None)
-
-    def pause_writing(self) -> None:
-        self._can_write = self._loop.create_future()
-
-    def resume_writing(self) -> None:
-        if self._can_write is not None and not self._can_write.done():
-            self._can_write.set_result(None)
-        self._can_write = None
+        self._release_writers()
 
     # -- httptools callbacks -------------------------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -113,12 +131,9 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         self._reset()
         self.transport.write(data)
-        if self._can_write is not None:  # the socket's send buffer is full: wait until it drains
-            try:
-                await asyncio.wait_for(asyncio.shield(self._can_write), timeout)
-            except TimeoutError:
-                self.close()
-                raise httpx.WriteTimeout(f"could not write the request in {timeout} s") from None
+        if not await self._drained(timeout):
+            self.close()
+            raise httpx.WriteTimeout(f"could not write the request in {timeout} s")
 
     async def wait(self, ready: bool, timeout: float | None) -> None:
         """Until `ready` would be true (re-checked by the caller) or something arrives."""

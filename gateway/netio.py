@@ -26,12 +26,12 @@ from typing import Any, NamedTuple
 import httpcore
 import httpx
 
-from gateway.http1 import Http1Pool, Http1Response, request_head
+from gateway.http1 import Http1Pool, Http1Response, WriteFlow, request_head
 
 CORK_BYTES = 64 * 1024
 
 
-class _Stream(asyncio.Protocol, httpcore.AsyncNetworkStream):
+class _Stream(WriteFlow, httpcore.AsyncNetworkStream):
     def __init__(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._transport: asyncio.Transport | None = None
@@ -39,7 +39,6 @@ class _Stream(asyncio.Protocol, httpcore.AsyncNetworkStream):
         self._eof = False
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
-        self._can_write: asyncio.Future[None] | None = None
         self._pending: list[bytes] = []  # corked writes
         self._pending_size = 0
 
@@ -59,16 +58,7 @@ class _Stream(asyncio.Protocol, httpcore.AsyncNetworkStream):
     def connection_lost(self, exc: BaseException | None) -> None:
         self._eof, self._error = True, exc
         self._wake()
-        if self._can_write is not None and not self._can_write.done():
-            self._can_write.set_result(None)
-
-    def pause_writing(self) -> None:
-        self._can_write = self._loop.create_future()
-
-    def resume_writing(self) -> None:
-        if self._can_write is not None and not self._can_write.done():
-            self._can_write.set_result(None)
-        self._can_write = None
+        self._release_writers()
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
@@ -114,11 +104,8 @@ class _Stream(asyncio.Protocol, httpcore.AsyncNetworkStream):
         if self._pending_size < CORK_BYTES:
             return
         self._flush()
-        if self._can_write is not None:  # the socket's send buffer is full: wait for it to drain
-            try:
-                await asyncio.wait_for(asyncio.shield(self._can_write), timeout)
-            except TimeoutError:
-                raise httpcore.WriteTimeout(f"could not write for {timeout} s") from None
+        if not await self._drained(timeout):  # the socket's send buffer stayed full
+            raise httpcore.WriteTimeout(f"could not write for {timeout} s")
 
     async def aclose(self) -> None:
         if self._transport is not None:

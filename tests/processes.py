@@ -7,12 +7,34 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import httpx
 
 from gateway.processes import free_port, start, stop, wait_healthy
 
-__all__ = ["free_port", "preemption_scenario", "serving", "start", "stop", "wait_healthy"]
+__all__ = ["free_port", "preemption_scenario", "serving", "start", "stop", "uvicorn_thread", "wait_healthy"]
+
+
+@contextmanager
+def uvicorn_thread(app: Any, **config: Any) -> Iterator[int]:
+    """An ASGI app served by uvicorn in a thread of this process (keep-alive 1 s): its port."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_keep_alive=1, **config))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(10)
 
 
 @contextmanager

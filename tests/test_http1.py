@@ -6,15 +6,13 @@ response was read to the end."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-from processes import free_port
+from processes import free_port, uvicorn_thread
 
 from gateway.http1 import Http1Pool, request_head
 
@@ -48,18 +46,8 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
 
 @pytest.fixture(scope="module")
 def uvicorn_port() -> Iterator[int]:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_keep_alive=1))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    yield port
-    server.should_exit = True
-    thread.join(10)
+    with uvicorn_thread(app) as port:
+        yield port
 
 
 def head(path: str = "/", headers: dict[str, str] | None = None, length: int = 0) -> bytes:

@@ -8,16 +8,13 @@ import asyncio
 import shutil
 import ssl
 import subprocess
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-from processes import free_port
+from processes import free_port, uvicorn_thread
 
 from gateway.netio import UpstreamTransport
 
@@ -41,20 +38,8 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
 
 
 def _serve(**kw: Any) -> Iterator[str]:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_keep_alive=1, **kw))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
+    with uvicorn_thread(app, **kw) as port:
         yield f"{'https' if kw else 'http'}://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 @pytest.fixture(scope="module")
