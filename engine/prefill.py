@@ -28,11 +28,11 @@ class RunAhead:
 
     CUDA kernels are queued: unbounded, the host would queue a whole prefill in milliseconds and a
     preemption would then wait for all of it on the device. Here, after queueing a step, the host
-    waits for the oldest queued steps to finish until at most `limit_s` of predicted work (and
-    never fewer than two steps: the running one and the next) is queued. The device never idles
-    between steps while the host prepares the next, and a stop waits for at most that much work.
-    Host-side step times then track device time, which is what the cost model learns from. On a
-    CPU every step is synchronous and this does nothing.
+    waits for the oldest queued steps to finish until at most `limit_s` of predicted work is queued,
+    but never for the step it has just queued: the device runs that one while the host prepares
+    the next, so it never idles between steps, and a stop waits for at most the running step and
+    the one queued behind it (two budgets). Host-side step times then track device time, which is
+    what the cost model learns from. On a CPU every step is synchronous and this does nothing.
     """
 
     def __init__(self, device: torch.device, limit_s: float = 0.002,
@@ -53,7 +53,7 @@ class RunAhead:
         event.record()
         self._queue.append((event, predicted_s))
         self._queued_s += predicted_s
-        while len(self._queue) > 2 and self._queued_s > self.limit_s:
+        while len(self._queue) > 1 and self._queued_s > self.limit_s:
             oldest, cost = self._queue.popleft()
             oldest.synchronize()  # releases the GIL while it waits
             self._queued_s -= cost

@@ -410,8 +410,9 @@ class _FakeEvent:
 
 
 def test_run_ahead_keeps_the_device_fed_and_the_queue_short() -> None:
-    """On an asynchronous device the host may queue about `limit_s` of predicted work, and never
-    fewer than two steps (the running one and the next); it waits for the oldest steps first."""
+    """On an asynchronous device the host may queue about `limit_s` of predicted work, and always
+    the step it has just queued (the device runs it while the host prepares the next, so a stop waits
+    for two steps at most); it waits for the oldest steps first."""
     from engine.prefill import RunAhead
 
     _FakeEvent.log, _FakeEvent.count = [], 0
@@ -420,9 +421,11 @@ def test_run_ahead_keeps_the_device_fed_and_the_queue_short() -> None:
         ahead.step_queued(0.0005)
         assert 2 <= ahead.queued <= 4 or _FakeEvent.count < 2
     assert _FakeEvent.log == [1, 2, 3, 4, 5, 6]  # oldest first, never more than needed
-    for _ in range(3):  # long steps: the running one and the next
+    for _ in range(3):  # long steps: the one just queued, which the device runs meanwhile
         ahead.step_queued(0.010)
-        assert ahead.queued == 2
+        assert ahead.queued == 1
+    ahead.step_queued(0.0005)  # a short step behind a long one: the long one is waited for
+    assert ahead.queued == 1 and _FakeEvent.log[-1] == _FakeEvent.count - 1
     ahead.drain()
     assert ahead.queued == 0 and _FakeEvent.log[-1] == _FakeEvent.count
     assert RunAhead(torch.device("cpu")).queued == 0  # on the CPU: nothing to track
