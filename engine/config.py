@@ -102,5 +102,8 @@ class EngineConfig:
     # which bounds how long a preemption request waits for the running batch to stop.
     step_budget_ms: float = 2.0
     preemptible: bool = True  # False = checkpoints off: one step per operator, no split
+    # CUDA only: batches of up to this many tokens replay their row-wise steps as CUDA graphs,
+    # captured when the engine starts (engine/model/graphs.py); 0 = always eager.
+    cuda_graph_tokens: int = 2048
     num_threads: int | None = None
     seed: int = 0

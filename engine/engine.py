@@ -40,6 +40,8 @@ class Engine:
         dtype, device = getattr(torch, cfg.dtype), torch.device(cfg.device)
         self.kv = KVCache(self.model.cfg, cfg.kv_block_size, cfg.kv_capacity_tokens, dtype, device)
         self.cost = load_cost(self.model)
+        if self.model.graphs is not None:
+            self.model.graphs.capture_all()
         self.budget_s = cfg.step_budget_ms / 1000 if cfg.preemptible else None
         self.cost.budget_s = self.budget_s
         self.policy = make_policy(policy) if isinstance(policy, str) else policy

@@ -212,11 +212,12 @@ def test_engine_serves_with_flashinfer_and_frees_everything(checkpoint: Path) ->
 
 
 @pytest.mark.parametrize("budget_s", [None, SPLIT_BUDGET_S])
-def test_no_step_waits_for_the_gpu(checkpoint: Path, budget_s: float | None) -> None:
+@pytest.mark.parametrize("long", [2000, 1000], ids=["eager", "graphs"])
+def test_no_step_waits_for_the_gpu(checkpoint: Path, budget_s: float | None, long: int) -> None:
     """The rule that keeps a GPU fed: nothing inside a prefill step reads device data on the host
     (which would wait for every queued kernel). torch's sync debug mode raises on any such read; the
     batch set-up (before the first step's yield) and the logits (after the last's) may sync and run
-    outside it."""
+    outside it. 2,300 tokens run eagerly, 1,300 replay CUDA graphs (the first run captures them)."""
     from engine.config import EngineConfig
     from engine.kv_cache import KVCache
     from engine.model import load_model
@@ -225,7 +226,7 @@ def test_no_step_waits_for_the_gpu(checkpoint: Path, budget_s: float | None) -> 
                                        attention_backend="flashinfer"))
     cost = splitting_cost(model.cfg)
     kv = KVCache(model.cfg, 16, 8192, DT, "cuda")
-    prompts = [[i % 500 + 1 for i in range(2000)], [5] * 300]
+    prompts = [[i % 500 + 1 for i in range(long)], [5] * 300]
     spans = [SeqSpan(0, len(p)) for p in prompts]
     steps = plan_prefill(cost, spans, budget_s, last_token_only=True)
     tables = [kv.allocate(len(p)) for p in prompts]
@@ -242,3 +243,64 @@ def test_no_step_waits_for_the_gpu(checkpoint: Path, budget_s: float | None) -> 
         torch.cuda.set_sync_debug_mode("default")
     with pytest.raises(StopIteration):
         next(run)
+    assert model.graphs is not None and model.graphs.captured == ([1408] if long == 1000 else [])
+
+
+def test_cuda_graphs_match_the_eager_forward(checkpoint: Path) -> None:
+    """Batches of up to `cuda_graph_tokens` replay their row-wise steps as CUDA graphs: logits equal
+    the eager forward's to bfloat16 rounding, unsplit and split, bit for bit repeatable; a batch
+    suspended on its bucket while another of that bucket runs (eagerly) and one of another bucket
+    runs (its own graphs) resumes to the same logits; every lease comes back."""
+    from engine.config import EngineConfig
+    from engine.kv_cache import KVCache
+    from engine.model import load_model
+    from engine.model.plan import SeqSpan
+    from engine.prefill import PrefillBatch
+    from engine.request import Request
+
+    def cfg(graph_tokens: int) -> EngineConfig:
+        return EngineConfig(model=str(checkpoint), device="cuda", dtype="bfloat16", attention_backend="flashinfer",
+                            cuda_graph_tokens=graph_tokens)
+
+    graphed, eager = load_model(cfg(2048))[0], load_model(cfg(0))[0]
+    assert graphed.graphs is not None and eager.graphs is None
+    cost = splitting_cost(graphed.cfg)
+    kv = KVCache(graphed.cfg, 16, 16384, DT, "cuda")
+
+    def batch(model: Any, lengths: list[int], budget: float | None, seed: int) -> PrefillBatch:
+        gen = torch.Generator().manual_seed(seed)
+        reqs = []
+        for i, n in enumerate(lengths):
+            r = Request(request_id=f"{seed}-{i}", prompt_token_ids=torch.randint(0, 512, (n,), generator=gen).tolist())
+            r.block_table = kv.allocate(n)
+            reqs.append(r)
+        return PrefillBatch.on_model(reqs, [SeqSpan(0, n) for n in lengths], model, kv, cost, budget)
+
+    def finish(b: PrefillBatch) -> torch.Tensor:
+        while not b.advance():
+            pass
+        for r in b.requests:
+            kv.free(r.block_table)
+        assert b.logits is not None
+        return b.logits.float()
+
+    for budget in (None, SPLIT_BUDGET_S):
+        lengths = [700, 35, 300]  # 1035 tokens: the 1152 bucket
+        want = finish(batch(eager, lengths, budget, 1))
+        got = finish(batch(graphed, lengths, budget, 1))
+        assert (got - want).abs().max() / want.abs().max() < 0.02
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        assert torch.equal(finish(batch(graphed, lengths, budget, 1)), got)
+        assert graphed.graphs.failure is None and graphed.graphs.captured == [1152]
+
+    straight = finish(batch(graphed, [1000], None, 2))
+    held = batch(graphed, [1000], None, 2)
+    for _ in range(4):
+        held.advance()
+    held.wait_device()
+    same_bucket = finish(batch(graphed, [1010], None, 3))  # the 1024 bucket is held: eager
+    torch.testing.assert_close(same_bucket, finish(batch(eager, [1010], None, 3)), atol=0.05, rtol=0.05)
+    finish(batch(graphed, [64], None, 4))
+    assert torch.equal(finish(held), straight)
+    assert graphed.graphs is not None and not any(b.leased for b in graphed.graphs._buckets.values())
+    assert kv.num_free_blocks == kv.num_blocks

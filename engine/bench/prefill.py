@@ -300,6 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["auto", "sdpa", "flashinfer"], help="as `flowprefill serve` (default auto)")
     p.add_argument("--step-budget-ms", type=float, default=EngineConfig().step_budget_ms,
                    help="the engine's step budget for the split (default: EngineConfig's)")
+    p.add_argument("--cuda-graph-tokens", type=int, default=EngineConfig().cuda_graph_tokens,
+                   help="CUDA only: prefills of up to this many tokens replay CUDA graphs (0 = eager)")
     return p
 
 
@@ -347,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     threads = args.threads or cpu_count()
     global BASE_CONFIG
     BASE_CONFIG = EngineConfig(step_budget_ms=args.step_budget_ms, model=args.model, device=args.device,
-                               dtype=args.dtype, attention_backend=args.attention_backend)
+                               dtype=args.dtype, attention_backend=args.attention_backend,
+                               cuda_graph_tokens=args.cuda_graph_tokens)
     started, t_start = dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), time.monotonic()
     argv_used = sys.argv[1:] if argv is None else list(argv)
     invoked = getattr(sys, "orig_argv", sys.argv) if argv is None else ["flowprefill", "bench", "prefill", *argv_used]
@@ -383,6 +386,13 @@ def main(argv: list[str] | None = None) -> int:
             results["config"]["calibration"] = cost_dict(bench._model[1])
             results["config"]["model"] = asdict(bench._model[0].cfg)
             results["config"]["attention_backend"] = bench._model[0].backend.name
+            graphs = bench._model[0].graphs
+            if graphs is not None:
+                results["config"]["cuda_graphs"] = {"buckets_captured": graphs.captured,
+                                                    "capture_s": graphs.capture_s, "failure": graphs.failure}
+                console.print(f"CUDA graphs (prefills of up to {BASE_CONFIG.cuda_graph_tokens} tokens): buckets "
+                              f"{graphs.captured} captured in {graphs.capture_s:.1f} s"
+                              + (f"; capture failed: {graphs.failure}" if graphs.failure else ""))
         results["duration_s"] = time.monotonic() - t_start
         with suppress(OSError):
             results["machine"]["loadavg_at_end"] = os.getloadavg()

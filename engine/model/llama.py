@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from engine.attention import AttentionBackend
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
+from engine.model.graphs import StepGraphs
 from engine.model.plan import ATTENTION, ATTN_IN, FFN, SeqSpan, Step
 from engine.model.rope import Rotary
 
@@ -48,6 +49,7 @@ class LlamaModel:
                              dtype, self.device)
         self.q_size = cfg.num_attention_heads * cfg.head_dim
         self.kv_size = cfg.num_key_value_heads * cfg.head_dim
+        self.graphs: StepGraphs | None = None  # set by load_model on CUDA (EngineConfig.cuda_graph_tokens)
 
     # -- operators (row-wise ones take any block of tokens) ------------------------------------
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -97,44 +99,60 @@ class LlamaModel:
             row0.append(row0[-1] + s.length)
         x = self.embed[torch.cat([torch.tensor(ids, dtype=torch.long) for ids in token_ids]).to(dev)]
         n = x.shape[0]
-        q = x.new_empty(n, c.num_attention_heads, c.head_dim)
-        k = x.new_empty(n, c.num_key_value_heads, c.head_dim)
-        v = torch.empty_like(k)
-        attn = torch.empty_like(q)
-        keys: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per sequence: its keys this layer
-        outs: list[torch.Tensor] = []  # partial results of the current query block's key tiles
-        lses: list[torch.Tensor] = []
-        for i, step in enumerate(steps):
-            layer = self.layers[step.layer]
-            a, b = step.rows
-            if step.op == ATTN_IN:
-                new_q, new_k, new_v = self._attn_in(layer, x[a:b], (cos[a:b], sin[a:b]))
-                if b - a == n:  # the whole batch in one step (no split): keep the results, don't copy them
-                    q, k, v = new_q, new_k, new_v.contiguous()
-                else:
-                    q[a:b], k[a:b], v[a:b] = new_q, new_k, new_v
-                kv.write(step.layer, slots[a:b], k[a:b], v[a:b])
-                keys.clear()
-            elif step.op == ATTENTION:
-                if step.seq not in keys:
-                    keys[step.seq] = self._seq_keys(step, spans, row0, k, v, kv, prefix_index)
-                sk, sv = keys[step.seq]
-                ka, kb = step.keys
-                out, lse = self.backend.tile(q[a:b], sk[ka:kb], sv[ka:kb], step.causal)
-                outs.append(out)
-                lses.append(lse)
-                if step.causal:  # the diagonal tile is the last of its query block
-                    attn[a:b] = self.backend.merge(outs, lses)
-                    outs, lses = [], []
-            elif step.op == FFN:
-                if b - a == n:
-                    x = self._ffn(layer, x, attn)
-                else:
-                    x[a:b] = self._ffn(layer, x[a:b], attn[a:b])
-            yield i
-        if all_logits:
-            return self._logits(x)
-        return self._logits(x[torch.tensor(row0[1:], device=dev) - 1])
+        # Short batches replay their row-wise steps as CUDA graphs (engine/model/graphs.py): then
+        # x, q, k, v and attn are views of the leased bucket's buffers, written in place.
+        lease = self.graphs.lease(n) if self.graphs is not None else None
+        try:
+            if lease is not None:
+                x, q, k, v, attn = lease.load(x, cos, sin)
+            else:
+                q = x.new_empty(n, c.num_attention_heads, c.head_dim)
+                k = x.new_empty(n, c.num_key_value_heads, c.head_dim)
+                v = torch.empty_like(k)
+                attn = torch.empty_like(q)
+            keys: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per sequence: its keys this layer
+            outs: list[torch.Tensor] = []  # partial results of the current query block's key tiles
+            lses: list[torch.Tensor] = []
+            for i, step in enumerate(steps):
+                layer = self.layers[step.layer]
+                a, b = step.rows
+                whole = b - a == n  # the whole batch in one step (no split)
+                if step.op == ATTN_IN:
+                    if whole and lease is not None:
+                        lease.replay(step.layer, ATTN_IN)
+                    else:
+                        new_q, new_k, new_v = self._attn_in(layer, x[a:b], (cos[a:b], sin[a:b]))
+                        if whole:  # keep the results, don't copy them
+                            q, k, v = new_q, new_k, new_v.contiguous()
+                        else:
+                            q[a:b], k[a:b], v[a:b] = new_q, new_k, new_v
+                    kv.write(step.layer, slots[a:b], k[a:b], v[a:b])
+                    keys.clear()
+                elif step.op == ATTENTION:
+                    if step.seq not in keys:
+                        keys[step.seq] = self._seq_keys(step, spans, row0, k, v, kv, prefix_index)
+                    sk, sv = keys[step.seq]
+                    ka, kb = step.keys
+                    out, lse = self.backend.tile(q[a:b], sk[ka:kb], sv[ka:kb], step.causal)
+                    outs.append(out)
+                    lses.append(lse)
+                    if step.causal:  # the diagonal tile is the last of its query block
+                        attn[a:b] = self.backend.merge(outs, lses)
+                        outs, lses = [], []
+                elif step.op == FFN:
+                    if whole and lease is not None:
+                        lease.replay(step.layer, FFN)
+                    elif whole:
+                        x = self._ffn(layer, x, attn)
+                    else:
+                        x[a:b] = self._ffn(layer, x[a:b], attn[a:b])
+                yield i
+            if all_logits:
+                return self._logits(x)
+            return self._logits(x[torch.tensor(row0[1:], device=dev) - 1])
+        finally:  # also when a cancelled batch's generator is closed while suspended
+            if lease is not None:
+                StepGraphs.release(lease)
 
     @staticmethod
     def _seq_keys(step: Step, spans: list[SeqSpan], row0: list[int], k: torch.Tensor, v: torch.Tensor,
