@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.bench.prefill_plot import size_label
 from engine.config import EngineConfig
 from engine.slo import DEFAULT_CLASSES
 from gateway.cli import main as cli_main
@@ -153,14 +154,17 @@ def test_benchmark_tables_match_the_recorded_results() -> None:
         label = f"{n // 1024}K" if n >= 1024 else str(n)
         assert stop[label][3] == f"{per['p99_ms']:.2f}", label
     h200 = json.loads((RESULTS / "prefill-h200.json").read_text())
-    rows = {r[0]: r for r in _table(_section("benchmarks.md", "## On a GPU (NVIDIA H200, Llama 3.1 8B shape)"))}
-    for n in h200["throughput"]["sizes"]:
-        label = f"{n // 1024}K" if n >= 1024 else str(n)
-        for col, name in ((1, "ours unsplit"), (2, "ours preemptible"), (3, "transformers")):
-            assert rows[label][col].startswith(f"{h200['throughput']['tokens_per_s'][name][str(n)]:,.0f} "), label
+    for results, heading in ((h200, "## On a GPU (NVIDIA H200, Llama 3.1 8B shape)"),
+                             (json.loads((RESULTS / "prefill-h200-eager.json").read_text()),
+                              "### CUDA graphs on and off")):
+        rows = {r[0]: r for r in _table(_section("benchmarks.md", heading))}
+        for n in results["throughput"]["sizes"]:
+            for col, name in ((1, "ours unsplit"), (2, "ours preemptible"), (3, "transformers")):
+                want = f"{results['throughput']['tokens_per_s'][name][str(n)]:,.0f} "
+                assert rows[size_label(n)][col].startswith(want), (heading, n)
     stop = {r[0]: r for r in _table(_section("benchmarks.md", "### Stop latency on the GPU"))}
     for n in h200["stop_latency"]["sizes"]:
-        label = f"{n // 1024}K" if n >= 1024 else str(n)
+        label = size_label(n)
         for col, mode in ((3, "split"), (8, "unsplit")):
             assert stop[label][col] == f"{h200['stop_latency']['modes'][mode][str(n)]['p99_ms']:.2f}", label
     gw = json.loads((RESULTS / "gateway.json").read_text())
