@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import ClassVar
 
 import pytest
@@ -49,3 +49,19 @@ class EngineFactory:
         for eng in self.engines:
             eng.shutdown()
         torch.set_num_threads(self._threads)
+
+
+class RerunCapture:
+    """CPU stand-in for `cuda_capture`: a replay reruns the captured function; counts replays."""
+
+    def __init__(self) -> None:
+        self.replays = 0
+
+    def __call__(self, fn: Callable[[], None]) -> Callable[[], None]:
+        fn()  # cuda_capture's warm-up run
+
+        def replay() -> None:
+            self.replays += 1
+            fn()
+
+        return replay

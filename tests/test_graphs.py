@@ -9,35 +9,17 @@ checks real CUDA graphs against the eager forward on a GPU.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import torch
-from test_host_reads import no_host_reads
+from helpers import RerunCapture
 from test_preemption import BUDGET, CFG, COST, FP32, fresh_kv, kv_of, make_weights, prompt, run
 
 from engine.attention.sdpa import SDPABackend
 from engine.model.graphs import StepGraphs
 from engine.model.llama import LlamaModel
-from engine.model.plan import SeqSpan, plan_prefill
+from engine.model.plan import SeqSpan
 from engine.prefill import PrefillBatch
 from engine.request import Request
-
-
-class RerunCapture:
-    """CPU stand-in for `cuda_capture`: a replay reruns the captured function; counts replays."""
-
-    def __init__(self) -> None:
-        self.replays = 0
-
-    def __call__(self, fn: Callable[[], None]) -> Callable[[], None]:
-        fn()  # cuda_capture's warm-up run
-
-        def replay() -> None:
-            self.replays += 1
-            fn()
-
-        return replay
 
 
 def graph_model(max_tokens: int = 256) -> tuple[LlamaModel, RerunCapture]:
@@ -134,26 +116,3 @@ def test_buckets() -> None:
     assert graphs.lease(32) is got
     with pytest.raises(ValueError, match="cuda_graph_tokens"):
         StepGraphs(model, 8)
-
-
-@pytest.mark.parametrize("budget", [None, BUDGET], ids=["unsplit", "split"])
-def test_replayed_steps_read_nothing_on_the_host(budget: float | None) -> None:
-    """As test_host_reads, with the graph path: loading the bucket is set-up; no step reads back."""
-    model, capture = graph_model()
-    kv = fresh_kv()
-    prompts = [prompt(90, 1), prompt(30, 2)]
-    spans = [SeqSpan(0, 90), SeqSpan(0, 30)]
-    tables = [kv.allocate(90), kv.allocate(30)]
-    for _ in model.prefill(prompts, spans, tables, kv, plan_prefill(COST, spans, None)):  # buckets built
-        pass
-    steps = plan_prefill(COST, spans, budget, last_token_only=True)
-    run_ = model.prefill(prompts, spans, tables, kv, steps)
-    next(run_)
-    before = capture.replays
-    with no_host_reads():
-        for _ in range(len(steps) - 1):
-            next(run_)
-    with pytest.raises(StopIteration) as done:
-        next(run_)
-    assert torch.isfinite(done.value.value).all()
-    assert budget is not None or capture.replays > before

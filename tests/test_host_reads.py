@@ -15,12 +15,14 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import RerunCapture
 from test_preemption import BUDGET, COST, fresh_kv, make_weights, prompt
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.attention.sdpa import SDPABackend
 from engine.config import ModelConfig
+from engine.model.graphs import StepGraphs
 from engine.model.llama import LlamaModel
 from engine.model.plan import SeqSpan, plan_prefill
 
@@ -81,11 +83,16 @@ def test_the_guard_catches_what_would_sync() -> None:
 
 @pytest.mark.parametrize("cfg", [LLAMA3, None], ids=["llama3-rope", "qwen2-bias"])
 @pytest.mark.parametrize("budget", [None, BUDGET], ids=["unsplit", "split"])
-def test_no_prefill_step_reads_device_data(cfg: ModelConfig | None, budget: float | None) -> None:
-    """Every step after the batch set-up (which runs up to the first yield) and before the logits."""
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_no_prefill_step_reads_device_data(cfg: ModelConfig | None, budget: float | None, graphs: bool) -> None:
+    """Every step after the batch set-up (which runs up to the first yield) and before the logits;
+    with `graphs`, the CUDA-graph path (engine/model/graphs.py; loading the bucket is set-up)."""
     from test_preemption import CFG
     cfg = cfg or CFG
     model = LlamaModel(cfg, make_weights(cfg), SDPABackend())
+    capture = RerunCapture()
+    if graphs:
+        model.graphs = StepGraphs(model, 512, capture)
     kv = fresh_kv()
     # a cached prefix (a chunked prompt's second chunk) and a fresh prompt, ragged
     prompts = [prompt(300, 1), prompt(70, 2)]
@@ -93,6 +100,7 @@ def test_no_prefill_step_reads_device_data(cfg: ModelConfig | None, budget: floa
     for _ in model.prefill([prompts[0][:100]], [SeqSpan(0, 100)], tables[:1], kv,
                            plan_prefill(COST, [SeqSpan(0, 100)], None)):
         pass
+    capture.replays = 0  # the prefix above replayed too: count this batch's
     spans = [SeqSpan(100, 200), SeqSpan(0, 70)]
     steps = plan_prefill(COST, spans, budget, last_token_only=True)
     run = model.prefill([prompts[0][100:], prompts[1]], spans, tables, kv, steps)
@@ -103,3 +111,4 @@ def test_no_prefill_step_reads_device_data(cfg: ModelConfig | None, budget: floa
     with pytest.raises(StopIteration) as done:
         next(run)
     assert torch.isfinite(done.value.value).all()
+    assert (capture.replays > 0) == (graphs and budget is None)  # the split's partial steps run eagerly
