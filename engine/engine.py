@@ -14,7 +14,7 @@ import torch
 from engine.config import EngineConfig
 from engine.decode import OutputStream
 from engine.kv_cache import KVCache, OutOfBlocks
-from engine.model import load_model
+from engine.model import load_model, use_device
 from engine.model.plan import SeqSpan
 from engine.observer import EngineObserver
 from engine.predictor import load_cost
@@ -157,6 +157,7 @@ class Engine:
 
     # -- the engine thread ---------------------------------------------------------------------
     def _loop(self) -> None:
+        use_device(self.model.device)  # this thread's kernels, events and graph replays
         while True:
             if not (self._cancels or self._imports or self.scheduler.chosen or self._decoding):
                 with self._cv:

@@ -507,3 +507,17 @@ def test_admission_sheds_only_sheddable_predicted_misses_and_bounds_the_queue() 
         assert eng.admission(_Request(request_id="x", prompt_token_ids=[65] * 10), sheddable=False) == "queue_full"
     finally:
         eng.shutdown()
+
+
+def test_the_model_device_becomes_the_threads_current_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA events, synchronize and graph capture act on the current device: a model on cuda:1 makes
+    cuda:1 current for the thread that loads it and for the engine thread (no GPU needed to check)."""
+    import torch
+
+    from engine.model import use_device
+
+    calls: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    for name in ("cpu", "cuda", "cuda:1"):
+        use_device(torch.device(name))
+    assert calls == [torch.device("cuda:1")]  # plain "cuda" is the current device already

@@ -13,7 +13,7 @@ from engine.model.llama import LlamaModel
 from engine.model.loader import default_model, load_checkpoint
 from engine.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
-__all__ = ["LlamaModel", "load_model"]
+__all__ = ["LlamaModel", "load_model", "use_device"]
 
 
 def load_model(cfg: EngineConfig) -> tuple[LlamaModel, ByteTokenizer | HFTokenizer]:
@@ -22,6 +22,7 @@ def load_model(cfg: EngineConfig) -> tuple[LlamaModel, ByteTokenizer | HFTokeniz
     else:
         model_cfg, weights = default_model(cfg.seed)
     device = torch.device(cfg.device)
+    use_device(device)
     dtype = getattr(torch, cfg.dtype)
     backend = select_backend(cfg.attention_backend, device, dtype, model_cfg.head_dim)
     model = LlamaModel(model_cfg, weights, backend, dtype, device)
@@ -30,3 +31,12 @@ def load_model(cfg: EngineConfig) -> tuple[LlamaModel, ByteTokenizer | HFTokeniz
     tokenizer = load_tokenizer(Path(cfg.model) if cfg.model else None, model_cfg.eos_token_id,
                                model_cfg.vocab_size)
     return model, tokenizer
+
+
+def use_device(device: torch.device) -> None:
+    """Make `device` this thread's current CUDA device. CUDA events, `synchronize`, streams and
+    graph capture act on the current device, not on the one the tensors live on: without this, a
+    model on cuda:1 would be calibrated, run ahead and captured against cuda:0."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+
