@@ -212,9 +212,9 @@ class Engine:
         prev = self._current
         preempted = prev is not None and prev in self.scheduler.pool  # it still owes work
         if preempted:
-            prev.wait_device()  # on CUDA its last queued steps may still be running: the stop ends there
+            queued = prev.wait_device()  # on CUDA its last queued steps may still run: the stop ends there
             now = self.clock()
-            prev.suspend(now, self.scheduler.chosen_at, batch)
+            prev.suspend(now, self.scheduler.chosen_at, batch, queued)
             self.preemptions += 1
             for o in self.observers:
                 o.on_segment_end(prev, now)

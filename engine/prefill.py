@@ -46,6 +46,11 @@ class RunAhead:
     def queued(self) -> int:
         return len(self._queue or ())
 
+    @property
+    def queued_s(self) -> float:
+        """Predicted time of the queued steps (some may have finished already)."""
+        return self._queued_s
+
     def step_queued(self, predicted_s: float) -> None:
         if self._queue is None or self._new_event is None:
             return
@@ -130,11 +135,14 @@ class PrefillBatch:
         self.next_step = i + 1
         return False
 
-    def wait_device(self) -> None:
-        """Block until this batch's queued steps have run (a suspension is complete on the device)."""
+    def wait_device(self) -> tuple[int, float]:
+        """Block until this batch's queued steps have run (a suspension is complete on the device).
+        Returns how many steps were queued and their predicted seconds: what the wait was for."""
+        queued = (self._device.queued, self._device.queued_s)
         t0 = time.perf_counter()
         self._device.drain()
         self.exec_s += time.perf_counter() - t0
+        return queued
 
     def skip_to(self, step: int) -> None:
         """Virtual executions only (the simulator): steps before `step` count as done."""
@@ -160,7 +168,8 @@ class PrefillBatch:
                 r.segments.append((self.segment_start, now))
         self.segment_start = None
 
-    def suspend(self, now: float, decided_at: float, by: PrefillBatch | None) -> None:
+    def suspend(self, now: float, decided_at: float, by: PrefillBatch | None,
+                queued: tuple[int, float] = (0, 0.0)) -> None:
         self.end_segment(now)
         step = self.steps[min(self.next_step, len(self.steps) - 1)]
         done_rows = step.rows[0] if self.next_step < len(self.steps) else self.num_tokens
@@ -171,7 +180,8 @@ class PrefillBatch:
             r.suspensions.append(Suspension(
                 start=now, preempted_by=by.head.request_id if by else "",
                 by_class=by.head.slo_class if by else "", layer=step.layer, operator=step.op,
-                tokens_done=done_rows, stop_latency_s=max(0.0, now - decided_at)))
+                tokens_done=done_rows, stop_latency_s=max(0.0, now - decided_at),
+                queued_steps=queued[0], queued_predicted_s=queued[1]))
 
     def close(self) -> None:
         """Drop the suspended computation (its activations are released with the generator)."""

@@ -63,6 +63,10 @@ class Suspension(msgspec.Struct):
     operator: str = ""
     tokens_done: int = 0  # prompt tokens whose current layer work was complete
     stop_latency_s: float = 0.0  # preemption decided -> batch actually stopped
+    # On an asynchronous device (CUDA): the steps still queued when the engine acted on the decision,
+    # and their predicted time, which the stop waited for (0 on a CPU, where steps are synchronous).
+    queued_steps: int = 0
+    queued_predicted_s: float = 0.0
 
 
 class TokenOutput(msgspec.Struct):

@@ -188,6 +188,9 @@ class EngineTracer(EngineObserver):
                 "flowprefill.victim_class": r.slo_class,
                 "flowprefill.by_class": s.by_class,
                 "flowprefill.stop_latency_ms": s.stop_latency_s * 1000,
+                # beyond SPEC: on a GPU, the queued steps the stop waited for and their predicted time
+                "flowprefill.stop_queued_steps": s.queued_steps,
+                "flowprefill.stop_queued_predicted_ms": s.queued_predicted_s * 1000,
             })
 
     def on_finish(self, req: Request) -> None:

@@ -182,7 +182,8 @@ def test_preempted_prefill_equals_uninterrupted_on_gpu(checkpoint: Path) -> None
     for stop in stops:
         while long.next_step < stop:
             long.advance()
-        long.wait_device()
+        queued_steps, queued_s = long.wait_device()
+        assert queued_steps >= 1 and queued_s > 0  # the run-ahead always leaves the newest step queued
         suspended += 1
         finish(batch(f"urgent-{stop}", 64, stop))  # another batch takes the device meanwhile
     resumed = finish(long)

@@ -429,3 +429,24 @@ def test_run_ahead_keeps_the_device_fed_and_the_queue_short() -> None:
     ahead.drain()
     assert ahead.queued == 0 and _FakeEvent.log[-1] == _FakeEvent.count
     assert RunAhead(torch.device("cpu")).queued == 0  # on the CPU: nothing to track
+
+
+def test_a_suspension_records_the_queued_work_its_stop_waited_for(model: LlamaModel) -> None:
+    """On an asynchronous device a stop waits for the steps already queued: the suspension says how
+    many and their predicted time (how a slow stop is told from a mispredicted step)."""
+    from engine.prefill import RunAhead
+
+    kv = fresh_kv()
+    req = Request(request_id="r", prompt_token_ids=prompt(300, 1))
+    req.block_table = kv.allocate(300)
+    batch = new_batch([req], [SeqSpan(0, 300)], model, kv, BUDGET)
+    batch._device = RunAhead(torch.device("cpu"), limit_s=1.0, new_event=_FakeEvent)  # as on CUDA
+    assert not run(batch, 4)
+    queued = batch.wait_device()
+    assert queued == (4, pytest.approx(sum(batch.steps.cost(i) for i in range(4))))
+    batch.suspend(1.0, 0.99, None, queued)
+    s = req.suspensions[-1]
+    assert (s.queued_steps, s.queued_predicted_s) == queued and s.stop_latency_s == pytest.approx(0.01)
+    assert batch.wait_device() == (0, 0.0)  # drained
+    batch.close()
+    kv.free(req.block_table)

@@ -161,6 +161,9 @@ def test_preemptions_traced_gateway_to_worker(otlp_http: tuple[str, Collected]) 
     assert len({(s["start"], s["attrs"]["flowprefill.preempted_by"]) for s in preempted}) == counted
     for s in preempted:
         assert set(s["attrs"]) >= SPEC_PREEMPTED_ATTRS, s["attrs"]
+        # a CPU worker's steps are synchronous: nothing is queued when it stops
+        a = s["attrs"]
+        assert (a["flowprefill.stop_queued_steps"], a["flowprefill.stop_queued_predicted_ms"]) == (0, 0)
         victim = by_id[s["parent"]]
         assert s["attrs"]["flowprefill.victim_class"] == victim["attrs"]["flowprefill.slo_class"]
         assert s["links"], "a preempted span links to the preempting request's prefill span"

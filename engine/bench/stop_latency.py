@@ -141,7 +141,8 @@ class StopLatencySection:
             if long_req.finish_reason != "cancelled":
                 long_wall.append(time.monotonic() - t0)
             new = [{"stop_ms": s.stop_latency_s * 1e3, "layer": s.layer, "operator": s.operator,
-                    "tokens_done": s.tokens_done} for s in long_req.suspensions]
+                    "tokens_done": s.tokens_done, "queued_steps": s.queued_steps,
+                    "queued_predicted_ms": s.queued_predicted_s * 1e3} for s in long_req.suspensions]
             self.progress.advance(task, min(target, len(suspensions) + len(new)) - min(target, len(suspensions)))
             suspensions += new
         self.progress.advance(task, max(0, target - len(suspensions)))  # what the time cap left undone
