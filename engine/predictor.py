@@ -13,14 +13,14 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import fields
 from pathlib import Path
 
 import torch
 
 from engine.model.llama import LlamaModel
-from engine.model.plan import OpCost
+from engine.model.plan import ATTN_IN, FFN, OpCost
 
 _MEASURED = ("attn_in_s_per_row", "ffn_s_per_row", "attn_s_per_pair", "row_step_floor_s")
 
@@ -37,44 +37,62 @@ def profile_key(model: LlamaModel) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", key)
 
 
-def calibrate(model: LlamaModel) -> OpCost:
-    """Time one block of each operator kind (about 0.1 s).
+# Row-wise blocks timed on a GPU: every 128 rows (a matmul tile's height) up to where the per-row
+# rate is taken. On a CPU the time per row is flat enough that a line does, and timing 32 sizes
+# would cost seconds of start-up on two cores.
+GPU_BLOCK_ROWS = tuple(range(128, 4097, 128))
+
+
+def calibrate(model: LlamaModel, block_rows: Sequence[int] | None = None) -> OpCost:
+    """Time one block of each operator kind (about 0.1 s; on a GPU also the row-block staircase,
+    about 0.5 s for an 8B model on an H200).
 
     On a CPU the cost per row is nearly flat in the block size; a GPU needs thousands of rows to
-    fill, so there the per-row cost is taken from large blocks and a small block's time becomes
-    the floor under any row-wise step (weights read once, kernels launched once)."""
+    fill, so there the per-row cost is taken from large blocks, and blocks of every multiple of 128
+    rows are timed (`OpCost.row_block_s`, `block_rows`): the planner then sizes token blocks so
+    their tiles fill whole waves."""
     c, dev = model.cfg, model.device
     dtype = model.embed.dtype
     layer = model.layers[0]
     gpu = dev.type == "cuda"
+    block_rows = (GPU_BLOCK_ROWS if gpu else ()) if block_rows is None else tuple(sorted(block_rows))
     q_n, k_n = (1024, 4096) if gpu else (256, 1024)
     q = torch.randn(q_n, c.num_attention_heads, c.head_dim, dtype=dtype, device=dev)
     kv = torch.randn(k_n, c.num_key_value_heads, c.head_dim, dtype=dtype, device=dev)
-    model.rotary.reserve(4096)
+    model.rotary.reserve(max((4096, *block_rows)))
 
-    def block_s(op: str, rows: int) -> float:
+    def block_s(op: str, rows: int, repeat: int = 9) -> float:
         x = torch.randn(rows, c.hidden_size, dtype=dtype, device=dev) * 0.02
-        if op == "attn_in":
+        if op == ATTN_IN:
             rope = model.rotary.at(torch.arange(rows, device=dev))
-            return _best_time(lambda: model._attn_in(layer, x, rope))
+            return _best_time(lambda: model._attn_in(layer, x, rope), repeat)
         attn = torch.randn(rows, c.num_attention_heads, c.head_dim, dtype=dtype, device=dev)
-        return _best_time(lambda: model._ffn(layer, x, attn))
-
-    def per_row(op: str) -> float:
-        if gpu:
-            return block_s(op, 4096) / 4096
-        # Two block sizes, the costlier per row: per-row cost is not quite flat in the block size.
-        return max(block_s(op, rows) / rows for rows in (256, 1024))
+        return _best_time(lambda: model._ffn(layer, x, attn), repeat)
 
     with torch.inference_mode():
+        tables = {op: [(rows, block_s(op, rows, repeat=5)) for rows in block_rows] for op in (ATTN_IN, FFN)
+                  } if block_rows else {}
+
+        def per_row(op: str) -> float:
+            if tables:  # the largest timed block
+                rows, s = tables[op][-1]
+                return s / rows
+            if gpu:
+                return block_s(op, 4096) / 4096
+            # Two block sizes, the costlier per row: per-row cost is not quite flat in the block size.
+            return max(block_s(op, rows) / rows for rows in (256, 1024))
+
         cost = OpCost(
             c,
-            attn_in_s_per_row=per_row("attn_in"),
-            ffn_s_per_row=per_row("ffn"),
+            attn_in_s_per_row=per_row(ATTN_IN),
+            ffn_s_per_row=per_row(FFN),
             attn_s_per_pair=_best_time(lambda: model.backend.tile(q, kv, kv, False)) / (q_n * k_n),
+            row_block_s=tables,
         )
-        if gpu:
-            cost.row_step_floor_s = min(block_s("attn_in", 128), block_s("ffn", 128))
+        if tables:
+            cost.row_step_floor_s = min(table[0][1] for table in tables.values())
+        elif gpu:
+            cost.row_step_floor_s = min(block_s(ATTN_IN, 128), block_s(FFN, 128))
     return cost
 
 
@@ -85,16 +103,30 @@ def load_cost(model: LlamaModel, use_cache: bool = True) -> OpCost:
     path = cache_dir() / f"opcost-{profile_key(model)}.json"
     try:
         cached = json.loads(path.read_text())
-        for name in _MEASURED:
-            setattr(cost, name, min(getattr(cost, name), float(cached[name])))
-    except (OSError, ValueError, KeyError):
+        faster = {name: min(getattr(cost, name), float(cached[name])) for name in _MEASURED}
+        blocks = _merge_blocks(cost.row_block_s, cached.get("row_block_s", {}))
+        for name, value in faster.items():
+            setattr(cost, name, value)
+        cost.row_block_s = blocks
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass  # no usable cache: the fresh measurement stands
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({f.name: getattr(cost, f.name) for f in fields(cost) if f.name in _MEASURED}))
+        path.write_text(json.dumps({f.name: getattr(cost, f.name) for f in fields(cost)
+                                    if f.name in (*_MEASURED, "row_block_s")}))
     except OSError:
         pass  # a read-only home is no reason not to serve
     return cost
+
+
+def _merge_blocks(fresh: dict[str, list[tuple[int, float]]], cached: dict[str, list[list[float]]]
+                  ) -> dict[str, list[tuple[int, float]]]:
+    """Per block size, the faster of the fresh and the cached time (sizes the fresh run timed)."""
+    out = {}
+    for op, table in fresh.items():
+        old = {int(rows): float(s) for rows, s in cached.get(op, [])}
+        out[op] = [(rows, min(s, old.get(rows, s))) for rows, s in table]
+    return out
 
 
 def _best_time(fn: Callable[[], object], repeat: int = 9) -> float:

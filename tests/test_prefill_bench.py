@@ -40,3 +40,18 @@ def test_prefill_bench_on_a_checkpoint_in_bfloat16(tmp_path: Path) -> None:
     # bfloat16 rounding differs between the two forwards (fused projections, op order), not more.
     diffs = [v for k, v in doc["throughput"]["agreement"].items() if k.startswith("max_abs_logit_diff")]
     assert diffs and max(diffs) < 0.05
+
+
+def test_overhead_section_compares_staircase_blocks_with_a_line(tmp_path: Path, monkeypatch) -> None:
+    """Where calibration timed a row-block staircase (CUDA by default; asked for here on the CPU),
+    the overhead section also runs the split with blocks sized from the per-row rate."""
+    from engine import predictor
+    from engine.bench import prefill
+
+    monkeypatch.setattr(prefill, "load_cost", lambda model: predictor.calibrate(model, block_rows=(32, 64, 96, 128)))
+    assert main(["bench", "prefill", "--quick", "--overhead-sizes", "512", "--repeats", "1",
+                 "--sections", "overhead", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "prefill.json").read_text())
+    per = doc["overhead"]["per_size"]["512"]
+    assert len(per["linear_blocks_s"]) == 1 and per["steps_linear_blocks"] > per["steps_off"]
+    assert [rows for rows, _ in doc["config"]["calibration"]["row_block_s"]["ffn"]] == [32, 64, 96, 128]

@@ -24,11 +24,10 @@ import datetime as dt
 import json
 import os
 import shlex
-import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -42,6 +41,7 @@ from rich.table import Table
 
 from engine.bench.contenders import HFPrefill, OurPrefill, device_sync, interleaved, load_transformers
 from engine.bench.machine import cpu_count, machine_info
+from engine.bench.overhead import OverheadSection, median
 from engine.bench.prefill_plot import HF, PREEMPTIBLE, UNSPLIT, plot, size_label
 from engine.bench.stop_latency import StopLatencySection, cost_dict, random_prompt
 from engine.config import EngineConfig
@@ -95,14 +95,10 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(values)
 
 
-def _median(xs: Sequence[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
 
-
-
-# -- sections 1 and 2: throughput and checkpoint overhead --------------------------------------------
+# -- section 1: throughput (2 and 3 are mixed in) --------------------------------------------
 @dataclass
-class Bench(StopLatencySection):
+class Bench(OverheadSection, StopLatencySection):
     console: Console
     progress: Progress
     plan: Plan
@@ -164,7 +160,7 @@ class Bench(StopLatencySection):
                 steps[name][str(n)] = fn.last_steps
         self.progress.update(task, description="throughput")
 
-        median_s = {name: {k: _median(v) for k, v in per.items()} for name, per in raw.items()}
+        median_s = {name: {k: median(v) for k, v in per.items()} for name, per in raw.items()}
         tok_s = {name: {k: int(k) / s for k, s in per.items()} for name, per in median_s.items()}
         ratio = ({name: {k: tok_s[name][k] / tok_s[HF][k] for k in tok_s[name]} for name in (UNSPLIT, PREEMPTIBLE)}
                  if HF in tok_s else {})
@@ -216,50 +212,6 @@ class Bench(StopLatencySection):
                               for k, v in r["agreement"].items() if k != "tokens")
             self.console.print(f"  max |logit diff| vs ours unsplit at {size_label(r['agreement']['tokens'])}: {diffs}")
 
-    def overhead(self) -> dict[str, Any]:
-        model, cost, kv = self.model()
-        on = OurPrefill(model, kv, cost, self.budget_s, check=True)
-        off = OurPrefill(model, kv, cost, None, check=False)
-        sizes = self.plan.overhead_sizes
-        task = self.progress.add_task("overhead", total=len(sizes) * (self.plan.repeats + 1) * 2)
-        out: dict[str, Any] = {"sizes": list(sizes), "step_budget_ms": self.cfg.step_budget_ms, "per_size": {}}
-        for n in sizes:
-            self.progress.update(task, description=f"overhead {size_label(n)}")
-            ids = random_prompt(n, model.cfg.vocab_size, self.gen)
-            table = kv.allocate(n)
-            try:
-                times = interleaved({"preemptible": lambda ids=ids, table=table: on(ids, table),
-                                     "off": lambda ids=ids, table=table: off(ids, table)},
-                                    self.plan.repeats, lambda: self.progress.advance(task),
-                                    device_sync(self.cfg.device))
-            finally:
-                kv.free(table)
-            m_on, m_off = _median(times["preemptible"]), _median(times["off"])
-            paired = [100 * (a / b - 1) for a, b in zip(times["preemptible"], times["off"], strict=True)]
-            out["per_size"][str(n)] = {
-                "preemptible_s": times["preemptible"], "off_s": times["off"],
-                "median_preemptible_s": m_on, "median_off_s": m_off,
-                "overhead_pct": 100 * (m_on / m_off - 1),
-                "paired_overhead_pct": paired, "median_paired_overhead_pct": _median(paired),
-                "steps_preemptible": on.last_steps, "steps_off": off.last_steps,
-                "mean_step_ms_preemptible": m_on / on.last_steps * 1e3,
-            }
-        self.progress.update(task, description="overhead")
-        self._overhead_table(out)
-        return out
-
-    def _overhead_table(self, r: dict[str, Any]) -> None:
-        t = Table(title=f"2 · Checkpoint overhead: split ({r['step_budget_ms']:g} ms budget) + per-step check "
-                  f"vs checkpoints off (median of {self.plan.repeats})", title_justify="left")
-        for col in ("prompt", "steps on / off", "off ms", "preemptible ms", "slower (medians)", "slower (paired)"):
-            t.add_column(col, justify="right")
-        for n in r["sizes"]:
-            p = r["per_size"][str(n)]
-            pct = p["overhead_pct"]
-            t.add_row(size_label(n), f"{p['steps_preemptible']} / {p['steps_off']}", f"{p['median_off_s'] * 1e3:,.1f}",
-                      f"{p['median_preemptible_s'] * 1e3:,.1f}",
-                      f"[{'green' if pct <= 5 else 'red'}]{pct:+.1f}%[/]", f"{p['median_paired_overhead_pct']:+.1f}%")
-        self.console.print(t)
 
 def _finite(x: Any) -> Any:
     """NaN/inf (a statistic of no samples) as null: the JSON stays standard."""

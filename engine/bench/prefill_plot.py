@@ -24,13 +24,18 @@ def plot(results: dict[str, Any], path: Path) -> None:
     panels = [k for k in ("throughput", "overhead", "stop_latency") if k in results]
     if not panels:
         return
-    widths = {"throughput": 1.2, "overhead": 0.7, "stop_latency": 1.4}
+    staircase = results["config"].get("calibration", {}).get("row_block_s")
+    if staircase:
+        panels.append("staircase")
+    widths = {"throughput": 1.2, "overhead": 0.7, "stop_latency": 1.4, "staircase": 1.0}
     fig, axes = plt.subplots(1, len(panels), figsize=(max(9.0, 5.2 * sum(widths[p] for p in panels)), 5.0),
                              gridspec_kw={"width_ratios": [widths[p] for p in panels]}, squeeze=False)
     colors = {UNSPLIT: "tab:orange", PREEMPTIBLE: "tab:blue", HF: "tab:gray"}
     for ax, panel in zip(axes[0], panels, strict=True):
-        r = results[panel]
-        if panel == "throughput":
+        r = results.get(panel, {})
+        if panel == "staircase":
+            _staircase(ax, results["config"]["calibration"])
+        elif panel == "throughput":
             for name in r["contenders"]:
                 xs = r["sizes"]
                 med = [r["tokens_per_s"][name][str(n)] for n in xs]
@@ -52,9 +57,14 @@ def plot(results: dict[str, Any], path: Path) -> None:
             pos = list(range(len(xs)))
             bars = ax.bar(pos, vals, color=["tab:red" if v > 5 else "tab:blue" for v in vals], width=0.5,
                           label="ratio of medians")
+            line = [r["per_size"][str(n)].get("linear_blocks_overhead_pct") for n in xs]
+            if all(v is not None for v in line):  # the same split cut by the per-row line (CUDA)
+                ax.bar([p - 0.37 for p in pos], line, width=0.2, color="none", edgecolor="tab:gray", hatch="//",
+                       label="blocks from the line")
             # Keep the bars readable: a wild repetition (a descheduled thread) is drawn at the edge.
             second = [sorted(abs(v) for v in pts)[-2] for pts in paired if len(pts) > 1]
-            hi = max(10.0, *(1.4 * abs(v) for v in vals), *(1.2 * v for v in second))
+            hi = max(10.0, *(1.4 * abs(v) for v in vals + [v for v in line if v is not None]),
+                     *(1.2 * v for v in second))
             for p, pts in zip(pos, paired, strict=True):
                 inside = [v for v in pts if -hi <= v <= hi]
                 ax.scatter([p] * len(inside), inside, color="k", s=10, zorder=3,
@@ -119,3 +129,19 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _staircase(ax: Any, calibration: dict[str, Any]) -> None:
+    """Measured time of one row-wise step against its rows (CUDA calibration) and the per-row line."""
+    colors = {"attn_in": "tab:green", "ffn": "tab:purple"}
+    for op, table in calibration["row_block_s"].items():
+        rows = [n for n, _ in table]
+        ax.step(rows, [s * 1e3 for _, s in table], where="pre", color=colors.get(op), lw=1.5,
+                label=f"{op} measured")
+        per_row = calibration[f"{op}_s_per_row"]
+        ax.plot([0, rows[-1]], [0, rows[-1] * per_row * 1e3], ls=":", color=colors.get(op), lw=1,
+                label=f"{op} line")
+    ax.set_xlabel("rows in one step")
+    ax.set_ylabel("ms per step")
+    ax.set_title("Row-block staircase (what the split cuts by)")
+    ax.legend(fontsize=8)

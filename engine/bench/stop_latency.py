@@ -42,9 +42,10 @@ def random_prompt(n: int, vocab: int, gen: torch.Generator) -> list[int]:
     return torch.randint(0, min(vocab, 256), (n,), generator=gen).tolist()
 
 
-def cost_dict(cost: OpCost) -> dict[str, float]:
+def cost_dict(cost: OpCost) -> dict[str, Any]:
     return {"attn_in_s_per_row": cost.attn_in_s_per_row, "ffn_s_per_row": cost.ffn_s_per_row,
-            "attn_s_per_pair": cost.attn_s_per_pair, "step_overhead_s": cost.step_overhead_s}
+            "attn_s_per_pair": cost.attn_s_per_pair, "step_overhead_s": cost.step_overhead_s,
+            "row_step_floor_s": cost.row_step_floor_s, "row_block_s": cost.row_block_s}
 
 
 class StopLatencySection:

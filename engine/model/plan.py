@@ -7,8 +7,9 @@ preemption request never waits longer than one step, whatever the prompt length.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, overload
 
 from engine.config import ModelConfig
@@ -49,10 +50,37 @@ class OpCost:
     scale: float = 1.0  # online correction: observed / predicted execution time (see `observe`)
     budget_s: float | None = None  # the step budget plans use (prefill_s counts the steps it makes)
     observations: int = 0
+    # Measured seconds of one row-wise step of a given number of rows, per op: [(rows, s)] by rows
+    # (CUDA calibration). A GPU runs a matmul in whole waves of output tiles over its SMs, so its time
+    # is a staircase in rows, not a line: 2,731 rows can cost the waves of 3,072. It decides where
+    # the split cuts (`row_block`); predictions stay on the line, since small batches replay CUDA
+    # graphs far faster than the eager blocks timed here.
+    row_block_s: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
 
     def row_op_s(self, op: str, rows: int) -> float:
         per_row = self.attn_in_s_per_row if op == ATTN_IN else self.ffn_s_per_row
         return self.scale * (self.step_overhead_s + max(self.row_step_floor_s, rows * per_row))
+
+    def row_block(self, op: str, rows: int, work_s: float) -> int:
+        """Token-block size for `rows` rows of a row-wise op whose steps get `work_s` each (unscaled,
+        overhead excluded): the largest multiple of 32 that fits; with a measured staircase, the
+        size up to that whose blocks (remainder included) add up to the least measured time."""
+        per_row = self.attn_in_s_per_row if op == ATTN_IN else self.ffn_s_per_row
+        fit = _fit(work_s, per_row, 32)
+        table = self.row_block_s.get(op)
+        if not table:
+            return fit
+
+        def measured_s(n: int) -> float:  # a block costs the next timed size's time
+            i = bisect_left(table, n, key=lambda entry: entry[0])
+            return self.step_overhead_s + (table[i][1] if i < len(table) else n * per_row)
+
+        def total(size: int) -> float:
+            full, rest = divmod(rows, size)
+            return full * measured_s(size) + (measured_s(rest) if rest else 0.0)
+
+        sizes = [n for n, _ in table if n < fit] + [fit]
+        return min(sizes, key=lambda size: (total(size), -size))
 
     def attn_s(self, queries: int, keys: int, causal: bool) -> float:
         # Causal (bottom-right): every key before the queries' own, then the diagonal square, of which
@@ -203,8 +231,8 @@ def plan_prefill(cost: OpCost, spans: list[SeqSpan], budget_s: float | None, las
     else:
         # Sizes in the cost model's unscaled units; `scale` says how much slower the device runs now.
         work_s = max(budget_s / cost.scale - cost.step_overhead_s, budget_s / cost.scale / 2)
-        in_rows = _fit(work_s, cost.attn_in_s_per_row, 32)
-        ffn_rows = _fit(work_s, cost.ffn_s_per_row, 32)
+        in_rows = cost.row_block(ATTN_IN, rows, work_s)
+        ffn_rows = cost.row_block(FFN, rows, work_s)
         # Query blocks as large as the budget allows (fewer, larger tiles parallelise better and
         # need fewer merges), down to 32 when even a small diagonal tile would outlast it.
         longest = max((s.length for s in spans), default=1)

@@ -1,0 +1,109 @@
+"""Token blocks sized from a measured staircase (`OpCost.row_block_s`, CUDA calibration).
+
+A GPU runs a matmul in whole waves of output tiles, so a row-wise step's time is a staircase in its
+rows. The planner must then choose, among the block sizes that fit the step budget, the one whose
+blocks add up to the least time, and the result must stay that of the unsplit forward.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from test_preemption import CFG, COST, FP32, logits_of, make_weights
+
+from engine.attention.sdpa import SDPABackend
+from engine.config import ModelConfig
+from engine.model.llama import LlamaModel
+from engine.model.plan import ATTN_IN, FFN, OpCost, SeqSpan, plan_prefill
+from engine.predictor import calibrate, load_cost
+
+WAVE_S = 0.5e-3
+
+
+def waves(rows: int) -> int:
+    """An H200-like down projection: 128-row x 256-column tiles, 16 per row of tiles, 132 SMs."""
+    return math.ceil(math.ceil(rows / 128) * 16 / 132)
+
+
+def staircase(cfg: ModelConfig) -> OpCost:
+    table = [(rows, waves(rows) * WAVE_S) for rows in range(128, 4097, 128)]
+    per_row = table[-1][1] / table[-1][0]
+    return OpCost(cfg, attn_in_s_per_row=per_row, ffn_s_per_row=per_row, attn_s_per_pair=1e-12,
+                  step_overhead_s=10e-6, row_block_s={ATTN_IN: table, FFN: table})
+
+
+def ffn_blocks(cost: OpCost, rows: int, budget: float) -> list[int]:
+    steps = plan_prefill(cost, [SeqSpan(0, rows)], budget)
+    return [s.rows[1] - s.rows[0] for s in steps if s.op == FFN and s.layer == 0]
+
+
+def ffn_blocks_of(cost: OpCost, spans: list[SeqSpan], budget: float = 5e-5) -> list[int]:
+    return [s.rows[1] - s.rows[0] for s in plan_prefill(cost, spans, budget) if s.op == FFN and s.layer == 0]
+
+
+def test_blocks_fill_whole_waves_instead_of_fitting_a_line() -> None:
+    cfg = ModelConfig()
+    stairs, budget = staircase(cfg), 1.95e-3
+    line = replace(stairs, row_block_s={})
+    # The line fits 3,968 rows per step: 31 tile rows, 3.76 waves run as 4 (2 ms, over the budget
+    # in truth), twice, plus a 256-row block: 9 waves. Blocks of 3,072 rows (24 tile rows, 2.91
+    # waves run as 3) take 3 + 3 + 2 = 8 waves for the same 8,192 rows. Predictions stay the line's.
+    assert ffn_blocks(line, 8192, budget) == [3968, 3968, 256]
+    assert ffn_blocks(stairs, 8192, budget) == [3072, 3072, 2048]
+    assert sum(waves(n) for n in (3072, 3072, 2048)) < sum(waves(n) for n in (3968, 3968, 256))
+    assert all(s.cost <= budget for s in plan_prefill(stairs, [SeqSpan(0, 8192)], budget))
+    # What fits in one step stays one step; the least total wins over the fewest steps.
+    assert ffn_blocks(stairs, 3000, budget) == [3000]
+    assert ffn_blocks(stairs, 4100, budget) == [3968, 132]  # 4 + 1 waves; 2,048-row blocks: 2 + 2 + 1, 3 steps
+    # A budget beyond the measured blocks falls back to the line past the table's end.
+    assert ffn_blocks(stairs, 20000, 10e-3)[0] > 4096
+
+
+def test_staircase_split_equals_unsplit() -> None:
+    model = LlamaModel(CFG, make_weights(CFG), SDPABackend())
+    table = [(rows, math.ceil(rows / 24) * 1e-5) for rows in range(8, 129, 8)]  # waves of 24 rows
+    cost = replace(COST, row_block_s={ATTN_IN: table, FFN: table})
+    spec = [(300, 0, 300), (47, 0, 47), (250, 130, 120), (1, 0, 1)]
+    spans = [SeqSpan(s, n) for _, s, n in spec]
+    # 468 rows: the line fits 32-row blocks (2 waves each); the staircase cuts whole waves of 24.
+    assert ffn_blocks_of(COST, spans) == [32] * 14 + [20]
+    assert ffn_blocks_of(cost, spans) == [24] * 19 + [12]
+    torch.testing.assert_close(logits_of(model, spec, 5e-5, cost), logits_of(model, spec, None, cost), **FP32)
+
+
+def test_calibration_times_the_staircase_and_the_cache_keeps_the_faster(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("FLOWPREFILL_CACHE", str(tmp_path))
+    model = LlamaModel(CFG, make_weights(CFG), SDPABackend())
+    cost = calibrate(model, block_rows=(64, 32, 96))
+    for op in (ATTN_IN, FFN):
+        assert [rows for rows, _ in cost.row_block_s[op]] == [32, 64, 96]
+        assert all(s > 0 for _, s in cost.row_block_s[op])
+    assert cost.ffn_s_per_row == cost.row_block_s[FFN][-1][1] / 96
+    assert calibrate(model).row_block_s == {}, "a CPU times no staircase unless asked"
+
+    # load_cost merges a cached staircase entry by entry, keeping the faster time.
+    from engine import predictor
+
+    monkeypatch.setattr(predictor, "calibrate", lambda m: replace(cost, row_block_s=dict(cost.row_block_s)))
+    first = load_cost(model)
+    (path,) = tmp_path.glob("opcost-*.json")
+    cached = json.loads(path.read_text())
+    cached["row_block_s"][FFN][1][1] = 1e-9
+    path.write_text(json.dumps(cached))
+    again = load_cost(model)
+    assert again.row_block_s[FFN][1] == (64, 1e-9)
+    assert again.row_block_s[FFN][0] == first.row_block_s[FFN][0]
+    path.write_text(json.dumps({**cached, "row_block_s": "garbage"}))
+    assert load_cost(model).row_block_s == cost.row_block_s, "an unreadable cache leaves the fresh measurement"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
