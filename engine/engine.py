@@ -236,7 +236,7 @@ class Engine:
         batch.end_segment(now)
         for o in self.observers:
             o.on_segment_end(batch, now)
-        self.cost.observe(batch.total_cost, batch.exec_s)
+        self.cost.observe(batch.num_tokens, batch.steps.base_cost, batch.exec_s)
         live, unfinished = [], []
         for i, (r, whole) in enumerate(zip(batch.requests, batch.completes_prompts, strict=True)):
             r.num_computed_tokens = batch.spans[i].start + batch.spans[i].length

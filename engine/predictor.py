@@ -4,7 +4,8 @@ Predicted prefill time is linear in token rows (projections, MLP) plus linear in
 (attention), so a few timed operator blocks give the whole curve from 16 tokens to the full
 context. The profile is cached per model, dtype, device, thread count and torch version; each
 start-up re-measures and keeps the faster of cache and new (the least disturbed measurement of what
-the machine can do), and the engine then refines a scale factor online from executed batches.
+the machine can do), and the engine then refines a scale factor per batch size class online from
+executed batches (`OpCost.observe`).
 """
 
 from __future__ import annotations

@@ -9,13 +9,21 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple, overload
 
 from engine.config import ModelConfig
 
 ATTN_IN, ATTENTION, FFN = "attn_in", "attention", "ffn"
 CAUSAL_BLOCK = 256  # granularity at which attention kernels skip masked work
+# Batch sizes (prompt tokens) whose prediction errors are learned apart (`OpCost.observe`): a short
+# batch replaying CUDA graphs beats the calibrated line by far more than a long eager one, and one
+# correction for both would size an 8K batch's steps by the speed of 32-token ones.
+SIZE_CLASSES = (128, 512, 2048, 8192)  # upper bounds; longer batches are the last class
+
+
+def size_class(tokens: int) -> int:
+    return bisect_left(SIZE_CLASSES, tokens)
 
 
 class Step(NamedTuple):
@@ -47,12 +55,15 @@ class OpCost:
     attn_s_per_pair: float  # one query against one key, all heads
     step_overhead_s: float = 20e-6
     row_step_floor_s: float = 0.0  # a row-wise step reads its weights once, however few its rows
-    scale: float = 1.0  # online correction: observed / predicted execution time (see `observe`)
+    scale: float = 1.0  # a multiplier on every prediction (for_batch sets it to the batch's correction)
     budget_s: float | None = None  # the step budget plans use (prefill_s counts the steps it makes)
-    observations: int = 0
+    # Online correction per size class: observed / predicted execution time (see `observe`);
+    # a class no batch has measured yet predicts with the calibration.
+    class_scale: list[float] = field(default_factory=lambda: [1.0] * (len(SIZE_CLASSES) + 1))
+    class_observations: list[int] = field(default_factory=lambda: [0] * (len(SIZE_CLASSES) + 1))
     # Measured seconds of one row-wise step of a given number of rows, per op: [(rows, s)] by rows
     # (CUDA calibration). A GPU runs a matmul in whole waves of output tiles over its SMs, so its time
-    # is a staircase in rows, not a line: 2,731 rows can cost the waves of 3,072. It decides where
+    # is a staircase in rows, not a line: 3,104 rows can cost as many waves as 4,096. It decides where
     # the split cuts (`row_block`); predictions stay on the line, since small batches replay CUDA
     # graphs far faster than the eager blocks timed here.
     row_block_s: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
@@ -100,14 +111,21 @@ class OpCost:
 
         return calibrate(model)  # type: ignore[arg-type]
 
-    def observe(self, predicted_s: float, measured_s: float, weight: float = 0.2) -> None:
-        """Refine online from an executed batch: the device may be slower or faster than at
-        calibration (other load, clocks). A running mean at first, then an exponential average."""
-        if predicted_s > 0 and measured_s > 0:
-            self.observations += 1
-            w = max(weight, 1 / self.observations)
-            target = self.scale * measured_s / predicted_s
-            self.scale = min(20.0, max(0.05, (1 - w) * self.scale + w * target))
+    def for_batch(self, tokens: int) -> OpCost:
+        """This cost model as it predicts a batch of `tokens` prompt tokens: its class's correction."""
+        return replace(self, scale=self.scale * self.class_scale[size_class(tokens)])
+
+    def observe(self, tokens: int, base_s: float, measured_s: float, weight: float = 0.2) -> None:
+        """Refine online from an executed batch of `tokens` prompt tokens that the calibrated model
+        (no correction: `Plan.base_cost`) predicted at `base_s`: the device may be slower or faster
+        than at calibration (other load, clocks, CUDA graphs). Per size class, a running mean at
+        first, then an exponential average."""
+        if base_s > 0 and measured_s > 0:
+            k = size_class(tokens)
+            self.class_observations[k] += 1
+            w = max(weight, 1 / self.class_observations[k])
+            target = measured_s / (base_s * self.scale)
+            self.class_scale[k] = min(20.0, max(0.05, (1 - w) * self.class_scale[k] + w * target))
 
     def step_s(self, step: Step) -> float:
         """What this cost model says one planned step takes."""
@@ -118,7 +136,7 @@ class OpCost:
     def prefill_s(self, spans: list[SeqSpan]) -> float:
         """Predicted time of a whole prefill (every layer) of these spans, as the engine plans it
         (the last layer computes attention and MLP for each sequence's last token only; the split
-        into steps of `budget_s` adds one step overhead per step)."""
+        into steps of `budget_s` adds one step overhead per step), with its size class's correction."""
         rows = sum(s.length for s in spans)
         attn_in = self.row_op_s(ATTN_IN, rows)
         per_layer = attn_in + self.row_op_s(FFN, rows)
@@ -129,7 +147,7 @@ class OpCost:
         if self.budget_s:  # the split's extra steps, each with its overhead
             step_s = self.scale * self.step_overhead_s
             total += max(0.0, total / max(self.budget_s - step_s, self.budget_s / 2)) * step_s
-        return total
+        return total * self.class_scale[size_class(rows)]
 
 
 def _blocks(total: int, size: int) -> list[tuple[int, int]]:
@@ -222,6 +240,7 @@ def plan_prefill(cost: OpCost, spans: list[SeqSpan], budget_s: float | None, las
     """All steps of a batch's prefill, layer by layer. budget_s=None: one step per operator.
     last_token_only: only each sequence's last-token logits will be read (what serving needs)."""
     rows = sum(s.length for s in spans)
+    cost = cost.for_batch(rows)
     starts = [0]
     for s in spans:
         starts.append(starts[-1] + s.length)
@@ -229,7 +248,8 @@ def plan_prefill(cost: OpCost, spans: list[SeqSpan], budget_s: float | None, las
     if budget_s is None:
         in_rows = ffn_rows = q_block = key_tile = big
     else:
-        # Sizes in the cost model's unscaled units; `scale` says how much slower the device runs now.
+        # Sizes in the cost model's unscaled units; `scale` says how much slower the device runs
+        # batches of this size now.
         work_s = max(budget_s / cost.scale - cost.step_overhead_s, budget_s / cost.scale / 2)
         in_rows = cost.row_block(ATTN_IN, rows, work_s)
         ffn_rows = cost.row_block(FFN, rows, work_s)

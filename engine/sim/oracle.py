@@ -34,7 +34,7 @@ class BatchCostRecorder(EngineObserver):
 
 class ExactCosts:
     def __init__(self, base: OpCost, factors: dict[str, float]) -> None:
-        self.base = replace(base, scale=1.0)
+        self.base = replace(base, scale=1.0, class_scale=[1.0] * len(base.class_scale))  # the calibration
         self.factors = factors
         self.default = statistics.median(factors.values()) if factors else 1.0
 
