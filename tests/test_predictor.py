@@ -42,6 +42,9 @@ def test_short_batches_correct_only_their_own_class() -> None:
     assert len(slower) > len(long_plan)
     assert max(s.cost for s in slower) <= BUDGET
     assert slower.base_cost == pytest.approx(slower.total_cost / 1.25)
+    # A class not measured yet borrows its nearest measured class's correction, only to slow down.
+    assert cost.prefill_s([SeqSpan(0, 3000)]) == pytest.approx(1.25 * cost_model().prefill_s([SeqSpan(0, 3000)]))
+    assert cost.prefill_s([SeqSpan(0, 200)]) == cost_model().prefill_s([SeqSpan(0, 200)])  # near 32's 1/3
     # then an exponential average, bounded
     for _ in range(100):
         cost.observe(8000, long_plan.base_cost, 1e6)

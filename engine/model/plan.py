@@ -57,8 +57,7 @@ class OpCost:
     row_step_floor_s: float = 0.0  # a row-wise step reads its weights once, however few its rows
     scale: float = 1.0  # a multiplier on every prediction (for_batch sets it to the batch's correction)
     budget_s: float | None = None  # the step budget plans use (prefill_s counts the steps it makes)
-    # Online correction per size class: observed / predicted execution time (see `observe`);
-    # a class no batch has measured yet predicts with the calibration.
+    # Online correction per size class: observed / predicted execution time (see `observe`, `factor`).
     class_scale: list[float] = field(default_factory=lambda: [1.0] * (len(SIZE_CLASSES) + 1))
     class_observations: list[int] = field(default_factory=lambda: [0] * (len(SIZE_CLASSES) + 1))
     # Measured seconds of one row-wise step of a given number of rows, per op: [(rows, s)] by rows
@@ -111,9 +110,23 @@ class OpCost:
 
         return calibrate(model)  # type: ignore[arg-type]
 
+    def factor(self, tokens: int) -> float:
+        """The correction for a batch of `tokens` prompt tokens. A class no batch has measured yet
+        borrows its nearest measured class's, but only to slow down: running faster than calibration
+        is what one size does (short batches replay CUDA graphs), running slower is what the device
+        does (load, clocks, a calibration that kept its fastest run)."""
+        k = size_class(tokens)
+        if self.class_observations[k]:
+            return self.class_scale[k]
+        seen = [j for j, n in enumerate(self.class_observations) if n]
+        if not seen:
+            return 1.0
+        nearest = min(seen, key=lambda j: (abs(j - k), -j))
+        return max(1.0, self.class_scale[nearest])
+
     def for_batch(self, tokens: int) -> OpCost:
         """This cost model as it predicts a batch of `tokens` prompt tokens: its class's correction."""
-        return replace(self, scale=self.scale * self.class_scale[size_class(tokens)])
+        return replace(self, scale=self.scale * self.factor(tokens))
 
     def observe(self, tokens: int, base_s: float, measured_s: float, weight: float = 0.2) -> None:
         """Refine online from an executed batch of `tokens` prompt tokens that the calibrated model
@@ -147,7 +160,7 @@ class OpCost:
         if self.budget_s:  # the split's extra steps, each with its overhead
             step_s = self.scale * self.step_overhead_s
             total += max(0.0, total / max(self.budget_s - step_s, self.budget_s / 2)) * step_s
-        return total * self.class_scale[size_class(rows)]
+        return total * self.factor(rows)
 
 
 def _blocks(total: int, size: int) -> list[tuple[int, int]]:
