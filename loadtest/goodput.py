@@ -117,7 +117,7 @@ class Runner:
         # The simulator's twins of this very point: with the cost model as the engine left it (its
         # online refinement tracks the machine's speed during the run), and with the costs each
         # batch measured (what is left is the simulator's mechanics: the same decisions, or not).
-        snapshot = copy.copy(self.cost)
+        snapshot = copy.deepcopy(self.cost)  # the engine thread goes on correcting its own
         pt["sim_attainment"] = self.sim(policy, w, classes, scale, snapshot)["attainment"]
         exact = ExactCosts.from_batches(self.cost, measured.batches)
         pt["sim_exact_attainment"] = self.sim(policy, w, classes, scale, exact=exact)["attainment"]

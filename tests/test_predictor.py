@@ -64,4 +64,22 @@ def test_the_engine_corrects_the_class_of_each_finished_batch() -> None:
     finally:
         engine.shutdown()
     assert observed == [1, 0, 2, 0, 0]
-    assert all(f > 0 for f in engine.cost.class_scale)
+    learned = engine.cost.class_scale
+    assert learned[1] == learned[3] == learned[4] == 1.0 and learned[0] != 1.0 and learned[2] != 1.0
+
+
+def test_corrections_converge_and_stay_with_the_model_that_learned_them() -> None:
+    cost = cost_model()
+    spans = [SeqSpan(0, 3000)]
+    calibrated = cost.prefill_s(spans)
+    for _ in range(30):  # this device runs such batches at 0.6 of the calibrated time
+        plan = plan_prefill(cost, spans, BUDGET)
+        cost.observe(3000, plan.base_cost, 0.6 * plan.base_cost)
+    assert cost.factor(3000) == pytest.approx(0.6)
+    assert cost.prefill_s(spans) == pytest.approx(0.6 * calibrated, rel=1e-3)
+    # A batch's view carries its correction in `scale` and nothing else: it neither applies it twice
+    # nor learns into the model it came from.
+    view = cost.for_batch(3000)
+    assert view.prefill_s(spans) == pytest.approx(cost.prefill_s(spans))
+    view.observe(3000, 1.0, 5.0)
+    assert cost.factor(3000) == pytest.approx(0.6) and cost.class_observations[size_class(3000)] == 30

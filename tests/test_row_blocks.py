@@ -55,10 +55,15 @@ def test_blocks_fill_whole_waves_instead_of_fitting_a_line() -> None:
     assert ffn_blocks(line, 8192, budget) == [3968, 3968, 256]
     assert ffn_blocks(stairs, 8192, budget) == [3072, 3072, 2048]
     assert sum(waves(n) for n in (3072, 3072, 2048)) < sum(waves(n) for n in (3968, 3968, 256))
-    assert all(s.cost <= budget for s in plan_prefill(stairs, [SeqSpan(0, 8192)], budget))
     # What fits in one step stays one step; the least total wins over the fewest steps.
     assert ffn_blocks(stairs, 3000, budget) == [3000]
-    assert ffn_blocks(stairs, 4100, budget) == [3968, 132]  # 4 + 1 waves; 2,048-row blocks: 2 + 2 + 1, 3 steps
+    assert ffn_blocks(stairs, 4100, budget) == [3072, 1028]  # 3 + 2 waves; 2,048-row blocks: 2 + 2 + 1, 3 steps
+    # A block the line fits but the staircase measures over the budget is not chosen, even where it
+    # would save a step: 3,100 rows are 25 tile rows, 4 waves (2 ms).
+    assert ffn_blocks(line, 3100, budget) == [3100]
+    assert ffn_blocks(stairs, 3100, budget) == [3072, 28]
+    for rows in (3100, 4100, 6000, 8192, 12_000):
+        assert all(waves(n) * WAVE_S <= budget for n in ffn_blocks(stairs, rows, budget)), rows
     # A budget beyond the measured blocks falls back to the line past the table's end.
     assert ffn_blocks(stairs, 20000, 10e-3)[0] > 4096
 

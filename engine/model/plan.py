@@ -74,7 +74,8 @@ class OpCost:
     def row_block(self, op: str, rows: int, work_s: float) -> int:
         """Token-block size for `rows` rows of a row-wise op whose steps get `work_s` each (unscaled,
         overhead excluded): the largest multiple of 32 that fits; with a measured staircase, the
-        size up to that whose blocks (remainder included) add up to the least measured time."""
+        size up to that whose blocks (remainder included) add up to the least measured time, among
+        those measured within the budget."""
         per_row = self.attn_in_s_per_row if op == ATTN_IN else self.ffn_s_per_row
         fit = _fit(work_s, per_row, 32)
         table = self.row_block_s.get(op)
@@ -89,8 +90,10 @@ class OpCost:
             full, rest = divmod(rows, size)
             return full * measured_s(size) + (measured_s(rest) if rest else 0.0)
 
+        # Sizes the line fits; of those, the ones whose own measurement fits too (a block just past a
+        # whole wave is measured over the budget while the line predicts it under), unless none does.
         sizes = [n for n, _ in table if n < fit] + [fit]
-        return min(sizes, key=lambda size: (total(size), -size))
+        return min(sizes, key=lambda size: (measured_s(size) > work_s + self.step_overhead_s, total(size), -size))
 
     def attn_s(self, queries: int, keys: int, causal: bool) -> float:
         # Causal (bottom-right): every key before the queries' own, then the diagonal square, of which
@@ -125,8 +128,10 @@ class OpCost:
         return max(1.0, self.class_scale[nearest])
 
     def for_batch(self, tokens: int) -> OpCost:
-        """This cost model as it predicts a batch of `tokens` prompt tokens: its class's correction."""
-        return replace(self, scale=self.scale * self.factor(tokens))
+        """This cost model as it predicts a batch of `tokens` prompt tokens: its class's correction
+        folded into `scale`, on a copy that learns nothing and shares nothing with this one."""
+        n = len(self.class_scale)
+        return replace(self, scale=self.scale * self.factor(tokens), class_scale=[1.0] * n, class_observations=[0] * n)
 
     def observe(self, tokens: int, base_s: float, measured_s: float, weight: float = 0.2) -> None:
         """Refine online from an executed batch of `tokens` prompt tokens that the calibrated model
@@ -151,16 +156,17 @@ class OpCost:
         (the last layer computes attention and MLP for each sequence's last token only; the split
         into steps of `budget_s` adds one step overhead per step), with its size class's correction."""
         rows = sum(s.length for s in spans)
+        factor = self.factor(rows)  # applied to the sum: one for_batch copy per call would cost more
         attn_in = self.row_op_s(ATTN_IN, rows)
         per_layer = attn_in + self.row_op_s(FFN, rows)
         per_layer += sum(self.attn_s(s.length, s.start, False) + self.attn_s(s.length, s.length, True)
                          for s in spans)
         last = attn_in + sum(self.attn_s(1, s.start + s.length, False) + self.row_op_s(FFN, 1) for s in spans)
-        total = per_layer * (self.cfg.num_hidden_layers - 1) + last
+        total = (per_layer * (self.cfg.num_hidden_layers - 1) + last) * factor
         if self.budget_s:  # the split's extra steps, each with its overhead
-            step_s = self.scale * self.step_overhead_s
+            step_s = self.scale * factor * self.step_overhead_s
             total += max(0.0, total / max(self.budget_s - step_s, self.budget_s / 2)) * step_s
-        return total * self.factor(rows)
+        return total
 
 
 def _blocks(total: int, size: int) -> list[tuple[int, int]]:
