@@ -20,6 +20,9 @@ def test_prefill_bench_smoke(tmp_path: Path) -> None:
     assert doc["overhead"]["per_size"]["512"]
     split = doc["stop_latency"]["modes"]["split"]["512"]
     assert split["n"] >= 1 and all(ms >= 0 for ms in split["samples_ms"])
+    # the engine's learned corrections: the 32-token urgent batches, at least, were measured
+    correction = doc["stop_latency"]["modes"]["split"]["correction"]
+    assert correction["batches"][0] >= 1 and len(correction["factor"]) == len(correction["size_classes"])
     assert (tmp_path / "prefill.png").stat().st_size > 10_000
 
 

@@ -24,7 +24,7 @@ from rich.table import Table
 from engine.bench.prefill_plot import size_label
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.model.plan import OpCost, SeqSpan
+from engine.model.plan import SIZE_CLASSES, OpCost, SeqSpan
 from engine.request import Request, SamplingParams
 
 STOP_TARGET_MS = 5.0  # what a preemption should cost at most (the line on the plot)
@@ -79,6 +79,9 @@ class StopLatencySection:
                 for n in sizes:
                     self.progress.update(task, description=f"stop latency {size_label(n)} {mode}")
                     per[str(n)] = self._stop_cell(engine, n, targets[mode][n], rng, task)
+                # what the engine learned of its own speed, per batch size class (OpCost.observe)
+                per["correction"] = {"size_classes": [*SIZE_CLASSES, None], "factor": list(engine.cost.class_scale),
+                                     "batches": list(engine.cost.class_observations)}
             finally:
                 engine.shutdown()
                 del engine
