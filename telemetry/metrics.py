@@ -63,7 +63,26 @@ class EngineMetrics(EngineObserver):
             lambda: max(0, len(engine.scheduler.pool) - (engine.scheduler.chosen is not None)))
         Gauge("flowprefill_kv_cache_usage_ratio", "Share of KV blocks in use", registry=r).set_function(
             lambda: engine.kv.usage)
+        # How far the TTFT predictor, on which every slack rests, is off: per batch size class, each
+        # finished batch's measured over predicted time, and the correction the engine has learned.
+        from engine.model.plan import SIZE_CLASSES, size_class  # the engine, hence torch, is loaded
+
+        labels = [*map(str, SIZE_CLASSES), "+Inf"]
+        self._class_label = lambda tokens: labels[size_class(tokens)]
+        self.prediction = Histogram("flowprefill_prefill_prediction_ratio",
+                                    "Measured / predicted execution time of each finished prefill batch",
+                                    ["batch_tokens_le"], buckets=(0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0),
+                                    registry=r)
+        correction = Gauge("flowprefill_prefill_time_correction",
+                           "The factor the cost model applies to its calibrated prefill time", ["batch_tokens_le"],
+                           registry=r)
+        for label, tokens in zip(labels, [*SIZE_CLASSES, SIZE_CLASSES[-1] + 1], strict=True):
+            correction.labels(label).set_function(lambda tokens=tokens: engine.cost.factor(tokens))
         engine.observers.append(self)
+
+    def on_segment_end(self, batch: PrefillBatch, now: float) -> None:
+        if batch.finished and batch.total_cost > 0 and batch.exec_s > 0:
+            self.prediction.labels(self._class_label(batch.num_tokens)).observe(batch.exec_s / batch.total_cost)
 
     def on_preempt(self, victim: PrefillBatch, by: PrefillBatch) -> None:
         self.preemptions.labels(victim.head.slo_class, by.head.slo_class).inc()

@@ -92,6 +92,13 @@ def test_promql_sees_preemptions_and_ttft_by_class(scraped: tuple[str, str]) -> 
     gw = wait_for(prom, "sum by (slo_class, code) (flowprefill_gateway_requests_total)", lambda r: len(r) == 2)
     assert {(s["metric"]["slo_class"], s["metric"]["code"]): float(s["value"][1]) for s in gw} == {
         ("batch", "200"): 1.0, ("interactive", "200"): 3.0}
+    # The predictor's error per finished batch, and its learned correction, by batch size class.
+    ratio = wait_for(prom, "sum by (batch_tokens_le) (flowprefill_prefill_prediction_ratio_count)",
+                     lambda r: sum(float(s["value"][1]) for s in r) >= 2)
+    assert sum(float(s["value"][1]) for s in ratio) >= 2
+    correction = query(prom, "flowprefill_prefill_time_correction")
+    assert {s["metric"]["batch_tokens_le"] for s in correction} == {"128", "512", "2048", "8192", "+Inf"}
+    assert any(float(s["value"][1]) != 1.0 for s in correction)
     info = query(prom, "flowprefill_engine_info")
     assert info and info[0]["metric"]["policy"] == "flowprefill" and info[0]["metric"]["model"]
 
