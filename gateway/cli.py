@@ -19,6 +19,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=d.device)
     p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "sdpa", "flashinfer"])
+    p.add_argument("--row-kernels", default=d.row_kernels, choices=["auto", "torch", "flashinfer"],
+                   help="RMSNorm and SiLU-and-mul: FlashInfer's fused kernels (auto: on CUDA when they load)")
     p.add_argument("--kv-capacity-tokens", type=int, default=d.kv_capacity_tokens)
     p.add_argument("--kv-block-size", type=int, default=d.kv_block_size)
     p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens)
@@ -40,7 +42,8 @@ def _run_worker(args: argparse.Namespace) -> int:
     from telemetry.tracing import setup_tracing
 
     cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                       attention_backend=args.attention_backend, kv_capacity_tokens=args.kv_capacity_tokens,
+                       attention_backend=args.attention_backend, row_kernels=args.row_kernels,
+                       kv_capacity_tokens=args.kv_capacity_tokens,
                        kv_block_size=args.kv_block_size, max_batch_tokens=args.max_batch_tokens,
                        max_waiting=args.max_waiting,
                        step_budget_ms=args.step_budget_ms, cuda_graph_tokens=args.cuda_graph_tokens,
@@ -61,7 +64,8 @@ def _run_worker(args: argparse.Namespace) -> int:
 def _worker_argv(args: argparse.Namespace, port: int, threads: int | None, role: str) -> list[str]:
     argv = [sys.executable, "-m", "gateway.cli", "worker", "--role", role, "--host", "127.0.0.1",
             "--port", str(port), "--policy", args.policy, "--device", args.device, "--dtype", args.dtype,
-            "--attention-backend", args.attention_backend, "--kv-capacity-tokens", str(args.kv_capacity_tokens),
+            "--attention-backend", args.attention_backend, "--row-kernels", args.row_kernels,
+            "--kv-capacity-tokens", str(args.kv_capacity_tokens),
             "--kv-block-size", str(args.kv_block_size), "--max-batch-tokens", str(args.max_batch_tokens),
             "--max-waiting", str(args.max_waiting),
             "--step-budget-ms", str(args.step_budget_ms), "--cuda-graph-tokens", str(args.cuda_graph_tokens)]

@@ -108,6 +108,22 @@ def _engine(checkpoint: Path, backend: str) -> Iterator[Any]:
 def test_auto_picks_flashinfer(checkpoint: Path) -> None:
     with _engine(checkpoint, "auto") as engine:
         assert engine.model.backend.name == "flashinfer"
+        assert engine.model.kernels.name == "flashinfer"  # fused RMSNorm and SiLU-and-mul
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300, 2048])
+def test_fused_row_kernels_match_torch(rows: int) -> None:
+    from engine.model.kernels import TorchKernels, select_kernels
+
+    fused, ref = select_kernels("flashinfer", torch.device("cuda"), DT, 4096), TorchKernels()
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows + 5, 4096, device="cuda", dtype=DT, generator=gen)[5:]  # a row slice, as split steps pass
+    w = 1 + 0.1 * torch.randn(4096, device="cuda", dtype=DT, generator=gen)
+    gate_up = torch.randn(rows, 2 * 14336, device="cuda", dtype=DT, generator=gen)
+    for got, want in ((fused.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5)),
+                      (fused.silu_and_mul(gate_up), ref.silu_and_mul(gate_up))):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)  # bfloat16: rounded once vs twice
 
 
 def test_engine_prefill_logits_match_sdpa_and_transformers(checkpoint: Path) -> None:
@@ -120,9 +136,9 @@ def test_engine_prefill_logits_match_sdpa_and_transformers(checkpoint: Path) -> 
     from engine.model.plan import SeqSpan, plan_prefill
     prompts = [[i % 500 + 1 for i in range(3000)], list(range(5, 40)), [7] * 700]
     logits = {}
-    for backend in ("flashinfer", "sdpa"):
+    for backend in ("flashinfer", "sdpa"):  # FlashInfer's attention and fused kernels; torch's throughout
         model, _ = load_model(EngineConfig(model=str(checkpoint), device="cuda", dtype="bfloat16",
-                                           attention_backend=backend))
+                                           attention_backend=backend, row_kernels=backend.replace("sdpa", "torch")))
         kv = KVCache(model.cfg, 16, 8192, DT, "cuda")
         tables = [kv.allocate(len(p)) for p in prompts]
         spans = [SeqSpan(0, len(p)) for p in prompts]

@@ -250,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights, activations and KV cache (default float32)")
     p.add_argument("--attention-backend", default=EngineConfig().attention_backend,
                    choices=["auto", "sdpa", "flashinfer"], help="as `flowprefill serve` (default auto)")
+    p.add_argument("--row-kernels", default=EngineConfig().row_kernels, choices=["auto", "torch", "flashinfer"],
+                   help="as `flowprefill serve` (default auto)")
     p.add_argument("--step-budget-ms", type=float, default=EngineConfig().step_budget_ms,
                    help="the engine's step budget for the split (default: EngineConfig's)")
     p.add_argument("--cuda-graph-tokens", type=int, default=EngineConfig().cuda_graph_tokens,
@@ -302,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     global BASE_CONFIG
     BASE_CONFIG = EngineConfig(step_budget_ms=args.step_budget_ms, model=args.model, device=args.device,
                                dtype=args.dtype, attention_backend=args.attention_backend,
+                               row_kernels=args.row_kernels,
                                cuda_graph_tokens=args.cuda_graph_tokens)
     started, t_start = dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), time.monotonic()
     argv_used = sys.argv[1:] if argv is None else list(argv)
@@ -338,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             results["config"]["calibration"] = cost_dict(bench._model[1])
             results["config"]["model"] = asdict(bench._model[0].cfg)
             results["config"]["attention_backend"] = bench._model[0].backend.name
+            results["config"]["row_kernels"] = bench._model[0].kernels.name
             graphs = bench._model[0].graphs
             if graphs is not None:
                 results["config"]["cuda_graphs"] = {"buckets_captured": graphs.captured,

@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import Generator, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from engine.attention import AttentionBackend
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.model.graphs import StepGraphs
+from engine.model.kernels import RowKernels, TorchKernels
 from engine.model.plan import ATTENTION, ATTN_IN, FFN, SeqSpan, Step
 from engine.model.rope import Rotary
 
@@ -50,11 +50,11 @@ class LlamaModel:
         self.q_size = cfg.num_attention_heads * cfg.head_dim
         self.kv_size = cfg.num_key_value_heads * cfg.head_dim
         self.graphs: StepGraphs | None = None  # set by load_model on CUDA (EngineConfig.cuda_graph_tokens)
+        self.kernels: RowKernels = TorchKernels()  # load_model may choose FlashInfer's (EngineConfig.row_kernels)
 
     # -- operators (row-wise ones take any block of tokens) ------------------------------------
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)).to(x.dtype) * weight
+        return self.kernels.rms_norm(x, weight, self.cfg.rms_norm_eps)
 
     def _attn_in(self, layer: LayerWeights, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -72,8 +72,7 @@ class LlamaModel:
         x = x + attn.flatten(1) @ layer.o
         if layer.o_bias is not None:
             x += layer.o_bias
-        gate, up = (self._rms(x, layer.post_norm) @ layer.gate_up).chunk(2, dim=-1)
-        return x + (F.silu(gate) * up) @ layer.down
+        return x + self.kernels.silu_and_mul(self._rms(x, layer.post_norm) @ layer.gate_up) @ layer.down
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return (self._rms(x, self.norm) @ self.lm_head.t()).float()
