@@ -23,6 +23,7 @@ def sample(logits: torch.Tensor, requests: list[Request], generators: dict[str, 
         if p.top_p < 1.0:
             sorted_p, order = probs.sort(descending=True)
             drop = sorted_p.cumsum(0) - sorted_p >= p.top_p  # keep the smallest set reaching top_p
+            drop[0] = False  # and the likeliest token always: a top_p below float32's range rounds to 0
             probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
         gen = generators.get(req.request_id)
         if gen is None and p.seed is not None:

@@ -236,6 +236,11 @@ def test_top_k_and_top_p_restrict_the_support() -> None:
     got = {sample(probs.log()[None], [req], gens)[0] for _ in range(300)}
     assert got == {0, 1}, "top_p=0.7 keeps the smallest set reaching 0.7: the first two"
 
+    # A top_p too small for float32 (it rounds to 0) still keeps the likeliest token: it once left no
+    # token at all and the request failed with an internal error (found by tests/test_schemathesis.py).
+    req = make_req("tiny", temperature=1.0, top_p=3.4e-254, seed=0)
+    assert {sample(probs.log()[None], [req], gens)[0] for _ in range(20)} == {0}
+
     req = make_req("t", temperature=1e-3, seed=0)  # a near-zero temperature is almost greedy
     assert all(sample(logits_rows(4, 40, seed=s), [req] * 4, {}) == logits_rows(4, 40, seed=s).argmax(-1).tolist()
                for s in range(5))
