@@ -115,7 +115,7 @@ def test_auto_picks_flashinfer(checkpoint: Path) -> None:
 def test_fused_row_kernels_match_torch(rows: int) -> None:
     from engine.model.kernels import TorchKernels, select_kernels
 
-    fused, ref = select_kernels("flashinfer", torch.device("cuda"), DT, 4096), TorchKernels()
+    fused, ref = select_kernels("flashinfer", torch.device("cuda"), DT, 4096, 14336), TorchKernels()
     gen = torch.Generator(device="cuda").manual_seed(rows)
     x = torch.randn(rows + 5, 4096, device="cuda", dtype=DT, generator=gen)[5:]  # a row slice, as split steps pass
     w = 1 + 0.1 * torch.randn(4096, device="cuda", dtype=DT, generator=gen)
@@ -124,6 +124,8 @@ def test_fused_row_kernels_match_torch(rows: int) -> None:
                       (fused.silu_and_mul(gate_up), ref.silu_and_mul(gate_up))):
         assert got.shape == want.shape and got.dtype == want.dtype
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)  # bfloat16: rounded once vs twice
+    with pytest.raises(ValueError, match="multiples of 8"):  # 16-byte loads from each half of the row
+        select_kernels("flashinfer", torch.device("cuda"), DT, 4096, 14332)
 
 
 def test_engine_prefill_logits_match_sdpa_and_transformers(checkpoint: Path) -> None:

@@ -12,12 +12,12 @@ from engine.model.kernels import TorchKernels, _probe, select_kernels
 
 
 def test_torch_kernels_on_a_cpu_whatever_is_asked_for_automatically() -> None:
-    assert select_kernels("auto", torch.device("cpu"), torch.bfloat16, 64).name == "torch"
+    assert select_kernels("auto", torch.device("cpu"), torch.bfloat16, 64, 128).name == "torch"
     assert load_model(EngineConfig())[0].kernels.name == "torch"
     with pytest.raises(ValueError, match="--row-kernels flashinfer: needs a CUDA device"):
-        select_kernels("flashinfer", torch.device("cpu"), torch.bfloat16, 64)
+        select_kernels("flashinfer", torch.device("cpu"), torch.bfloat16, 64, 128)
     with pytest.raises(ValueError, match="unknown row kernels 'triton'"):
-        select_kernels("triton", torch.device("cpu"), torch.float32, 64)
+        select_kernels("triton", torch.device("cpu"), torch.float32, 64, 128)
 
 
 class _Off(TorchKernels):
@@ -28,9 +28,9 @@ class _Off(TorchKernels):
 
 
 def test_the_probe_refuses_kernels_that_disagree_with_torch() -> None:
-    _probe(TorchKernels(), torch.device("cpu"), torch.bfloat16, 256)
+    _probe(TorchKernels(), torch.device("cpu"), torch.bfloat16, 256, 704)
     with pytest.raises(RuntimeError, match="disagrees with torch"):
-        _probe(_Off(), torch.device("cpu"), torch.bfloat16, 256)
+        _probe(_Off(), torch.device("cpu"), torch.bfloat16, 256, 704)
 
 
 def test_torch_rms_norm_is_transformers_arithmetic() -> None:

@@ -27,7 +27,7 @@ def load_model(cfg: EngineConfig) -> tuple[LlamaModel, ByteTokenizer | HFTokeniz
     dtype = getattr(torch, cfg.dtype)
     backend = select_backend(cfg.attention_backend, device, dtype, model_cfg.head_dim)
     model = LlamaModel(model_cfg, weights, backend, dtype, device)
-    model.kernels = select_kernels(cfg.row_kernels, device, dtype, model_cfg.hidden_size)
+    model.kernels = select_kernels(cfg.row_kernels, device, dtype, model_cfg.hidden_size, model_cfg.intermediate_size)
     if device.type == "cuda" and cfg.cuda_graph_tokens:
         model.graphs = StepGraphs(model, cfg.cuda_graph_tokens)
     tokenizer = load_tokenizer(Path(cfg.model) if cfg.model else None, model_cfg.eos_token_id,

@@ -7,8 +7,9 @@ prefill. FlashInfer's fused kernels (the ones vLLM and SGLang use) read and writ
 They compute the norm in fp32 and round once, where transformers rounds before the weight: results
 differ by bfloat16 rounding, as the attention kernels' do.
 
-`select_kernels` probes FlashInfer's on the model's device before using them (one call each, checked
-against torch): a kernel that fails to load or disagrees leaves the engine on torch's, with a warning.
+`select_kernels` probes FlashInfer's on the model's device before using them (one call each at the
+model's widths, checked against torch): if either fails to load or disagrees, the engine keeps torch's
+for both, with a warning.
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ class FlashInferKernels:
 
         self._rmsnorm, self._silu_and_mul = rmsnorm, silu_and_mul
 
-    # enable_pdl=False: no programmatic dependent launch; the next kernel is usually cuBLAS's, which
-    # does not wait on it, and graph capture stays plain.
+    # enable_pdl=False: no programmatic dependent launch (which would let these kernels start before
+    # the previous one, a cuBLAS matmul, ends, and wait inside): plain launches, plain graph capture.
+    # The weight is read as the input's dtype, unchecked: the model casts every weight to its dtype.
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self._rmsnorm(x, weight, eps, enable_pdl=False)
 
@@ -64,19 +66,23 @@ class FlashInferKernels:
         return self._silu_and_mul(gate_up, enable_pdl=False)
 
 
-def select_kernels(name: str, device: torch.device, dtype: torch.dtype, hidden: int) -> RowKernels:
+def select_kernels(name: str, device: torch.device, dtype: torch.dtype, hidden: int, intermediate: int
+                   ) -> RowKernels:
     """name: auto (FlashInfer's on CUDA in 16-bit when they load and agree with torch's), torch,
-    or flashinfer (the same, but a failure is an error)."""
+    or flashinfer (the same, but a failure is an error). hidden, intermediate: the model's widths."""
     if name == "torch":
         return TorchKernels()
     if name not in ("auto", "flashinfer"):
         raise ValueError(f"unknown row kernels {name!r} (auto, torch, flashinfer)")
     reason = ("needs a CUDA device" if device.type != "cuda"
-              else "needs bfloat16 or float16" if dtype not in (torch.bfloat16, torch.float16) else None)
+              else "needs bfloat16 or float16" if dtype not in (torch.bfloat16, torch.float16)
+              # the kernels load 16 bytes at a time, from the start of each row and of its second half
+              else f"needs widths that are multiples of 8 (hidden {hidden}, intermediate {intermediate})"
+              if hidden % 8 or intermediate % 8 else None)
     if reason is None:
         try:
             kernels = FlashInferKernels()
-            _probe(kernels, device, dtype, hidden)
+            _probe(kernels, device, dtype, hidden, intermediate)
             return kernels
         except Exception as e:  # any failure means: serve with torch's kernels
             reason = f"{type(e).__name__}: {e}"
@@ -87,11 +93,11 @@ def select_kernels(name: str, device: torch.device, dtype: torch.dtype, hidden: 
     return TorchKernels()
 
 
-def _probe(kernels: RowKernels, device: torch.device, dtype: torch.dtype, hidden: int) -> None:
+def _probe(kernels: RowKernels, device: torch.device, dtype: torch.dtype, hidden: int, intermediate: int) -> None:
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(64, hidden, device=device, dtype=dtype, generator=gen)
     w = 1 + 0.1 * torch.randn(hidden, device=device, dtype=dtype, generator=gen)
-    gate_up = torch.randn(64, 2 * hidden, device=device, dtype=dtype, generator=gen)
+    gate_up = torch.randn(64, 2 * intermediate, device=device, dtype=dtype, generator=gen)
     ref = TorchKernels()
     for got, want in ((kernels.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6)),
                       (kernels.silu_and_mul(gate_up), ref.silu_and_mul(gate_up))):
