@@ -49,7 +49,8 @@ class SamplingParams(msgspec.Struct):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        # Below 1e-5 (vLLM's threshold too) logits / temperature overflows float32 into inf and NaN.
+        return self.temperature < 1e-5 or self.top_k == 1
 
 
 class Suspension(msgspec.Struct):

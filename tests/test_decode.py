@@ -240,6 +240,9 @@ def test_top_k_and_top_p_restrict_the_support() -> None:
     # token at all and the request failed with an internal error (found by tests/test_schemathesis.py).
     req = make_req("tiny", temperature=1.0, top_p=3.4e-254, seed=0)
     assert {sample(probs.log()[None], [req], gens)[0] for _ in range(20)} == {0}
+    # Likewise a temperature whose division overflows float32: greedy below 1e-5.
+    req = make_req("cold", temperature=2.9862795153550757e-76, top_k=118042, seed=0)
+    assert sample(logits[None], [req], gens) == [int(logits.argmax())]
 
     req = make_req("t", temperature=1e-3, seed=0)  # a near-zero temperature is almost greedy
     assert all(sample(logits_rows(4, 40, seed=s), [req] * 4, {}) == logits_rows(4, 40, seed=s).argmax(-1).tolist()
