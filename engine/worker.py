@@ -264,9 +264,11 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
 def _prompt_ids(engine: Engine, prompt: Any) -> list[int]:
     if isinstance(prompt, str):
         return engine.tokenizer.encode(prompt)
-    if prompt and all(isinstance(t, int) for t in prompt):
+    if not isinstance(prompt, list):  # inside a one-element list: a number, an object, null
+        raise ValueError("prompt must be a string, a list of token ids, or a one-element list of either")
+    if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return list(prompt)
-    if isinstance(prompt, list) and len(prompt) == 1:
+    if len(prompt) == 1:
         return _prompt_ids(engine, prompt[0])
     raise ValueError("prompt must be a string, a list of token ids, or a one-element list of either "
                      "(batched prompts are not supported)")

@@ -60,6 +60,8 @@ def test_openai_async_client(served: str) -> None:
     (b'{"prompt": "x", "max_tokens": 2}', {"x-slo-ttft-ms": "soon"}, 400),
     (b'{"prompt": "x", "max_tokens": 2, "model": "gpt-9"}', {}, 404),
     (b'{"prompt": 5}', {}, 400),
+    (b'{"prompt": [1.99e82]}', {}, 400),  # a one-element list of neither (schemathesis found a 500)
+    (b'{"prompt": [[true, false]]}', {}, 400),  # booleans are not token ids
     (b'[1, 2]', {}, 400),
     (b'{"prompt": "x", "temperature": "hot"}', {}, 400),
     (b'{"prompt": [65, 66], "max_tokens": 40000}', {}, 400),  # beyond the model's context
