@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 
 FORWARDED_HEADERS = ("traceparent", "tracestate", "content-type")
 CLIENT_SHARDS = 8
+# Worker answers worth another worker: it could not reach something, or was overloaded. A 500 is the
+# request tripping a bug there; retried, it would fail every worker's batch it joined.
+RETRY_ELSEWHERE = frozenset({502, 503, 504})
 
 
 class GatewayError(Exception):
@@ -76,6 +79,7 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
         assert prefill_pool is not None
         first = {k: v for k, v in body.items() if k != "stream_options"} | {"max_tokens": 1, "stream": False}
         tried: set[str] = set()
+        failed: httpx.Response | None = None
         while (pre := await prefill_pool.acquire(deadline, tried)) is not None:
             tried.add(pre.url)
             try:
@@ -86,8 +90,10 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
                 continue
             finally:
                 prefill_pool.release(pre)
-            if r.status_code >= 500 and not r.headers.get("x-flowprefill-dropped-reason"):
-                prefill_pool.mark_failed(pre)
+            shed_there = bool(r.headers.get("x-flowprefill-dropped-reason"))
+            (prefill_pool.record_error if r.status_code >= 500 and not shed_there else prefill_pool.record_ok)(pre)
+            if r.status_code in RETRY_ELSEWHERE and not shed_there:
+                failed = r
                 continue
             if r.status_code == 200:
                 return None
@@ -95,6 +101,9 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
             metrics.answered(slo_name, r.status_code, r.headers.get("x-flowprefill-dropped-reason"))
             return Response(r.content, status_code=r.status_code, media_type="application/json",
                             headers={k: v for k, v in r.headers.items() if k in keep})
+        if failed is not None:  # every prefill worker tried failed: the last one's answer
+            metrics.answered(slo_name, failed.status_code)
+            return Response(failed.content, status_code=failed.status_code, media_type="application/json")
         raise GatewayError(503, "no healthy prefill worker", "server_error",
                            headers={"retry-after": "1", "x-flowprefill-dropped-reason": "no_healthy_worker"})
 
@@ -133,6 +142,7 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
                 "flowprefill.stream": bool(body.get("stream"))})
         tried: set[str] = set()
         shed: UpstreamResponse | Http1Response | None = None
+        failed: tuple[int, bytes] | None = None  # the last worker's 5xx answer (status, body)
         if pool.pick() is None:  # every worker looked down at the last poll: look again before refusing
             await pool.poll_once()
         while True:
@@ -172,10 +182,22 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
                 pool.release(worker)
                 continue
             if up.status_code >= 500:
-                await up.aclose()
-                pool.release(worker)
-                pool.mark_failed(worker)
-                continue
+                try:
+                    content = await up.aread()
+                except httpx.HTTPError:
+                    content = None
+                finally:
+                    await up.aclose()
+                    pool.release(worker)
+                if content is None:  # the connection broke: as if it had not answered
+                    pool.mark_failed(worker)
+                    continue
+                pool.record_error(worker)
+                failed = (up.status_code, content)
+                if up.status_code in RETRY_ELSEWHERE:
+                    continue
+                break
+            pool.record_ok(worker)
             answer_headers = ours | {k: v for k, v in up.headers.items()
                                      if k in ("content-type", "x-flowprefill-predicted-miss")}
             if annotate is not None:
@@ -204,6 +226,10 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
             metrics.answered(slo.name, shed.status_code, shed.headers.get("x-flowprefill-dropped-reason"))
             return Response(shed.content, status_code=shed.status_code, media_type="application/json",
                             headers=ours | {k: v for k, v in shed.headers.items() if k in keep})
+        if failed is not None:  # the worker's own error body: what went wrong there, not "no worker"
+            status, content = failed
+            metrics.answered(slo.name, status)
+            return Response(content, status_code=status, media_type="application/json", headers=ours)
         raise GatewayError(503, "no healthy worker", "server_error",
                            headers=ours | {"retry-after": "1", "x-flowprefill-dropped-reason": "no_healthy_worker"})
 

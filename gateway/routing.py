@@ -23,6 +23,7 @@ class Worker:
         self.in_flight = 0
         self.backlog_s = 0.0  # predicted prefill work queued there (its /load)
         self.down_until = 0.0
+        self.errors = 0  # consecutive 5xx answers (`WorkerPool.record_error`)
         self.role = ""  # what the worker says it does (its /load): colocated, prefill or decode
 
     def __repr__(self) -> str:
@@ -134,6 +135,19 @@ class WorkerPool:
         log.warning("worker %s failed; out of rotation", w.url)
         w.healthy = False
         w.down_until = time.monotonic() + cooldown_s
+        w.errors = 0
+
+    # A 5xx answer is evidence against the worker only when it repeats: one request that trips a
+    # bug fails the same way everywhere, and ejecting each worker it visits would take the fleet down.
+    ERRORS_TO_EJECT = 3
+
+    def record_error(self, w: Worker) -> None:
+        w.errors += 1
+        if w.errors >= self.ERRORS_TO_EJECT:
+            self.mark_failed(w)
+
+    def record_ok(self, w: Worker) -> None:
+        w.errors = 0
 
     async def poll_once(self) -> None:
         async def check(w: Worker) -> None:

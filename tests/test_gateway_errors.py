@@ -1,0 +1,94 @@
+"""What the gateway does with a worker's 5xx. Two scripted workers (a real uvicorn server each, in
+this process) answer as a broken fleet would: a 500 for a request that trips a bug there, a 502 for
+one they cannot serve now. A 500 goes back to the client as the worker wrote it, once, without
+ejecting the worker; a 502 is retried on the other worker; a worker is ejected after repeated 5xx."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import httpx
+import pytest
+from processes import free_port, start, stop, uvicorn_thread, wait_healthy
+
+from gateway.routing import WorkerPool
+
+
+def scripted_worker(name: str, hits: Counter[tuple[str, str]]) -> Any:
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        status, answer = 200, {"status": "ok", "role": "colocated", "predicted_backlog_s": 0.0}
+        if scope["path"] == "/v1/completions":
+            prompt = json.loads(body)["prompt"]
+            hits[(name, prompt)] += 1
+            status, answer = {"poison": (500, {"error": {"message": f"internal engine error at {name}",
+                                                        "type": "server_error", "param": None, "code": None}}),
+                              "unreachable": (502, {"error": {"message": "hand-off failed", "type": "server_error",
+                                                              "param": None, "code": None}})}.get(
+                prompt, (200, {"id": "cmpl-1", "object": "text_completion", "choices": [{"text": "ok"}]}))
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": json.dumps(answer).encode()})
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[tuple[str, list[str], Counter[tuple[str, str]]]]:
+    hits: Counter[tuple[str, str]] = Counter()
+    with ExitStack() as stack:
+        ports = [stack.enter_context(uvicorn_thread(scripted_worker(n, hits))) for n in ("a", "b")]
+        workers = [f"http://127.0.0.1:{p}" for p in ports]
+        gw_port = free_port()
+        gateway = start("gateway", "--port", str(gw_port), "--workers", ",".join(workers))
+        url = f"http://127.0.0.1:{gw_port}"
+        try:
+            wait_healthy(url, gateway)
+            yield url, workers, hits
+        finally:
+            stop(gateway)
+
+
+def send(url: str, prompt: str) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=30)
+
+
+def test_a_500_reaches_the_client_once_and_ejects_nobody(fleet: tuple[str, list[str], Counter]) -> None:
+    url, _, hits = fleet
+    r = send(url, "poison")
+    assert r.status_code == 500 and r.json()["error"]["message"].startswith("internal engine error at ")
+    assert sum(n for (_, prompt), n in hits.items() if prompt == "poison") == 1, "a 500 is not retried"
+    assert all(httpx.get(f"{url}/health").json()["workers"].values())
+    assert all(send(url, "hello").status_code == 200 for _ in range(4))
+
+
+def test_a_502_is_retried_on_the_other_worker(fleet: tuple[str, list[str], Counter]) -> None:
+    url, _, hits = fleet
+    r = send(url, "unreachable")
+    assert r.status_code == 502 and r.json()["error"]["message"] == "hand-off failed"  # both tried: the last answer
+    assert hits[("a", "unreachable")] == hits[("b", "unreachable")] == 1
+
+
+def test_repeated_5xx_eject_a_worker() -> None:
+    pool = WorkerPool(["http://w"], httpx.AsyncClient())
+    (w,) = pool.workers
+    for _ in range(WorkerPool.ERRORS_TO_EJECT - 1):
+        pool.record_error(w)
+    pool.record_ok(w)  # a success in between: it was the requests, not the worker
+    for _ in range(WorkerPool.ERRORS_TO_EJECT - 1):
+        pool.record_error(w)
+    assert w.healthy
+    pool.record_error(w)
+    assert not w.healthy and w.down_until > time.monotonic()
