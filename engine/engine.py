@@ -251,6 +251,9 @@ class Engine:
         tokens = sample(logits[[i for i, _ in live]], [r for _, r in live], self._generators) if live else []
         now = self.clock()
         for (_, r), token in zip(live, tokens, strict=True):
+            if isinstance(token, Exception):
+                self._finish(r, "error", f"sampling failed: {token}")
+                continue
             if r.export_kv:  # hand-off: copy the prompt's KV out before the blocks can be freed
                 r.kv_export = {f"{kind}.{layer}": t.clone() for layer in range(self.model.cfg.num_hidden_layers)
                                for kind, t in zip("kv", self.kv.gather(layer, r.block_table, r.num_prompt_tokens),
@@ -301,6 +304,9 @@ class Engine:
         tokens = sample(logits, reqs, self._generators)
         now = self.clock()
         for stream, token in zip(streams, tokens, strict=True):
+            if isinstance(token, Exception):
+                self._finish(stream.req, "error", f"sampling failed: {token}")
+                continue
             stream.req.last_token_time = now
             self._emit(stream.push(token))
         self._next_decode_at = float("inf")

@@ -374,6 +374,28 @@ def test_decode_error_fails_the_decoding_requests(make_engine: Callable[..., Eng
     assert_idle_and_free(eng)
 
 
+@pytest.mark.parametrize("fail_at", [0, 2])  # the first token (prefill) or a later one (decode)
+def test_a_request_whose_sampling_fails_fails_alone(make_engine: Callable[..., Engine],
+                                                    monkeypatch: pytest.MonkeyPatch, fail_at: int) -> None:
+    from engine import sampling
+
+    eng = make_engine(start=False)
+    inner = sampling.sample_row
+
+    def sample_row(row: torch.Tensor, req: Request, generators: dict) -> int:
+        if req.request_id == "bad" and len(req.output_token_ids) == fail_at:
+            raise RuntimeError("boom in sampling")
+        return inner(row, req, generators)
+
+    monkeypatch.setattr(sampling, "sample_row", sample_row)
+    _, bad_sink = submit(eng, "bad", 20, max_tokens=4)
+    good, good_sink = submit(eng, "good", 24, max_tokens=4)
+    eng.start()
+    assert bad_sink.wait() == "error" and "boom in sampling" in (bad_sink.outputs[-1].error or "")
+    assert good_sink.wait() == "length" and len(good.output_token_ids) == 4
+    assert_idle_and_free(eng)
+
+
 def test_shutdown_fails_outstanding_requests(make_engine: Callable[..., Engine],
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     eng = make_engine("flowprefill")
