@@ -139,6 +139,19 @@ def test_benchmarks_page_has_its_sections_and_markers() -> None:
         assert "flowprefill bench prefill" in section, heading
 
 
+def test_benchmark_tables_are_the_benches_own_markdown() -> None:
+    """Every row `bench prefill` writes to prefill.md for the committed runs is on the Benchmarks page."""
+    from engine.bench.prefill_markdown import markdown
+
+    text = (DOCS / "benchmarks.md").read_text()
+    for name in ("prefill.json", "prefill-h200.json"):
+        rows = [line for line in markdown(json.loads((RESULTS / name).read_text())).splitlines()
+                if line.startswith("| ") and not line.startswith("| prompt")]
+        assert len(rows) >= 8
+        missing = [row for row in rows if row not in text]
+        assert not missing, (name, missing)
+
+
 def test_benchmark_tables_match_the_recorded_results() -> None:
     """The numbers on the Benchmarks page are the ones in the committed results files."""
     prefill = json.loads((RESULTS / "prefill.json").read_text())

@@ -42,6 +42,7 @@ from rich.table import Table
 from engine.bench.contenders import HFPrefill, OurPrefill, device_sync, interleaved, load_transformers
 from engine.bench.machine import cpu_count, machine_info
 from engine.bench.overhead import OverheadSection, median
+from engine.bench.prefill_markdown import markdown
 from engine.bench.prefill_plot import HF, PREEMPTIBLE, UNSPLIT, plot, size_label
 from engine.bench.stop_latency import StopLatencySection, cost_dict, random_prompt
 from engine.config import EngineConfig
@@ -352,10 +353,12 @@ def main(argv: list[str] | None = None) -> int:
         results["duration_s"] = time.monotonic() - t_start
         with suppress(OSError):
             results["machine"]["loadavg_at_end"] = os.getloadavg()
-    json_path, png_path = out_dir / "prefill.json", out_dir / "prefill.png"
+    json_path, png_path, md_path = out_dir / "prefill.json", out_dir / "prefill.png", out_dir / "prefill.md"
     json_path.write_text(json.dumps(_finite(results), indent=2, allow_nan=False) + "\n")
     plot(results, png_path)
-    console.print(f"wrote {json_path} and {png_path} in {results['duration_s']:.0f} s")
+    md_path.write_text(markdown(results))
+    console.print(f"wrote {json_path}, {png_path} and {md_path} (the tables in Markdown) "
+                  f"in {results['duration_s']:.0f} s")
     return 0
 
 
