@@ -13,7 +13,18 @@ import httpx
 
 from gateway.processes import free_port, start, stop, wait_healthy
 
-__all__ = ["free_port", "preemption_scenario", "serving", "start", "stop", "uvicorn_thread", "wait_healthy"]
+__all__ = ["asgi_body", "free_port", "preemption_scenario", "serving", "start", "stop", "uvicorn_thread",
+           "wait_healthy"]
+
+
+async def asgi_body(receive: Any) -> bytes:
+    """The whole request body an ASGI app receives."""
+    body = b""
+    while True:
+        msg = await receive()
+        body += msg.get("body", b"")
+        if not msg.get("more_body"):
+            return body
 
 
 @contextmanager

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from processes import free_port, start, stop, uvicorn_thread, wait_healthy
+from processes import asgi_body, free_port, start, stop, uvicorn_thread, wait_healthy
 
 from gateway.routing import WorkerPool
 
@@ -23,12 +23,7 @@ def scripted_worker(name: str, hits: Counter[tuple[str, str]]) -> Any:
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
-        body = b""
-        while True:
-            msg = await receive()
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
+        body = await asgi_body(receive)
         status, answer = 200, {"status": "ok", "role": "colocated", "predicted_backlog_s": 0.0}
         if scope["path"] == "/v1/completions":
             prompt = json.loads(body)["prompt"]

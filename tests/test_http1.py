@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from processes import free_port, uvicorn_thread
+from processes import asgi_body, free_port, uvicorn_thread
 
 from gateway.http1 import Http1Pool, request_head
 
@@ -22,12 +22,7 @@ TIMEOUT = httpx.Timeout(5).as_dict()
 async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     if scope["type"] != "http":
         return
-    body = b""
-    while True:
-        msg = await receive()
-        body += msg.get("body", b"")
-        if not msg.get("more_body"):
-            break
+    body = await asgi_body(receive)
     if scope["path"] == "/slow":
         await asyncio.sleep(1.0)
     start = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]}
