@@ -94,7 +94,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     attention_backend: str = "auto"  # auto | sdpa | flashinfer
-    row_kernels: str = "auto"  # auto | torch | flashinfer: RMSNorm and SiLU-and-mul (engine/model/kernels.py)
+    row_kernels: str = "auto"  # auto | torch | flashinfer: RMSNorm, SiLU-and-mul, RoPE (engine/model/kernels.py)
     kv_block_size: int = 256
     kv_capacity_tokens: int = 262_144
     max_batch_tokens: int = 2048

@@ -35,7 +35,8 @@ def profile_key(model: LlamaModel) -> str:
     # The kernels are part of the key: a fused kernel's faster timings must not become the torch ones'.
     key = (f"{c.name}-h{c.hidden_size}-l{c.num_hidden_layers}-q{c.num_attention_heads}-kv{c.num_key_value_heads}"
            f"-i{c.intermediate_size}-{model.embed.dtype}-{model.device}-t{torch.get_num_threads()}"
-           f"-torch{torch.__version__}-{model.backend.name}-{model.kernels.name}")
+           f"-torch{torch.__version__}-{model.backend.name}-{model.kernels.name}"
+           f"{'-fused_rope' if model.rotary.fused else ''}")
     return re.sub(r"[^A-Za-z0-9_.-]", "_", key)
 
 
@@ -66,7 +67,7 @@ def calibrate(model: LlamaModel, block_rows: Sequence[int] | None = None) -> OpC
     def block_s(op: str, rows: int, repeat: int = 9) -> float:
         x = torch.randn(rows, c.hidden_size, dtype=dtype, device=dev) * 0.02
         if op == ATTN_IN:
-            rope = model.rotary.at(torch.arange(rows, device=dev))
+            rope = model.rotary.rows(torch.arange(rows, device=dev))
             return _best_time(lambda: model._attn_in(layer, x, rope), repeat)
         attn = torch.randn(rows, c.num_attention_heads, c.head_dim, dtype=dtype, device=dev)
         return _best_time(lambda: model._ffn(layer, x, attn), repeat)

@@ -109,6 +109,7 @@ def test_auto_picks_flashinfer(checkpoint: Path) -> None:
     with _engine(checkpoint, "auto") as engine:
         assert engine.model.backend.name == "flashinfer"
         assert engine.model.kernels.name == "flashinfer"  # fused RMSNorm and SiLU-and-mul
+        assert engine.model.rotary.fused  # and RoPE
 
 
 @pytest.mark.parametrize("rows", [1, 7, 300, 2048])
@@ -126,6 +127,28 @@ def test_fused_row_kernels_match_torch(rows: int) -> None:
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)  # bfloat16: rounded once vs twice
     with pytest.raises(ValueError, match="multiples of 8"):  # 16-byte loads from each half of the row
         select_kernels("flashinfer", torch.device("cuda"), DT, 4096, 14332)
+
+
+@pytest.mark.parametrize("rows", [1, 300, 2048])
+def test_fused_rope_matches_torch(rows: int) -> None:
+    """Llama 3.1 8B's rotation (GQA 32:8, llama3 scaling, 128K context) on column slices of a fused
+    projection, at positions across the whole context."""
+    from engine.model.kernels import fuse_rope
+    from engine.model.rope import Rotary
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    plain, fused = (Rotary(128, 500_000.0, scaling, 131072, DT, torch.device("cuda")) for _ in range(2))
+    fuse_rope(fused, 32, 8, required=True)
+    assert fused.fused
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    qkv = torch.randn(rows, 48 * 128, device="cuda", dtype=DT, generator=gen)
+    q, k, _ = qkv.split([32 * 128, 8 * 128, 8 * 128], dim=-1)
+    pos = torch.randint(0, 131072, (rows,), device="cuda", generator=gen)
+    plain.reserve(131072)
+    for got, want in zip(fused.apply(q, k, fused.rows(pos)), plain.apply(q, k, plain.rows(pos)), strict=True):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)  # fp32 inside vs bfloat16 throughout
 
 
 def test_engine_prefill_logits_match_sdpa_and_transformers(checkpoint: Path) -> None:

@@ -343,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
             results["config"]["model"] = asdict(bench._model[0].cfg)
             results["config"]["attention_backend"] = bench._model[0].backend.name
             results["config"]["row_kernels"] = bench._model[0].kernels.name
+            results["config"]["fused_rope"] = bench._model[0].rotary.fused
             graphs = bench._model[0].graphs
             if graphs is not None:
                 results["config"]["cuda_graphs"] = {"buckets_captured": graphs.captured,

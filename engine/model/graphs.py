@@ -29,6 +29,7 @@ from engine.model.plan import ATTN_IN, FFN
 
 if TYPE_CHECKING:
     from engine.model.llama import LayerWeights, LlamaModel
+    from engine.model.rope import Rows
 
 log = logging.getLogger("flowprefill.engine")
 
@@ -72,8 +73,7 @@ class GraphBuffers:
         self.size = size
         with torch.inference_mode(False):  # normal tensors: they are updated in place in any mode
             self.x = torch.zeros(size, c.hidden_size, dtype=dtype, device=dev)
-            self.cos = torch.ones(size, 1, c.head_dim, dtype=dtype, device=dev)
-            self.sin = torch.zeros(size, 1, c.head_dim, dtype=dtype, device=dev)
+            self.rope = model.rotary.row_buffers(size)
             self.q = torch.zeros(size, c.num_attention_heads, c.head_dim, dtype=dtype, device=dev)
             self.k = torch.zeros(size, c.num_key_value_heads, c.head_dim, dtype=dtype, device=dev)
             self.v = torch.zeros_like(self.k)
@@ -81,15 +81,15 @@ class GraphBuffers:
         self.replays: dict[tuple[int, str], Replay] = {}
         self.leased = False
 
-    def load(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    def load(self, x: torch.Tensor, rope: Rows
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Copy a batch's embeddings and rotary tables in; returns the views of its real rows
+        """Copy a batch's embeddings and rotary rows in; returns the views of its real rows
         (x, q, k, v, attn) that the forward uses instead of its own tensors."""
         n = x.shape[0]
         self.x[:n].copy_(x)
         self.x[n:].zero_()
-        self.cos[:n].copy_(cos)
-        self.sin[:n].copy_(sin)
+        for buf, rows in zip(self.rope, rope, strict=True):
+            buf[:n].copy_(rows)
         return self.x[:n], self.q[:n], self.k[:n], self.v[:n], self.attn[:n]
 
     def replay(self, layer: int, op: str) -> None:
@@ -97,7 +97,7 @@ class GraphBuffers:
 
 
 def _attn_in_into(model: LlamaModel, layer: LayerWeights, buf: GraphBuffers) -> None:
-    q, k, v = model._attn_in(layer, buf.x, (buf.cos, buf.sin))
+    q, k, v = model._attn_in(layer, buf.x, buf.rope)
     buf.q.copy_(q)
     buf.k.copy_(k)
     buf.v.copy_(v)

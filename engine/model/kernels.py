@@ -1,24 +1,29 @@
-"""The row-wise kernels between the matmuls: RMSNorm and SiLU-and-mul.
+"""The row-wise kernels between the matmuls: RMSNorm, SiLU-and-mul and the rotary embedding.
 
 In torch, RMSNorm is seven kernels over the rows in fp32 (cast, square, mean, rsqrt, scale, cast,
 weight) and SiLU-and-mul two more over the MLP's widest tensor. On a GPU they are pure memory
 traffic: for an 8B model at 8K tokens about a gigabyte per norm and per MLP and layer, some 6 % of a
 prefill. FlashInfer's fused kernels (the ones vLLM and SGLang use) read and write each tensor once.
 They compute the norm in fp32 and round once, where transformers rounds before the weight: results
-differ by bfloat16 rounding, as the attention kernels' do.
+differ by bfloat16 rounding, as the attention kernels' do. With them the engine also rotates q and k
+with FlashInfer's RoPE kernel (`fuse_rope`, engine/model/rope.py): one kernel where torch runs five
+over each, about 1.5 % of an 8K prefill of an 8B model on an H200 in session 6's profile.
 
 `select_kernels` probes FlashInfer's on the model's device before using them (one call each at the
 model's widths, checked against torch): if either fails to load or disagrees, the engine keeps torch's
-for both, with a warning.
+for both, with a warning; `fuse_rope` probes the RoPE kernel the same way, on its own.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from engine.model.rope import Rotary
 
 log = logging.getLogger(__name__)
 
@@ -104,3 +109,37 @@ def _probe(kernels: RowKernels, device: torch.device, dtype: torch.dtype, hidden
         err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
         if got.shape != want.shape or not err < 2e-2:
             raise RuntimeError(f"disagrees with torch (shape {tuple(got.shape)}, max relative error {err:.2g})")
+
+
+def fuse_rope(rotary: Rotary, heads: int, kv_heads: int, required: bool) -> None:
+    """Rotate with FlashInfer's kernel if it loads and agrees with the exact rotation at positions up
+    to the model's context; otherwise keep torch's (required: the failure is an error)."""
+    try:
+        from flashinfer.rope import apply_rope_with_cos_sin_cache
+
+        rotary.use_fused(apply_rope_with_cos_sin_cache)
+        _probe_rope(rotary, heads, kv_heads)
+    except Exception as e:  # any failure means: rotate with torch
+        rotary.use_fused(None)
+        if required:
+            raise ValueError(f"--row-kernels flashinfer: RoPE: {type(e).__name__}: {e}") from e
+        log.warning("FlashInfer's RoPE kernel is not used (%s: %s); torch's rotation runs instead",
+                    type(e).__name__, e)
+
+
+def _probe_rope(rotary: Rotary, heads: int, kv_heads: int) -> None:
+    d, dev = rotary.head_dim, rotary.device
+    gen = torch.Generator(device=dev).manual_seed(0)
+    # Laid out as in the model: q and k are column slices of one fused projection's output.
+    qkv = torch.randn(64, (heads + 2 * kv_heads) * d, device=dev, dtype=rotary.dtype, generator=gen)
+    q, k, _ = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    pos = torch.randint(0, rotary.max_pos, (64,), device=dev, generator=gen)
+    pos[0] = rotary.max_pos - 1
+    got = rotary.apply(q, k, rotary.rows(pos))
+    angles = rotary._angles(rotary.max_pos)[pos]  # torch's angles (float32), rotated in float32
+    cos, sin = (torch.cat((f(angles), f(angles)), dim=-1).unsqueeze(1) * rotary.scale for f in (torch.cos, torch.sin))
+    for x, y, n in ((q, got[0], heads), (k, got[1], kv_heads)):
+        want = rotary.rotate(x.float().view(-1, n, d), cos, sin)
+        err = float((y.float() - want).abs().max() / want.abs().max())
+        if y.shape != want.shape or not err < 2e-2:
+            raise RuntimeError(f"disagrees with torch (shape {tuple(y.shape)}, max relative error {err:.2g})")

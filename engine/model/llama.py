@@ -17,7 +17,7 @@ from engine.kv_cache import KVCache
 from engine.model.graphs import StepGraphs
 from engine.model.kernels import RowKernels, TorchKernels
 from engine.model.plan import ATTENTION, ATTN_IN, FFN, SeqSpan, Step
-from engine.model.rope import Rotary
+from engine.model.rope import Rotary, Rows
 
 
 class LayerWeights:
@@ -56,16 +56,15 @@ class LlamaModel:
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return self.kernels.rms_norm(x, weight, self.cfg.rms_norm_eps)
 
-    def _attn_in(self, layer: LayerWeights, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    def _attn_in(self, layer: LayerWeights, x: torch.Tensor, rope: Rows
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """rope: the rotary cos/sin of x's rows (`Rotary.at`)."""
+        """rope: what the rotation reads for x's rows (`Rotary.rows`)."""
         qkv = self._rms(x, layer.input_norm) @ layer.qkv
         if layer.qkv_bias is not None:
             qkv += layer.qkv_bias
         c = self.cfg
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.rotary.rotate(q.view(-1, c.num_attention_heads, c.head_dim), *rope)
-        k = self.rotary.rotate(k.view(-1, c.num_key_value_heads, c.head_dim), *rope)
+        q, k = self.rotary.apply(q, k, rope)
         return q, k, v.reshape(-1, c.num_key_value_heads, c.head_dim)
 
     def _ffn(self, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -90,7 +89,7 @@ class LlamaModel:
         self.rotary.reserve(max(s.start + s.length for s in spans))
         prefix_index = {i: kv.block_index(bt, s.start)
                         for i, (s, bt) in enumerate(zip(spans, block_tables, strict=True)) if s.start > 0}
-        cos, sin = self.rotary.at(torch.cat([torch.arange(s.start, s.start + s.length, device=dev) for s in spans]))
+        rope = self.rotary.rows(torch.cat([torch.arange(s.start, s.start + s.length, device=dev) for s in spans]))
         slots = torch.cat([kv.slots(bt, s.start, s.start + s.length)
                            for s, bt in zip(spans, block_tables, strict=True)])
         row0 = [0]
@@ -103,7 +102,7 @@ class LlamaModel:
         lease = self.graphs.lease(n) if self.graphs is not None else None
         try:
             if lease is not None:
-                x, q, k, v, attn = lease.load(x, cos, sin)
+                x, q, k, v, attn = lease.load(x, rope)
             else:
                 q = x.new_empty(n, c.num_attention_heads, c.head_dim)
                 k = x.new_empty(n, c.num_key_value_heads, c.head_dim)
@@ -120,7 +119,7 @@ class LlamaModel:
                     if whole and lease is not None:
                         lease.replay(step.layer, ATTN_IN)
                     else:
-                        new_q, new_k, new_v = self._attn_in(layer, x[a:b], (cos[a:b], sin[a:b]))
+                        new_q, new_k, new_v = self._attn_in(layer, x[a:b], tuple(r[a:b] for r in rope))
                         if whole:  # keep the results, don't copy them
                             q, k, v = new_q, new_k, new_v.contiguous()
                         else:
@@ -170,7 +169,7 @@ class LlamaModel:
         """One token per request at `positions`; returns logits [batch, vocab]."""
         dev = self.device
         self.rotary.reserve(max(positions) + 1)
-        rope = self.rotary.at(torch.tensor(positions, device=dev))
+        rope = self.rotary.rows(torch.tensor(positions, device=dev))
         slots = torch.cat([kv.slots(bt, p, p + 1) for bt, p in zip(block_tables, positions, strict=True)])
         lengths = [p + 1 for p in positions]
         x = self.embed[torch.tensor(token_ids, device=dev)]
