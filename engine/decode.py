@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.request import Request, TokenOutput
+from engine.request import Request, Sampled, TokenOutput
 from engine.tokenizer import ByteTokenizer, HFTokenizer
 
 
@@ -18,8 +18,8 @@ class OutputStream:
         self._decoder = tokenizer.incremental_decoder()
         self._pending = ""  # decoded text not yet sent
 
-    def push(self, token: int) -> TokenOutput:
-        req = self.req
+    def push(self, sampled: Sampled) -> TokenOutput:
+        req, token = self.req, sampled.token
         req.output_token_ids.append(token)
         finish = None
         if token in self.eos:
@@ -37,7 +37,8 @@ class OutputStream:
         else:
             hold = max((_overlap(self._pending, s) for s in stops), default=0)
             text, self._pending = self._pending[: len(self._pending) - hold], self._pending[len(self._pending) - hold :]
-        return TokenOutput(req.request_id, [token], text, finish)
+        return TokenOutput(req.request_id, [token], text, finish,
+                           logprobs=None if sampled.logprob is None else [sampled.logprob])
 
 
 def _overlap(text: str, stop: str) -> int:

@@ -19,7 +19,7 @@ from engine.model.plan import SeqSpan
 from engine.observer import EngineObserver
 from engine.predictor import load_cost
 from engine.prefill import PrefillBatch
-from engine.request import Request, RequestState, SamplingParams, TokenOutput
+from engine.request import Request, RequestState, Sampled, SamplingParams, TokenOutput
 from engine.sampling import sample
 from engine.scheduler import Policy, Scheduler, make_policy
 
@@ -54,7 +54,7 @@ class Engine:
         self._decoding: dict[str, OutputStream] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._cancels: deque[str] = deque()
-        self._imports: deque[tuple[Request, dict[str, torch.Tensor], int]] = deque()
+        self._imports: deque[tuple[Request, dict[str, torch.Tensor], Sampled]] = deque()
         self._current: PrefillBatch | None = None
         self._next_decode_at = float("inf")
         self._stop = False
@@ -92,6 +92,8 @@ class Engine:
                              f"model's context of {ctx} tokens")
         if not all(0 <= t < self.model.cfg.vocab_size for t in req.prompt_token_ids):
             raise ValueError(f"token ids must be in [0, {self.model.cfg.vocab_size})")
+        if not all(0 <= t < self.model.cfg.vocab_size for t in req.sampling.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {self.model.cfg.vocab_size})")
         if self.kv.blocks_for(req.max_total_tokens) > self.kv.num_blocks:
             raise ValueError(f"request needs {req.max_total_tokens} tokens of KV cache, "
                              f"the worker has {self.kv.num_blocks * self.kv.block_size}")
@@ -111,12 +113,14 @@ class Engine:
             self._cancels.append(request_id)
             self._cv.notify()
 
-    def add_prefilled(self, req: Request, kv: dict[str, torch.Tensor], first_token: int) -> None:
+    def add_prefilled(self, req: Request, kv: dict[str, torch.Tensor], first: Sampled) -> None:
         """Decode a request another worker prefilled (PD disaggregation): its prompt's KV
         (`k.{layer}` / `v.{layer}`: [prompt tokens, kv heads, head dim]) and its first token.
         Raises ValueError for KV that does not fit this model or prompt."""
         self.validate(req)
         cfg, n = self.model.cfg, req.num_prompt_tokens
+        if not 0 <= first.token < cfg.vocab_size:
+            raise ValueError(f"handed-off first token {first.token} is not in [0, {cfg.vocab_size})")
         want = (n, cfg.num_key_value_heads, cfg.head_dim)
         for layer in range(cfg.num_hidden_layers):
             for kind in "kv":
@@ -128,7 +132,7 @@ class Engine:
             if req.request_id in self._requests:
                 raise ValueError(f"duplicate request id {req.request_id!r}")
             self._requests[req.request_id] = req
-            self._imports.append((req, kv, first_token))
+            self._imports.append((req, kv, first))
             self._cv.notify()
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None,
@@ -267,7 +271,7 @@ class Engine:
         self._current = None
         self._schedule_decode(now)
 
-    def _start_decoding(self, r: Request, token: int, now: float) -> None:
+    def _start_decoding(self, r: Request, token: Sampled, now: float) -> None:
         r.first_token_time = r.last_token_time = now
         stream = OutputStream(r, self.tokenizer)
         r.state = RequestState.DECODING

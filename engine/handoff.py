@@ -3,7 +3,8 @@ decode worker.
 
 The prefill worker computes the prompt and the first token, copies the prompt's KV out of its paged
 cache as one safetensors blob (`k.{layer}`, `v.{layer}`: [prompt tokens, kv heads, head dim], plus
-`first_token`) and gives it to the decode worker's `/v1/internal/kv/{request id}`:
+`first_token`, and its log-probabilities `first_logprob`/`first_top_ids` when the request asked for
+them) and gives it to the decode worker's `/v1/internal/kv/{request id}`:
 
 - same host (the decode worker's URL is a loopback address): through shared memory. The blob is
   written to a file in /dev/shm (a RAM file system) and only its name travels in the POST; the decode
@@ -32,6 +33,7 @@ import torch
 from safetensors.torch import load, load_file, save, save_file
 
 from engine.openai_api import KV_ID_HEADER, KV_TO_HEADER
+from engine.request import Logprob, Sampled
 
 __all__ = ["KV_ID_HEADER", "KV_TO_HEADER", "SHM_HEADER", "TRANSPORT_HEADER", "KVInbox", "pack", "read_shm", "send",
            "unpack"]
@@ -43,24 +45,35 @@ SHM_MISSING = "kv_shm_missing"  # the decode worker's error code when it cannot 
 _SHM_NAME = re.compile(r"flowprefill-kv-[0-9a-f]{32}\.safetensors")
 
 
-def _tensors(kv: dict[str, torch.Tensor], first_token: int) -> dict[str, torch.Tensor]:
+def _tensors(kv: dict[str, torch.Tensor], first: Sampled) -> dict[str, torch.Tensor]:
     tensors = {name: t.contiguous().cpu() for name, t in kv.items()}
-    tensors["first_token"] = torch.tensor([first_token], dtype=torch.int64)
+    tensors["first_token"] = torch.tensor([first.token], dtype=torch.int64)
+    if first.logprob is not None:  # the request asked for logprobs: the first token's travel with it
+        lp = first.logprob
+        tensors["first_logprob"] = torch.tensor([lp.logprob, *(v for _, v in lp.top)], dtype=torch.float64)
+        tensors["first_top_ids"] = torch.tensor([t for t, _ in lp.top], dtype=torch.int64)
     return tensors
 
 
-def pack(kv: dict[str, torch.Tensor], first_token: int) -> bytes:
-    return save(_tensors(kv, first_token))
+def pack(kv: dict[str, torch.Tensor], first: Sampled) -> bytes:
+    return save(_tensors(kv, first))
 
 
-def _split(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
+def _split(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Sampled]:
     first = tensors.pop("first_token", None)
     if first is None or first.numel() != 1:
         raise ValueError("handed-off KV has no first_token")
-    return tensors, int(first.item())
+    token = int(first.item())
+    values, top_ids = tensors.pop("first_logprob", None), tensors.pop("first_top_ids", None)
+    if values is None:
+        return tensors, Sampled(token)
+    if top_ids is None or values.numel() != top_ids.numel() + 1:
+        raise ValueError("handed-off first_logprob and first_top_ids do not match")
+    top = list(zip(top_ids.tolist(), values[1:].tolist(), strict=True))
+    return tensors, Sampled(token, Logprob(token, float(values[0]), top))
 
 
-def unpack(blob: bytes) -> tuple[dict[str, torch.Tensor], int]:
+def unpack(blob: bytes) -> tuple[dict[str, torch.Tensor], Sampled]:
     return _split(load(blob))
 
 
@@ -74,7 +87,7 @@ def is_same_host(url: str) -> bool:
         return False
 
 
-def read_shm(name: str) -> tuple[dict[str, torch.Tensor], int] | None:
+def read_shm(name: str) -> tuple[dict[str, torch.Tensor], Sampled] | None:
     """The KV a same-host prefill worker left in SHM_DIR/name; None if this process cannot see it."""
     if not _SHM_NAME.fullmatch(name):  # only our own files, never a path
         raise ValueError(f"{SHM_HEADER} must name a file flowprefill-kv-<hex>.safetensors")
@@ -85,10 +98,10 @@ def read_shm(name: str) -> tuple[dict[str, torch.Tensor], int] | None:
 
 
 async def send(client: httpx.AsyncClient, decode_url: str, request_id: str, kv: dict[str, torch.Tensor],
-               first_token: int, transport: str = "auto") -> tuple[str, int]:
+               first: Sampled, transport: str = "auto") -> tuple[str, int]:
     """Hand the KV to the decode worker; returns the transport used ("shm" or "http") and the bytes."""
     url = f"{decode_url.rstrip('/')}/v1/internal/kv/{request_id}"
-    tensors = _tensors(kv, first_token)
+    tensors = _tensors(kv, first)
     if transport == "auto" and is_same_host(decode_url) and SHM_DIR.is_dir():
         path = SHM_DIR / f"flowprefill-kv-{uuid.uuid4().hex}.safetensors"
         try:
@@ -111,26 +124,26 @@ class KVInbox:
 
     def __init__(self, ttl_s: float = 60.0) -> None:
         self.ttl_s = ttl_s
-        self._items: dict[str, tuple[float, dict[str, torch.Tensor], int]] = {}
+        self._items: dict[str, tuple[float, dict[str, torch.Tensor], Sampled]] = {}
         self._arrived: dict[str, asyncio.Event] = {}
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, request_id: str, kv: dict[str, torch.Tensor], first_token: int) -> None:
+    def put(self, request_id: str, kv: dict[str, torch.Tensor], first: Sampled) -> None:
         self._expire()
-        self._items[request_id] = (time.monotonic(), kv, first_token)
+        self._items[request_id] = (time.monotonic(), kv, first)
         self._arrived.setdefault(request_id, asyncio.Event()).set()
 
-    async def take(self, request_id: str, timeout_s: float) -> tuple[dict[str, torch.Tensor], int]:
+    async def take(self, request_id: str, timeout_s: float) -> tuple[dict[str, torch.Tensor], Sampled]:
         """The KV for `request_id`, waiting up to `timeout_s` for it (TimeoutError after)."""
         event = self._arrived.setdefault(request_id, asyncio.Event())
         try:
             await asyncio.wait_for(event.wait(), timeout_s)
         finally:
             self._arrived.pop(request_id, None)
-        _, kv, token = self._items.pop(request_id)
-        return kv, token
+        _, kv, first = self._items.pop(request_id)
+        return kv, first
 
     def _expire(self) -> None:
         cutoff = time.monotonic() - self.ttl_s

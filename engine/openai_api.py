@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
-from engine.request import SamplingParams
+from engine.request import Logprob, SamplingParams
 
 # Prefill/decode disaggregation (engine/handoff.py): the gateway sends a request's prefill half with
 # KV_TO (where the KV goes) and its decode half with KV_ID (which handed-off KV to decode from).
@@ -35,21 +36,82 @@ class _Common(msgspec.Struct, kw_only=True, omit_defaults=True):
     service_tier: str | None = None
     ignore_eos: bool = False
     user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's extension
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias added to its logit
+    # Known fields of OpenAI's API this server does not implement: refused with a 400 when set, never
+    # silently ignored (a client asking for JSON or tool calls must not get plain text as if it were).
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+
+    def top_logprobs_wanted(self) -> int | None:
+        return None
+
+    def unsupported(self) -> str | None:
+        """The first field set to something this server does not do, or None."""
+        if self.n != 1:
+            return "n"
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return "response_format"
+        if (self.tools and self.tool_choice != "none") or self.functions:
+            return "tools"
+        return None
 
     def sampling(self, default_max_tokens: int) -> SamplingParams:
-        if self.n != 1:
-            raise ValueError("only n=1 is supported")
+        if (field := self.unsupported()) is not None:
+            raise Unsupported(field)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         max_tokens = self.max_completion_tokens or self.max_tokens
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                bias[int(key)] = value
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
         params = SamplingParams(max_tokens=default_max_tokens if max_tokens is None else max_tokens,
                                 temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                                seed=self.seed, stop=stop, ignore_eos=self.ignore_eos)
+                                seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
+                                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                                repetition_penalty=self.repetition_penalty, logit_bias=bias,
+                                logprobs=self.top_logprobs_wanted())
         params.validate()
         return params
 
 
+class Unsupported(ValueError):
+    """A request field this server does not implement; its message names the field and why."""
+
+    MESSAGES = {  # noqa: RUF012
+        "n": "only n=1 is supported",
+        "response_format": "response_format other than text (JSON mode, JSON schema) is not supported",
+        "tools": "tool calling (tools, functions) is not supported; send tool_choice \"none\" or no tools",
+        "echo": "echo is not supported",
+        "best_of": "best_of other than 1 is not supported",
+        "suffix": "suffix (insertion) is not supported",
+    }
+
+    def __init__(self, field: str) -> None:
+        super().__init__(self.MESSAGES[field])
+        self.field = field
+
+
 class CompletionRequest(_Common, kw_only=True, omit_defaults=True):
     prompt: str | list[Any]  # text, token ids, or a one-element list of either
+    logprobs: int | None = None  # the sampled token's and this many likeliest tokens' log-probabilities
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
+
+    def unsupported(self) -> str | None:
+        return super().unsupported() or ("echo" if self.echo else "best_of" if self.best_of not in (None, 1)
+                                         else "suffix" if self.suffix else None)
 
 
 class ChatMessage(msgspec.Struct, omit_defaults=True):
@@ -59,6 +121,13 @@ class ChatMessage(msgspec.Struct, omit_defaults=True):
 
 class ChatCompletionRequest(_Common, kw_only=True, omit_defaults=True):
     messages: list[ChatMessage]
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def top_logprobs_wanted(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def new_id(prefix: str) -> str:
@@ -84,25 +153,53 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def completion_chunk(rid: str, model: str, text: str, finish: str | None, chat: bool,
-                     first: bool = False) -> dict[str, Any]:
+                     first: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     if chat:
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
-        choice = {"index": 0, "delta": delta if text or first else {}, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "delta": delta if text or first else {}, "logprobs": logprobs, "finish_reason": finish}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
 
 
 def completion_body(rid: str, model: str, text: str, finish: str | None, chat: bool,
-                    prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+                    prompt_tokens: int, completion_tokens: int, logprobs: dict[str, Any] | None = None
+                    ) -> dict[str, Any]:
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                   "finish_reason": finish}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
             "usage": usage(prompt_tokens, completion_tokens)}
+
+
+class LogprobFormatter:
+    """Logprobs in OpenAI's two shapes: chat's `{"content": [{token, logprob, bytes, top_logprobs}]}`
+    and completions' `{tokens, token_logprobs, top_logprobs, text_offset}`. A token's string is the
+    tokenizer's decoding of it alone (a piece of a multi-byte character decodes to U+FFFD, as in vLLM);
+    completions' text offsets add up those strings. Keeps the offset across a stream's chunks."""
+
+    def __init__(self, token_text: Callable[[int], str], chat: bool, top: int) -> None:
+        self.token_text, self.chat, self.top, self.offset = token_text, chat, top, 0
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def format(self, entries: list[Logprob]) -> dict[str, Any]:
+        if self.chat:
+            return {"content": [self._entry(e.token_id, e.logprob)
+                                | {"top_logprobs": [self._entry(t, lp) for t, lp in e.top]} for e in entries]}
+        tokens = [self.token_text(e.token_id) for e in entries]
+        offsets = []
+        for text in tokens:
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self.token_text(t): lp for t, lp in e.top} for e in entries] if self.top else None,
+                "text_offset": offsets}

@@ -26,6 +26,9 @@ class RequestState(enum.Enum):
         return self in (RequestState.FINISHED, RequestState.CANCELLED, RequestState.FAILED)
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat's top_logprobs (and vLLM's default)
+
+
 class SamplingParams(msgspec.Struct):
     max_tokens: int = 16
     temperature: float = 1.0
@@ -34,6 +37,12 @@ class SamplingParams(msgspec.Struct):
     seed: int | None = None
     stop: list[str] = []
     ignore_eos: bool = False
+    # OpenAI's penalties on tokens already generated, and vLLM's (HF's) on tokens of prompt or output.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = {}
+    logprobs: int | None = None  # None: off; n: the sampled token's log-probability and the n likeliest
 
     def validate(self) -> None:
         if self.max_tokens < 1:
@@ -46,6 +55,21 @@ class SamplingParams(msgspec.Struct):
             raise ValueError("top_k must be >= 0")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2]")
+        if not 0.01 <= self.repetition_penalty <= 100:  # dividing by less overflows float32 logits
+            raise ValueError("repetition_penalty must be in [0.01, 100]")
+        if any(not -100 <= v <= 100 for v in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"the number of top logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any bias or penalty changes the logits before sampling."""
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:
@@ -70,6 +94,20 @@ class Suspension(msgspec.Struct):
     queued_predicted_s: float = 0.0
 
 
+class Logprob(msgspec.Struct, array_like=True):
+    """A sampled token's log-probability under the model's distribution (its logits before any
+    penalty or temperature, as vLLM reports them), with the likeliest tokens' when asked for."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = []
+
+
+class Sampled(msgspec.Struct, array_like=True):
+    token: int
+    logprob: Logprob | None = None  # when the request asked for logprobs
+
+
 class TokenOutput(msgspec.Struct):
     """What the engine streams back for a request: new token ids/text, or the end."""
 
@@ -78,6 +116,7 @@ class TokenOutput(msgspec.Struct):
     text: str
     finish_reason: str | None = None  # stop | length | cancelled | error
     error: str | None = None
+    logprobs: list[Logprob] | None = None  # one per token id, when the request asked for them
 
 
 class Request(msgspec.Struct, kw_only=True):

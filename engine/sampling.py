@@ -1,23 +1,48 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds."""
+"""Token sampling: logit bias and penalties, greedy, temperature, top-k, top-p, per-request seeds,
+and the sampled token's log-probability."""
 
 from __future__ import annotations
 
 import torch
 
-from engine.request import Request
+from engine.request import Logprob, Request, Sampled
 
 
 def sample(logits: torch.Tensor, requests: list[Request], generators: dict[str, torch.Generator]
-           ) -> list[int | Exception]:
+           ) -> list[Sampled | Exception]:
     """One token per row of logits [batch, vocab], or the exception that row raised: a request whose
     parameters trip a bug fails alone, not every request sampled with it."""
-    out: list[int | Exception] = []
+    out: list[Sampled | Exception] = []
     for row, req in zip(logits, requests, strict=True):
         try:
-            out.append(sample_row(row, req, generators))
+            token = sample_row(penalized(row, req) if req.sampling.penalized else row, req, generators)
+            k = req.sampling.logprobs
+            out.append(Sampled(token, None if k is None else logprob(row, token, k)))
         except Exception as exc:  # the caller fails this request with it
             out.append(exc)
     return out
+
+
+def penalized(row: torch.Tensor, req: Request) -> torch.Tensor:
+    """The logits after logit_bias, then the penalties, in vLLM's order and with its semantics:
+    repetition_penalty divides positive logits and multiplies negative ones of every token seen in
+    the prompt or the output (HF's definition); frequency_penalty subtracts once per occurrence in
+    the output and presence_penalty once for any (OpenAI's)."""
+    p, dev = req.sampling, row.device
+    row = row.float().clone()
+    if p.logit_bias:
+        row[torch.tensor(list(p.logit_bias), device=dev)] += torch.tensor(list(p.logit_bias.values()), device=dev)
+    out = torch.tensor(req.output_token_ids, dtype=torch.long, device=dev)
+    if p.repetition_penalty != 1.0:
+        seen = torch.zeros(row.numel(), dtype=torch.bool, device=dev)
+        seen[torch.tensor(req.prompt_token_ids, dtype=torch.long, device=dev)] = True
+        seen[out] = True
+        scaled = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+        row = torch.where(seen, scaled, row)
+    if p.frequency_penalty or p.presence_penalty:
+        counts = torch.bincount(out, minlength=row.numel()).to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    return row
 
 
 def sample_row(row: torch.Tensor, req: Request, generators: dict[str, torch.Generator]) -> int:
@@ -38,3 +63,13 @@ def sample_row(row: torch.Tensor, req: Request, generators: dict[str, torch.Gene
     if gen is None and p.seed is not None:
         gen = generators[req.request_id] = torch.Generator(device=row.device).manual_seed(p.seed)
     return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def logprob(row: torch.Tensor, token: int, top: int) -> Logprob:
+    """token's log-probability under the distribution of the raw logits row, and the top likeliest."""
+    lp = torch.log_softmax(row.float(), dim=-1)
+    alternatives: list[tuple[int, float]] = []
+    if top:
+        values, ids = torch.topk(lp, min(top, lp.numel()))
+        alternatives = list(zip(ids.tolist(), values.tolist(), strict=True))
+    return Logprob(token, float(lp[token]), alternatives)

@@ -21,6 +21,8 @@ from engine.engine import Engine
 from engine.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
+    LogprobFormatter,
+    Unsupported,
     completion_body,
     completion_chunk,
     error_body,
@@ -28,8 +30,8 @@ from engine.openai_api import (
     new_id,
     usage,
 )
+from engine.request import Logprob, Sampled, TokenOutput
 from engine.request import Request as EngineRequest
-from engine.request import TokenOutput
 from engine.slo import DEFAULT_CLASS, DEFAULT_CLASSES, SLOClass
 from telemetry.metrics import EngineMetrics
 
@@ -109,6 +111,8 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
                 ids = engine.tokenizer.encode(prompt)
             else:
                 ids = _prompt_ids(engine, body.prompt)
+        except Unsupported as exc:
+            raise BadRequest(str(exc), param=exc.field, code="unsupported_parameter") from None
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         slo = slo_for(request, body)
@@ -173,15 +177,19 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
         if req.predicted_miss:  # served anyway, after feasible requests; a gateway may shed instead
             headers["x-flowprefill-predicted-miss"] = "true"
         model = model_name
+        formatter = (None if sampling.logprobs is None
+                     else LogprobFormatter(lambda t: engine.tokenizer.decode([t]), chat, sampling.logprobs))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return Stream(_sse(engine, req, queue, model, chat, include_usage), media_type="text/event-stream",
-                          headers=headers)
+            return Stream(_sse(engine, req, queue, model, chat, include_usage, formatter),
+                          media_type="text/event-stream", headers=headers)
         texts, finish = [], None
+        logprobs: list[Logprob] = []
         try:
             while finish is None:
                 out = await queue.get()
                 texts.append(out.text)
+                logprobs += out.logprobs or []
                 finish = out.finish_reason
         finally:
             if finish is None:  # the handler was cancelled (client gone): stop the engine work
@@ -195,7 +203,8 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
             try:
                 with transfer_span("kv_transfer", **{"flowprefill.direction": "out", "flowprefill.request_id": rid,
                                                      "server.address": kv_to}) as span:
-                    used, size = await handoff.send(peers, kv_to, rid, kv, req.output_token_ids[0], transport)
+                    first = Sampled(req.output_token_ids[0], logprobs[0] if logprobs else None)
+                    used, size = await handoff.send(peers, kv_to, rid, kv, first, transport)
                     span.set_attributes({"flowprefill.kv_bytes": size, "flowprefill.kv_transport": used})
             except (httpx.HTTPError, OSError) as exc:
                 return Response(error_body(f"handing the KV to {kv_to} failed: {exc}", "server_error"),
@@ -203,7 +212,8 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
             headers |= {"x-flowprefill-kv-bytes": str(size), "x-flowprefill-kv-transport": used,
                         "x-flowprefill-kv-ms": f"{(time.perf_counter() - t0) * 1000:.3f}"}
         return Response(completion_body(rid, model, "".join(texts), finish, chat, req.num_prompt_tokens,
-                                        len(req.output_token_ids)), headers=headers)
+                                        len(req.output_token_ids), formatter and formatter.format(logprobs)),
+                        headers=headers)
 
     @post("/v1/completions", status_code=200)
     async def completions(request: Request) -> Any:
@@ -275,7 +285,7 @@ def _prompt_ids(engine: Engine, prompt: Any) -> list[int]:
 
 
 async def _sse(engine: Engine, req: EngineRequest, queue: asyncio.Queue[TokenOutput], model: str, chat: bool,
-               include_usage: bool) -> AsyncIterator[bytes]:
+               include_usage: bool, formatter: LogprobFormatter | None) -> AsyncIterator[bytes]:
     rid, finish, first = req.request_id, None, True
     try:
         while finish is None:
@@ -287,7 +297,8 @@ async def _sse(engine: Engine, req: EngineRequest, queue: asyncio.Queue[TokenOut
                 break
             # One event per token, even when its text is held back (a partial UTF-8 character, a
             # possible stop string): clients time tokens by events, so TBT stays measurable.
-            yield _event(completion_chunk(rid, model, out.text, finish, chat, first))
+            logprobs = formatter.format(out.logprobs or []) if formatter is not None else None
+            yield _event(completion_chunk(rid, model, out.text, finish, chat, first, logprobs))
             first = False
         if include_usage:
             chunk = completion_chunk(rid, model, "", None, chat) | {

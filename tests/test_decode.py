@@ -20,8 +20,8 @@ from engine.kv_cache import KVCache
 from engine.model.llama import LlamaModel
 from engine.model.loader import expected_shapes
 from engine.model.plan import OpCost, SeqSpan, plan_prefill
-from engine.request import Request, SamplingParams, TokenOutput
-from engine.sampling import sample
+from engine.request import Request, Sampled, SamplingParams, TokenOutput
+from engine.sampling import sample as sample_with_logprobs
 from engine.tokenizer import ByteTokenizer
 
 BYTES = ByteTokenizer(512)
@@ -50,7 +50,7 @@ def stream(req: Request, token_ids: list[int], tokenizer: object = BYTES) -> lis
     s = OutputStream(req, tokenizer)  # type: ignore[arg-type]
     outs = []
     for t in token_ids:
-        out = s.push(t)
+        out = s.push(Sampled(t))
         assert out.token_ids == [t] and out.request_id == req.request_id
         outs.append(out)
         if out.finish_reason:
@@ -180,6 +180,13 @@ def test_stop_strings_random_streams(seed: int) -> None:
 
 
 # -- sampling ------------------------------------------------------------------------------------
+
+def sample(logits: torch.Tensor, reqs: list[Request], gens: dict[str, torch.Generator]) -> list[int]:
+    """The sampled token ids (tests/test_sampling.py checks penalties and logprobs)."""
+    out = sample_with_logprobs(logits, reqs, gens)
+    assert all(isinstance(s, Sampled) for s in out)
+    return [s.token for s in out]  # type: ignore[union-attr]
+
 
 def logits_rows(rows: int = 6, vocab: int = 50, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
@@ -364,9 +371,9 @@ def test_engine_stop_string_and_eos(make_engine: Callable[..., Engine], monkeypa
     # EOS: force the 4th sampled token of request "eos" to be an EOS id.
     inner = engine_module.sample
 
-    def forced(logits: torch.Tensor, reqs: list[Request], gens: dict[str, torch.Generator]) -> list[int]:
+    def forced(logits: torch.Tensor, reqs: list[Request], gens: dict[str, torch.Generator]) -> list[Sampled]:
         out = inner(logits, reqs, gens)
-        return [EOS if r.request_id.startswith("eos") and len(r.output_token_ids) == 3 else t
+        return [Sampled(EOS) if r.request_id.startswith("eos") and len(r.output_token_ids) == 3 else t
                 for r, t in zip(reqs, out, strict=True)]
 
     monkeypatch.setattr(engine_module, "sample", forced)

@@ -18,7 +18,7 @@ from safetensors.torch import save
 
 from engine import handoff
 from engine.engine import Engine
-from engine.request import Request, SamplingParams
+from engine.request import Request, Sampled, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -49,7 +49,7 @@ def test_handoff_decodes_like_one_worker(engines: tuple[Engine, Engine]) -> None
     first = _run(prefill, Request(request_id="p", prompt_token_ids=prompt, export_kv=True,
                                   sampling=SamplingParams(max_tokens=1, temperature=0)))
     assert first.kv_export is not None and first.block_table == []  # its KV went back to the pool
-    kv, token = handoff.unpack(handoff.pack(first.kv_export, first.output_token_ids[0]))
+    kv, token = handoff.unpack(handoff.pack(first.kv_export, Sampled(first.output_token_ids[0])))
     assert set(kv) == {f"{k}.{i}" for k in "kv" for i in range(prefill.model.cfg.num_hidden_layers)}
     free_before = decode.kv.num_free_blocks
     req = Request(request_id="d", prompt_token_ids=prompt, sampling=GREEDY)
@@ -62,7 +62,7 @@ def test_handoff_rejects_kv_of_another_shape(engines: tuple[Engine, Engine]) -> 
     _, decode = engines
     bad = {f"{k}.{i}": torch.zeros(5, 2, 32) for k in "kv" for i in range(decode.model.cfg.num_hidden_layers)}
     with pytest.raises(ValueError, match=r"expected shape \(6, 2, 32\)"):
-        decode.add_prefilled(Request(request_id="x", prompt_token_ids=[1] * 6), bad, 7)
+        decode.add_prefilled(Request(request_id="x", prompt_token_ids=[1] * 6), bad, Sampled(7))
     with pytest.raises(ValueError, match="no first_token"):
         handoff.unpack(save({"k.0": torch.zeros(1)}))
 
@@ -72,12 +72,12 @@ def test_inbox_waits_and_expires() -> None:
         inbox = handoff.KVInbox(ttl_s=0.0)
         waiter = asyncio.ensure_future(inbox.take("a", 5))
         await asyncio.sleep(0)
-        inbox.put("a", {}, 3)
-        assert await waiter == ({}, 3)
+        inbox.put("a", {}, Sampled(3))
+        assert await waiter == ({}, Sampled(3))
         with pytest.raises(TimeoutError):
             await inbox.take("never", 0.05)
-        inbox.put("stale", {}, 1)
-        inbox.put("fresh", {}, 2)  # putting expires what nobody claimed within the TTL
+        inbox.put("stale", {}, Sampled(1))
+        inbox.put("fresh", {}, Sampled(2))  # putting expires what nobody claimed within the TTL
         assert len(inbox) == 1
 
     asyncio.run(main())
@@ -115,6 +115,12 @@ def test_served_disaggregated_matches_one_worker(disaggregated: int, engines: tu
     streamed = client.completions.create(model="flowprefill-default", prompt=prompt, max_tokens=10, temperature=0,
                                          stream=True, extra_body={"ignore_eos": True})
     assert "".join(c.choices[0].text for c in streamed) == ref
+    # logprobs: the first token's come from the prefill worker with its KV, the rest from the decode worker
+    lp = client.completions.create(model="flowprefill-default", prompt=prompt, max_tokens=10, temperature=0,
+                                   logprobs=1, extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert "".join(lp.tokens) == ref and len(lp.token_logprobs) == 10
+    assert all(top == {tok: pytest.approx(p)} for tok, p, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs,
+                                                                        strict=True))  # greedy: the likeliest
     # the prefill worker did prefill only: its KV went to the decode worker, nothing is left behind
     pre = httpx.get(f"http://127.0.0.1:{port + 1}/load").json()
     dec = httpx.get(f"http://127.0.0.1:{port + 2}/load").json()
@@ -214,7 +220,7 @@ def test_shared_memory_names_are_checked_and_a_missing_file_falls_back_to_http(
 
     async def go() -> tuple[str, int]:
         async with httpx.AsyncClient() as client:
-            return await handoff.send(client, decode, "fallback", kv, 7)
+            return await handoff.send(client, decode, "fallback", kv, Sampled(7))
 
     assert asyncio.run(go())[0] == "http"
     assert list(tmp_path.iterdir()) == []

@@ -66,6 +66,11 @@ def test_openai_async_client(served: str) -> None:
     (b'{"prompt": "x", "temperature": "hot"}', {}, 400),
     (b'{"prompt": [65, 66], "max_tokens": 40000}', {}, 400),  # beyond the model's context
     (b'{"prompt": "x"}', {"x-slo-class": "a" * 300}, 400),
+    (b'{"prompt": "x", "presence_penalty": 3}', {}, 400),
+    (b'{"prompt": "x", "logit_bias": {"99999": 5}}', {}, 400),  # not a token of this model
+    (b'{"prompt": "x", "logit_bias": {"x": 5}}', {}, 400),
+    (b'{"prompt": "x", "logprobs": 21}', {}, 400),
+    (b'{"prompt": "x", "echo": true}', {}, 400),  # refused, not ignored: see test_unsupported_fields...
     (b'{"prompt": "' + b"x" * (17 * 1024 * 1024) + b'"}', {}, 413),  # past the body limit
 ])
 def test_bad_input_gets_openai_errors(served: str, body: bytes, headers: dict[str, str], status: int) -> None:
@@ -74,6 +79,47 @@ def test_bad_input_gets_openai_errors(served: str, body: bytes, headers: dict[st
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert len(err["message"]) < 300  # a bad header is not echoed back whole
+
+
+def test_logprobs_in_openais_shapes(served: str) -> None:
+    """Through the gateway, parsed by the OpenAI client: chat's and completions' logprobs, whole and
+    streamed, one entry per generated token, each token's own logprob among its top alternatives."""
+    client = openai.OpenAI(base_url=f"{served}/v1", api_key="unused")
+    msgs = [{"role": "user", "content": "hello"}]
+    chat = client.chat.completions.create(model="flowprefill-default", messages=msgs, max_tokens=5, temperature=0,
+                                          logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 5
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)  # greedy: the likeliest
+        assert bytes(entry.bytes) == entry.token.encode()
+    assert "".join(e.token for e in content) == chat.choices[0].message.content
+    comp = client.completions.create(model="flowprefill-default", prompt="Hello", max_tokens=4, temperature=0,
+                                     logprobs=2, extra_body={"ignore_eos": True})
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
+    streamed = [c.choices[0].logprobs for c in client.chat.completions.create(
+        model="flowprefill-default", messages=msgs, max_tokens=5, temperature=0, logprobs=True, stream=True,
+        extra_body={"ignore_eos": True}) if c.choices and c.choices[0].logprobs]
+    assert [e.token for chunk in streamed for e in chunk.content] == [e.token for e in content]
+    plain = client.completions.create(model="flowprefill-default", prompt="Hello", max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("completions", {"best_of": 2}, "best_of"),
+    ("completions", {"suffix": "!"}, "suffix"),
+])
+def test_unsupported_fields_are_refused_by_name(served: str, path: str, body: dict, param: str) -> None:
+    """A client asking for tool calls or JSON must not get plain text as though it had been done."""
+    base = {"messages": [{"role": "user", "content": "hi"}]} if path.startswith("chat") else {"prompt": "hi"}
+    r = httpx.post(f"{served}/v1/{path}", json=base | body | {"max_tokens": 2})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["code"] == "unsupported_parameter"
 
 
 def test_unknown_route_and_method_get_openai_errors(served: str) -> None:

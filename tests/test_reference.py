@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import threading
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ from engine.kv_cache import KVCache
 from engine.model import LlamaModel, load_model
 from engine.model.loader import default_model, load_checkpoint, save_checkpoint
 from engine.model.plan import ATTENTION, OpCost, SeqSpan, Step, plan_prefill
-from engine.request import SamplingParams
+from engine.request import Request, SamplingParams, TokenOutput
 
 pytest.importorskip("transformers")  # the reference (a dev dependency)
 
@@ -208,6 +209,48 @@ def test_engine_greedy_matches_transformers_generate(loaded: Loaded) -> None:
         expected = out[0, len(ids) :].tolist()
         assert len(expected) == GEN_TOKENS
         assert req.output_token_ids == expected, f"{loaded.name}: prompt of {len(ids)} tokens"
+
+
+def test_repetition_penalty_and_logprobs_match_transformers_generate(loaded: Loaded) -> None:
+    """Greedy with HF's repetition penalty (on prompt and output tokens), and each token's logprob and
+    top 5 under the raw logits (transformers' `output_logits`), token for token."""
+    m = loaded.model
+    prompts = _prompts((9, 100), m.cfg.vocab_size, seed=12)  # 100: about half the vocabulary penalised
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, repetition_penalty=1.8, logprobs=5)
+    engine = Engine(EngineConfig(model=str(loaded.path), kv_capacity_tokens=4096, kv_block_size=16,
+                                 num_threads=1)).start()
+    outputs: list[list[TokenOutput]] = [[] for _ in prompts]
+    try:
+        for i, ids in enumerate(prompts):
+            done = threading.Event()
+            r = Request(request_id=f"lp{i}", prompt_token_ids=ids, sampling=params)
+            r.sink = lambda out, i=i, done=done: (outputs[i].append(out), out.finish_reason and done.set())
+            engine.add_request(r)
+            assert done.wait(60)
+    finally:
+        engine.shutdown()
+    changed = 0
+    for ids, outs in zip(prompts, outputs, strict=True):
+        with torch.no_grad():
+            x = torch.tensor([ids])
+            ref = loaded.ref.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=8,
+                                      repetition_penalty=1.8, eos_token_id=None, output_logits=True,
+                                      return_dict_in_generate=True)
+        expected = ref.sequences[0, len(ids):].tolist()
+        assert [t for o in outs for t in o.token_ids] == expected
+        unpenalized = loaded.ref.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=8,
+                                          eos_token_id=None)[0, len(ids):].tolist()
+        changed += expected != unpenalized
+        got = [lp for o in outs for lp in o.logprobs or []]
+        assert len(got) == 8
+        for entry, token, logits in zip(got, expected, ref.logits, strict=True):
+            want = torch.log_softmax(logits[0].float(), -1)
+            assert entry.token_id == token
+            assert entry.logprob == pytest.approx(float(want[token]), abs=1e-4)
+            top = want.topk(5)
+            assert [t for t, _ in entry.top] == top.indices.tolist()
+            assert [lp for _, lp in entry.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+    assert changed, "the penalty must change some greedy output, or this test checks nothing"
 
 
 # -- the embedded default model -----------------------------------------------------------------
