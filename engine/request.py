@@ -151,6 +151,7 @@ class Request(msgspec.Struct, kw_only=True):
     export_kv: bool = False
     kv_export: dict[str, Any] | None = None
     trace_context: Any = None  # telemetry's carrier, never read by the engine
+    prompt_token_mask: Any = None  # repetition_penalty's: which vocabulary ids the prompt holds (made once)
 
     def __post_init__(self) -> None:
         if not self.deadline:

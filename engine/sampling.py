@@ -34,8 +34,10 @@ def penalized(row: torch.Tensor, req: Request) -> torch.Tensor:
         row[torch.tensor(list(p.logit_bias), device=dev)] += torch.tensor(list(p.logit_bias.values()), device=dev)
     out = torch.tensor(req.output_token_ids, dtype=torch.long, device=dev)
     if p.repetition_penalty != 1.0:
-        seen = torch.zeros(row.numel(), dtype=torch.bool, device=dev)
-        seen[torch.tensor(req.prompt_token_ids, dtype=torch.long, device=dev)] = True
+        if req.prompt_token_mask is None:  # once per request, not per token: prompts run to 10K+ tokens
+            req.prompt_token_mask = torch.zeros(row.numel(), dtype=torch.bool, device=dev)
+            req.prompt_token_mask[torch.tensor(req.prompt_token_ids, dtype=torch.long, device=dev)] = True
+        seen = req.prompt_token_mask.clone()
         seen[out] = True
         scaled = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
         row = torch.where(seen, scaled, row)
