@@ -36,9 +36,10 @@ class _Common(msgspec.Struct, kw_only=True, omit_defaults=True):
     service_tier: str | None = None
     ignore_eos: bool = False
     user: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0  # vLLM's extension
+    # OpenAI's clients may send null for "not set": None everywhere below means the default.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extension
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias added to its logit
     # Known fields of OpenAI's API this server does not implement: refused with a 400 when set, never
     # silently ignored (a client asking for JSON or tool calls must not get plain text as if it were).
@@ -47,6 +48,10 @@ class _Common(msgspec.Struct, kw_only=True, omit_defaults=True):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
+    guided_json: Any = None  # vLLM's structured-output extensions
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     def top_logprobs_wanted(self) -> int | None:
         return None
@@ -57,7 +62,10 @@ class _Common(msgspec.Struct, kw_only=True, omit_defaults=True):
             return "n"
         if self.response_format and self.response_format.get("type", "text") != "text":
             return "response_format"
-        if (self.tools and self.tool_choice != "none") or self.functions:
+        if any(x is not None for x in (self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar)):
+            return "guided_decoding"
+        if ((self.tools and self.tool_choice != "none") or self.functions
+                or self.tool_choice not in (None, "none", "auto") or self.function_call not in (None, "none", "auto")):
             return "tools"
         return None
 
@@ -68,15 +76,16 @@ class _Common(msgspec.Struct, kw_only=True, omit_defaults=True):
         max_tokens = self.max_completion_tokens or self.max_tokens
         bias = {}
         for key, value in (self.logit_bias or {}).items():
-            try:
-                bias[int(key)] = value
-            except ValueError:
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            bias[int(key)] = value
         params = SamplingParams(max_tokens=default_max_tokens if max_tokens is None else max_tokens,
                                 temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                                 seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
-                                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                                repetition_penalty=self.repetition_penalty, logit_bias=bias,
+                                presence_penalty=self.presence_penalty or 0.0,
+                                frequency_penalty=self.frequency_penalty or 0.0,
+                                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                                logit_bias=bias,
                                 logprobs=self.top_logprobs_wanted())
         params.validate()
         return params
@@ -89,6 +98,8 @@ class Unsupported(ValueError):
         "n": "only n=1 is supported",
         "response_format": "response_format other than text (JSON mode, JSON schema) is not supported",
         "tools": "tool calling (tools, functions) is not supported; send tool_choice \"none\" or no tools",
+        "guided_decoding": "guided decoding (guided_json, guided_regex, guided_choice, guided_grammar) is not "
+                           "supported",
         "echo": "echo is not supported",
         "best_of": "best_of other than 1 is not supported",
         "suffix": "suffix (insertion) is not supported",
@@ -102,7 +113,7 @@ class Unsupported(ValueError):
 class CompletionRequest(_Common, kw_only=True, omit_defaults=True):
     prompt: str | list[Any]  # text, token ids, or a one-element list of either
     logprobs: int | None = None  # the sampled token's and this many likeliest tokens' log-probabilities
-    echo: bool = False
+    echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
 
@@ -121,7 +132,7 @@ class ChatMessage(msgspec.Struct, omit_defaults=True):
 
 class ChatCompletionRequest(_Common, kw_only=True, omit_defaults=True):
     messages: list[ChatMessage]
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: int | None = None
 
     def top_logprobs_wanted(self) -> int | None:
@@ -180,26 +191,33 @@ def completion_body(rid: str, model: str, text: str, finish: str | None, chat: b
 
 class LogprobFormatter:
     """Logprobs in OpenAI's two shapes: chat's `{"content": [{token, logprob, bytes, top_logprobs}]}`
-    and completions' `{tokens, token_logprobs, top_logprobs, text_offset}`. A token's string is the
-    tokenizer's decoding of it alone (a piece of a multi-byte character decodes to U+FFFD, as in vLLM);
-    completions' text offsets add up those strings. Keeps the offset across a stream's chunks."""
+    and completions' `{tokens, token_logprobs, top_logprobs, text_offset}`, whose top_logprobs hold
+    the sampled token too when it is not among the likeliest (up to logprobs + 1 entries, as OpenAI's
+    and vLLM's). `bytes` are exactly what the token stands for (`Tokenizer.token_bytes`); its string
+    is them as UTF-8, with a piece of a multi-byte character written as escapes (`\\xe2`), as OpenAI's.
+    Completions' text offsets add up those strings and carry on across a stream's chunks."""
 
-    def __init__(self, token_text: Callable[[int], str], chat: bool, top: int) -> None:
-        self.token_text, self.chat, self.top, self.offset = token_text, chat, top, 0
+    FLOOR = -9999.0  # vLLM's: a token of probability 0 (-inf) would be encoded as null
+
+    def __init__(self, token_bytes: Callable[[int], bytes], chat: bool) -> None:
+        self.token_bytes, self.chat, self.offset = token_bytes, chat, 0
+
+    def _text(self, token_id: int) -> str:
+        return self.token_bytes(token_id).decode("utf-8", errors="backslashreplace")
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": self._text(token_id), "logprob": max(logprob, self.FLOOR),
+                "bytes": list(self.token_bytes(token_id))}
 
     def format(self, entries: list[Logprob]) -> dict[str, Any]:
         if self.chat:
             return {"content": [self._entry(e.token_id, e.logprob)
                                 | {"top_logprobs": [self._entry(t, lp) for t, lp in e.top]} for e in entries]}
-        tokens = [self.token_text(e.token_id) for e in entries]
+        tokens = [self._text(e.token_id) for e in entries]
         offsets = []
         for text in tokens:
             offsets.append(self.offset)
             self.offset += len(text)
-        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{self.token_text(t): lp for t, lp in e.top} for e in entries] if self.top else None,
-                "text_offset": offsets}
+        tops = [{self._text(t): max(lp, self.FLOOR) for t, lp in (*e.top, (e.token_id, e.logprob))} for e in entries]
+        return {"tokens": tokens, "token_logprobs": [max(e.logprob, self.FLOOR) for e in entries],
+                "top_logprobs": tops, "text_offset": offsets}

@@ -62,12 +62,12 @@ def calibrate(model: LlamaModel, block_rows: Sequence[int] | None = None) -> OpC
     q_n, k_n = (1024, 4096) if gpu else (256, 1024)
     q = torch.randn(q_n, c.num_attention_heads, c.head_dim, dtype=dtype, device=dev)
     kv = torch.randn(k_n, c.num_key_value_heads, c.head_dim, dtype=dtype, device=dev)
-    model.rotary.reserve(max((4096, *block_rows)))
+    model.rotary.reserve(min(c.max_position_embeddings, max((4096, *block_rows))))
 
     def block_s(op: str, rows: int, repeat: int = 9) -> float:
         x = torch.randn(rows, c.hidden_size, dtype=dtype, device=dev) * 0.02
         if op == ATTN_IN:
-            rope = model.rotary.rows(torch.arange(rows, device=dev))
+            rope = model.rotary.rows(torch.arange(rows, device=dev) % c.max_position_embeddings)
             return _best_time(lambda: model._attn_in(layer, x, rope), repeat)
         attn = torch.randn(rows, c.num_attention_heads, c.head_dim, dtype=dtype, device=dev)
         return _best_time(lambda: model._ffn(layer, x, attn), repeat)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import codecs
+import functools
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -69,6 +71,12 @@ class ByteTokenizer(_ChatTemplate):
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """What one token stands for: its byte, or a special token's name."""
+        if token_id < 256:
+            return bytes([token_id])
+        return next((s for s, i in self.special_ids.items() if i == token_id), "").encode()
+
     def incremental_decoder(self) -> IncrementalDecoder:
         return IncrementalDecoder(self)
 
@@ -93,6 +101,9 @@ class HFTokenizer(_ChatTemplate):
         from tokenizers import Tokenizer as _Tok
 
         self._tok = _Tok.from_file(str(path / "tokenizer.json"))
+        spec = json.loads((path / "tokenizer.json").read_text())
+        self._byte_level = "ByteLevel" in json.dumps(spec.get("decoder"))
+        self._added = {t["id"] for t in spec.get("added_tokens", [])}
         cfg_file = path / "tokenizer_config.json"
         cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
         special = {k: t for k, v in cfg.items() if k.endswith("_token") and (t := _token_text(v))}
@@ -109,8 +120,34 @@ class HFTokenizer(_ChatTemplate):
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    @functools.cache  # noqa: B019 (one tokenizer per worker, alive as long as it)
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, with nothing dropped by decoding it alone: byte-level BPE
+        (GPT-2's, Llama 3's, Qwen2's) pieces mapped back to their bytes, SentencePiece's `▁` as the
+        space it is and its byte-fallback pieces `<0x..>` as that byte, added tokens as their text."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._added:
+            return piece.encode()
+        if self._byte_level and all(c in _UNICODE_TO_BYTE for c in piece):
+            return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode()
+
     def incremental_decoder(self) -> IncrementalDecoder:
         return IncrementalDecoder(self)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: printable bytes stand for themselves, the rest for 256 + n."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return {b: chr(b if b in printable else next(extra)) for b in range(256)}
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
 
 
 def _token_text(value: object) -> str | None:

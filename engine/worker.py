@@ -178,7 +178,7 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
             headers["x-flowprefill-predicted-miss"] = "true"
         model = model_name
         formatter = (None if sampling.logprobs is None
-                     else LogprobFormatter(lambda t: engine.tokenizer.decode([t]), chat, sampling.logprobs))
+                     else LogprobFormatter(engine.tokenizer.token_bytes, chat))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return Stream(_sse(engine, req, queue, model, chat, include_usage, formatter),

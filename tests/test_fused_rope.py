@@ -120,3 +120,16 @@ def test_decode_with_the_fused_rotation_gives_torchs_logits() -> None:
             out = m.decode([5 + pos, 7 + pos], [pos, 30 + pos], tables, kv)
         logits.append(out)
     torch.testing.assert_close(logits[1], logits[0], **FP32)
+
+
+def test_a_model_with_a_short_context_calibrates_with_the_fused_rotation() -> None:
+    """Calibration times blocks of up to 4,096 rows: their positions wrap at a shorter context (the
+    fused table holds exactly the context, where torch's grows)."""
+    from dataclasses import replace
+
+    from engine.predictor import calibrate
+
+    short = replace(CFG, max_position_embeddings=1000)
+    m = LlamaModel(short, make_weights(short), SDPABackend())
+    m.rotary.use_fused(cos_sin_cache_rope)
+    assert calibrate(m, block_rows=(128, 2048)).row_block_s

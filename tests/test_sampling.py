@@ -4,6 +4,9 @@ and logprobs against transformers' generate; tests/test_gateway.py the HTTP shap
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import msgspec
 import pytest
 import torch
 
@@ -88,32 +91,68 @@ def test_request_fields() -> None:
                         (CompletionRequest(prompt="x", echo=True), "echo"),
                         (CompletionRequest(prompt="x", best_of=3), "best_of"),
                         (CompletionRequest(prompt="x", suffix="end"), "suffix"),
-                        (CompletionRequest(prompt="x", n=2), "n")]:
+                        (CompletionRequest(prompt="x", n=2), "n"),
+                        (ChatCompletionRequest(messages=[], tool_choice="required"), "tools"),
+                        (ChatCompletionRequest(messages=[], guided_choice=["a", "b"]), "guided_decoding")]:
         with pytest.raises(Unsupported) as err:
             body.sampling(16)
         assert err.value.field == field
     ChatCompletionRequest(messages=[], tools=[{"type": "function"}], tool_choice="none",
                           response_format={"type": "text"}).sampling(16)
     CompletionRequest(prompt="x", best_of=1, echo=False).sampling(16)
+    # OpenAI's clients send null for "not set"
+    nulls = msgspec.json.decode(b'{"messages": [], "presence_penalty": null, "frequency_penalty": null, '
+                                b'"repetition_penalty": null, "logprobs": null, "top_logprobs": null, '
+                                b'"logit_bias": null, "tools": null, "tool_choice": null}', type=ChatCompletionRequest)
+    assert nulls.sampling(16) == SamplingParams()
+    assert msgspec.json.decode(b'{"prompt": "x", "echo": null, "logprobs": null}',
+                               type=CompletionRequest).sampling(16) == SamplingParams()
+    with pytest.raises(ValueError, match="logit_bias keys must be token ids"):
+        CompletionRequest(prompt="x", logit_bias={"1_0": 1.0}).sampling(16)
 
 
 def test_logprob_shapes_are_openais() -> None:
-    text = {5: "He", 6: "llo", 7: "\ufffd"}.__getitem__
-    entries = [Logprob(5, -0.5, [(5, -0.5), (6, -1.5)]), Logprob(6, -0.25, [(6, -0.25), (7, -3.0)])]
-    chat = LogprobFormatter(text, chat=True, top=2).format(entries)
+    token_bytes = {5: b"He", 6: b"llo", 7: b"\xe2\x80", 8: b"\x99"}.__getitem__  # 7 + 8: one character
+    entries = [Logprob(5, -0.5, [(5, -0.5), (6, -1.5)]), Logprob(7, -0.25, [(6, -0.125), (8, float("-inf"))])]
+    chat = LogprobFormatter(token_bytes, chat=True).format(entries)
     assert chat == {"content": [
         {"token": "He", "logprob": -0.5, "bytes": [72, 101], "top_logprobs": [
             {"token": "He", "logprob": -0.5, "bytes": [72, 101]},
             {"token": "llo", "logprob": -1.5, "bytes": [108, 108, 111]}]},
-        {"token": "llo", "logprob": -0.25, "bytes": [108, 108, 111], "top_logprobs": [
-            {"token": "llo", "logprob": -0.25, "bytes": [108, 108, 111]},
-            {"token": "\ufffd", "logprob": -3.0, "bytes": [239, 191, 189]}]}]}
-    streamed = LogprobFormatter(text, chat=False, top=2)  # one chunk per token: offsets carry on
+        {"token": "\\xe2\\x80", "logprob": -0.25, "bytes": [226, 128], "top_logprobs": [
+            {"token": "llo", "logprob": -0.125, "bytes": [108, 108, 111]},
+            {"token": "\\x99", "logprob": -9999.0, "bytes": [153]}]}]}  # -inf floored, as vLLM's
+    streamed = LogprobFormatter(token_bytes, chat=False)  # one chunk per token: offsets carry on
     assert [streamed.format([e]) for e in entries] == [
         {"tokens": ["He"], "token_logprobs": [-0.5], "top_logprobs": [{"He": -0.5, "llo": -1.5}], "text_offset": [0]},
-        {"tokens": ["llo"], "token_logprobs": [-0.25], "top_logprobs": [{"llo": -0.25, "\ufffd": -3.0}],
-         "text_offset": [2]}]
-    assert LogprobFormatter(text, chat=False, top=0).format(entries[:1])["top_logprobs"] is None
+        # the sampled token is listed even when not among the likeliest (logprobs + 1 entries)
+        {"tokens": ["\\xe2\\x80"], "token_logprobs": [-0.25],
+         "top_logprobs": [{"llo": -0.125, "\\x99": -9999.0, "\\xe2\\x80": -0.25}], "text_offset": [2]}]
+    assert LogprobFormatter(token_bytes, chat=False).format([Logprob(6, -2.0)])["top_logprobs"] == [{"llo": -2.0}]
+
+
+def test_token_bytes_are_exact_for_byte_level_and_sentencepiece_vocabularies(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from engine.tokenizer import HFTokenizer
+
+    text = "Hé said “hi” 🙂"
+    byte_level = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(set(
+        pre_tokenizers.ByteLevel.alphabet())))}, merges=[]))
+    byte_level.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level.decoder = decoders.ByteLevel()
+    spm = Tokenizer(models.BPE(vocab={"\u2581said": 0, "\u2581": 1, "H": 2, "i": 3, **{f"<0x{b:02X}>": 4 + b
+                                                                                     for b in range(256)}},
+                               merges=[], byte_fallback=True))
+    spm.pre_tokenizer = pre_tokenizers.Metaspace()
+    spm.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    for name, tok in (("byte-level", byte_level), ("sentencepiece", spm)):
+        (tmp_path / name).mkdir()
+        tok.save(str(tmp_path / name / "tokenizer.json"))
+        hf = HFTokenizer(tmp_path / name, [])
+        ids = hf.encode(text)
+        assert b"".join(hf.token_bytes(i) for i in ids).decode().lstrip() == text, name
+        assert hf.token_bytes(ids[-1]) != b"" and len(ids) > 4
 
 
 @pytest.mark.parametrize("first", [Sampled(9), Sampled(9, Logprob(9, -0.75, [(9, -0.75), (4, -1.0)])),

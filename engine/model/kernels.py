@@ -136,7 +136,7 @@ def _probe_rope(rotary: Rotary, heads: int, kv_heads: int) -> None:
     pos = torch.randint(0, rotary.max_pos, (64,), device=dev, generator=gen)
     pos[0] = rotary.max_pos - 1
     got = rotary.apply(q, k, rotary.rows(pos))
-    angles = rotary._angles(rotary.max_pos)[pos]  # torch's angles (float32), rotated in float32
+    angles = pos.float()[:, None] * rotary.inv_freq  # torch's angles (float32), rotated in float32
     cos, sin = (torch.cat((f(angles), f(angles)), dim=-1).unsqueeze(1) * rotary.scale for f in (torch.cos, torch.sin))
     for x, y, n in ((q, got[0], heads), (k, got[1], kv_heads)):
         want = rotary.rotate(x.float().view(-1, n, d), cos, sin)
