@@ -106,5 +106,8 @@ class EngineConfig:
     # CUDA only: batches of up to this many tokens replay their row-wise steps as CUDA graphs,
     # captured when the engine starts (engine/model/graphs.py); 0 = always eager.
     cuda_graph_tokens: int = 2048
+    # Automatic prefix caching: a prompt whose leading KV blocks another request computed starts
+    # after them (engine/kv_cache.py); blocks are reused at the granularity of kv_block_size.
+    prefix_caching: bool = True
     num_threads: int | None = None
     seed: int = 0

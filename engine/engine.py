@@ -13,7 +13,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.decode import OutputStream
-from engine.kv_cache import KVCache, OutOfBlocks
+from engine.kv_cache import KVCache, OutOfBlocks, block_hashes
 from engine.model import load_model, use_device
 from engine.model.plan import SeqSpan
 from engine.observer import EngineObserver
@@ -78,6 +78,9 @@ class Engine:
         with self._cv:
             if req.request_id in self._requests:
                 raise ValueError(f"duplicate request id {req.request_id!r}")
+            if self.cfg.prefix_caching and not req.block_table:  # held from now on: it cannot be evicted
+                req.block_table = self.kv.acquire_prefix(self._matchable(req))
+                req.num_computed_tokens = req.cached_tokens = len(req.block_table) * self.kv.block_size
             self._requests[req.request_id] = req
             self.scheduler.on_arrival(req)
             self._cv.notify()
@@ -104,9 +107,19 @@ class Engine:
         s = self.scheduler
         if len(s.waiting) + sum(len(b.requests) for b in list(s.pool)) >= self.cfg.max_waiting:
             return "queue_full"  # counted: every request whose prefill is not done
-        if sheddable and req.deadline - self.clock() - self.scheduler.predict_s(req) < 0:
-            return "predicted_slo_miss"
+        if sheddable:
+            cached = self.kv.cached_prefix(self._matchable(req)) * self.kv.block_size if self.cfg.prefix_caching else 0
+            predicted = s.cost_for([req]).prefill_s([SeqSpan(cached, req.num_prompt_tokens - cached)])
+            if req.deadline - self.clock() - predicted < 0:
+                return "predicted_slo_miss"
         return None
+
+    def _matchable(self, req: Request) -> list[bytes]:
+        """The hashes of the prompt's blocks a cached prefix may cover: all full blocks but the one
+        holding the last token, whose logits the first output token needs."""
+        if req.block_hashes is None:
+            req.block_hashes = block_hashes(req.prompt_token_ids, self.kv.block_size)
+        return req.block_hashes[: (req.num_prompt_tokens - 1) // self.kv.block_size]
 
     def cancel(self, request_id: str) -> None:
         with self._cv:
@@ -119,8 +132,10 @@ class Engine:
         Raises ValueError for KV that does not fit this model or prompt."""
         self.validate(req)
         cfg, n = self.model.cfg, req.num_prompt_tokens
-        if not 0 <= first.token < cfg.vocab_size:
-            raise ValueError(f"handed-off first token {first.token} is not in [0, {cfg.vocab_size})")
+        lp = first.logprob
+        if not 0 <= first.token < cfg.vocab_size or (lp is not None and (
+                lp.token_id != first.token or not all(0 <= t < cfg.vocab_size for t, _ in lp.top))):
+            raise ValueError(f"handed-off first token {first.token} (or its logprobs) is not in [0, {cfg.vocab_size})")
         want = (n, cfg.num_key_value_heads, cfg.head_dim)
         for layer in range(cfg.num_hidden_layers):
             for kind in "kv":
@@ -230,9 +245,9 @@ class Engine:
         self._current = batch
 
     def _new_batch(self, reqs: list[Request], spans: list[SeqSpan]) -> PrefillBatch:
-        for r in reqs:
-            if not r.block_table:  # a request's KV is reserved once: prompt + max_tokens
-                r.block_table = self.kv.allocate(r.max_total_tokens)
+        for r in reqs:  # a request's KV is reserved once: prompt + max_tokens (after any cached prefix)
+            if (need := self.kv.blocks_for(r.max_total_tokens) - len(r.block_table)) > 0:
+                r.block_table += self.kv.allocate_blocks(need)
         return PrefillBatch.on_model(reqs, spans, self.model, self.kv, self.cost, self.budget_s)
 
     def _complete(self, batch: PrefillBatch) -> None:
@@ -244,6 +259,8 @@ class Engine:
         live, unfinished = [], []
         for i, (r, whole) in enumerate(zip(batch.requests, batch.completes_prompts, strict=True)):
             r.num_computed_tokens = batch.spans[i].start + batch.spans[i].length
+            if r.block_hashes is not None:  # the prompt's blocks written so far: findable from now on
+                self.kv.register(r.block_table, r.block_hashes[: r.num_computed_tokens // self.kv.block_size])
             if r.state.done or r.request_id not in self._requests:
                 continue
             if whole:
@@ -343,6 +360,12 @@ class Engine:
         self._generators.pop(req.request_id, None)
         self._requests.pop(req.request_id, None)
         if not self._in_running_batch(req):
+            if reason in ("stop", "length") and req.block_hashes is not None and req.block_table:
+                # Its output's blocks too: a conversation's next turn starts with this one's answer.
+                # The last token's KV was never written (it was sampled, not fed back).
+                written = [*req.prompt_token_ids, *req.output_token_ids[:-1]]
+                req.block_hashes = block_hashes(written, self.kv.block_size, req.block_hashes)
+                self.kv.register(req.block_table, req.block_hashes)
             self._free_blocks(req.block_table)
         for o in self.observers:
             o.on_finish(req)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import threading
-from collections import deque
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
 
 import torch
 
@@ -14,11 +17,30 @@ class OutOfBlocks(RuntimeError):
     pass
 
 
+def block_hashes(tokens: Sequence[int], block_size: int, prev: list[bytes] | None = None) -> list[bytes]:
+    """Chained content hashes of the full blocks of `tokens`: block i's names its tokens and every
+    token before it (128-bit BLAKE2b, so equal hashes mean equal prefixes). `prev`: the hashes
+    already known for the leading blocks, extended rather than recomputed."""
+    out = list(prev or [])
+    for i in range(len(out), len(tokens) // block_size):
+        h = hashlib.blake2b(out[-1] if out else b"", digest_size=16)
+        h.update(array("q", tokens[i * block_size : (i + 1) * block_size]).tobytes())
+        out.append(h.digest())
+    return out
+
+
 class BlockPool:
     """Accounting of fixed-size KV blocks: what the scheduler (and the simulator) reason about.
 
     A request owns a block table (list of block ids); token t of it lives in
     block_table[t // block_size] at offset t % block_size.
+
+    Prefix caching (vLLM's and SGLang's automatic prefix caching, by block): a full block whose KV is
+    written can be registered under its content hash; a later request whose prompt starts with the
+    same blocks takes them (`acquire_prefix`, a reference each) instead of computing them. A block
+    is free when no request references it; a free block keeps its content, and stays findable, until
+    an allocation takes it: free blocks are reused oldest first, and a finished request's blocks are
+    freed last-first, so a prefix's head outlives its tail (a lookup stops at the first missing block).
     """
 
     def __init__(self, block_size: int, capacity_tokens: int) -> None:
@@ -26,7 +48,10 @@ class BlockPool:
             raise ValueError("kv cache needs block_size >= 1 and capacity >= one block")
         self.block_size = block_size
         self.num_blocks = capacity_tokens // block_size
-        self._free: deque[int] = deque(range(self.num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.num_blocks))
+        self._refs = [0] * self.num_blocks
+        self._hash_of: list[bytes | None] = [None] * self.num_blocks
+        self._block_of: dict[bytes, int] = {}
         self._lock = threading.Lock()
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -37,6 +62,11 @@ class BlockPool:
         return len(self._free)
 
     @property
+    def num_cached_blocks(self) -> int:
+        """Blocks findable by content (referenced or free)."""
+        return len(self._block_of)
+
+    @property
     def usage(self) -> float:
         return 1.0 - len(self._free) / self.num_blocks
 
@@ -44,16 +74,61 @@ class BlockPool:
         return self.blocks_for(num_tokens) <= len(self._free)
 
     def allocate(self, num_tokens: int) -> list[int]:
-        n = self.blocks_for(num_tokens)
+        return self.allocate_blocks(self.blocks_for(num_tokens))
+
+    def allocate_blocks(self, n: int) -> list[int]:
         with self._lock:
             if n > len(self._free):
                 raise OutOfBlocks(f"need {n} KV blocks, {len(self._free)} free")
-            return [self._free.popleft() for _ in range(n)]
+            out = []
+            for _ in range(n):
+                block, _ = self._free.popitem(last=False)
+                if (h := self._hash_of[block]) is not None:  # evicted: its content is overwritten
+                    del self._block_of[h]
+                    self._hash_of[block] = None
+                self._refs[block] = 1
+                out.append(block)
+            return out
 
     def free(self, block_table: list[int]) -> None:
         with self._lock:
-            self._free.extend(block_table)
+            for block in reversed(block_table):
+                self._refs[block] -= 1
+                if self._refs[block] == 0:
+                    self._free[block] = None
         block_table.clear()
+
+    # -- prefix caching ------------------------------------------------------------------------
+    def cached_prefix(self, hashes: list[bytes]) -> int:
+        """How many leading blocks of `hashes` are cached now (reserves nothing)."""
+        n = 0
+        with self._lock:
+            while n < len(hashes) and hashes[n] in self._block_of:
+                n += 1
+        return n
+
+    def acquire_prefix(self, hashes: list[bytes]) -> list[int]:
+        """The cached blocks of the longest cached prefix of `hashes`, one reference each."""
+        out: list[int] = []
+        with self._lock:
+            for h in hashes:
+                block = self._block_of.get(h)
+                if block is None:
+                    break
+                if self._refs[block] == 0:
+                    del self._free[block]
+                self._refs[block] += 1
+                out.append(block)
+        return out
+
+    def register(self, block_table: list[int], hashes: list[bytes]) -> None:
+        """Make the leading blocks of a table, whose KV is written and whose content `hashes`
+        names, findable. A block whose content another block already holds stays private."""
+        with self._lock:
+            for block, h in zip(block_table, hashes, strict=False):
+                if self._hash_of[block] is None and h not in self._block_of:
+                    self._hash_of[block] = h
+                    self._block_of[h] = block
 
 
 class KVCache(BlockPool):

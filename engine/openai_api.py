@@ -158,9 +158,10 @@ def http_error_body(status: int, detail: str) -> dict[str, Any]:
     return error_body(detail, kind, code=code)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}  # OpenAI's: prompt tokens found cached
 
 
 def completion_chunk(rid: str, model: str, text: str, finish: str | None, chat: bool,
@@ -176,8 +177,8 @@ def completion_chunk(rid: str, model: str, text: str, finish: str | None, chat: 
 
 
 def completion_body(rid: str, model: str, text: str, finish: str | None, chat: bool,
-                    prompt_tokens: int, completion_tokens: int, logprobs: dict[str, Any] | None = None
-                    ) -> dict[str, Any]:
+                    prompt_tokens: int, completion_tokens: int, logprobs: dict[str, Any] | None = None,
+                    cached_tokens: int = 0) -> dict[str, Any]:
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                   "finish_reason": finish}
@@ -186,7 +187,7 @@ def completion_body(rid: str, model: str, text: str, finish: str | None, chat: b
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 class LogprobFormatter:

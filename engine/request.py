@@ -152,6 +152,10 @@ class Request(msgspec.Struct, kw_only=True):
     kv_export: dict[str, Any] | None = None
     trace_context: Any = None  # telemetry's carrier, never read by the engine
     prompt_token_mask: Any = None  # repetition_penalty's: which vocabulary ids the prompt holds (made once)
+    # Prefix caching: the content hashes of the prompt's full KV blocks (None: not cacheable, e.g. a
+    # handed-off request), and how many leading prompt tokens were found cached at arrival.
+    block_hashes: list[bytes] | None = None
+    cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.deadline:

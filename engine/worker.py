@@ -212,7 +212,8 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
             headers |= {"x-flowprefill-kv-bytes": str(size), "x-flowprefill-kv-transport": used,
                         "x-flowprefill-kv-ms": f"{(time.perf_counter() - t0) * 1000:.3f}"}
         return Response(completion_body(rid, model, "".join(texts), finish, chat, req.num_prompt_tokens,
-                                        len(req.output_token_ids), formatter and formatter.format(logprobs)),
+                                        len(req.output_token_ids), formatter and formatter.format(logprobs),
+                                        req.cached_tokens),
                         headers=headers)
 
     @post("/v1/completions", status_code=200)
@@ -302,7 +303,7 @@ async def _sse(engine: Engine, req: EngineRequest, queue: asyncio.Queue[TokenOut
             first = False
         if include_usage:
             chunk = completion_chunk(rid, model, "", None, chat) | {
-                "choices": [], "usage": usage(req.num_prompt_tokens, len(req.output_token_ids))}
+                "choices": [], "usage": usage(req.num_prompt_tokens, len(req.output_token_ids), req.cached_tokens)}
             yield _event(chunk)
         yield b"data: [DONE]\n\n"
     finally:

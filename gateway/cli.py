@@ -30,6 +30,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="longest predicted prefill step: bounds the preemption stop latency")
     p.add_argument("--cuda-graph-tokens", type=int, default=d.cuda_graph_tokens,
                    help="CUDA only: prefills of up to this many tokens replay CUDA graphs (0 = off)")
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=d.prefix_caching,
+                   help="reuse the KV of prompt prefixes other requests computed, by KV block (default on)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
 
 
@@ -47,7 +49,7 @@ def _run_worker(args: argparse.Namespace) -> int:
                        kv_block_size=args.kv_block_size, max_batch_tokens=args.max_batch_tokens,
                        max_waiting=args.max_waiting,
                        step_budget_ms=args.step_budget_ms, cuda_graph_tokens=args.cuda_graph_tokens,
-                       num_threads=args.threads)
+                       prefix_caching=args.prefix_caching, num_threads=args.threads)
     console = Console(stderr=True)
     with console.status("loading model and profiling operators…"):
         engine = Engine(cfg, policy=args.policy).start()
@@ -68,7 +70,8 @@ def _worker_argv(args: argparse.Namespace, port: int, threads: int | None, role:
             "--kv-capacity-tokens", str(args.kv_capacity_tokens),
             "--kv-block-size", str(args.kv_block_size), "--max-batch-tokens", str(args.max_batch_tokens),
             "--max-waiting", str(args.max_waiting),
-            "--step-budget-ms", str(args.step_budget_ms), "--cuda-graph-tokens", str(args.cuda_graph_tokens)]
+            "--step-budget-ms", str(args.step_budget_ms), "--cuda-graph-tokens", str(args.cuda_graph_tokens),
+            "--prefix-caching" if args.prefix_caching else "--no-prefix-caching"]
     if args.model:
         argv += ["--model", args.model]
     if threads:

@@ -55,6 +55,12 @@ class EngineMetrics(EngineObserver):
         self.stop_latency = Histogram("flowprefill_preemption_latency_seconds",
                                       "Preemption decided -> running batch suspended",
                                       buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0), registry=r)
+        self.prefix_queries = Counter("flowprefill_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter("flowprefill_prefix_cache_hits", "Prompt tokens found in the prefix cache "
+                                   "(their KV reused, not computed)", registry=r)
+        Gauge("flowprefill_prefix_cache_blocks", "KV blocks findable by content (in use or free)",
+              registry=r).set_function(lambda: engine.kv.num_cached_blocks)
         Gauge("flowprefill_requests_waiting", "Requests queued for prefill", registry=r).set_function(
             lambda: engine.num_waiting)
         Gauge("flowprefill_requests_running", "Requests decoding", registry=r).set_function(
@@ -89,6 +95,9 @@ class EngineMetrics(EngineObserver):
         self.stop_latency.observe(victim.head.suspensions[-1].stop_latency_s)
 
     def on_finish(self, req: Request) -> None:
+        if req.block_hashes is not None:  # looked up in the prefix cache at arrival
+            self.prefix_queries.inc(req.num_prompt_tokens)
+            self.prefix_hits.inc(req.cached_tokens)
         if req.ttft is None:
             return
         self.ttft.labels(req.slo_class).observe(req.ttft)

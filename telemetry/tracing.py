@@ -211,6 +211,7 @@ class EngineTracer(EngineObserver):
         root.set_attribute("gen_ai.usage.output_tokens", len(req.output_token_ids))
         root.set_attribute("gen_ai.response.finish_reasons", [req.finish_reason or ""])
         root.set_attribute("flowprefill.preemptions", len(req.suspensions))
+        root.set_attribute("flowprefill.cached_tokens", req.cached_tokens)
         if req.finish_reason == "error":
             root.set_status(Status(StatusCode.ERROR, "engine error"))
         root.end(self._ns(end))

@@ -109,6 +109,21 @@ def test_logprobs_in_openais_shapes(served: str) -> None:
     assert plain.choices[0].logprobs is None
 
 
+def test_a_repeated_prompt_reports_its_cached_tokens(served: str) -> None:
+    """OpenAI's usage.prompt_tokens_details.cached_tokens, and the worker's prefix cache counters."""
+    client = openai.OpenAI(base_url=f"{served}/v1", api_key="unused")
+    prompt = "You are a careful assistant. Answer in one word. " * 12  # 600 bytes: two 256-token blocks
+    first = client.completions.create(model="flowprefill-default", prompt=prompt + "Ready?", max_tokens=1)
+    again = client.completions.create(model="flowprefill-default", prompt=prompt + "Steady?", max_tokens=1)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == 512
+    worker = served.rsplit(":", 1)[0] + f":{int(served.rsplit(':', 1)[1]) + 1}"
+    metrics = httpx.get(f"{worker}/metrics").text
+    hits = [float(line.split()[-1]) for line in metrics.splitlines()
+            if line.startswith("flowprefill_prefix_cache_hits_total")]
+    assert hits and hits[0] >= 512
+
+
 @pytest.mark.parametrize(("path", "body", "param"), [
     ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),

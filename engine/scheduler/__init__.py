@@ -108,7 +108,7 @@ class Scheduler:
         return self.cost_for(reqs).prefill_s(spans)
 
     def _blocks_needed(self, r: Request) -> int:
-        return 0 if r.block_table else self.kv.blocks_for(r.max_total_tokens)
+        return max(0, self.kv.blocks_for(r.max_total_tokens) - len(r.block_table))  # a cached prefix is held
 
     def fill(self, ordered: list[Request], fits: Callable[[list[Request]], bool] | None = None) -> list[Request]:
         """Take whole requests in order while the token bound and KV capacity allow (the first

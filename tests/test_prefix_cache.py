@@ -1,0 +1,145 @@
+"""Automatic prefix caching (engine/kv_cache.py BlockPool, the engine's use of it).
+
+The pool's bookkeeping first (references, eviction order, content hashes), then the engine on the
+embedded model: a request whose prompt starts with cached blocks computes only the rest and produces
+exactly what it produces with caching off, multi-turn prompts find the previous answer's blocks, and
+every path (finish, cancel while waiting, eviction under pressure) leaves the pool whole.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+from helpers import EngineFactory
+from test_engine import Sink, assert_idle_and_free, tokens
+
+from engine.engine import Engine
+from engine.kv_cache import BlockPool, block_hashes
+from engine.request import Request, SamplingParams
+
+BS = 16
+
+
+def test_hashes_name_the_whole_prefix() -> None:
+    a = block_hashes(list(range(50)), BS)
+    assert len(a) == 3  # full blocks only
+    assert block_hashes([*range(48), 7, 7], BS) == a  # the partial block is not hashed
+    b = block_hashes([99, *range(1, 50)], BS)
+    assert all(x != y for x, y in zip(a, b, strict=True))  # one token differs: every later block differs
+    assert block_hashes(list(range(70)), BS, prev=a) == block_hashes(list(range(70)), BS)  # extended
+
+
+def test_pool_references_eviction_and_reuse() -> None:
+    pool = BlockPool(BS, 6 * BS)
+    hashes = block_hashes(list(range(3 * BS)), BS)
+    owner = pool.allocate_blocks(4)
+    ids = list(owner)  # free() empties the table it is given
+    pool.register(owner, hashes)
+    assert pool.cached_prefix(hashes) == 3 and pool.num_cached_blocks == 3
+    shared = pool.acquire_prefix(hashes[:2])
+    assert shared == ids[:2] and pool.num_free_blocks == 2  # referenced twice, not free
+    pool.free(owner)
+    assert pool.num_free_blocks == 4  # owner's 3rd and 4th blocks free; the two shared held
+    pool.free(shared)
+    assert pool.num_free_blocks == 6 and pool.cached_prefix(hashes) == 3  # free, still findable
+    # Reuse takes never-used and oldest-freed blocks first; a finished table is freed tail first,
+    # so the prefix's head is evicted last.
+    taken = pool.allocate_blocks(3)
+    assert pool.cached_prefix(hashes) == 3 and ids[3] in taken  # the unregistered 4th went first
+    taken += pool.allocate_blocks(1)
+    assert pool.cached_prefix(hashes) == 2 and ids[2] in taken
+    taken += pool.allocate_blocks(1)
+    assert pool.cached_prefix(hashes) == 1
+    pool.free(taken)
+    assert pool.acquire_prefix(hashes) == ids[:1]
+    # A block whose content another block already holds stays private.
+    other = pool.allocate_blocks(1)
+    pool.register(other, hashes[:1])
+    assert pool.acquire_prefix(hashes[:1]) == ids[:1]
+
+
+@pytest.fixture
+def make_engine(monkeypatch: pytest.MonkeyPatch) -> Iterator[EngineFactory]:
+    factory = EngineFactory(monkeypatch, kv_block_size=BS, kv_capacity_tokens=64 * BS)
+    yield factory
+    factory.close()
+
+
+def run(eng: Engine, rid: str, prompt: list[int], max_tokens: int = 8) -> tuple[Request, Sink]:
+    req = Request(request_id=rid, prompt_token_ids=prompt,
+                  sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    sink = Sink(req)
+    req.sink = sink
+    eng.add_request(req)
+    assert sink.done.wait(60) and req.finish_reason == "length"
+    return req, sink
+
+
+def test_a_cached_prefix_is_not_recomputed_and_changes_nothing(make_engine: EngineFactory) -> None:
+    cached, plain = make_engine(), make_engine(prefix_caching=False)
+    prompt = tokens(90, seed=1)
+    first, _ = run(cached, "a", prompt)
+    assert first.cached_tokens == 0
+    again, _ = run(cached, "b", prompt)
+    assert again.cached_tokens == 80  # 5 full blocks; the one holding the last token is computed
+    follow = [*prompt, *first.output_token_ids, *tokens(20, seed=2)]  # the next turn of a conversation
+    turn, _ = run(cached, "c", follow)
+    # prompt + answer but its last token (never fed back) = 97 tokens: 6 blocks, one past the prompt's
+    assert turn.cached_tokens == 96
+    other, _ = run(cached, "d", tokens(90, seed=3))
+    assert other.cached_tokens == 0
+    for req in (again, turn, other):
+        ref, _ = run(plain, f"ref-{req.request_id}", req.prompt_token_ids)
+        assert req.output_token_ids == ref.output_token_ids, req.request_id
+        assert ref.cached_tokens == 0
+    assert_idle_and_free(cached)
+    assert cached.kv.num_cached_blocks > 0  # free, and still findable
+
+
+def test_a_waiting_request_holds_its_prefix_and_a_cancel_returns_it(make_engine: EngineFactory) -> None:
+    eng = make_engine(start=False)
+    prompt = tokens(70, seed=4)
+    eng.start()
+    run(eng, "warm", prompt)
+    eng.shutdown()
+    eng2 = make_engine(start=False)  # a stopped engine's queue: requests wait
+    eng2.kv = eng.kv
+    eng2.scheduler.kv = eng.kv
+    req = Request(request_id="w", prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=2))
+    done = threading.Event()
+    req.sink = lambda out: out.finish_reason and done.set()
+    eng2.add_request(req)
+    # its 4 cached blocks (the 5th holds the last prompt token) and one more for the rest, reserved at
+    # arrival by the event-driven scheduler's decision
+    assert req.cached_tokens == 64 and len(req.block_table) == 5
+    assert eng2.kv.num_free_blocks == eng2.kv.num_blocks - 5  # held while waiting: not evictable
+    eng2.cancel("w")
+    eng2.start()
+    assert done.wait(10) and req.finish_reason == "cancelled"
+    assert_idle_and_free(eng2)
+
+
+def test_eviction_under_pressure_keeps_results_exact(make_engine: EngineFactory) -> None:
+    """A pool of 12 blocks: later prompts evict the first one's blocks; it is computed again."""
+    eng, plain = make_engine(kv_capacity_tokens=12 * BS), make_engine(prefix_caching=False)
+    prompt = tokens(100, seed=5)
+    first, _ = run(eng, "p1", prompt)
+    for i in range(3):
+        run(eng, f"fill{i}", tokens(150, seed=10 + i))
+    again, _ = run(eng, "p2", prompt)
+    assert again.cached_tokens < first.num_prompt_tokens - BS  # some or all of it was evicted
+    assert again.output_token_ids == run(plain, "ref", prompt)[0].output_token_ids
+    assert_idle_and_free(eng)
+
+
+def test_admission_counts_the_cached_prefix(make_engine: EngineFactory) -> None:
+    """A sheddable request too long for its TTFT target is admitted when most of it is cached."""
+    eng = make_engine(kv_capacity_tokens=4096)
+    prompt = tokens(1500, seed=6)
+    run(eng, "warm", prompt, max_tokens=1)
+    target = eng.scheduler.predict_s(Request(request_id="x", prompt_token_ids=prompt)) / 4
+    for rid, ids, refused in (("cold", tokens(1500, seed=7), "predicted_slo_miss"), ("hot", prompt, None)):
+        req = Request(request_id=rid, prompt_token_ids=ids, ttft_target_s=target)
+        assert eng.admission(req, sheddable=True) == refused, rid
