@@ -189,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
                          add_help=False)
     bench_sub.add_parser("gateway", help="latency the gateway adds and its requests/s on one core",
                          add_help=False)
+    bench_sub.add_parser("prefix", help="prefix caching on a multi-turn chat workload: TTFT per turn, on vs off",
+                         add_help=False)
     sub.add_parser("loadtest", help="a Locust profile, headless, against a gateway: per-class goodput report",
                    add_help=False)
     return parser
@@ -212,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
             from gateway import bench
 
             return bench.main(rest)
+        if args.bench == "prefix":
+            from engine.bench import prefix_cache
+
+            return prefix_cache.main(rest)
         from engine.bench import prefill
 
         return prefill.main(rest)

@@ -254,6 +254,7 @@ def test_every_documented_command_parses() -> None:
     """Every `flowprefill …` command in the docs is one the CLI accepts (options and values), so a
     renamed or removed option fails here; the long-running ones are not run, only parsed."""
     from engine.bench import prefill as bench_prefill
+    from engine.bench import prefix_cache as bench_prefix
     from gateway import bench as bench_gateway
     from gateway.cli import build_parser
     from loadtest import goodput as bench_goodput
@@ -267,7 +268,8 @@ def test_every_documented_command_parses() -> None:
         head = tuple(argv[:2]) if argv[:1] == ["bench"] else tuple(argv[:1])
         seen.add(head)
         sub = {("bench", "prefill"): bench_prefill.build_parser, ("bench", "goodput"): bench_goodput.build_parser,
-               ("bench", "gateway"): bench_gateway.build_parser, ("loadtest",): loadtest_run.build_parser}.get(head)
+               ("bench", "gateway"): bench_gateway.build_parser, ("bench", "prefix"): bench_prefix.build_parser,
+               ("loadtest",): loadtest_run.build_parser}.get(head)
         try:
             if sub is None:
                 build_parser().parse_args(argv)

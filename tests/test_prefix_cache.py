@@ -8,10 +8,13 @@ every path (finish, cancel while waiting, eviction under pressure) leaves the po
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import torch
 from helpers import EngineFactory
 from test_engine import Sink, assert_idle_and_free, tokens
 
@@ -143,3 +146,20 @@ def test_admission_counts_the_cached_prefix(make_engine: EngineFactory) -> None:
     for rid, ids, refused in (("cold", tokens(1500, seed=7), "predicted_slo_miss"), ("hot", prompt, None)):
         req = Request(request_id=rid, prompt_token_ids=ids, ttft_target_s=target)
         assert eng.admission(req, sheddable=True) == refused, rid
+
+
+def test_the_benchmark_runs_and_reports(tmp_path: Path) -> None:
+    from engine.bench import prefix_cache
+
+    out, threads = tmp_path / "bench", torch.get_num_threads()
+    try:
+        assert prefix_cache.main(["--conversations", "2", "--turns", "2", "--system-tokens", "300", "--user-tokens",
+                                  "40", "--answer-tokens", "4", "--kv-block-size", "16", "--threads", "1",
+                                  "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    results = json.loads((out / "prefix_cache.json").read_text())
+    rows = results["turns"]
+    assert [r["turn"] for r in rows] == [1, 2] and all(r["same_tokens"] for r in rows)
+    assert rows[1]["cached_share"] > 0.8  # the second turn finds the system prompt and the first turn
+    assert (out / "prefix_cache.png").stat().st_size > 10_000
