@@ -181,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     base = azure_mix(rule) if args.workload == "azure-mix" else load_trace(args.workload, rule)
     base = head(base, n)
     classes = DEFAULT_CLASSES
-    runner = Runner(args.engine, EngineConfig(), args.cost)
+    # Without prefix caching: the traces give token counts only, and the same synthesized prompts run
+    # for every policy and rate, so a cache would make each later run look faster than it is.
+    runner = Runner(args.engine, EngineConfig(prefix_caching=False), args.cost)
     scale_rate = args.scale_rate or 2.0
     results: dict[str, list[dict[str, Any]]] = {pol: [] for pol in policies}
     scale_results: dict[str, list[dict[str, Any]]] = {pol: [] for pol in policies}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,9 @@ class Run:
         self.pacer = Pacer(self.schedule)
         self.records, self.pending = {}, []
         self.is_worker = isinstance(env.runner, WorkerRunner)
+        # Prompts differ from run to run: a server with prefix caching must not find the last run's
+        # prompts (the traces give token counts only; no request shares a prefix with another).
+        self.nonce = os.urandom(8).hex()
 
     def record(self, rec: results.Record) -> None:
         if self.is_worker:
@@ -192,7 +196,7 @@ class OpenAIUser(HttpUser):
             RUN.record(rec)
 
     def _stream(self, cls: str, i: int, n_in: int, n_out: int, rec: results.Record) -> None:
-        prompt_ids = synthesize_prompt(n_in, 256, seed=i)
+        prompt_ids = synthesize_prompt(n_in, 256, seed=f"{RUN.nonce}-{i}")
         body: dict[str, Any] = {"model": RUN.model or None, "max_tokens": n_out, "stream": True,
                                 "temperature": 0, "ignore_eos": True}
         if RUN.profile.endpoint == "chat":

@@ -235,7 +235,8 @@ def _first_timestamp(path: Path) -> float:
 
 
 # -- prompts -----------------------------------------------------------------------------------
-def synthesize_prompt(n_tokens: int, vocab_size: int, seed: int, reserved: Iterable[int] = ()) -> list[int]:
+def synthesize_prompt(n_tokens: int, vocab_size: int, seed: int | str, reserved: Iterable[int] = ()
+                      ) -> list[int]:
     """Token ids of exactly n_tokens (random ordinary tokens: the engine's cost depends on count only)."""
     rng = random.Random(seed)
     banned = set(reserved)
