@@ -75,12 +75,15 @@ class Engine:
     def add_request(self, req: Request) -> None:
         """Validate and queue a request (an arrival event). Raises ValueError for bad input."""
         self.validate(req)
+        # Found now, so the scheduler ranks and predicts the shorter prefill; taken when its batch
+        # forms (`_new_batch`): a waiting request holds no blocks, so whatever waits, the first in
+        # line fits once the running work is done.
+        matchable = self._matchable(req) if self.cfg.prefix_caching and not req.block_table else []
         with self._cv:
             if req.request_id in self._requests:
                 raise ValueError(f"duplicate request id {req.request_id!r}")
-            if self.cfg.prefix_caching and not req.block_table:  # held from now on: it cannot be evicted
-                req.block_table = self.kv.acquire_prefix(self._matchable(req))
-                req.num_computed_tokens = req.cached_tokens = len(req.block_table) * self.kv.block_size
+            if matchable:
+                req.num_computed_tokens = req.cached_tokens = self.kv.cached_prefix(matchable) * self.kv.block_size
             self._requests[req.request_id] = req
             self.scheduler.on_arrival(req)
             self._cv.notify()
@@ -245,7 +248,15 @@ class Engine:
         self._current = batch
 
     def _new_batch(self, reqs: list[Request], spans: list[SeqSpan]) -> PrefillBatch:
-        for r in reqs:  # a request's KV is reserved once: prompt + max_tokens (after any cached prefix)
+        spans = list(spans)
+        for i, r in enumerate(reqs):  # a request's KV is reserved once: prompt + max_tokens
+            if not r.block_table and r.cached_tokens:
+                r.block_table = self.kv.acquire_prefix(self._matchable(r)[: r.cached_tokens // self.kv.block_size])
+                got = len(r.block_table) * self.kv.block_size
+                if got < r.cached_tokens:  # evicted since it arrived: compute those tokens too
+                    end = spans[i].start + spans[i].length
+                    spans[i] = SeqSpan(got, end - got)
+                    r.num_computed_tokens = r.cached_tokens = got
             if (need := self.kv.blocks_for(r.max_total_tokens) - len(r.block_table)) > 0:
                 r.block_table += self.kv.allocate_blocks(need)
         return PrefillBatch.on_model(reqs, spans, self.model, self.kv, self.cost, self.budget_s)
@@ -259,10 +270,10 @@ class Engine:
         live, unfinished = [], []
         for i, (r, whole) in enumerate(zip(batch.requests, batch.completes_prompts, strict=True)):
             r.num_computed_tokens = batch.spans[i].start + batch.spans[i].length
-            if r.block_hashes is not None:  # the prompt's blocks written so far: findable from now on
-                self.kv.register(r.block_table, r.block_hashes[: r.num_computed_tokens // self.kv.block_size])
             if r.state.done or r.request_id not in self._requests:
                 continue
+            if r.block_hashes is not None:  # the prompt's blocks written so far: findable from now on
+                self.kv.register(r.block_table, r.block_hashes[: r.num_computed_tokens // self.kv.block_size])
             if whole:
                 live.append((i, r))
             else:  # one chunk of its prompt is done: it queues for the next
@@ -379,6 +390,7 @@ class Engine:
         if self.scheduler.waiting and self.scheduler.chosen is None:
             with self._cv:
                 self.scheduler.on_kv_freed()
+                self._cv.notify()  # called off the engine thread too (tests): wake it for the new choice
 
     def _in_running_batch(self, req: Request) -> bool:
         """KV of a request inside a batch that goes on is still being written: free it at completion."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 from array import array
 from collections import OrderedDict
@@ -11,6 +12,8 @@ from collections.abc import Sequence
 import torch
 
 from engine.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 class OutOfBlocks(RuntimeError):
@@ -93,6 +96,9 @@ class BlockPool:
     def free(self, block_table: list[int]) -> None:
         with self._lock:
             for block in reversed(block_table):
+                if self._refs[block] <= 0:  # a bug elsewhere: never let a block be both free and in use
+                    log.error("KV block %d freed twice; ignored", block)
+                    continue
                 self._refs[block] -= 1
                 if self._refs[block] == 0:
                     self._free[block] = None

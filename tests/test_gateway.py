@@ -67,6 +67,7 @@ def test_openai_async_client(served: str) -> None:
     (b'{"prompt": [65, 66], "max_tokens": 40000}', {}, 400),  # beyond the model's context
     (b'{"prompt": "x"}', {"x-slo-class": "a" * 300}, 400),
     (b'{"prompt": "x", "presence_penalty": 3}', {}, 400),
+    (b'{"prompt": [9223372036854775808], "max_tokens": 1}', {"x-slo-class": "batch"}, 400),  # past int64, sheddable
     (b'{"prompt": "x", "logit_bias": {"99999": 5}}', {}, 400),  # not a token of this model
     (b'{"prompt": "x", "logit_bias": {"x": 5}}', {}, 400),
     (b'{"prompt": "x", "logprobs": 21}', {}, 400),

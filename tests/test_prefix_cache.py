@@ -101,23 +101,24 @@ def test_a_cached_prefix_is_not_recomputed_and_changes_nothing(make_engine: Engi
     assert cached.kv.num_cached_blocks > 0  # free, and still findable
 
 
-def test_a_waiting_request_holds_its_prefix_and_a_cancel_returns_it(make_engine: EngineFactory) -> None:
+def test_a_cancelled_batch_returns_its_prefix_blocks(make_engine: EngineFactory) -> None:
+    """Chosen at arrival (the scheduler decides on the event), the batch takes the cached blocks and
+    one more; cancelled before it runs, every reference comes back."""
     eng = make_engine(start=False)
     prompt = tokens(70, seed=4)
     eng.start()
     run(eng, "warm", prompt)
     eng.shutdown()
-    eng2 = make_engine(start=False)  # a stopped engine's queue: requests wait
+    eng2 = make_engine(start=False)  # not started: the batch waits to run
     eng2.kv = eng.kv
     eng2.scheduler.kv = eng.kv
     req = Request(request_id="w", prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=2))
     done = threading.Event()
     req.sink = lambda out: out.finish_reason and done.set()
     eng2.add_request(req)
-    # its 4 cached blocks (the 5th holds the last prompt token) and one more for the rest, reserved at
-    # arrival by the event-driven scheduler's decision
-    assert req.cached_tokens == 64 and len(req.block_table) == 5
-    assert eng2.kv.num_free_blocks == eng2.kv.num_blocks - 5  # held while waiting: not evictable
+    # its 4 cached blocks (the 5th holds the last prompt token) and one more for the rest
+    assert req.cached_tokens == 64 and len(req.block_table) == 5 and eng2.scheduler.chosen is not None
+    assert eng2.kv.num_free_blocks == eng2.kv.num_blocks - 5  # held by the batch: not evictable
     eng2.cancel("w")
     eng2.start()
     assert done.wait(10) and req.finish_reason == "cancelled"
@@ -163,3 +164,50 @@ def test_the_benchmark_runs_and_reports(tmp_path: Path) -> None:
     assert [r["turn"] for r in rows] == [1, 2] and all(r["same_tokens"] for r in rows)
     assert rows[1]["cached_share"] > 0.8  # the second turn finds the system prompt and the first turn
     assert (out / "prefix_cache.png").stat().st_size > 10_000
+
+
+def test_waiting_requests_hold_no_blocks_so_the_first_in_line_always_fits(make_engine: EngineFactory) -> None:
+    """Two cached prefixes of 4 blocks, a pool of 16 blocks with 6 in use elsewhere, and two requests
+    of 13 blocks each, one per prefix: they wait. Had each held its 4 cached blocks while waiting,
+    freeing the 6 would leave 8 free blocks for requests needing 9 more each: neither would ever run."""
+    eng = make_engine(kv_capacity_tokens=16 * BS)
+    p1, p2 = tokens(65, seed=20), tokens(65, seed=21)
+    run(eng, "p1", p1, max_tokens=1)
+    run(eng, "p2", p2, max_tokens=1)
+    held = eng.kv.allocate_blocks(6)  # another request's KV: the never-used blocks, nothing evicted
+    waiting = []
+    for rid, prompt in (("a", p1), ("b", p2)):
+        req = Request(request_id=rid, prompt_token_ids=prompt,
+                      sampling=SamplingParams(max_tokens=130, temperature=0.0, ignore_eos=True))
+        sink = Sink(req)
+        req.sink = sink
+        eng.add_request(req)
+        assert req.cached_tokens == 64 and req.block_table == []  # found, not taken
+        waiting.append((req, sink))
+    assert eng.num_waiting == 2
+    eng._free_blocks(held)  # what the engine does when that request ends
+    for req, sink in waiting:
+        assert sink.done.wait(60) and req.finish_reason == "length", req.request_id
+    assert_idle_and_free(eng)
+
+
+def test_a_prefix_evicted_while_its_request_waits_is_computed(make_engine: EngineFactory) -> None:
+    eng, plain = make_engine(kv_capacity_tokens=16 * BS), make_engine(prefix_caching=False)
+    prompt = tokens(70, seed=30)
+    run(eng, "warm", prompt, max_tokens=1)
+    held = eng.kv.allocate_blocks(eng.kv.num_free_blocks - 5)  # only the cached prompt's 5 blocks free
+    req = Request(request_id="r", prompt_token_ids=prompt,
+                  sampling=SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))  # 7 blocks: waits
+    sink = Sink(req)
+    req.sink = sink
+    eng.add_request(req)
+    assert req.cached_tokens == 64 and eng.num_waiting == 1
+    evicted = eng.kv.allocate_blocks(5)  # evicts them, and overwrites them
+    for t in (*eng.kv.k, *eng.kv.v):
+        t[evicted] = float("nan")
+    held += evicted
+    eng._free_blocks(held)
+    assert sink.done.wait(30) and req.finish_reason == "length"
+    assert req.cached_tokens == 0  # found at arrival, gone when its batch formed: all 70 computed
+    assert req.output_token_ids == run(plain, "ref", prompt, max_tokens=40)[0].output_token_ids
+    assert_idle_and_free(eng)

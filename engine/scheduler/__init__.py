@@ -108,7 +108,8 @@ class Scheduler:
         return self.cost_for(reqs).prefill_s(spans)
 
     def _blocks_needed(self, r: Request) -> int:
-        return max(0, self.kv.blocks_for(r.max_total_tokens) - len(r.block_table))  # a cached prefix is held
+        # Whole: blocks of a cached prefix may be free ones, which taking them uses up.
+        return max(0, self.kv.blocks_for(r.max_total_tokens) - len(r.block_table))
 
     def fill(self, ordered: list[Request], fits: Callable[[list[Request]], bool] | None = None) -> list[Request]:
         """Take whole requests in order while the token bound and KV capacity allow (the first
