@@ -19,6 +19,7 @@ from litestar.response import Stream
 from litestar.types import Receive, Scope, Send  # at run time: Litestar reads the annotations
 
 from engine.openai_api import KV_ID_HEADER, KV_TO_HEADER, error_body, http_error_body, new_id
+from gateway.affinity import prefix_key
 from gateway.classify import ClassificationError, classify
 from gateway.config import GatewayConfig
 from gateway.http1 import Http1Response
@@ -66,21 +67,21 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
     upstream_timeout = httpx.Timeout(cfg.request_timeout_s, connect=2.0).as_dict()
     client = clients[0]  # health polls and /v1/models
     # Disaggregated: `workers` decode; these prefill and hand the KV to the decode worker chosen.
-    pool = WorkerPool(cfg.workers, client, upstream=cfg.upstream,
+    pool = WorkerPool(cfg.workers, client, upstream=cfg.upstream, affinity_slack_s=cfg.prefix_affinity_slack_s,
                       roles=frozenset({"decode", "colocated"} if cfg.prefill_workers else {"colocated"}))
     metrics.track_queue(lambda: pool.queued)
-    prefill_pool = (WorkerPool(cfg.prefill_workers, client, roles=frozenset({"prefill", "colocated"}))
-                    if cfg.prefill_workers else None)
+    prefill_pool = (WorkerPool(cfg.prefill_workers, client, roles=frozenset({"prefill", "colocated"}),
+                               affinity_slack_s=cfg.prefix_affinity_slack_s) if cfg.prefill_workers else None)
 
     async def prefill_first(decode: Worker, path: str, body: dict[str, Any], headers: dict[str, str],
-                            deadline: float, slo_name: str) -> Response | None:
+                            deadline: float, slo_name: str, key: bytes | None) -> Response | None:
         """The prefill half on a prefill worker, its KV sent to `decode`. None when the KV is there;
         else the answer the client gets (shed, bad input). Raises GatewayError with no prefill worker."""
         assert prefill_pool is not None
         first = {k: v for k, v in body.items() if k != "stream_options"} | {"max_tokens": 1, "stream": False}
         tried: set[str] = set()
         failed: httpx.Response | None = None
-        while (pre := await prefill_pool.acquire(deadline, tried)) is not None:
+        while (pre := await prefill_pool.acquire(deadline, tried, key)) is not None:
             tried.add(pre.url)
             try:
                 r = await next(shards).post(f"{pre.url}{path}", content=msgspec.json.encode(first),
@@ -141,13 +142,15 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
                 "flowprefill.deadline_unix_ms": time.time() * 1000 + slo.ttft_ms - elapsed_ms,
                 "flowprefill.stream": bool(body.get("stream"))})
         tried: set[str] = set()
+        # Where its prefix may be cached: the prefill workers' when disaggregated (decode imports KV).
+        key = prefix_key(body, cfg.prefix_affinity_chars)
         shed: UpstreamResponse | Http1Response | None = None
         failed: tuple[int, bytes] | None = None  # the last worker's 5xx answer (status, body)
         if pool.pick() is None:  # every worker looked down at the last poll: look again before refusing
             await pool.poll_once()
         while True:
             try:
-                worker = await pool.acquire(deadline, tried)
+                worker = await pool.acquire(deadline, tried, None if prefill_pool is not None else key)
             except QueueFull:
                 raise GatewayError(503, "the gateway's queue is full", "server_error", headers=ours | {
                     "retry-after": "1", "x-flowprefill-dropped-reason": "queue_full"}) from None
@@ -157,7 +160,7 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
             to_worker = upstream_headers
             if prefill_pool is not None:
                 try:
-                    refused = await prefill_first(worker, path, body, upstream_headers, deadline, slo.name)
+                    refused = await prefill_first(worker, path, body, upstream_headers, deadline, slo.name, key)
                 except GatewayError as exc:
                     pool.release(worker)
                     exc.headers |= ours
@@ -202,6 +205,7 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
                                      if k in ("content-type", "x-flowprefill-predicted-miss")}
             if annotate is not None:
                 annotate(None, {"flowprefill.route.worker": worker.url, "flowprefill.route.attempts": len(tried),
+                                "flowprefill.route.prefix_affinity": key is not None,
                                 "http.upstream.status_code": up.status_code})
             metrics.answered(slo.name, up.status_code)
             if body.get("stream"):

@@ -52,9 +52,15 @@ class GatewayConfig(msgspec.Struct, kw_only=True):
     request_timeout_s: float = 600.0
     max_body_bytes: int = 16 * 1024 * 1024
     upstream: Upstream = Upstream()
+    # Prefix affinity (gateway/affinity.py): requests sharing their first this many characters go to
+    # the same worker, unless its backlog is past the least loaded one's by more than the slack.
+    prefix_affinity_chars: int = 1024
+    prefix_affinity_slack_s: float = 0.25
 
     def check(self) -> None:
         self.upstream.check()
+        if self.prefix_affinity_chars < 0 or self.prefix_affinity_slack_s < 0:
+            raise ValueError("prefix_affinity_chars and prefix_affinity_slack_s must be >= 0")
         names = set(self.classes)
         wanted = [self.default_class, *(r.slo_class for r in self.rules)]
         for key in self.api_keys.values():

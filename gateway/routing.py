@@ -11,6 +11,7 @@ import time
 
 import httpx
 
+from gateway.affinity import rendezvous
 from gateway.config import Upstream
 
 log = logging.getLogger("flowprefill.gateway")
@@ -45,8 +46,10 @@ class WorkerPool:
 
     def __init__(self, urls: list[str], client: httpx.AsyncClient, poll_s: float = 1.0,
                  per_request_s: float = 0.05, upstream: Upstream | None = None,
-                 roles: frozenset[str] = frozenset({"colocated"})) -> None:
-        """`roles`: the worker roles this pool's job needs; a worker declaring another stays out."""
+                 roles: frozenset[str] = frozenset({"colocated"}), affinity_slack_s: float = 0.25) -> None:
+        """`roles`: the worker roles this pool's job needs; a worker declaring another stays out.
+        `affinity_slack_s`: how much more predicted backlog than the least loaded worker a request's
+        prefix worker may have and still get it (gateway/affinity.py)."""
         if not urls:
             raise ValueError("the gateway needs at least one worker URL")
         self.workers = [Worker(u) for u in urls]
@@ -54,33 +57,36 @@ class WorkerPool:
         self.upstream = upstream or Upstream()
         self.gated = self.upstream.kind == "openai"
         self.roles = roles
+        self.affinity_slack_s = affinity_slack_s
         self._rr = itertools.count()
         self._seq = itertools.count()
-        self._waiting: list[tuple[float, int, frozenset[str], asyncio.Future[Worker]]] = []
+        self._waiting: list[tuple[float, int, frozenset[str], bytes | None, asyncio.Future[Worker]]] = []
         self._task: asyncio.Task[None] | None = None
 
     @property
     def queued(self) -> int:
         return sum(not f.done() for *_, f in self._waiting)
 
-    async def acquire(self, deadline: float, exclude: frozenset[str] | set[str] = frozenset()) -> Worker | None:
+    async def acquire(self, deadline: float, exclude: frozenset[str] | set[str] = frozenset(),
+                      key: bytes | None = None) -> Worker | None:
         """A worker for this request, counted in flight there (give it back with `release`).
-        None when no healthy worker is left to try. Gated: waits its turn in deadline order."""
+        None when no healthy worker is left to try. Gated: waits its turn in deadline order.
+        `key`: the request's prefix key (gateway/affinity.py), if it has one."""
         exclude = frozenset(exclude)
         if not self.gated:
-            w = self.pick(exclude)
+            w = self.pick(exclude, key)
             if w is not None:
                 w.in_flight += 1
             return w
         if self.pick(exclude) is None:
             return None
-        if not self.queued and (w := self._free(exclude)) is not None:
+        if not self.queued and (w := self._free(exclude, key)) is not None:
             w.in_flight += 1
             return w
         if self.queued >= self.upstream.max_queue:
             raise QueueFull
         fut: asyncio.Future[Worker] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._waiting, (deadline, next(self._seq), exclude, fut))
+        heapq.heappush(self._waiting, (deadline, next(self._seq), exclude, key, fut))
         try:
             return await fut
         except asyncio.CancelledError:  # the client went away while queued (or just as it got a slot)
@@ -94,10 +100,12 @@ class WorkerPool:
         if self.gated:
             self._dispatch()
 
-    def _free(self, exclude: frozenset[str]) -> Worker | None:
+    def _free(self, exclude: frozenset[str], key: bytes | None = None) -> Worker | None:
         now, cap = time.monotonic(), self.upstream.max_concurrency
-        free = [w for w in self.workers if w.url not in exclude and w.healthy and w.down_until <= now
-                and w.in_flight < cap]
+        live = [w for w in self.workers if w.url not in exclude and w.healthy and w.down_until <= now]
+        free = [w for w in live if w.in_flight < cap]
+        if key is not None and len(live) > 1 and (home := rendezvous(key, live)) in free:
+            return home  # a slot on the prefix's worker; when it is full, any free one
         return min(free, key=lambda w: w.in_flight) if free else None
 
     def _dispatch(self) -> None:
@@ -105,10 +113,10 @@ class WorkerPool:
         later = []
         while self._waiting:
             item = heapq.heappop(self._waiting)
-            fut = item[3]
+            fut = item[4]
             if fut.done():
                 continue
-            w = self._free(item[2])
+            w = self._free(item[2], item[3])
             if w is None:
                 later.append(item)
                 if self._free(frozenset()) is None:
@@ -119,14 +127,19 @@ class WorkerPool:
         for item in later:
             heapq.heappush(self._waiting, item)
 
-    def pick(self, exclude: frozenset[str] | set[str] = frozenset()) -> Worker | None:
+    def pick(self, exclude: frozenset[str] | set[str] = frozenset(), key: bytes | None = None) -> Worker | None:
         now = time.monotonic()
         live = [w for w in self.workers if w.url not in exclude and w.healthy and w.down_until <= now]
         if not live:
             return None
         start = next(self._rr)
         ranked = sorted(range(len(live)), key=lambda i: (self._score(live[i]), (i - start) % len(live)))
-        return live[ranked[0]]
+        best = live[ranked[0]]
+        if key is not None and len(live) > 1:
+            home = rendezvous(key, live)
+            if self._score(home) <= self._score(best) + self.affinity_slack_s:
+                return home
+        return best
 
     def _score(self, w: Worker) -> float:
         return w.backlog_s + w.in_flight * self.per_request_s
