@@ -15,6 +15,9 @@ from engine.request import Logprob, SamplingParams
 # KV_TO (where the KV goes) and its decode half with KV_ID (which handed-off KV to decode from).
 KV_TO_HEADER = "x-flowprefill-kv-to"
 KV_ID_HEADER = "x-flowprefill-kv-id"
+# On the prefill half's answer, and from the gateway on the decode half: the prompt tokens the
+# prefill worker found in its prefix cache (the decode worker reports them in usage).
+CACHED_TOKENS_HEADER = "x-flowprefill-cached-tokens"
 
 
 class StreamOptions(msgspec.Struct, omit_defaults=True):

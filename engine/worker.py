@@ -19,6 +19,7 @@ from opentelemetry.trace import INVALID_SPAN
 from engine import handoff
 from engine.engine import Engine
 from engine.openai_api import (
+    CACHED_TOKENS_HEADER,
     ChatCompletionRequest,
     CompletionRequest,
     LogprobFormatter,
@@ -148,6 +149,8 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
                     kv, first = await inbox.take(kv_id, wait_s)
                 except TimeoutError:
                     raise BadRequest(f"no KV was handed off for {kv_id!r}", status=504) from None
+            cached = request.headers.get(CACHED_TOKENS_HEADER, "0")  # what the prefill worker found cached
+            req.cached_tokens = min(int(cached), req.num_prompt_tokens) if cached.isdigit() else 0
             if tracer is not None:
                 tracer.start(req, "chat" if chat else "text_completion", handed_off=True)
             try:
@@ -210,6 +213,7 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
                 return Response(error_body(f"handing the KV to {kv_to} failed: {exc}", "server_error"),
                                 status_code=502, headers=headers)
             headers |= {"x-flowprefill-kv-bytes": str(size), "x-flowprefill-kv-transport": used,
+                        CACHED_TOKENS_HEADER: str(req.cached_tokens),
                         "x-flowprefill-kv-ms": f"{(time.perf_counter() - t0) * 1000:.3f}"}
         return Response(completion_body(rid, model, "".join(texts), finish, chat, req.num_prompt_tokens,
                                         len(req.output_token_ids), formatter and formatter.format(logprobs),

@@ -18,7 +18,7 @@ from litestar.handlers import ASGIRouteHandler
 from litestar.response import Stream
 from litestar.types import Receive, Scope, Send  # at run time: Litestar reads the annotations
 
-from engine.openai_api import KV_ID_HEADER, KV_TO_HEADER, error_body, http_error_body, new_id
+from engine.openai_api import CACHED_TOKENS_HEADER, KV_ID_HEADER, KV_TO_HEADER, error_body, http_error_body, new_id
 from gateway.affinity import prefix_key
 from gateway.classify import ClassificationError, classify
 from gateway.config import GatewayConfig
@@ -74,9 +74,10 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
                                affinity_slack_s=cfg.prefix_affinity_slack_s) if cfg.prefill_workers else None)
 
     async def prefill_first(decode: Worker, path: str, body: dict[str, Any], headers: dict[str, str],
-                            deadline: float, slo_name: str, key: bytes | None) -> Response | None:
-        """The prefill half on a prefill worker, its KV sent to `decode`. None when the KV is there;
-        else the answer the client gets (shed, bad input). Raises GatewayError with no prefill worker."""
+                            deadline: float, slo_name: str, key: bytes | None) -> Response | dict[str, str]:
+        """The prefill half on a prefill worker, its KV sent to `decode`. When the KV is there, the
+        headers that tell the decode worker what the prefill found (its cached prompt tokens); else the
+        answer the client gets (shed, bad input). Raises GatewayError with no prefill worker."""
         assert prefill_pool is not None
         first = {k: v for k, v in body.items() if k != "stream_options"} | {"max_tokens": 1, "stream": False}
         tried: set[str] = set()
@@ -97,7 +98,7 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
                 failed = r
                 continue
             if r.status_code == 200:
-                return None
+                return {h: v for h in (CACHED_TOKENS_HEADER,) if (v := r.headers.get(h))}
             keep = ("retry-after", "x-flowprefill-dropped-reason")
             metrics.answered(slo_name, r.status_code, r.headers.get("x-flowprefill-dropped-reason"))
             return Response(r.content, status_code=r.status_code, media_type="application/json",
@@ -165,11 +166,11 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
                     pool.release(worker)
                     exc.headers |= ours
                     raise
-                if refused is not None:
+                if isinstance(refused, Response):
                     pool.release(worker)
                     refused.headers.update(ours)
                     return refused
-                to_worker = upstream_headers | {KV_ID_HEADER: rid}
+                to_worker = upstream_headers | refused | {KV_ID_HEADER: rid}
             try:
                 # Straight to the connection pool: a client's redirect, auth and cookie machinery
                 # has nothing to do between a gateway and its workers.

@@ -116,8 +116,11 @@ def test_served_disaggregated_matches_one_worker(disaggregated: int, engines: tu
                                          stream=True, extra_body={"ignore_eos": True})
     assert "".join(c.choices[0].text for c in streamed) == ref
     # logprobs: the first token's come from the prefill worker with its KV, the rest from the decode worker
-    lp = client.completions.create(model="flowprefill-default", prompt=prompt, max_tokens=10, temperature=0,
-                                   logprobs=1, extra_body={"ignore_eos": True}).choices[0].logprobs
+    third = client.completions.create(model="flowprefill-default", prompt=prompt, max_tokens=10, temperature=0,
+                                      logprobs=1, extra_body={"ignore_eos": True})
+    lp = third.choices[0].logprobs
+    # the prefill worker found the prompt's 5 full blocks cached; the decode worker reports it
+    assert third.usage.prompt_tokens_details.cached_tokens == 1280 > got.usage.prompt_tokens_details.cached_tokens
     assert len(lp.token_logprobs) == 10
     assert all(top == {tok: pytest.approx(p)} for tok, p, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs,
                                                                         strict=True))  # greedy: the likeliest
