@@ -124,6 +124,10 @@ class Engine:
             req.block_hashes = block_hashes(req.prompt_token_ids, self.kv.block_size)
         return req.block_hashes[: (req.num_prompt_tokens - 1) // self.kv.block_size]
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether a request of this id is in the engine (queued, prefilling or decoding)."""
+        return request_id in self._requests
+
     def cancel(self, request_id: str) -> None:
         with self._cv:
             self._cancels.append(request_id)

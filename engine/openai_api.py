@@ -28,18 +28,18 @@ class _Common(msgspec.Struct, kw_only=True, omit_defaults=True):
     model: str = ""
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    # OpenAI's clients may send null for "not set": None means the default, in every optional field.
+    temperature: float | None = None  # 1.0
+    top_p: float | None = None  # 1.0
+    top_k: int | None = None  # 0: off
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
-    stream: bool = False
+    n: int | None = None  # 1
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     service_tier: str | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = None
     user: str | None = None
-    # OpenAI's clients may send null for "not set": None everywhere below means the default.
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's extension
@@ -61,7 +61,7 @@ class _Common(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     def unsupported(self) -> str | None:
         """The first field set to something this server does not do, or None."""
-        if self.n != 1:
+        if self.n not in (None, 1):
             return "n"
         if self.response_format and self.response_format.get("type", "text") != "text":
             return "response_format"
@@ -83,8 +83,9 @@ class _Common(msgspec.Struct, kw_only=True, omit_defaults=True):
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
             bias[int(key)] = value
         params = SamplingParams(max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-                                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                                seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
+                                temperature=1.0 if self.temperature is None else self.temperature,
+                                top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
+                                seed=self.seed, stop=stop, ignore_eos=bool(self.ignore_eos),
                                 presence_penalty=self.presence_penalty or 0.0,
                                 frequency_penalty=self.frequency_penalty or 0.0,
                                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
@@ -128,9 +129,29 @@ class CompletionRequest(_Common, kw_only=True, omit_defaults=True):
                                          else "suffix" if self.suffix else None)
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
 class ChatMessage(msgspec.Struct, omit_defaults=True):
     role: str
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: content as one string (text parts joined, as
+        vLLM does; other parts refused, not rendered as text), absent fields left out."""
+        if self.role not in CHAT_ROLES:
+            raise ValueError(f"unknown message role {self.role!r} (expected one of {', '.join(CHAT_ROLES)})")
+        content = self.content
+        if isinstance(content, list):
+            kinds = {part.get("type") for part in content} - {"text"}
+            if kinds:
+                raise ValueError(f"only text content parts are supported, got {sorted(map(str, kinds))}")
+            content = "".join(str(part.get("text", "")) for part in content)
+        message = {"role": self.role, "content": content or ""}
+        return message | {k: v for k in ("name", "tool_calls", "tool_call_id") if (v := getattr(self, k)) is not None}
 
 
 class ChatCompletionRequest(_Common, kw_only=True, omit_defaults=True):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -39,8 +40,25 @@ from telemetry.metrics import EngineMetrics
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
 
-DEFAULT_MAX_TOKENS = 16
+DEFAULT_MAX_TOKENS = 16  # completions without max_tokens: OpenAI's legacy default
+CHAT_DEFAULT_MAX_TOKENS = 4096  # chat without max_tokens: to the answer's end, up to this
+
+
+def chat_default_max_tokens(prompt_tokens: int, room_tokens: int) -> int:
+    """Without max_tokens a chat answer runs to its end, as OpenAI's do, within what the context and
+    the worker's KV cache hold (`room_tokens`: KV is reserved for prompt + max_tokens). A prompt that
+    leaves no room gets 1, which validation then refuses, naming the context."""
+    return max(1, min(CHAT_DEFAULT_MAX_TOKENS, room_tokens - prompt_tokens))
 HANDOFF_TIMEOUT_S = 30.0  # a decode request waits this long for its prefill worker's KV
+
+
+class EventStream(Stream):
+    """Server-sent events that say so: Litestar gives a handler's default media type (JSON, for the
+    handlers that also answer JSON) precedence over the response's own, and a strict SSE client
+    refuses a stream sent as application/json."""
+
+    def to_asgi_response(self, *args: Any, media_type: Any = None, **kwargs: Any) -> Any:
+        return super().to_asgi_response(*args, **kwargs)
 
 
 class BadRequest(Exception):
@@ -105,12 +123,15 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
             raise BadRequest(f"model {body.model!r} does not exist; this worker serves {model_name!r}",
                              status=404, param="model")
         try:
-            sampling = body.sampling(DEFAULT_MAX_TOKENS)
             if chat:
-                prompt = engine.tokenizer.apply_chat_template(
-                    [msgspec.structs.asdict(m) for m in body.messages])
-                ids = engine.tokenizer.encode(prompt)
+                if not body.messages:
+                    raise ValueError("messages must not be empty")
+                ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(
+                    [m.for_template() for m in body.messages]))
+                room = min(engine.model.cfg.max_position_embeddings, engine.kv.num_blocks * engine.kv.block_size)
+                sampling = body.sampling(chat_default_max_tokens(len(ids), room))
             else:
+                sampling = body.sampling(DEFAULT_MAX_TOKENS)
                 ids = _prompt_ids(engine, body.prompt)
         except Unsupported as exc:
             raise BadRequest(str(exc), param=exc.field, code="unsupported_parameter") from None
@@ -119,6 +140,8 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
         slo = slo_for(request, body)
         rid = request.headers.get("x-request-id") or new_id("chatcmpl" if chat else "cmpl")
         kv_to, kv_id = request.headers.get(handoff.KV_TO_HEADER), request.headers.get(handoff.KV_ID_HEADER)
+        if not (kv_to or kv_id) and engine.has_request(rid):  # a client's id reused while its first runs
+            rid = f"{rid}-{uuid.uuid4().hex[:8]}"  # (a hand-off's id is the gateway's, unique, and its KV's key)
         # A misrouted request is refused before any work, so the router can send it where it belongs.
         if role == "prefill" and not kv_to:
             raise BadRequest(f"this worker only prefills: send it requests with {handoff.KV_TO_HEADER}", status=421)
@@ -184,8 +207,8 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
                      else LogprobFormatter(engine.tokenizer.token_bytes, chat))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return Stream(_sse(engine, req, queue, model, chat, include_usage, formatter),
-                          media_type="text/event-stream", headers=headers)
+            return EventStream(_sse(engine, req, queue, model, chat, include_usage, formatter),
+                               media_type="text/event-stream", headers=headers)
         texts, finish = [], None
         logprobs: list[Logprob] = []
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -123,7 +124,9 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
             slo = classify(cfg, headers, body, api_key)
         except ClassificationError as exc:
             raise GatewayError(400, str(exc), param=exc.param) from None
-        rid = headers.get("x-request-id") or new_id("cmpl")
+        rid = headers.get("x-request-id") or new_id("chatcmpl" if path.endswith("chat/completions") else "cmpl")
+        if prefill_pool is not None and headers.get("x-request-id"):  # it keys the KV hand-off:
+            rid = f"{rid}-{uuid.uuid4().hex[:8]}"  # two requests reusing a client's id must not share one
         ours = {"x-slo-class": slo.name, "x-request-id": rid}
         deadline = arrival + slo.ttft_ms / 1000
         if pool.gated and cfg.upstream.priority_field:  # a plain OpenAI server: its own priority knob
@@ -202,8 +205,8 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
                     continue
                 break
             pool.record_ok(worker)
-            answer_headers = ours | {k: v for k, v in up.headers.items()
-                                     if k in ("content-type", "x-flowprefill-predicted-miss")}
+            # (the content type travels as the response's media type: a header too would send it twice)
+            answer_headers = ours | {k: v for k, v in up.headers.items() if k == "x-flowprefill-predicted-miss"}
             if annotate is not None:
                 annotate(None, {"flowprefill.route.worker": worker.url, "flowprefill.route.attempts": len(tried),
                                 "flowprefill.route.prefix_affinity": key is not None,

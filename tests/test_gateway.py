@@ -139,6 +139,58 @@ def test_unsupported_fields_are_refused_by_name(served: str, path: str, body: di
     assert r.json()["error"]["param"] == param and r.json()["error"]["code"] == "unsupported_parameter"
 
 
+def test_streams_are_server_sent_events_with_one_content_type(served: str) -> None:
+    worker = served.rsplit(":", 1)[0] + f":{int(served.rsplit(':', 1)[1]) + 1}"
+    for url in (served, worker):  # Litestar once sent the handler's JSON type; the gateway copied it twice
+        with httpx.stream("POST", f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True}) as r:
+            types = [v for k, v in r.headers.multi_items() if k == "content-type"]
+            assert types == ["text/event-stream; charset=utf-8"] or types == ["text/event-stream"], (url, types)
+            r.read()
+    r = httpx.post(f"{served}/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+    assert [v for k, v in r.headers.multi_items() if k == "content-type"] == ["application/json"]
+
+
+def test_chat_messages_as_clients_send_them(served: str) -> None:
+    def chat(messages: list, **extra: object) -> httpx.Response:
+        return httpx.post(f"{served}/v1/chat/completions", json={"messages": messages, "max_tokens": 1, **extra})
+
+    plain = chat([{"role": "user", "content": "hello there"}])
+    parts = chat([{"role": "user", "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "there"}]}])
+    assert plain.status_code == parts.status_code == 200
+    assert parts.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"]  # joined, not repr'd
+    assert plain.json()["id"].startswith("chatcmpl-")
+    history = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi", "name": "ann"},
+               {"role": "assistant", "content": None, "tool_calls": []}, {"role": "user", "content": "and?"}]
+    nulls = {"temperature": None, "top_p": None, "n": None, "stream": None, "top_k": None, "ignore_eos": None,
+             "stop": None, "seed": None, "presence_penalty": None, "logprobs": None, "user": None}
+    assert chat(history, **nulls).status_code == 200
+    for bad, words in (([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+                        "only text content parts"),
+                       ([{"role": "bogus", "content": "hi"}], "unknown message role"), ([], "must not be empty")):
+        r = chat(bad)
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+
+
+def test_a_reused_request_id_does_not_collide(served: str) -> None:
+    headers = {"x-request-id": "same-id"}
+    body = {"prompt": "x" * 200, "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{served}/v1/completions", json=body, headers=headers) as first:
+        lines = first.iter_lines()
+        next(lines)  # under way
+        second = httpx.post(f"{served}/v1/completions", json={"prompt": "y", "max_tokens": 1}, headers=headers)
+        assert second.status_code == 200, second.text
+        assert second.headers["x-request-id"].startswith("same-id")
+        assert [line for line in lines if line][-1] == "data: [DONE]"
+
+
+def test_chat_without_max_tokens_runs_to_its_end() -> None:
+    from engine.worker import CHAT_DEFAULT_MAX_TOKENS, chat_default_max_tokens
+
+    assert chat_default_max_tokens(100, 32768) == CHAT_DEFAULT_MAX_TOKENS  # not OpenAI's completions 16
+    assert chat_default_max_tokens(1000, 2048) == 1048  # what the KV cache (or the context) leaves
+    assert chat_default_max_tokens(5000, 2048) == 1  # no room: validation refuses it, naming the limit
+
+
 def test_unknown_route_and_method_get_openai_errors(served: str) -> None:
     r = httpx.get(f"{served}/v1/engines")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"

@@ -228,7 +228,9 @@ def test_disaggregated_request_traces_its_kv_transfer(otlp_http: tuple[str, Coll
     assert all(s["trace_id"] == trace_id for s in transfers.values())
     assert transfers["out"]["attrs"]["flowprefill.kv_bytes"] > 500 * 1000  # 2 KB per prompt token here
     # the prefill worker's request span has queue + prefill; the decode worker's only decode
-    roots = [s for s in got.spans if s["attrs"].get("flowprefill.request_id") == "pd-1"
+    # the client's id, made unique by the gateway: it keys the KV hand-off
+    assert r.headers["x-request-id"].startswith("pd-1-")
+    roots = [s for s in got.spans if s["attrs"].get("flowprefill.request_id") == r.headers["x-request-id"]
              and s["service"] == "flowprefill-worker" and s["name"].startswith("text_completion")]
     kinds = sorted(sorted(k["name"] for k in got.spans if k["parent"] == root["span_id"]) for root in roots)
     assert kinds == [["decode"], ["decode", "prefill", "queue"]]
