@@ -21,7 +21,8 @@ CACHED_TOKENS_HEADER = "x-flowprefill-cached-tokens"
 
 
 class StreamOptions(msgspec.Struct, omit_defaults=True):
-    include_usage: bool = False
+    include_usage: bool | None = None  # a last chunk with the usage
+    continuous_usage_stats: bool | None = None  # vLLM's: the usage so far on every chunk
 
 
 class _Common(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -24,6 +24,7 @@ from engine.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     LogprobFormatter,
+    StreamOptions,
     Unsupported,
     completion_body,
     completion_chunk,
@@ -119,6 +120,8 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
             raise BadRequest(f"invalid request body: {exc}") from None
         except msgspec.DecodeError:
             raise BadRequest("request body is not valid JSON") from None
+        if body.stream_options is not None and not body.stream:
+            raise BadRequest("stream_options is only allowed when stream is true", param="stream_options")
         if body.model and body.model != model_name:
             raise BadRequest(f"model {body.model!r} does not exist; this worker serves {model_name!r}",
                              status=404, param="model")
@@ -206,8 +209,8 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
         formatter = (None if sampling.logprobs is None
                      else LogprobFormatter(engine.tokenizer.token_bytes, chat))
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return EventStream(_sse(engine, req, queue, model, chat, include_usage, formatter),
+            options = body.stream_options or StreamOptions()
+            return EventStream(_sse(engine, req, queue, model, chat, options, formatter),
                                media_type="text/event-stream", headers=headers)
         texts, finish = [], None
         logprobs: list[Logprob] = []
@@ -313,12 +316,12 @@ def _prompt_ids(engine: Engine, prompt: Any) -> list[int]:
 
 
 async def _sse(engine: Engine, req: EngineRequest, queue: asyncio.Queue[TokenOutput], model: str, chat: bool,
-               include_usage: bool, formatter: LogprobFormatter | None) -> AsyncIterator[bytes]:
-    rid, finish, first = req.request_id, None, True
+               options: StreamOptions, formatter: LogprobFormatter | None) -> AsyncIterator[bytes]:
+    rid, finish, first, sent = req.request_id, None, True, 0
     try:
         while finish is None:
             out = await queue.get()
-            finish = out.finish_reason
+            finish, sent = out.finish_reason, sent + len(out.token_ids)
             if finish == "error":
                 err = error_body(out.error or "engine error", "server_error")
                 yield b"data: " + msgspec.json.encode(err) + b"\n\n"
@@ -326,11 +329,14 @@ async def _sse(engine: Engine, req: EngineRequest, queue: asyncio.Queue[TokenOut
             # One event per token, even when its text is held back (a partial UTF-8 character, a
             # possible stop string): clients time tokens by events, so TBT stays measurable.
             logprobs = formatter.format(out.logprobs or []) if formatter is not None else None
-            yield _event(completion_chunk(rid, model, out.text, finish, chat, first, logprobs))
+            chunk = completion_chunk(rid, model, out.text, finish, chat, first, logprobs)
+            if options.continuous_usage_stats:
+                chunk["usage"] = usage(req.num_prompt_tokens, sent, req.cached_tokens)  # as of this chunk
+            yield _event(chunk)
             first = False
-        if include_usage:
+        if options.include_usage:
             chunk = completion_chunk(rid, model, "", None, chat) | {
-                "choices": [], "usage": usage(req.num_prompt_tokens, len(req.output_token_ids), req.cached_tokens)}
+                "choices": [], "usage": usage(req.num_prompt_tokens, sent, req.cached_tokens)}
             yield _event(chunk)
         yield b"data: [DONE]\n\n"
     finally:

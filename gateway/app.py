@@ -41,9 +41,9 @@ RETRY_ELSEWHERE = frozenset({502, 503, 504})
 
 class GatewayError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, code: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.type, self.param, self.headers = status, type_, param, headers or {}
+        self.status, self.type, self.param, self.headers, self.code = status, type_, param, headers or {}, code
 
 
 def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None) -> Litestar:
@@ -55,7 +55,8 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
     def _error(_: Request, exc: GatewayError) -> Response:
         metrics.answered(exc.headers.get("x-slo-class", "unclassified"), exc.status,
                          exc.headers.get("x-flowprefill-dropped-reason"))
-        return Response(error_body(str(exc), exc.type, exc.param), status_code=exc.status, headers=exc.headers)
+        return Response(error_body(str(exc), exc.type, exc.param, exc.code), status_code=exc.status,
+                        headers=exc.headers)
 
     # Several small connection pools instead of one large one: httpcore walks every pooled
     # connection of a pool on each request, so the cost per request grows with the pool.
@@ -117,9 +118,7 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
             raise GatewayError(400, "request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise GatewayError(400, "request body must be a JSON object")
-        api_key = _bearer(headers.get("authorization"))
-        if cfg.api_keys and api_key not in cfg.api_keys:
-            raise GatewayError(401, "invalid API key", "authentication_error")
+        api_key = authorized(headers)
         try:
             slo = classify(cfg, headers, body, api_key)
         except ClassificationError as exc:
@@ -265,8 +264,17 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
 
         return endpoint
 
+    def authorized(headers: Headers) -> str | None:
+        """The request's API key; with keys configured, an unknown one is refused (OpenAI's 401)."""
+        api_key = _bearer(headers.get("authorization"))
+        if cfg.api_keys and api_key not in cfg.api_keys:
+            raise GatewayError(401, "invalid API key", "authentication_error", code="invalid_api_key",
+                               headers={"www-authenticate": "Bearer"})
+        return api_key
+
     @get("/v1/models")
-    async def models() -> Any:
+    async def models(request: Request) -> Any:
+        authorized(request.headers)
         worker = pool.pick()
         if worker is None:
             raise GatewayError(503, "no healthy worker", "server_error", headers={"retry-after": "1"})

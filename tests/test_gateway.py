@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 
@@ -181,6 +182,17 @@ def test_a_reused_request_id_does_not_collide(served: str) -> None:
         assert second.status_code == 200, second.text
         assert second.headers["x-request-id"].startswith("same-id")
         assert [line for line in lines if line][-1] == "data: [DONE]"
+
+
+def test_stream_options(served: str) -> None:
+    r = httpx.post(f"{served}/v1/completions", json={"prompt": "hi", "stream_options": {"include_usage": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"  # without stream: refused
+    body = {"prompt": "hi", "max_tokens": 3, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", f"{served}/v1/completions", json=body) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert [e["usage"]["completion_tokens"] for e in events] == [1, 2, 3, 3]  # vLLM's running usage, then the total
+    assert events[-1]["choices"] == []
 
 
 def test_chat_without_max_tokens_runs_to_its_end() -> None:

@@ -10,6 +10,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -87,3 +88,28 @@ def test_repeated_5xx_eject_a_worker() -> None:
     assert w.healthy
     pool.record_error(w)
     assert not w.healthy and w.down_until > time.monotonic()
+
+
+def test_api_keys_guard_every_route_with_openais_401(tmp_path: Path) -> None:
+    hits: Counter[tuple[str, str]] = Counter()
+    config = tmp_path / "gw.toml"
+    config.write_text('[api_keys."sk-good"]\ndefault_class = "batch"\n')
+    with uvicorn_thread(scripted_worker("a", hits)) as port:
+        gw_port = free_port()
+        gateway = start("gateway", "--port", str(gw_port), "--workers", f"http://127.0.0.1:{port}",
+                        "--config", str(config))
+        url = f"http://127.0.0.1:{gw_port}"
+        try:
+            wait_healthy(url, gateway)
+            good = {"authorization": "Bearer sk-good"}
+            for headers in ({}, {"authorization": "Bearer sk-bad"}):
+                for r in (httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}, headers=headers),
+                          httpx.get(f"{url}/v1/models", headers=headers)):
+                    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+                    assert r.json()["error"]["code"] == "invalid_api_key"
+            r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}, headers=good)
+            assert r.status_code == 200 and r.headers["x-slo-class"] == "batch"  # the key's class
+            assert httpx.get(f"{url}/v1/models", headers=good).status_code != 401
+            assert hits[("a", "hi")] == 1  # refused requests never reached the worker
+        finally:
+            stop(gateway)
