@@ -125,8 +125,11 @@ def _init(environment: Environment, **_: Any) -> None:
         raise SystemExit(2) from None
     runner = environment.runner
     if isinstance(runner, WorkerRunner):
-        runner.register_message("flowprefill_plan", lambda msg, **_: RUN.pacer.start(
-            msg.data["t0"], runner.worker_index, msg.data["workers"]))
+        def plan(msg: Any, **_: Any) -> None:
+            RUN.nonce = msg.data["nonce"]  # one run, one set of prompts (the shared prefixes alike)
+            RUN.pacer.start(msg.data["t0"], runner.worker_index, msg.data["workers"])
+
+        runner.register_message("flowprefill_plan", plan)
     if isinstance(runner, MasterRunner):
         environment.events.worker_report.add_listener(
             lambda client_id, data, **_: RUN.records.update(
@@ -154,7 +157,7 @@ def _start(environment: Environment, **_: Any) -> None:
     RUN.records, RUN.started_at = {}, time.time()
     if isinstance(runner, MasterRunner):
         t0 = time.time() + 2.0  # time for the workers to receive the plan and spawn their users
-        runner.send_message("flowprefill_plan", {"t0": t0, "workers": runner.worker_count})
+        runner.send_message("flowprefill_plan", {"t0": t0, "workers": runner.worker_count, "nonce": RUN.nonce})
     else:
         t0 = time.time() + 0.5
     RUN.pacer.start(t0, 0, 1)
@@ -196,7 +199,12 @@ class OpenAIUser(HttpUser):
             RUN.record(rec)
 
     def _stream(self, cls: str, i: int, n_in: int, n_out: int, rec: results.Record) -> None:
-        prompt_ids = synthesize_prompt(n_in, 256, seed=f"{RUN.nonce}-{i}")
+        p = RUN.profile
+        shared = []  # the start of the prompt that other requests share (a system prompt, a document)
+        if p.shared_prefix_tokens:
+            shared = synthesize_prompt(min(n_in, p.shared_prefix_tokens), 256,
+                                       seed=f"{RUN.nonce}-shared-{i % p.shared_prefixes}")
+        prompt_ids = shared + synthesize_prompt(n_in - len(shared), 256, seed=f"{RUN.nonce}-{i}")
         body: dict[str, Any] = {"model": RUN.model or None, "max_tokens": n_out, "stream": True,
                                 "temperature": 0, "ignore_eos": True}
         if RUN.profile.endpoint == "chat":

@@ -45,6 +45,10 @@ class Profile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_tokens: int = 8  # output tokens per request (the trace's own count when smaller)
     endpoint: Literal["completions", "chat"] = "completions"
     requests: int | None = None  # cap on the number of requests
+    # Every prompt starts with one of `shared_prefixes` prompts of `shared_prefix_tokens` tokens (a
+    # system prompt, a document): load for prefix caching and the gateway's prefix affinity. 0: none.
+    shared_prefix_tokens: int = 0
+    shared_prefixes: int = 1
     # poisson: `rate` req/s for `duration_s`, prompt sizes drawn from `lengths`
     rate: float | None = None
     duration_s: float = 60.0
@@ -74,6 +78,8 @@ class Profile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise bad("max_tokens", "must be >= 1")
         if self.requests is not None and self.requests < 1:
             raise bad("requests", "must be >= 1")
+        if self.shared_prefix_tokens < 0 or self.shared_prefixes < 1:
+            raise bad("shared_prefix_tokens/shared_prefixes", "must be >= 0 / >= 1")
         if self.rate is not None and self.rate <= 0:
             raise bad("rate", "must be > 0 req/s")
         if self.kind == "poisson" and self.rate is None:

@@ -60,6 +60,7 @@ def test_schedules() -> None:
     ('kind = "poisson"', "rate is required"),
     ('kind = "ramp"\nrates = []', "rates must list rates > 0"),
     ('kind = "burst"\nburst_class = "vip"', "unknown SLO class 'vip'"),
+    ('kind = "burst"\nshared_prefixes = 0', "shared_prefix_tokens/shared_prefixes must be >= 0 / >= 1"),
     ('kind = "trace"\ntrace = "/nonexistent.csv"', "is not azure-mix or an existing trace file"),
     ('kind = "sometimes"', "Invalid enum value 'sometimes' - at `$.kind` (kind: poisson"),
     ('kind = "poisson"\nrate = 1\nrat = 2', "unknown field `rat`"),
@@ -113,6 +114,27 @@ def test_headless_run_accounts_for_every_request(served: str, tmp_path: Path) ->
                            if r["slo_class"] == "batch")
     assert sum(sent[int(r["index"])] < first_batch_done for r in rows if r["slo_class"] == "interactive") >= 3
     assert all(r["applied_class"] == r["slo_class"] for r in rows)
+
+
+def _prefix_hits(served: str) -> float:
+    worker = served.rsplit(":", 1)[0] + f":{int(served.rsplit(':', 1)[1]) + 1}"
+    return sum(float(line.split()[-1]) for line in httpx.get(f"{worker}/metrics").text.splitlines()
+               if line.startswith("flowprefill_prefix_cache_hits_total"))
+
+
+@pytest.mark.slow
+def test_shared_prefixes_load_the_prefix_cache(served: str, tmp_path: Path) -> None:
+    """Every prompt starts with the same 512 tokens: after the first, each finds them cached (two
+    256-token blocks); the rest of each prompt is its own."""
+    (tmp_path / "shared.toml").write_text('kind = "burst"\nbacklog_requests = 1\nbacklog_tokens = 600\n'
+                                          'burst_requests = 6\nburst_tokens = 600\nburst_rate = 10\n'
+                                          'burst_at_s = 0.5\nmax_tokens = 2\nshared_prefix_tokens = 512\n')
+    before = _prefix_hits(served)
+    out = tmp_path / "out"
+    assert flowprefill(["loadtest", "--profile", str(tmp_path / "shared.toml"), "--host", served,
+                        "--out", str(out)]) == 0
+    assert json.loads((out / "goodput.json").read_text())["accounting"]["failed"] == 0
+    assert _prefix_hits(served) - before >= 6 * 512
 
 
 @pytest.mark.slow
