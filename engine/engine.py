@@ -185,9 +185,9 @@ class Engine:
     def _loop(self) -> None:
         use_device(self.model.device)  # this thread's kernels, events and graph replays
         while True:
-            if not (self._cancels or self._imports or self.scheduler.chosen or self._decoding):
+            if not (self._cancels or self._imports_ready() or self.scheduler.chosen or self._decoding):
                 with self._cv:
-                    while not (self._stop or self._cancels or self._imports or self.scheduler.chosen
+                    while not (self._stop or self._cancels or self._imports_ready() or self.scheduler.chosen
                                or self._decoding):
                         self._cv.wait()
             if self._stop:
@@ -208,7 +208,7 @@ class Engine:
     def _iteration(self) -> None:
         if self._cancels:
             self._process_cancels()
-        if self._imports:
+        if self._imports_ready():
             self._process_imports()
         batch = self.scheduler.chosen  # read before the clock: a later decision never looks negative
         now = self.clock()
@@ -310,14 +310,21 @@ class Engine:
         self._decoding[r.request_id] = stream
         self._emit(stream.push(token))
 
+    def _imports_ready(self) -> bool:
+        """Whether the next handed-off request can be taken in: it waits, first in first out, while the
+        KV blocks its answer needs are held by the answers running here (a failure instead would
+        turn a busy decode worker into one that answers 500)."""
+        while self._imports and self._imports[0][0].request_id not in self._requests:
+            self._imports.popleft()  # cancelled while it waited
+        return bool(self._imports) and (
+            self.kv.blocks_for(self._imports[0][0].max_total_tokens) <= self.kv.num_free_blocks)
+
     def _process_imports(self) -> None:
-        while self._imports:
+        while self._imports_ready():
             req, kv, token = self._imports.popleft()
-            if req.request_id not in self._requests:  # cancelled before it got here
-                continue
             try:
                 req.block_table = self.kv.allocate(req.max_total_tokens)
-            except OutOfBlocks as exc:
+            except OutOfBlocks as exc:  # not expected: its blocks were free a moment ago
                 self._finish(req, "error", f"KV cache full: {exc}")
                 continue
             n = req.num_prompt_tokens
@@ -391,10 +398,11 @@ class Engine:
         if not block_table:
             return
         self.kv.free(block_table)
-        if self.scheduler.waiting and self.scheduler.chosen is None:
+        if (self.scheduler.waiting and self.scheduler.chosen is None) or self._imports:
             with self._cv:
-                self.scheduler.on_kv_freed()
-                self._cv.notify()  # called off the engine thread too (tests): wake it for the new choice
+                if self.scheduler.waiting and self.scheduler.chosen is None:
+                    self.scheduler.on_kv_freed()
+                self._cv.notify()  # called off the engine thread too (tests): wake it for what now fits
 
     def _in_running_batch(self, req: Request) -> bool:
         """KV of a request inside a batch that goes on is still being written: free it at completion."""

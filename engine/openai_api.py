@@ -141,8 +141,10 @@ class ChatMessage(msgspec.Struct, omit_defaults=True):
     tool_call_id: str | None = None
 
     def for_template(self) -> dict[str, Any]:
-        """The message as chat templates read it: content as one string (text parts joined, as
-        vLLM does; other parts refused, not rendered as text), absent fields left out."""
+        """The message as chat templates read it: content as one string (text parts joined by
+        newlines, as vLLM does; other parts refused, not rendered as text), absent or empty fields
+        left out (Llama 3.1's template takes any `tool_calls` key for a call), `developer` as
+        `system` (OpenAI's newer name; templates know only the older)."""
         if self.role not in CHAT_ROLES:
             raise ValueError(f"unknown message role {self.role!r} (expected one of {', '.join(CHAT_ROLES)})")
         content = self.content
@@ -150,9 +152,9 @@ class ChatMessage(msgspec.Struct, omit_defaults=True):
             kinds = {part.get("type") for part in content} - {"text"}
             if kinds:
                 raise ValueError(f"only text content parts are supported, got {sorted(map(str, kinds))}")
-            content = "".join(str(part.get("text", "")) for part in content)
-        message = {"role": self.role, "content": content or ""}
-        return message | {k: v for k in ("name", "tool_calls", "tool_call_id") if (v := getattr(self, k)) is not None}
+            content = "\n".join(str(part.get("text") or "") for part in content)
+        message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        return message | {k: v for k in ("name", "tool_calls", "tool_call_id") if (v := getattr(self, k))}
 
 
 class ChatCompletionRequest(_Common, kw_only=True, omit_defaults=True):

@@ -42,13 +42,15 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
 
 DEFAULT_MAX_TOKENS = 16  # completions without max_tokens: OpenAI's legacy default
-CHAT_DEFAULT_MAX_TOKENS = 4096  # chat without max_tokens: to the answer's end, up to this
+CHAT_DEFAULT_MAX_TOKENS = 1024  # chat without max_tokens: to the answer's end, up to this (reserved in KV)
 
 
 def chat_default_max_tokens(prompt_tokens: int, room_tokens: int) -> int:
     """Without max_tokens a chat answer runs to its end, as OpenAI's do, within what the context and
-    the worker's KV cache hold (`room_tokens`: KV is reserved for prompt + max_tokens). A prompt that
-    leaves no room gets 1, which validation then refuses, naming the context."""
+    the worker's KV cache hold (`room_tokens`). KV is reserved for prompt + max_tokens when the
+    request's batch forms, so the cap is a trade: 1,024 lets a default 262K-token cache hold some
+    hundred such chats at once; a client wanting longer answers says so. A prompt that leaves no
+    room gets 1, which validation then refuses, naming the context."""
     return max(1, min(CHAT_DEFAULT_MAX_TOKENS, room_tokens - prompt_tokens))
 HANDOFF_TIMEOUT_S = 30.0  # a decode request waits this long for its prefill worker's KV
 
@@ -176,7 +178,8 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
                 except TimeoutError:
                     raise BadRequest(f"no KV was handed off for {kv_id!r}", status=504) from None
             cached = request.headers.get(CACHED_TOKENS_HEADER, "0")  # what the prefill worker found cached
-            req.cached_tokens = min(int(cached), req.num_prompt_tokens) if cached.isdigit() else 0
+            if cached.isascii() and cached.isdecimal():
+                req.cached_tokens = min(int(cached), req.num_prompt_tokens)
             if tracer is not None:
                 tracer.start(req, "chat" if chat else "text_completion", handed_off=True)
             try:
@@ -330,7 +333,7 @@ async def _sse(engine: Engine, req: EngineRequest, queue: asyncio.Queue[TokenOut
             # possible stop string): clients time tokens by events, so TBT stays measurable.
             logprobs = formatter.format(out.logprobs or []) if formatter is not None else None
             chunk = completion_chunk(rid, model, out.text, finish, chat, first, logprobs)
-            if options.continuous_usage_stats:
+            if options.include_usage and options.continuous_usage_stats:  # vLLM's: both asked for
                 chunk["usage"] = usage(req.num_prompt_tokens, sent, req.cached_tokens)  # as of this chunk
             yield _event(chunk)
             first = False

@@ -112,13 +112,13 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
                            headers={"retry-after": "1", "x-flowprefill-dropped-reason": "no_healthy_worker"})
 
     async def forward(headers: Headers, raw: bytes, path: str, arrival: float) -> Response | Stream:
+        api_key = authorized(headers)  # before the body: an unknown client learns nothing else
         try:
             body = msgspec.json.decode(raw)
         except msgspec.DecodeError:
             raise GatewayError(400, "request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise GatewayError(400, "request body must be a JSON object")
-        api_key = authorized(headers)
         try:
             slo = classify(cfg, headers, body, api_key)
         except ClassificationError as exc:
@@ -204,8 +204,10 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
                     continue
                 break
             pool.record_ok(worker)
-            # (the content type travels as the response's media type: a header too would send it twice)
-            answer_headers = ours | {k: v for k, v in up.headers.items() if k == "x-flowprefill-predicted-miss"}
+            # (the content type travels as the response's media type: a header too would send it twice;
+            # the worker's x-request-id, which it made unique if the client's was in use there)
+            answer_headers = ours | {k: v for k, v in up.headers.items()
+                                     if k in ("x-flowprefill-predicted-miss", "x-request-id")}
             if annotate is not None:
                 annotate(None, {"flowprefill.route.worker": worker.url, "flowprefill.route.attempts": len(tried),
                                 "flowprefill.route.prefix_affinity": key is not None,

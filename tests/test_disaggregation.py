@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -56,6 +57,40 @@ def test_handoff_decodes_like_one_worker(engines: tuple[Engine, Engine]) -> None
     _run(decode, req, lambda r: decode.add_prefilled(r, kv, token))
     assert req.output_token_ids == alone.output_token_ids
     assert decode.kv.num_free_blocks == free_before  # and its blocks came back
+
+
+def test_a_handoff_waits_for_kv_blocks_instead_of_failing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode worker whose cache is held by running answers queues a handed-off request until
+    blocks come back; one cancelled while it waits leaves the queue to the next."""
+    factory = EngineFactory(monkeypatch, kv_capacity_tokens=1024, kv_block_size=64)
+    try:
+        decode = factory()
+        cfg = decode.model.cfg
+        prompt = [5] * 100
+        kv = {f"{k}.{i}": torch.zeros(100, cfg.num_key_value_heads, cfg.head_dim)
+              for k in "kv" for i in range(cfg.num_hidden_layers)}
+        held = decode.kv.allocate_blocks(decode.kv.num_free_blocks - 2)  # running answers' KV
+        outs: dict[str, list[str | None]] = {}
+        reqs = []
+        for rid in ("wait", "gone", "next"):
+            req = Request(request_id=rid, prompt_token_ids=prompt,
+                          sampling=SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+            outs[rid] = []
+            req.sink = lambda out, rid=rid: outs[rid].append(out.finish_reason)
+            decode.add_prefilled(req, kv, Sampled(7))  # 200 tokens: 4 blocks, 2 free
+            reqs.append(req)
+        decode.cancel("gone")
+        time.sleep(0.3)
+        assert outs["wait"] == [] and outs["gone"] == ["cancelled"] and outs["next"] == []  # none failed
+        decode._free_blocks(held)
+        for req in (reqs[0], reqs[2]):
+            deadline = time.monotonic() + 30
+            while req.finish_reason is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert req.finish_reason == "length" and len(req.output_token_ids) == 100
+        assert decode.kv.num_free_blocks == decode.kv.num_blocks
+    finally:
+        factory.close()
 
 
 def test_handoff_rejects_kv_of_another_shape(engines: tuple[Engine, Engine]) -> None:

@@ -155,8 +155,8 @@ def test_chat_messages_as_clients_send_them(served: str) -> None:
     def chat(messages: list, **extra: object) -> httpx.Response:
         return httpx.post(f"{served}/v1/chat/completions", json={"messages": messages, "max_tokens": 1, **extra})
 
-    plain = chat([{"role": "user", "content": "hello there"}])
-    parts = chat([{"role": "user", "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "there"}]}])
+    plain = chat([{"role": "user", "content": "hello\nthere"}])
+    parts = chat([{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]}])
     assert plain.status_code == parts.status_code == 200
     assert parts.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"]  # joined, not repr'd
     assert plain.json()["id"].startswith("chatcmpl-")
@@ -180,7 +180,8 @@ def test_a_reused_request_id_does_not_collide(served: str) -> None:
         next(lines)  # under way
         second = httpx.post(f"{served}/v1/completions", json={"prompt": "y", "max_tokens": 1}, headers=headers)
         assert second.status_code == 200, second.text
-        assert second.headers["x-request-id"].startswith("same-id")
+        assert second.headers["x-request-id"].startswith("same-id-")  # the worker's, unique
+        assert second.headers["x-request-id"] == second.json()["id"]
         assert [line for line in lines if line][-1] == "data: [DONE]"
 
 
@@ -199,7 +200,7 @@ def test_chat_without_max_tokens_runs_to_its_end() -> None:
     from engine.worker import CHAT_DEFAULT_MAX_TOKENS, chat_default_max_tokens
 
     assert chat_default_max_tokens(100, 32768) == CHAT_DEFAULT_MAX_TOKENS  # not OpenAI's completions 16
-    assert chat_default_max_tokens(1000, 2048) == 1048  # what the KV cache (or the context) leaves
+    assert chat_default_max_tokens(1500, 2048) == 548  # what the KV cache (or the context) leaves
     assert chat_default_max_tokens(5000, 2048) == 1  # no room: validation refuses it, naming the limit
 
 

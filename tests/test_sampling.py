@@ -161,3 +161,18 @@ def test_the_first_tokens_logprobs_travel_with_the_kv(first: Sampled) -> None:
     kv = {"k.0": torch.ones(3, 2, 4), "v.0": torch.zeros(3, 2, 4)}
     got_kv, got = handoff.unpack(handoff.pack(kv, first))
     assert got == first and set(got_kv) == {"k.0", "v.0"}
+
+
+def test_messages_as_chat_templates_read_them() -> None:
+    from engine.openai_api import ChatMessage
+
+    assert ChatMessage("developer", "be brief").for_template() == {"role": "system", "content": "be brief"}
+    parts = ChatMessage("user", [{"type": "text", "text": "a"}, {"type": "text", "text": None},
+                                 {"type": "text", "text": "b"}])
+    assert parts.for_template() == {"role": "user", "content": "a\n\nb"}  # vLLM joins text parts by newlines
+    # Llama 3.1's template treats any `tool_calls` key as a call: empty ones are left out
+    assert ChatMessage("assistant", None, tool_calls=[]).for_template() == {"role": "assistant", "content": ""}
+    tool = ChatMessage("tool", "42", tool_call_id="call-1", name="calc").for_template()
+    assert tool == {"role": "tool", "content": "42", "tool_call_id": "call-1", "name": "calc"}
+    with pytest.raises(ValueError, match="only text content parts"):
+        ChatMessage("user", [{"type": "input_audio", "input_audio": {}}]).for_template()
