@@ -13,12 +13,13 @@ import torch
 
 from engine.config import EngineConfig
 from engine.decode import OutputStream
-from engine.kv_cache import KVCache, OutOfBlocks, block_hashes
+from engine.kv_cache import KVCache, OutOfBlocks
 from engine.model import load_model, use_device
 from engine.model.plan import SeqSpan
 from engine.observer import EngineObserver
 from engine.predictor import load_cost
 from engine.prefill import PrefillBatch
+from engine.prefix_cache import PrefixCache
 from engine.request import Request, RequestState, Sampled, SamplingParams, TokenOutput
 from engine.sampling import sample
 from engine.scheduler import Policy, Scheduler, make_policy
@@ -39,6 +40,7 @@ class Engine:
         self.model, self.tokenizer = load_model(cfg)
         dtype, device = getattr(torch, cfg.dtype), torch.device(cfg.device)
         self.kv = KVCache(self.model.cfg, cfg.kv_block_size, cfg.kv_capacity_tokens, dtype, device)
+        self.prefixes = PrefixCache(self.kv, cfg.prefix_caching)
         self.cost = load_cost(self.model)
         if self.model.graphs is not None:
             self.model.graphs.capture_all()
@@ -75,15 +77,12 @@ class Engine:
     def add_request(self, req: Request) -> None:
         """Validate and queue a request (an arrival event). Raises ValueError for bad input."""
         self.validate(req)
-        # Found now, so the scheduler ranks and predicts the shorter prefill; taken when its batch
-        # forms (`_new_batch`): a waiting request holds no blocks, so whatever waits, the first in
-        # line fits once the running work is done.
-        matchable = self._matchable(req) if self.cfg.prefix_caching and not req.block_table else []
+        self.prefixes.cached_tokens(req)  # hashed outside the lock: found again under it
         with self._cv:
             if req.request_id in self._requests:
                 raise ValueError(f"duplicate request id {req.request_id!r}")
-            if matchable:
-                req.num_computed_tokens = req.cached_tokens = self.kv.cached_prefix(matchable) * self.kv.block_size
+            if cached := self.prefixes.cached_tokens(req):  # engine/prefix_cache.py
+                req.num_computed_tokens = req.cached_tokens = cached
             self._requests[req.request_id] = req
             self.scheduler.on_arrival(req)
             self._cv.notify()
@@ -111,18 +110,11 @@ class Engine:
         if len(s.waiting) + sum(len(b.requests) for b in list(s.pool)) >= self.cfg.max_waiting:
             return "queue_full"  # counted: every request whose prefill is not done
         if sheddable:
-            cached = self.kv.cached_prefix(self._matchable(req)) * self.kv.block_size if self.cfg.prefix_caching else 0
+            cached = self.prefixes.cached_tokens(req)
             predicted = s.cost_for([req]).prefill_s([SeqSpan(cached, req.num_prompt_tokens - cached)])
             if req.deadline - self.clock() - predicted < 0:
                 return "predicted_slo_miss"
         return None
-
-    def _matchable(self, req: Request) -> list[bytes]:
-        """The hashes of the prompt's blocks a cached prefix may cover: all full blocks but the one
-        holding the last token, whose logits the first output token needs."""
-        if req.block_hashes is None:
-            req.block_hashes = block_hashes(req.prompt_token_ids, self.kv.block_size)
-        return req.block_hashes[: (req.num_prompt_tokens - 1) // self.kv.block_size]
 
     def has_request(self, request_id: str) -> bool:
         """Whether a request of this id is in the engine (queued, prefilling or decoding)."""
@@ -252,15 +244,8 @@ class Engine:
         self._current = batch
 
     def _new_batch(self, reqs: list[Request], spans: list[SeqSpan]) -> PrefillBatch:
-        spans = list(spans)
-        for i, r in enumerate(reqs):  # a request's KV is reserved once: prompt + max_tokens
-            if not r.block_table and r.cached_tokens:
-                r.block_table = self.kv.acquire_prefix(self._matchable(r)[: r.cached_tokens // self.kv.block_size])
-                got = len(r.block_table) * self.kv.block_size
-                if got < r.cached_tokens:  # evicted since it arrived: compute those tokens too
-                    end = spans[i].start + spans[i].length
-                    spans[i] = SeqSpan(got, end - got)
-                    r.num_computed_tokens = r.cached_tokens = got
+        spans = [self.prefixes.take(r, span) for r, span in zip(reqs, spans, strict=True)]
+        for r in reqs:  # a request's KV is reserved once: prompt + max_tokens
             if (need := self.kv.blocks_for(r.max_total_tokens) - len(r.block_table)) > 0:
                 r.block_table += self.kv.allocate_blocks(need)
         return PrefillBatch.on_model(reqs, spans, self.model, self.kv, self.cost, self.budget_s)
@@ -276,8 +261,7 @@ class Engine:
             r.num_computed_tokens = batch.spans[i].start + batch.spans[i].length
             if r.state.done or r.request_id not in self._requests:
                 continue
-            if r.block_hashes is not None:  # the prompt's blocks written so far: findable from now on
-                self.kv.register(r.block_table, r.block_hashes[: r.num_computed_tokens // self.kv.block_size])
+            self.prefixes.prefilled(r)
             if whole:
                 live.append((i, r))
             else:  # one chunk of its prompt is done: it queues for the next
@@ -382,12 +366,8 @@ class Engine:
         self._generators.pop(req.request_id, None)
         self._requests.pop(req.request_id, None)
         if not self._in_running_batch(req):
-            if reason in ("stop", "length") and req.block_hashes is not None and req.block_table:
-                # Its output's blocks too: a conversation's next turn starts with this one's answer.
-                # The last token's KV was never written (it was sampled, not fed back).
-                written = [*req.prompt_token_ids, *req.output_token_ids[:-1]]
-                req.block_hashes = block_hashes(written, self.kv.block_size, req.block_hashes)
-                self.kv.register(req.block_table, req.block_hashes)
+            if reason in ("stop", "length"):
+                self.prefixes.answered(req)
             self._free_blocks(req.block_table)
         for o in self.observers:
             o.on_finish(req)

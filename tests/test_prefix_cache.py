@@ -110,8 +110,7 @@ def test_a_cancelled_batch_returns_its_prefix_blocks(make_engine: EngineFactory)
     run(eng, "warm", prompt)
     eng.shutdown()
     eng2 = make_engine(start=False)  # not started: the batch waits to run
-    eng2.kv = eng.kv
-    eng2.scheduler.kv = eng.kv
+    eng2.kv = eng2.scheduler.kv = eng2.prefixes.pool = eng.kv
     req = Request(request_id="w", prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=2))
     done = threading.Event()
     req.sink = lambda out: out.finish_reason and done.set()
