@@ -210,3 +210,40 @@ def test_a_prefix_evicted_while_its_request_waits_is_computed(make_engine: Engin
     assert req.cached_tokens == 0  # found at arrival, gone when its batch formed: all 70 computed
     assert req.output_token_ids == run(plain, "ref", prompt, max_tokens=40)[0].output_token_ids
     assert_idle_and_free(eng)
+
+
+@pytest.mark.parametrize("policy", ["flowprefill", "chunked:64", "fcfs"])
+def test_concurrent_shared_prefixes_with_cancels_stay_exact_and_leak_nothing(make_engine: EngineFactory,
+                                                                           policy: str) -> None:
+    """Requests built from three shared prefixes arrive together, in chunks and preempting each other
+    (flowprefill), some cancelled at random moments: every one ends, each finished one has the tokens
+    an uncached engine gives its prompt, and the pool is whole at the end."""
+    import random
+
+    rng = random.Random(policy)
+    eng, plain = make_engine(policy), make_engine(prefix_caching=False)
+    prefixes = [tokens(rng.choice((40, 70, 130)), seed=100 + i) for i in range(3)]
+    for i, prefix in enumerate(prefixes[:2]):  # two of the prefixes are cached before the crowd comes
+        run(eng, f"warm{i}", [*prefix, 1], max_tokens=1)
+    reqs, sinks = [], []
+    for i in range(12):
+        prompt = [*rng.choice(prefixes), *tokens(rng.randrange(1, 60), seed=200 + i)]
+        req = Request(request_id=f"s{i}", prompt_token_ids=prompt, ttft_target_s=rng.choice((0.05, 5.0)),
+                      sampling=SamplingParams(max_tokens=rng.randrange(1, 12), temperature=0.0, ignore_eos=True))
+        sink = Sink(req)
+        req.sink = sink
+        eng.add_request(req)
+        reqs.append(req)
+        sinks.append(sink)
+        if rng.random() < 0.25:
+            eng.cancel(f"s{rng.randrange(i + 1)}")
+    for req, sink in zip(reqs, sinks, strict=True):
+        assert sink.done.wait(60), req.request_id
+        assert req.finish_reason in ("length", "cancelled"), (req.request_id, req.finish_reason)
+        assert 0 <= req.cached_tokens < req.num_prompt_tokens
+    finished = [r for r in reqs if r.finish_reason == "length"]
+    assert finished and any(r.cached_tokens for r in finished)
+    for req in finished:
+        ref, _ = run(plain, f"ref-{req.request_id}", req.prompt_token_ids, max_tokens=req.sampling.max_tokens)
+        assert req.output_token_ids == ref.output_token_ids, req.request_id
+    assert_idle_and_free(eng)
