@@ -97,6 +97,12 @@ class EngineConfig:
     row_kernels: str = "auto"  # auto | torch | flashinfer: RMSNorm, SiLU-and-mul, RoPE (engine/model/kernels.py)
     kv_block_size: int = 256
     kv_capacity_tokens: int = 262_144
+    # When a request's KV blocks are taken. grow: its prompt's (and the first answer token's) when its
+    # batch forms, the answer's as it grows; when blocks run out an answer is evicted and later
+    # recomputed (vLLM's preemption by recompute, TensorRT-LLM's MAX_UTILIZATION). full: prompt +
+    # max_tokens when its batch forms, so nothing is ever evicted, at the cost of how many requests
+    # fit at once (TensorRT-LLM's GUARANTEED_NO_EVICT).
+    kv_reservation: str = "grow"
     max_batch_tokens: int = 2048
     max_waiting: int = 1024  # overload bound: beyond it new requests of every class get a 503
     # Sub-operator split: no single step of a prefill is predicted to run longer than this,

@@ -1,8 +1,12 @@
-"""Decode-side bookkeeping: streaming text, stop strings, EOS and length limits."""
+"""Decode-side bookkeeping: streaming text, stop strings, EOS and length limits, and the KV the
+answers grow into."""
 
 from __future__ import annotations
 
-from engine.request import Request, Sampled, TokenOutput
+from collections.abc import Callable
+
+from engine.kv_cache import BlockPool
+from engine.request import Request, RequestState, Sampled, TokenOutput
 from engine.tokenizer import ByteTokenizer, HFTokenizer
 
 
@@ -47,3 +51,50 @@ def _overlap(text: str, stop: str) -> int:
         if stop.startswith(text[-n:]):
             return n
     return 0
+
+
+class Answers:
+    """The answers being generated (`running`), and those evicted until their recompute.
+
+    KV for an answer is taken as it grows, a block at a time. When blocks run out, the least
+    important answer (lowest priority, then latest arrival) is evicted: its blocks go back and it
+    queues to be prefilled again with its answer so far (vLLM's preemption by recompute). Its
+    written blocks stay findable in the prefix cache, so unless they were reused meanwhile the
+    recompute is mostly a cache hit. Its stream, with any text held back, waits here meanwhile."""
+
+    def __init__(self, kv: BlockPool, tokenizer: ByteTokenizer | HFTokenizer) -> None:
+        self.kv, self.tokenizer = kv, tokenizer
+        self.running: dict[str, OutputStream] = {}
+        self.evicted: dict[str, OutputStream] = {}
+
+    def start(self, req: Request, token: Sampled, now: float) -> TokenOutput:
+        """Its prefill is done: its first token, or after a recompute its next one."""
+        stream = self.evicted.pop(req.request_id, None)
+        if stream is None:
+            stream = OutputStream(req, self.tokenizer)
+            req.first_token_time = now
+        req.last_token_time = now
+        req.state = RequestState.DECODING
+        self.running[req.request_id] = stream
+        return stream.push(token)
+
+    def make_room(self, release: Callable[[Request], None]) -> list[Request]:
+        """Give each running answer the block its next token's KV goes into, evicting answers
+        (`release` gives their blocks back) while too few are free. Returns the evicted, to be
+        queued only now: queued at once, a batch could have taken the blocks they gave back."""
+        short = {rid: need for rid, s in self.running.items()
+                 if (need := self.kv.blocks_for(s.req.num_tokens) - len(s.req.block_table)) > 0}
+        evicted: list[Request] = []
+        while short and sum(short.values()) > self.kv.num_free_blocks:
+            victim = min(self.running.values(), key=lambda s: (s.req.priority, -s.req.arrival_time)).req
+            short.pop(victim.request_id, None)
+            self.evicted[victim.request_id] = self.running.pop(victim.request_id)
+            release(victim)
+            evicted.append(victim)
+        for rid, need in short.items():
+            self.running[rid].req.block_table += self.kv.allocate_blocks(need)
+        return evicted
+
+    def drop(self, request_id: str) -> None:
+        self.running.pop(request_id, None)
+        self.evicted.pop(request_id, None)

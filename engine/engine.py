@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from engine.config import EngineConfig
-from engine.decode import OutputStream
+from engine.decode import Answers
 from engine.kv_cache import KVCache, OutOfBlocks
 from engine.model import load_model, use_device
 from engine.model.plan import SeqSpan
@@ -41,6 +41,9 @@ class Engine:
         dtype, device = getattr(torch, cfg.dtype), torch.device(cfg.device)
         self.kv = KVCache(self.model.cfg, cfg.kv_block_size, cfg.kv_capacity_tokens, dtype, device)
         self.prefixes = PrefixCache(self.kv, cfg.prefix_caching)
+        if cfg.kv_reservation not in ("grow", "full"):
+            raise ValueError(f"kv_reservation {cfg.kv_reservation!r}: choose grow or full")
+        self.answers = Answers(self.kv, self.tokenizer)
         self.cost = load_cost(self.model)
         if self.model.graphs is not None:
             self.model.graphs.capture_all()
@@ -48,12 +51,12 @@ class Engine:
         self.cost.budget_s = self.budget_s
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.clock = clock
-        self.scheduler = Scheduler(self.policy, self._new_batch, self.cost, self.kv, cfg.max_batch_tokens, clock)
+        self.scheduler = Scheduler(self.policy, self._new_batch, self.cost, self.kv, cfg.max_batch_tokens, clock,
+                                   self._reserve_tokens, self._headroom_blocks)
         self.observers: list[EngineObserver] = []
         self.preemptions = 0
         self._cv = threading.Condition()
         self._requests: dict[str, Request] = {}
-        self._decoding: dict[str, OutputStream] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._cancels: deque[str] = deque()
         self._imports: deque[tuple[Request, dict[str, torch.Tensor], Sampled]] = deque()
@@ -171,16 +174,16 @@ class Engine:
 
     @property
     def num_decoding(self) -> int:
-        return len(self._decoding)
+        return len(self.answers.running)
 
     # -- the engine thread ---------------------------------------------------------------------
     def _loop(self) -> None:
         use_device(self.model.device)  # this thread's kernels, events and graph replays
         while True:
-            if not (self._cancels or self._imports_ready() or self.scheduler.chosen or self._decoding):
+            if not (self._cancels or self._imports_ready() or self.scheduler.chosen or self.answers.running):
                 with self._cv:
                     while not (self._stop or self._cancels or self._imports_ready() or self.scheduler.chosen
-                               or self._decoding):
+                               or self.answers.running):
                         self._cv.wait()
             if self._stop:
                 break
@@ -204,12 +207,12 @@ class Engine:
             self._process_imports()
         batch = self.scheduler.chosen  # read before the clock: a later decision never looks negative
         now = self.clock()
-        if self._decoding and (batch is None or now >= self._next_decode_at):
+        if self.answers.running and (batch is None or now >= self._next_decode_at):
             try:
                 self._decode_step()
             except Exception as exc:
                 log.exception("decode step failed")
-                for stream in list(self._decoding.values()):
+                for stream in list(self.answers.running.values()):
                     self._finish(stream.req, "error", f"decode failed: {exc}")
                 self._next_decode_at = float("inf")
             return
@@ -243,10 +246,20 @@ class Engine:
                 o.on_preempt(prev, batch)
         self._current = batch
 
+    def _reserve_tokens(self, req: Request) -> int:
+        """The KV a request takes when its batch forms (EngineConfig.kv_reservation): with `grow`, its
+        prefill's and the next token's, whose KV the first decode step writes."""
+        return req.max_total_tokens if self.cfg.kv_reservation == "full" else req.num_tokens + 1
+
+    def _headroom_blocks(self) -> int:
+        """Blocks a new batch leaves free: one per growing answer, so answers crossing into their
+        next block do not evict each other the moment a batch forms."""
+        return len(self.answers.running) if self.cfg.kv_reservation == "grow" else 0
+
     def _new_batch(self, reqs: list[Request], spans: list[SeqSpan]) -> PrefillBatch:
         spans = [self.prefixes.take(r, span) for r, span in zip(reqs, spans, strict=True)]
-        for r in reqs:  # a request's KV is reserved once: prompt + max_tokens
-            if (need := self.kv.blocks_for(r.max_total_tokens) - len(r.block_table)) > 0:
+        for r in reqs:
+            if (need := self.kv.blocks_for(self._reserve_tokens(r)) - len(r.block_table)) > 0:
                 r.block_table += self.kv.allocate_blocks(need)
         return PrefillBatch.on_model(reqs, spans, self.model, self.kv, self.cost, self.budget_s)
 
@@ -257,7 +270,7 @@ class Engine:
             o.on_segment_end(batch, now)
         self.cost.observe(batch.num_tokens, batch.steps.base_cost, batch.exec_s)
         live, unfinished = [], []
-        for i, (r, whole) in enumerate(zip(batch.requests, batch.completes_prompts, strict=True)):
+        for i, (r, whole) in enumerate(zip(batch.requests, batch.completes_prefills, strict=True)):
             r.num_computed_tokens = batch.spans[i].start + batch.spans[i].length
             if r.state.done or r.request_id not in self._requests:
                 continue
@@ -288,11 +301,25 @@ class Engine:
         self._schedule_decode(now)
 
     def _start_decoding(self, r: Request, token: Sampled, now: float) -> None:
-        r.first_token_time = r.last_token_time = now
-        stream = OutputStream(r, self.tokenizer)
-        r.state = RequestState.DECODING
-        self._decoding[r.request_id] = stream
-        self._emit(stream.push(token))
+        self._emit(self.answers.start(r, token, now))
+
+    def _evict(self, evicted: list[Request]) -> None:
+        """Answers.make_room took these answers' KV back: they queue to be recomputed, each one's next
+        token due within its TBT target (the deadline its slack is ranked by)."""
+        now = self.clock()
+        for req in evicted:
+            req.num_computed_tokens = self.prefixes.cached_tokens(req)
+            req.state = RequestState.WAITING
+            req.deadline = now + req.tbt_target_s
+            req.evictions += 1
+            for o in self.observers:
+                o.on_evict(req, now)
+            with self._cv:
+                self.scheduler.on_evicted(req)
+
+    def _give_back(self, req: Request) -> None:
+        self.prefixes.answered(req)  # what it wrote stays findable for its recompute
+        self.kv.free(req.block_table)
 
     def _imports_ready(self) -> bool:
         """Whether the next handed-off request can be taken in: it waits, first in first out, while the
@@ -301,13 +328,13 @@ class Engine:
         while self._imports and self._imports[0][0].request_id not in self._requests:
             self._imports.popleft()  # cancelled while it waited
         return bool(self._imports) and (
-            self.kv.blocks_for(self._imports[0][0].max_total_tokens) <= self.kv.num_free_blocks)
+            self.kv.blocks_for(self._reserve_tokens(self._imports[0][0])) <= self.kv.num_free_blocks)
 
     def _process_imports(self) -> None:
         while self._imports_ready():
             req, kv, token = self._imports.popleft()
             try:
-                req.block_table = self.kv.allocate(req.max_total_tokens)
+                req.block_table = self.kv.allocate(self._reserve_tokens(req))
             except OutOfBlocks as exc:  # not expected: its blocks were free a moment ago
                 self._finish(req, "error", f"KV cache full: {exc}")
                 continue
@@ -323,10 +350,13 @@ class Engine:
             self._schedule_decode(self.clock())
 
     def _decode_step(self) -> None:
-        streams = list(self._decoding.values())
+        if evicted := self.answers.make_room(self._give_back):
+            self._evict(evicted)
+        streams = list(self.answers.running.values())
+        if not streams:  # every answer was evicted
+            return
         reqs = [s.req for s in streams]
-        logits = self.model.decode([r.output_token_ids[-1] for r in reqs],
-                                   [r.num_prompt_tokens + len(r.output_token_ids) - 1 for r in reqs],
+        logits = self.model.decode([r.output_token_ids[-1] for r in reqs], [r.num_tokens - 1 for r in reqs],
                                    [r.block_table for r in reqs], self.kv)
         tokens = sample(logits, reqs, self._generators)
         now = self.clock()
@@ -340,8 +370,8 @@ class Engine:
         self._schedule_decode(now)
 
     def _schedule_decode(self, now: float) -> None:
-        if self._decoding:
-            tbt = min(s.req.tbt_target_s for s in self._decoding.values())
+        if self.answers.running:
+            tbt = min(s.req.tbt_target_s for s in self.answers.running.values())
             self._next_decode_at = min(self._next_decode_at, now + DECODE_TBT_SHARE * tbt)
 
     def _emit(self, out: TokenOutput) -> None:
@@ -362,7 +392,7 @@ class Engine:
         req.finish_time = self.clock()
         req.state = {"cancelled": RequestState.CANCELLED, "error": RequestState.FAILED}.get(
             reason, RequestState.FINISHED)
-        self._decoding.pop(req.request_id, None)
+        self.answers.drop(req.request_id)
         self._generators.pop(req.request_id, None)
         self._requests.pop(req.request_id, None)
         if not self._in_running_batch(req):

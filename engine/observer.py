@@ -17,4 +17,6 @@ class EngineObserver:
     def on_segment_end(self, batch: PrefillBatch, now: float) -> None: ...
     def on_preempt(self, victim: PrefillBatch, by: PrefillBatch) -> None:
         """Called once `by` has started its segment, so its spans exist to be linked to."""
+    def on_evict(self, req: Request, now: float) -> None:
+        """An answer's KV was taken back while it decoded: it queues to be recomputed."""
     def on_finish(self, req: Request) -> None: ...

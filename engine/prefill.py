@@ -93,14 +93,14 @@ class PrefillBatch:
     def on_model(cls, requests: list[Request], spans: list[SeqSpan], model: LlamaModel, kv: KVCache,
                  cost: OpCost, budget_s: float | None) -> PrefillBatch:
         steps = plan_prefill(cost, spans, budget_s, last_token_only=True)
-        tokens = [r.prompt_token_ids[s.start : s.start + s.length] for r, s in zip(requests, spans, strict=True)]
+        tokens = [r.prefill_token_ids[s.start : s.start + s.length] for r, s in zip(requests, spans, strict=True)]
         run = model.prefill(tokens, spans, [r.block_table for r in requests], kv, steps)
         return cls(requests, spans, steps, run, model.device)
 
     @property
-    def completes_prompts(self) -> list[bool]:
-        """Per request: does this batch finish its prompt (else it is one chunk of it)?"""
-        return [s.start + s.length == r.num_prompt_tokens for r, s in zip(self.requests, self.spans, strict=True)]
+    def completes_prefills(self) -> list[bool]:
+        """Per request: does this batch finish its prefill (else it is one chunk of it)?"""
+        return [s.start + s.length == r.num_tokens for r, s in zip(self.requests, self.spans, strict=True)]
 
     @property
     def num_tokens(self) -> int:

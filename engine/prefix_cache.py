@@ -24,7 +24,7 @@ class PrefixCache:
     def _matchable(self, req: Request) -> list[bytes]:
         if req.block_hashes is None:
             req.block_hashes = block_hashes(req.prompt_token_ids, self.pool.block_size)
-        return req.block_hashes[: (req.num_prompt_tokens - 1) // self.pool.block_size]
+        return req.block_hashes[: (req.num_tokens - 1) // self.pool.block_size]
 
     def cached_tokens(self, req: Request) -> int:
         """How many of its prompt's tokens are cached now (reserves nothing)."""
@@ -33,15 +33,18 @@ class PrefixCache:
         return self.pool.cached_prefix(self._matchable(req)) * self.pool.block_size
 
     def take(self, req: Request, span: SeqSpan) -> SeqSpan:
-        """When its batch forms: a reference on each block found at arrival. A block evicted since
-        is computed too: the returned span starts where what is still cached ends."""
-        if req.block_table or not req.cached_tokens:
+        """When its batch forms: a reference on each block found at arrival (the span starts after
+        them). A block evicted since is computed too: the returned span starts where what is still
+        cached ends."""
+        if req.block_table or not span.start:
             return span
-        req.block_table = self.pool.acquire_prefix(self._matchable(req)[: req.cached_tokens // self.pool.block_size])
+        req.block_table = self.pool.acquire_prefix(self._matchable(req)[: span.start // self.pool.block_size])
         got = len(req.block_table) * self.pool.block_size
-        if got < req.cached_tokens:
+        if got < span.start:
             span = SeqSpan(got, span.start + span.length - got)
-            req.num_computed_tokens = req.cached_tokens = got
+            req.num_computed_tokens = got
+            if not req.output_token_ids:  # usage reports the prompt's cached tokens, not a recompute's
+                req.cached_tokens = got
         return span
 
     def prefilled(self, req: Request) -> None:
@@ -50,8 +53,9 @@ class PrefixCache:
             self.pool.register(req.block_table, req.block_hashes[: req.num_computed_tokens // self.pool.block_size])
 
     def answered(self, req: Request) -> None:
-        """A finished answer's blocks are findable too: a conversation's next turn starts with them.
-        Its last token's KV was never written (it was sampled, not fed back)."""
+        """An answer's blocks are findable too: a finished one's for the conversation's next turn,
+        an evicted one's for its own recompute. Its last token's KV was never written (it was
+        sampled, not fed back)."""
         if req.block_hashes is not None and req.block_table:
             written = [*req.prompt_token_ids, *req.output_token_ids[:-1]]
             req.block_hashes = block_hashes(written, self.pool.block_size, req.block_hashes)

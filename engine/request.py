@@ -133,7 +133,7 @@ class Request(msgspec.Struct, kw_only=True):
     # Engine-side state: owned by the engine thread once the request is added.
     state: RequestState = RequestState.WAITING
     block_table: list[int] = []
-    num_computed_tokens: int = 0  # prompt tokens whose KV is in the cache (chunked prefill progress)
+    num_computed_tokens: int = 0  # leading tokens whose KV is in the cache (chunked prefill progress)
     # Set on arrival when even running it next could not meet the deadline: the gateway sheds such
     # a request if its class is sheddable; the engine still serves it (after the feasible ones).
     predicted_miss: bool = False
@@ -144,6 +144,7 @@ class Request(msgspec.Struct, kw_only=True):
     last_token_time: float | None = None
     finish_reason: str | None = None
     segments: list[tuple[float, float]] = []  # execution intervals of its prefill
+    evictions: int = 0  # times its answer's KV was taken back while it decoded (then recomputed)
     suspensions: list[Suspension] = []
     sink: Callable[[TokenOutput], None] | None = None  # called from the engine thread
     # Prefill/decode disaggregation: a prefill worker keeps the prompt's KV when the first token is
@@ -176,8 +177,18 @@ class Request(msgspec.Struct, kw_only=True):
         return len(self.prompt_token_ids)
 
     @property
-    def remaining_prompt_tokens(self) -> int:
-        return self.num_prompt_tokens - self.num_computed_tokens
+    def num_tokens(self) -> int:
+        """Prompt and answer so far. A prefill computes them all: only the prompt, unless the answer
+        was evicted while decoding (its KV blocks taken back) and is now recomputed with its prompt."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def prefill_token_ids(self) -> list[int]:
+        return [*self.prompt_token_ids, *self.output_token_ids] if self.output_token_ids else self.prompt_token_ids
+
+    @property
+    def remaining_prefill_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
 
     @property
     def ttft(self) -> float | None:

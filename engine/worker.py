@@ -42,15 +42,15 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
 
 DEFAULT_MAX_TOKENS = 16  # completions without max_tokens: OpenAI's legacy default
-CHAT_DEFAULT_MAX_TOKENS = 1024  # chat without max_tokens: to the answer's end, up to this (reserved in KV)
+CHAT_DEFAULT_MAX_TOKENS = 1024  # chat without max_tokens: to the answer's end, up to this
 
 
 def chat_default_max_tokens(prompt_tokens: int, room_tokens: int) -> int:
     """Without max_tokens a chat answer runs to its end, as OpenAI's do, within what the context and
-    the worker's KV cache hold (`room_tokens`). KV is reserved for prompt + max_tokens when the
-    request's batch forms, so the cap is a trade: 1,024 lets a default 262K-token cache hold some
-    hundred such chats at once; a client wanting longer answers says so. A prompt that leaves no
-    room gets 1, which validation then refuses, naming the context."""
+    the worker's KV cache hold (`room_tokens`). The cap bounds an answer that never ends (a model
+    that never says end-of-sequence, such as the embedded one); with kv_reservation "full" it is
+    also reserved in KV when the batch forms. A client wanting longer answers says so. A prompt that
+    leaves no room gets 1, which validation then refuses, naming the context."""
     return max(1, min(CHAT_DEFAULT_MAX_TOKENS, room_tokens - prompt_tokens))
 HANDOFF_TIMEOUT_S = 30.0  # a decode request waits this long for its prefill worker's KV
 

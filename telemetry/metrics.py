@@ -55,6 +55,9 @@ class EngineMetrics(EngineObserver):
         self.stop_latency = Histogram("flowprefill_preemption_latency_seconds",
                                       "Preemption decided -> running batch suspended",
                                       buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0), registry=r)
+        self.evictions = Counter("flowprefill_decode_preemptions", "Answers evicted while decoding (their KV "
+                                 "blocks taken back when the cache ran short), to be recomputed", ["slo_class"],
+                                 registry=r)
         self.prefix_queries = Counter("flowprefill_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                       registry=r)
         self.prefix_hits = Counter("flowprefill_prefix_cache_hits", "Prompt tokens found in the prefix cache "
@@ -93,6 +96,9 @@ class EngineMetrics(EngineObserver):
     def on_preempt(self, victim: PrefillBatch, by: PrefillBatch) -> None:
         self.preemptions.labels(victim.head.slo_class, by.head.slo_class).inc()
         self.stop_latency.observe(victim.head.suspensions[-1].stop_latency_s)
+
+    def on_evict(self, req: Request, now: float) -> None:
+        self.evictions.labels(req.slo_class).inc()
 
     def on_finish(self, req: Request) -> None:
         if req.block_hashes is not None:  # looked up in the prefix cache at arrival

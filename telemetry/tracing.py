@@ -96,7 +96,8 @@ class _RequestTrace:
 class EngineTracer(EngineObserver):
     """Worker-side spans: a request span with children `queue`, `prefill` (one per execution
     segment), `preempted` (one per suspension, linked to the preempting request's prefill span)
-    and `decode`."""
+    and `decode`. An answer evicted while decoding queues and prefills again: `queue` (marked
+    `flowprefill.evicted`) and `prefill` spans inside its `decode` span."""
 
     def __init__(self, engine: Engine, model: str) -> None:
         self.tracer = trace.get_tracer(TRACER_NAME, flowprefill_version())
@@ -162,7 +163,7 @@ class EngineTracer(EngineObserver):
             })
 
     def on_segment_end(self, batch: PrefillBatch, now: float) -> None:
-        for r, whole in zip(batch.requests, batch.completes_prompts, strict=True):
+        for r, whole in zip(batch.requests, batch.completes_prefills, strict=True):
             rt: _RequestTrace | None = r.trace_context
             if rt is None or rt.prefill is None:
                 continue
@@ -193,6 +194,13 @@ class EngineTracer(EngineObserver):
                 "flowprefill.stop_queued_predicted_ms": s.queued_predicted_s * 1000,
             })
 
+    def on_evict(self, req: Request, now: float) -> None:
+        rt: _RequestTrace | None = req.trace_context
+        if rt is not None:  # queued again, its prompt and answer to be recomputed (less what is cached)
+            rt.queue = self._child(rt, "queue", now, attributes={
+                "flowprefill.evicted": True, "flowprefill.output_tokens": len(req.output_token_ids),
+                "flowprefill.recompute_tokens": req.remaining_prefill_tokens})
+
     def on_finish(self, req: Request) -> None:
         rt: _RequestTrace | None = req.trace_context
         if rt is None:
@@ -211,6 +219,7 @@ class EngineTracer(EngineObserver):
         root.set_attribute("gen_ai.usage.output_tokens", len(req.output_token_ids))
         root.set_attribute("gen_ai.response.finish_reasons", [req.finish_reason or ""])
         root.set_attribute("flowprefill.preemptions", len(req.suspensions))
+        root.set_attribute("flowprefill.evictions", req.evictions)
         root.set_attribute("flowprefill.cached_tokens", req.cached_tokens)
         if req.finish_reason == "error":
             root.set_status(Status(StatusCode.ERROR, "engine error"))

@@ -69,7 +69,7 @@ def test_a_handoff_waits_for_kv_blocks_instead_of_failing(monkeypatch: pytest.Mo
         prompt = [5] * 100
         kv = {f"{k}.{i}": torch.zeros(100, cfg.num_key_value_heads, cfg.head_dim)
               for k in "kv" for i in range(cfg.num_hidden_layers)}
-        held = decode.kv.allocate_blocks(decode.kv.num_free_blocks - 2)  # running answers' KV
+        held = decode.kv.allocate_blocks(decode.kv.num_free_blocks - 1)  # running answers' KV
         outs: dict[str, list[str | None]] = {}
         reqs = []
         for rid in ("wait", "gone", "next"):
@@ -77,7 +77,7 @@ def test_a_handoff_waits_for_kv_blocks_instead_of_failing(monkeypatch: pytest.Mo
                           sampling=SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
             outs[rid] = []
             req.sink = lambda out, rid=rid: outs[rid].append(out.finish_reason)
-            decode.add_prefilled(req, kv, Sampled(7))  # 200 tokens: 4 blocks, 2 free
+            decode.add_prefilled(req, kv, Sampled(7))  # its prompt and first token: 2 blocks, 1 free
             reqs.append(req)
         decode.cancel("gone")
         time.sleep(0.3)

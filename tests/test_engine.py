@@ -138,7 +138,7 @@ def assert_idle_and_free(eng: Engine) -> None:
     assert eng.kv.usage == 0.0
     assert eng.scheduler.pool == []
     assert eng.num_waiting == 0
-    assert eng.num_decoding == 0
+    assert eng.num_decoding == 0 and not eng.answers.evicted
 
 
 # -- validation --------------------------------------------------------------------------------

@@ -168,8 +168,9 @@ def test_the_benchmark_runs_and_reports(tmp_path: Path) -> None:
 def test_waiting_requests_hold_no_blocks_so_the_first_in_line_always_fits(make_engine: EngineFactory) -> None:
     """Two cached prefixes of 4 blocks, a pool of 16 blocks with 6 in use elsewhere, and two requests
     of 13 blocks each, one per prefix: they wait. Had each held its 4 cached blocks while waiting,
-    freeing the 6 would leave 8 free blocks for requests needing 9 more each: neither would ever run."""
-    eng = make_engine(kv_capacity_tokens=16 * BS)
+    freeing the 6 would leave 8 free blocks for requests needing 9 more each: neither would ever run.
+    (Their answers' KV is reserved up front here, so that they need 13 blocks each.)"""
+    eng = make_engine(kv_capacity_tokens=16 * BS, kv_reservation="full")
     p1, p2 = tokens(65, seed=20), tokens(65, seed=21)
     run(eng, "p1", p1, max_tokens=1)
     run(eng, "p2", p2, max_tokens=1)
@@ -191,7 +192,7 @@ def test_waiting_requests_hold_no_blocks_so_the_first_in_line_always_fits(make_e
 
 
 def test_a_prefix_evicted_while_its_request_waits_is_computed(make_engine: EngineFactory) -> None:
-    eng, plain = make_engine(kv_capacity_tokens=16 * BS), make_engine(prefix_caching=False)
+    eng, plain = make_engine(kv_capacity_tokens=16 * BS, kv_reservation="full"), make_engine(prefix_caching=False)
     prompt = tokens(70, seed=30)
     run(eng, "warm", prompt, max_tokens=1)
     held = eng.kv.allocate_blocks(eng.kv.num_free_blocks - 5)  # only the cached prompt's 5 blocks free

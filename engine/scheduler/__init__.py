@@ -34,8 +34,13 @@ class Policy(Protocol):
 class Scheduler:
     def __init__(self, policy: Policy, make_batch: Callable[[list[Request], list[SeqSpan]], PrefillBatch],
                  cost: OpCost, kv: BlockPool, max_batch_tokens: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 reserve_tokens: Callable[[Request], int] = lambda r: r.max_total_tokens,
+                 headroom_blocks: Callable[[], int] = lambda: 0) -> None:
+        """`reserve_tokens`: the KV a request's batch takes when it forms (the engine's reservation
+        policy); `headroom_blocks`: free blocks a new batch must leave (for the answers growing)."""
         self.policy, self.cost, self.kv = policy, cost, kv
+        self.reserve_tokens, self.headroom_blocks = reserve_tokens, headroom_blocks
         self.max_batch_tokens = max_batch_tokens
         self.clock = clock
         self._make_batch = make_batch
@@ -74,6 +79,13 @@ class Scheduler:
         self._decide()
         return dropped
 
+    def on_evicted(self, req: Request) -> None:
+        """An answer's KV was taken back while it decoded: it queues to be recomputed, in arrival
+        order among the waiting (so first-come policies resume it first, as vLLM does)."""
+        self.waiting.append(req)
+        self.waiting.sort(key=lambda r: r.arrival_time)
+        self._decide()
+
     def on_kv_freed(self) -> None:
         """A request finished decoding or was cancelled: queued requests may now fit."""
         self._decide()
@@ -84,7 +96,7 @@ class Scheduler:
         self.now = self.clock()
         choice = self.policy.choose(self)
         if isinstance(choice, list):
-            chunks = [c if isinstance(c, tuple) else (c, c.remaining_prompt_tokens) for c in choice]
+            chunks = [c if isinstance(c, tuple) else (c, c.remaining_prefill_tokens) for c in choice]
             for r, _ in chunks:
                 self.waiting.remove(r)
             choice = self._make_batch([r for r, _ in chunks],
@@ -104,23 +116,27 @@ class Scheduler:
 
     def predict_batch_s(self, reqs: Sequence[Request]) -> float:
         """Predicted time to prefill the rest of these requests' prompts as one batch."""
-        spans = [SeqSpan(r.num_computed_tokens, r.remaining_prompt_tokens) for r in reqs]
+        spans = [SeqSpan(r.num_computed_tokens, r.remaining_prefill_tokens) for r in reqs]
         return self.cost_for(reqs).prefill_s(spans)
 
     def _blocks_needed(self, r: Request) -> int:
         # Whole: blocks of a cached prefix may be free ones, which taking them uses up.
-        return max(0, self.kv.blocks_for(r.max_total_tokens) - len(r.block_table))
+        return max(0, self.kv.blocks_for(self.reserve_tokens(r)) - len(r.block_table))
+
+    def _free_for_batch(self) -> int:
+        return self.kv.num_free_blocks - self.headroom_blocks()
 
     def fill(self, ordered: list[Request], fits: Callable[[list[Request]], bool] | None = None) -> list[Request]:
         """Take whole requests in order while the token bound and KV capacity allow (the first
         always, KV permitting); `fits` can veto further additions."""
         batch: list[Request] = []
         tokens = blocks = 0
+        free = self._free_for_batch()
         for r in ordered:
             need = self._blocks_needed(r)
-            if blocks + need > self.kv.num_free_blocks:
+            if blocks + need > free:
                 break
-            n = r.remaining_prompt_tokens
+            n = r.remaining_prefill_tokens
             if batch and (tokens + n > self.max_batch_tokens or (fits and not fits([*batch, r]))):
                 break
             batch.append(r)
@@ -131,11 +147,12 @@ class Scheduler:
         """Fill a batch to exactly `budget_tokens` (or what is queued) with prompt chunks, in order."""
         chunks: list[Chunk] = []
         left, blocks = budget_tokens, 0
+        free = self._free_for_batch()
         for r in ordered:
             need = self._blocks_needed(r)
-            if blocks + need > self.kv.num_free_blocks:
+            if blocks + need > free:
                 break
-            n = min(left, r.remaining_prompt_tokens)
+            n = min(left, r.remaining_prefill_tokens)
             chunks.append((r, n))
             left, blocks = left - n, blocks + need
             if left == 0:

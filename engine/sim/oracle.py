@@ -57,7 +57,7 @@ class ExactCosts:
         measured factors, weighted by their predicted share of the work."""
         if len(reqs) == 1:
             return replace(self.base, scale=self.factor(reqs[0]))
-        shares = [self.base.prefill_s([SeqSpan(r.num_computed_tokens, r.remaining_prompt_tokens)]) for r in reqs]
+        shares = [self.base.prefill_s([SeqSpan(r.num_computed_tokens, r.remaining_prefill_tokens)]) for r in reqs]
         total = sum(shares) or 1.0
         return replace(self.base, scale=sum(s * self.factor(r) for s, r in zip(shares, reqs, strict=True)) / total)
 

@@ -151,7 +151,7 @@ def _fast_forward(batch: PrefillBatch, clock: _Clock, until: float, rng: random.
 def _complete(batch: PrefillBatch, now: float, pool: BlockPool, sched: Scheduler) -> None:
     batch.end_segment(now)
     unfinished = []
-    for r, span, whole in zip(batch.requests, batch.spans, batch.completes_prompts, strict=True):
+    for r, span, whole in zip(batch.requests, batch.spans, batch.completes_prefills, strict=True):
         r.num_computed_tokens = span.start + span.length
         if whole:
             r.first_token_time = r.finish_time = now
