@@ -23,6 +23,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="RMSNorm, SiLU-and-mul and RoPE: FlashInfer's fused kernels (auto: on CUDA when they load)")
     p.add_argument("--kv-capacity-tokens", type=int, default=d.kv_capacity_tokens)
     p.add_argument("--kv-block-size", type=int, default=d.kv_block_size)
+    p.add_argument("--kv-reservation", default=d.kv_reservation, choices=["grow", "full"],
+                   help="grow: an answer's KV as it grows, evicting (and later recomputing) answers when it "
+                        "runs out; full: prompt + max_tokens up front, never evicting (default grow)")
     p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens)
     p.add_argument("--max-waiting", type=int, default=d.max_waiting,
                    help="queue bound: past it new requests get 503 (every class)")
@@ -46,7 +49,8 @@ def _run_worker(args: argparse.Namespace) -> int:
     cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                        attention_backend=args.attention_backend, row_kernels=args.row_kernels,
                        kv_capacity_tokens=args.kv_capacity_tokens,
-                       kv_block_size=args.kv_block_size, max_batch_tokens=args.max_batch_tokens,
+                       kv_block_size=args.kv_block_size, kv_reservation=args.kv_reservation,
+                       max_batch_tokens=args.max_batch_tokens,
                        max_waiting=args.max_waiting,
                        step_budget_ms=args.step_budget_ms, cuda_graph_tokens=args.cuda_graph_tokens,
                        prefix_caching=args.prefix_caching, num_threads=args.threads)
@@ -68,7 +72,8 @@ def _worker_argv(args: argparse.Namespace, port: int, threads: int | None, role:
             "--port", str(port), "--policy", args.policy, "--device", args.device, "--dtype", args.dtype,
             "--attention-backend", args.attention_backend, "--row-kernels", args.row_kernels,
             "--kv-capacity-tokens", str(args.kv_capacity_tokens),
-            "--kv-block-size", str(args.kv_block_size), "--max-batch-tokens", str(args.max_batch_tokens),
+            "--kv-block-size", str(args.kv_block_size), "--kv-reservation", args.kv_reservation,
+            "--max-batch-tokens", str(args.max_batch_tokens),
             "--max-waiting", str(args.max_waiting),
             "--step-budget-ms", str(args.step_budget_ms), "--cuda-graph-tokens", str(args.cuda_graph_tokens),
             "--prefix-caching" if args.prefix_caching else "--no-prefix-caching"]
@@ -191,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
                          add_help=False)
     bench_sub.add_parser("prefix", help="prefix caching on a multi-turn chat workload: TTFT per turn, on vs off",
                          add_help=False)
+    bench_sub.add_parser("kv", help="KV taken as answers grow vs reserved up front, on chat requests of a trace",
+                         add_help=False)
     sub.add_parser("loadtest", help="a Locust profile, headless, against a gateway: per-class goodput report",
                    add_help=False)
     return parser
@@ -218,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
             from engine.bench import prefix_cache
 
             return prefix_cache.main(rest)
+        if args.bench == "kv":
+            from engine.bench import kv_growth
+
+            return kv_growth.main(rest)
         from engine.bench import prefill
 
         return prefill.main(rest)
