@@ -253,6 +253,7 @@ def _documented_commands() -> list[tuple[str, list[str]]]:
 def test_every_documented_command_parses() -> None:
     """Every `flowprefill …` command in the docs is one the CLI accepts (options and values), so a
     renamed or removed option fails here; the long-running ones are not run, only parsed."""
+    from engine.bench import kv_growth as bench_kv
     from engine.bench import prefill as bench_prefill
     from engine.bench import prefix_cache as bench_prefix
     from gateway import bench as bench_gateway
@@ -269,6 +270,7 @@ def test_every_documented_command_parses() -> None:
         seen.add(head)
         sub = {("bench", "prefill"): bench_prefill.build_parser, ("bench", "goodput"): bench_goodput.build_parser,
                ("bench", "gateway"): bench_gateway.build_parser, ("bench", "prefix"): bench_prefix.build_parser,
+               ("bench", "kv"): bench_kv.build_parser,
                ("loadtest",): loadtest_run.build_parser}.get(head)
         try:
             if sub is None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from helpers import EngineFactory
@@ -246,3 +247,24 @@ def test_an_eviction_shows_on_the_request_trace(make_engine: EngineFactory) -> N
     assert len(prefills) == 2  # the prompt's, then the recompute's, inside decode after the eviction
     assert decode.start_time <= evicted[0].start_time <= evicted[0].end_time <= prefills[1].start_time
     assert prefills[1].end_time <= decode.end_time
+
+
+def test_the_benchmark_runs_and_reports(tmp_path: Path) -> None:
+    import json
+
+    import torch
+
+    from engine.bench import kv_growth
+
+    threads = torch.get_num_threads()
+    try:
+        assert kv_growth.main(["--requests", "8", "--rate", "40", "--repeats", "1", "--kv-capacity-tokens", "6144",
+                               "--max-prompt-tokens", "512", "--threads", "1", "--out", str(tmp_path)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    results = json.loads((tmp_path / "kv_growth.json").read_text())
+    full, grow = results["summary"]["full"], results["summary"]["grow"]
+    assert full["evictions"] == 0 and full["decoding_max"] <= 6144 // (16 + 1024)  # prompt + 1,024 each
+    assert full["output_tokens"] == grow["output_tokens"] > 0  # every answer reached its trace length
+    assert set(results["timelines"]) == {"full", "grow"}
+    assert (tmp_path / "kv_growth.png").stat().st_size > 10_000
