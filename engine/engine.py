@@ -301,7 +301,12 @@ class Engine:
         self._schedule_decode(now)
 
     def _start_decoding(self, r: Request, token: Sampled, now: float) -> None:
-        self._emit(self.answers.start(r, token, now))
+        """Its first token, or after a recompute its next one (the gap includes the eviction)."""
+        gap = now - r.last_token_time if r.last_token_time is not None else None
+        out = self.answers.start(r, token, now)
+        for o in self.observers:
+            o.on_tokens([r], [gap])
+        self._emit(out)
 
     def _evict(self, evicted: list[Request]) -> None:
         """Answers.make_room took these answers' KV back: they queue to be recomputed, each one's next
@@ -360,6 +365,9 @@ class Engine:
                                    [r.block_table for r in reqs], self.kv)
         tokens = sample(logits, reqs, self._generators)
         now = self.clock()
+        got = [(r, now - r.last_token_time) for r, t in zip(reqs, tokens, strict=True) if not isinstance(t, Exception)]
+        for o in self.observers:
+            o.on_tokens([r for r, _ in got], [gap for _, gap in got])
         for stream, token in zip(streams, tokens, strict=True):
             if isinstance(token, Exception):
                 self._finish(stream.req, "error", f"sampling failed: {token}")

@@ -17,6 +17,8 @@ class EngineObserver:
     def on_segment_end(self, batch: PrefillBatch, now: float) -> None: ...
     def on_preempt(self, victim: PrefillBatch, by: PrefillBatch) -> None:
         """Called once `by` has started its segment, so its spans exist to be linked to."""
+    def on_tokens(self, reqs: list[Request], gaps: list[float | None]) -> None:
+        """Each of `reqs` got a token; `gaps`: the time since its previous one (None for a first token)."""
     def on_evict(self, req: Request, now: float) -> None:
         """An answer's KV was taken back while it decoded: it queues to be recomputed."""
     def on_finish(self, req: Request) -> None: ...

@@ -29,6 +29,10 @@ def flowprefill_version() -> str:
 
 # OpenTelemetry GenAI semantic conventions' bucket boundaries for time to first token.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+# ... for time per output token (they hold the default classes' TBT targets, 0.1 and 0.2 s) ...
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+# ... and for a request's duration.
+DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
 
 
 class EngineMetrics(EngineObserver):
@@ -50,6 +54,22 @@ class EngineMetrics(EngineObserver):
                                 ["slo_class"], registry=r)
         self.violated = Counter("flowprefill_slo_violated", "Requests whose TTFT missed their class target",
                                 ["slo_class"], registry=r)
+        # Decode, as vLLM's metrics report it: each gap between two tokens of an answer (what a class's
+        # TBT target bounds: le="0.1" / le="0.2" over the count is its attainment), each finished
+        # answer's mean time per token, request durations, and tokens in and out.
+        self.token_gap = Histogram("flowprefill_inter_token_latency_seconds", "Time between two tokens of an answer",
+                                   ["slo_class"], buckets=TPOT_BUCKETS, registry=r)
+        self.tpot = Histogram("flowprefill_time_per_output_token_seconds",
+                              "A finished answer's mean time per token after the first", ["slo_class"],
+                              buckets=TPOT_BUCKETS, registry=r)
+        self.duration = Histogram("flowprefill_request_duration_seconds", "Arrival to the last token (or the end)",
+                                  ["slo_class"], buckets=DURATION_BUCKETS, registry=r)
+        self.finished = Counter("flowprefill_requests_finished", "Requests ended, by how",
+                                ["slo_class", "finish_reason"], registry=r)
+        self.prompt_tokens = Counter("flowprefill_prompt_tokens", "Prompt tokens of ended requests", ["slo_class"],
+                                     registry=r)
+        self.generation_tokens = Counter("flowprefill_generation_tokens", "Tokens generated", ["slo_class"],
+                                         registry=r)
         self.preemptions = Counter("flowprefill_preemptions", "Prefill batches preempted",
                                    ["victim_class", "by_class"], registry=r)
         self.stop_latency = Histogram("flowprefill_preemption_latency_seconds",
@@ -100,10 +120,25 @@ class EngineMetrics(EngineObserver):
     def on_evict(self, req: Request, now: float) -> None:
         self.evictions.labels(req.slo_class).inc()
 
+    def on_tokens(self, reqs: list[Request], gaps: list[float | None]) -> None:
+        for req, gap in zip(reqs, gaps, strict=True):
+            if not req.export_kv:  # a prefill worker's first token is counted where the answer decodes
+                self.generation_tokens.labels(req.slo_class).inc()
+            if gap is not None:
+                self.token_gap.labels(req.slo_class).observe(gap)
+
     def on_finish(self, req: Request) -> None:
         if req.block_hashes is not None:  # looked up in the prefix cache at arrival
             self.prefix_queries.inc(req.num_prompt_tokens)
             self.prefix_hits.inc(req.cached_tokens)
+        cls = req.slo_class
+        self.finished.labels(cls, req.finish_reason or "").inc()
+        self.prompt_tokens.labels(cls).inc(req.num_prompt_tokens)
+        if req.finish_time is not None:
+            self.duration.labels(cls).observe(req.finish_time - req.arrival_time)
+        n = len(req.output_token_ids)
+        if n > 1 and req.first_token_time is not None and req.last_token_time is not None:
+            self.tpot.labels(cls).observe((req.last_token_time - req.first_token_time) / (n - 1))
         if req.ttft is None:
             return
         self.ttft.labels(req.slo_class).observe(req.ttft)

@@ -158,8 +158,12 @@ def test_an_evicted_answer_can_be_cancelled_while_it_waits(make_engine: EngineFa
 
 
 def test_an_evicted_answer_resumes_when_blocks_come_back(make_engine: EngineFactory) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from telemetry.metrics import EngineMetrics
+
     eng, ref_eng = make_engine(kv_capacity_tokens=10 * BS), make_engine()
-    evictions = Evictions(eng)
+    evictions, metrics = Evictions(eng), EngineMetrics(eng)
     Squeeze.eng = eng  # type: ignore[attr-defined]
     prompt = tokens(20, seed=4)
     req, sink = submit(eng, "a", prompt, max_tokens=40, sink_cls=Squeeze)
@@ -170,6 +174,11 @@ def test_an_evicted_answer_resumes_when_blocks_come_back(make_engine: EngineFact
     assert ref_sink.wait() == "length"
     assert req.output_token_ids == ref.output_token_ids
     assert req.cached_tokens == 0  # usage reports the prompt's cache hits, not the recompute's
+    gaps = {s.name: s.value for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples
+            if s.name.startswith("flowprefill_inter_token_latency_seconds_") and not s.name.endswith("bucket")}
+    assert gaps["flowprefill_inter_token_latency_seconds_count"] == 39  # the wait for blocks is one of them
+    assert gaps["flowprefill_inter_token_latency_seconds_sum"] == pytest.approx(req.last_token_time
+                                                                                - req.first_token_time)
     assert_idle_and_free(eng)
 
 
