@@ -149,6 +149,8 @@ def test_an_evicted_answer_can_be_cancelled_while_it_waits(make_engine: EngineFa
     assert evictions.happened.wait(60)  # after its 13th token, whose KV goes into a third block
     assert evictions.requests == ["a"] and req.evictions == 1 and "a" in eng.answers.evicted
     assert eng.num_waiting == 1 and req.block_table == []  # it waits: 3 blocks needed, 2 free
+    # its next token is due a TBT target after its recompute: it waits feasible, not hopeless
+    assert req.deadline - eng.clock() - eng.scheduler.predict_s(req) > 0
     eng.cancel("a")
     assert sink.wait() == "cancelled"
     assert len(req.output_token_ids) == 13
@@ -221,6 +223,7 @@ def test_a_handed_off_answer_evicted_on_its_decode_worker_is_recomputed_there(ma
     ref, ref_sink = submit(alone, "ref", prompt, max_tokens=40)
     assert ref_sink.wait() == "length"
     assert req.output_token_ids == ref.output_token_ids and req.evictions == 1
+    assert req.block_hashes is None  # never looked up in this worker's prefix cache (nor counted so)
     assert_idle_and_free(decode)
 
 
@@ -277,3 +280,43 @@ def test_the_benchmark_runs_and_reports(tmp_path: Path) -> None:
     assert full["output_tokens"] == grow["output_tokens"] > 0  # every answer reached its trace length
     assert set(results["timelines"]) == {"full", "grow"}
     assert (tmp_path / "kv_growth.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("policy", ["flowprefill", "priority", "chunked:16", "fcfs", "edf"])
+def test_an_evicted_answer_does_not_stall_the_prefill_holding_the_kv(make_engine: EngineFactory,
+                                                                      policy: str) -> None:
+    """An evicted answer needs a block more than it gave back, and ranks first. Were the policy to
+    wait for it with nothing chosen, the prefill holding the KV (a formed batch, or a prompt between
+    its chunks) would never run, and nothing would ever free a block. (Found by review: it hung
+    under flowprefill, priority and chunked.)"""
+    eng = make_engine(policy, start=False, kv_capacity_tokens=10 * BS)
+    e, e_sink = submit(eng, "e", tokens(20, seed=7), max_tokens=100)  # 2 blocks
+    while "e" not in eng.answers.running:
+        eng._iteration()  # the engine thread's loop, driven here
+    p, p_sink = submit(eng, "p", tokens(7 * BS - 1, seed=8), max_tokens=4)  # 7 blocks: 1 left, the headroom
+    p.deadline += 100  # a relaxed prompt: the evicted answer ranks first
+    while not e.evictions:  # p's prefill is long: decode steps fall due meanwhile
+        eng._decode_step()  # e takes the last block, then is evicted at 49 tokens
+    assert eng.kv.num_free_blocks == 3 < eng.kv.blocks_for(e.num_tokens + 1) == 4
+    eng.start()
+    assert e_sink.wait() == "length" and p_sink.wait() == "length"
+    assert_idle_and_free(eng)
+
+
+def test_an_urgent_arrival_that_must_wait_for_kv_does_not_stall_the_batch_holding_it(
+        make_engine: EngineFactory) -> None:
+    """The same with prompt + max_tokens reserved up front (it hung before KV grew, too): a relaxed
+    prompt's batch holds 7 of 10 blocks, an urgent one needing 4 arrives and heads the order."""
+    eng = make_engine(start=False, kv_capacity_tokens=10 * BS, kv_reservation="full")
+    relaxed = Request(request_id="p", prompt_token_ids=tokens(100, seed=9), ttft_target_s=100.0,
+                      sampling=SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    relaxed.sink = p_sink = Sink(relaxed)
+    eng.add_request(relaxed)
+    urgent = Request(request_id="a", prompt_token_ids=tokens(40, seed=10), ttft_target_s=0.5,
+                     sampling=SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    urgent.sink = a_sink = Sink(urgent)
+    eng.add_request(urgent)
+    assert eng.scheduler.chosen is not None and eng.scheduler.chosen.head is relaxed
+    eng.start()
+    assert a_sink.wait() == "length" and p_sink.wait() == "length"
+    assert_idle_and_free(eng)

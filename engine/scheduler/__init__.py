@@ -95,6 +95,12 @@ class Scheduler:
         self.invocations += 1
         self.now = self.clock()
         choice = self.policy.choose(self)
+        if not choice and self.pool:
+            # Work-conserving: a policy whose first pick waits for KV blocks picks nothing, yet a formed
+            # batch holds blocks, which, left idle, it would hold for good when no answer is decoding
+            # to free others. The most urgent formed batch runs until blocks come back.
+            choice = self.chosen if self.chosen in self.pool else min(
+                self.pool, key=lambda b: min(r.deadline for r in b.requests))
         if isinstance(choice, list):
             chunks = [c if isinstance(c, tuple) else (c, c.remaining_prefill_tokens) for c in choice]
             for r, _ in chunks:
@@ -128,14 +134,17 @@ class Scheduler:
 
     def fill(self, ordered: list[Request], fits: Callable[[list[Request]], bool] | None = None) -> list[Request]:
         """Take whole requests in order while the token bound and KV capacity allow (the first
-        always, KV permitting); `fits` can veto further additions."""
+        always, KV permitting); `fits` can veto further additions. Once a request must wait for
+        KV, no later one takes blocks before it; one that needs none (it holds its own) still runs."""
         batch: list[Request] = []
         tokens = blocks = 0
         free = self._free_for_batch()
+        blocked = False
         for r in ordered:
             need = self._blocks_needed(r)
-            if blocks + need > free:
-                break
+            if need and (blocked or blocks + need > free):
+                blocked = True
+                continue
             n = r.remaining_prefill_tokens
             if batch and (tokens + n > self.max_batch_tokens or (fits and not fits([*batch, r]))):
                 break
@@ -148,10 +157,12 @@ class Scheduler:
         chunks: list[Chunk] = []
         left, blocks = budget_tokens, 0
         free = self._free_for_batch()
+        blocked = False
         for r in ordered:
             need = self._blocks_needed(r)
-            if blocks + need > free:
-                break
+            if need and (blocked or blocks + need > free):  # as in `fill`: a prompt mid-way still runs
+                blocked = True
+                continue
             n = min(left, r.remaining_prefill_tokens)
             chunks.append((r, n))
             left, blocks = left - n, blocks + need
