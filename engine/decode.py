@@ -5,8 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine.kv_cache import BlockPool
+import torch
+
+from engine.kv_cache import BlockPool, KVCache
+from engine.model.llama import LlamaModel
 from engine.request import Request, RequestState, Sampled, TokenOutput
+from engine.sampling import sample
 from engine.tokenizer import ByteTokenizer, HFTokenizer
 
 
@@ -53,6 +57,11 @@ def _overlap(text: str, stop: str) -> int:
     return 0
 
 
+# A decode step runs when the most urgent answer has used this share of its TBT target, so prefill
+# keeps the device between decode steps and TBT holds (a prefill step is bounded).
+DECODE_TBT_SHARE = 0.5
+
+
 class Answers:
     """The answers being generated (`running`), and those evicted until their recompute.
 
@@ -66,6 +75,21 @@ class Answers:
         self.kv, self.tokenizer = kv, tokenizer
         self.running: dict[str, OutputStream] = {}
         self.evicted: dict[str, OutputStream] = {}
+        self.next_step_at = float("inf")  # when the next decode step is due (see DECODE_TBT_SHARE)
+
+    def schedule(self, now: float) -> None:
+        if self.running:
+            tbt = min(s.req.tbt_target_s for s in self.running.values())
+            self.next_step_at = min(self.next_step_at, now + DECODE_TBT_SHARE * tbt)
+
+    def step(self, model: LlamaModel, kv: KVCache, generators: dict[str, torch.Generator]
+             ) -> tuple[list[OutputStream], list[Sampled | Exception]]:
+        """One decode step of every running answer (continuous batching): each one's next token."""
+        streams = list(self.running.values())
+        reqs = [s.req for s in streams]
+        logits = model.decode([r.output_token_ids[-1] for r in reqs], [r.num_tokens - 1 for r in reqs],
+                              [r.block_table for r in reqs], kv)
+        return streams, sample(logits, reqs, generators)
 
     def start(self, req: Request, token: Sampled, now: float) -> TokenOutput:
         """Its prefill is done: its first token, or after a recompute its next one."""

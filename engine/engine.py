@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from engine import handoff
 from engine.config import EngineConfig
 from engine.decode import Answers
 from engine.kv_cache import KVCache, OutOfBlocks
@@ -25,10 +26,6 @@ from engine.sampling import sample
 from engine.scheduler import Policy, Scheduler, make_policy
 
 log = logging.getLogger("flowprefill.engine")
-
-# Decode runs when the most urgent decoding request has used this share of its TBT target,
-# so prefill keeps the device between decode steps and TBT holds (a prefill step is bounded).
-DECODE_TBT_SHARE = 0.5
 
 
 class Engine:
@@ -61,7 +58,6 @@ class Engine:
         self._cancels: deque[str] = deque()
         self._imports: deque[tuple[Request, dict[str, torch.Tensor], Sampled]] = deque()
         self._current: PrefillBatch | None = None
-        self._next_decode_at = float("inf")
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="flowprefill-engine", daemon=True)
 
@@ -133,18 +129,7 @@ class Engine:
         (`k.{layer}` / `v.{layer}`: [prompt tokens, kv heads, head dim]) and its first token.
         Raises ValueError for KV that does not fit this model or prompt."""
         self.validate(req)
-        cfg, n = self.model.cfg, req.num_prompt_tokens
-        lp = first.logprob
-        if not 0 <= first.token < cfg.vocab_size or (lp is not None and (
-                lp.token_id != first.token or not all(0 <= t < cfg.vocab_size for t, _ in lp.top))):
-            raise ValueError(f"handed-off first token {first.token} (or its logprobs) is not in [0, {cfg.vocab_size})")
-        want = (n, cfg.num_key_value_heads, cfg.head_dim)
-        for layer in range(cfg.num_hidden_layers):
-            for kind in "kv":
-                t = kv.get(f"{kind}.{layer}")
-                if t is None or tuple(t.shape) != want:
-                    raise ValueError(f"handed-off KV {kind}.{layer}: expected shape {want}, got "
-                                     f"{None if t is None else tuple(t.shape)}")
+        handoff.check(self.model.cfg, req, kv, first)
         with self._cv:
             if req.request_id in self._requests:
                 raise ValueError(f"duplicate request id {req.request_id!r}")
@@ -207,14 +192,14 @@ class Engine:
             self._process_imports()
         batch = self.scheduler.chosen  # read before the clock: a later decision never looks negative
         now = self.clock()
-        if self.answers.running and (batch is None or now >= self._next_decode_at):
+        if self.answers.running and (batch is None or now >= self.answers.next_step_at):
             try:
                 self._decode_step()
             except Exception as exc:
                 log.exception("decode step failed")
                 for stream in list(self.answers.running.values()):
                     self._finish(stream.req, "error", f"decode failed: {exc}")
-                self._next_decode_at = float("inf")
+                self.answers.next_step_at = float("inf")
             return
         if batch is None:
             return
@@ -288,9 +273,7 @@ class Engine:
                 self._finish(r, "error", f"sampling failed: {token}")
                 continue
             if r.export_kv:  # hand-off: copy the prompt's KV out before the blocks can be freed
-                r.kv_export = {f"{kind}.{layer}": t.clone() for layer in range(self.model.cfg.num_hidden_layers)
-                               for kind, t in zip("kv", self.kv.gather(layer, r.block_table, r.num_prompt_tokens),
-                                                  strict=True)}
+                r.kv_export = self.kv.export_tokens(r.block_table, r.num_prompt_tokens)
             self._start_decoding(r, token, now)
         for r in batch.requests:  # cancelled while the batch ran: their KV was in use until now
             if r.state.done:
@@ -298,7 +281,7 @@ class Engine:
         with self._cv:
             self.scheduler.on_completion(batch, unfinished)
         self._current = None
-        self._schedule_decode(now)
+        self.answers.schedule(now)
 
     def _start_decoding(self, r: Request, token: Sampled, now: float) -> None:
         """Its first token, or after a recompute its next one (the gap includes the eviction)."""
@@ -346,29 +329,21 @@ class Engine:
             except OutOfBlocks as exc:  # not expected: its blocks were free a moment ago
                 self._finish(req, "error", f"KV cache full: {exc}")
                 continue
-            n = req.num_prompt_tokens
-            slots = self.kv.slots(req.block_table, 0, n)
-            dtype = self.kv.k[0].dtype
-            for layer in range(self.model.cfg.num_hidden_layers):
-                self.kv.write(layer, slots, kv[f"k.{layer}"].to(self.kv.k[0].device, dtype),
-                              kv[f"v.{layer}"].to(self.kv.v[0].device, dtype))
-            req.num_computed_tokens = n
+            self.kv.import_tokens(req.block_table, kv)
+            req.num_computed_tokens = req.num_prompt_tokens
             req.prefill_start = self.clock()
             self._start_decoding(req, token, self.clock())
-            self._schedule_decode(self.clock())
+            self.answers.schedule(self.clock())
 
     def _decode_step(self) -> None:
         if evicted := self.answers.make_room(self._give_back):
             self._evict(evicted)
-        streams = list(self.answers.running.values())
-        if not streams:  # every answer was evicted
+        if not self.answers.running:  # every answer was evicted
             return
-        reqs = [s.req for s in streams]
-        logits = self.model.decode([r.output_token_ids[-1] for r in reqs], [r.num_tokens - 1 for r in reqs],
-                                   [r.block_table for r in reqs], self.kv)
-        tokens = sample(logits, reqs, self._generators)
+        streams, tokens = self.answers.step(self.model, self.kv, self._generators)
         now = self.clock()
-        got = [(r, now - r.last_token_time) for r, t in zip(reqs, tokens, strict=True) if not isinstance(t, Exception)]
+        got = [(s.req, now - s.req.last_token_time) for s, t in zip(streams, tokens, strict=True)
+               if not isinstance(t, Exception)]
         for o in self.observers:
             o.on_tokens([r for r, _ in got], [gap for _, gap in got])
         for stream, token in zip(streams, tokens, strict=True):
@@ -377,13 +352,8 @@ class Engine:
                 continue
             stream.req.last_token_time = now
             self._emit(stream.push(token))
-        self._next_decode_at = float("inf")
-        self._schedule_decode(now)
-
-    def _schedule_decode(self, now: float) -> None:
-        if self.answers.running:
-            tbt = min(s.req.tbt_target_s for s in self.answers.running.values())
-            self._next_decode_at = min(self._next_decode_at, now + DECODE_TBT_SHARE * tbt)
+        self.answers.next_step_at = float("inf")
+        self.answers.schedule(now)
 
     def _emit(self, out: TokenOutput) -> None:
         req = self._requests.get(out.request_id)

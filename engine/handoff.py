@@ -32,11 +32,12 @@ import httpx
 import torch
 from safetensors.torch import load, load_file, save, save_file
 
+from engine.config import ModelConfig
 from engine.openai_api import KV_ID_HEADER, KV_TO_HEADER
-from engine.request import Logprob, Sampled
+from engine.request import Logprob, Request, Sampled
 
-__all__ = ["KV_ID_HEADER", "KV_TO_HEADER", "SHM_HEADER", "TRANSPORT_HEADER", "KVInbox", "pack", "read_shm", "send",
-           "unpack"]
+__all__ = ["KV_ID_HEADER", "KV_TO_HEADER", "SHM_HEADER", "TRANSPORT_HEADER", "KVInbox", "check", "pack", "read_shm",
+           "send", "unpack"]
 
 SHM_DIR = Path(os.environ.get("FLOWPREFILL_SHM_DIR", "/dev/shm"))
 SHM_HEADER = "x-flowprefill-kv-shm"  # on the internal POST: the KV is in this file of SHM_DIR
@@ -75,6 +76,21 @@ def _split(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], S
 
 def unpack(blob: bytes) -> tuple[dict[str, torch.Tensor], Sampled]:
     return _split(load(blob))
+
+
+def check(cfg: ModelConfig, req: Request, kv: dict[str, torch.Tensor], first: Sampled) -> None:
+    """Raises ValueError for handed-off KV or a first token that does not fit this model and prompt."""
+    lp = first.logprob
+    if not 0 <= first.token < cfg.vocab_size or (lp is not None and (
+            lp.token_id != first.token or not all(0 <= t < cfg.vocab_size for t, _ in lp.top))):
+        raise ValueError(f"handed-off first token {first.token} (or its logprobs) is not in [0, {cfg.vocab_size})")
+    want = (req.num_prompt_tokens, cfg.num_key_value_heads, cfg.head_dim)
+    for layer in range(cfg.num_hidden_layers):
+        for kind in "kv":
+            t = kv.get(f"{kind}.{layer}")
+            if t is None or tuple(t.shape) != want:
+                raise ValueError(f"handed-off KV {kind}.{layer}: expected shape {want}, got "
+                                 f"{None if t is None else tuple(t.shape)}")
 
 
 def is_same_host(url: str) -> bool:

@@ -159,6 +159,19 @@ class KVCache(BlockPool):
         self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, slots, k)
         self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, slots, v)
 
+    def export_tokens(self, block_table: list[int], length: int) -> dict[str, torch.Tensor]:
+        """A request's first `length` tokens' KV, copied out (`k.{layer}` / `v.{layer}`: [length,
+        kv heads, head dim]): what a prefill worker hands off."""
+        return {f"{kind}.{layer}": t.clone() for layer in range(len(self.k))
+                for kind, t in zip("kv", self.gather(layer, block_table, length), strict=True)}
+
+    def import_tokens(self, block_table: list[int], kv: dict[str, torch.Tensor]) -> None:
+        """Write handed-off KV (as `export_tokens` gives it) into a request's blocks."""
+        slots = self.slots(block_table, 0, kv["k.0"].shape[0])
+        for layer in range(len(self.k)):
+            self.write(layer, slots, kv[f"k.{layer}"].to(self.k[0].device, self.k[0].dtype),
+                       kv[f"v.{layer}"].to(self.v[0].device, self.v[0].dtype))
+
     def gather(self, layer: int, block_table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of a request's first `length` tokens, contiguous: [length, kv_heads, head_dim]."""
         return self.gather_blocks(layer, self.block_index(block_table, length), length)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import EngineFactory, drain
 
+import engine.decode as decode_module
 import engine.engine as engine_module
 from engine.attention.sdpa import SDPABackend
 from engine.config import ModelConfig
@@ -376,7 +377,7 @@ def test_engine_stop_string_and_eos(make_engine: Callable[..., Engine], monkeypa
         return [Sampled(EOS) if r.request_id.startswith("eos") and len(r.output_token_ids) == 3 else t
                 for r, t in zip(reqs, out, strict=True)]
 
-    monkeypatch.setattr(engine_module, "sample", forced)
+    monkeypatch.setattr(decode_module, "sample", forced)  # decode steps sample there
     eos = run("eos", SamplingParams(max_tokens=40, temperature=0.0))
     assert eos.finish_reason == "stop" and len(eos.output_token_ids) == 4 and eos.output_token_ids[-1] == EOS
     kept = run("eos-ignored", SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
