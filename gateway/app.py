@@ -20,7 +20,7 @@ from litestar.response import Stream
 from litestar.types import Receive, Scope, Send  # at run time: Litestar reads the annotations
 
 from engine.openai_api import CACHED_TOKENS_HEADER, KV_ID_HEADER, KV_TO_HEADER, error_body, http_error_body, new_id
-from gateway.affinity import prefix_key
+from gateway.affinity import Prefix, prefix_key
 from gateway.classify import ClassificationError, classify
 from gateway.config import GatewayConfig
 from gateway.http1 import Http1Response
@@ -76,7 +76,7 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
                                affinity_slack_s=cfg.prefix_affinity_slack_s) if cfg.prefill_workers else None)
 
     async def prefill_first(decode: Worker, path: str, body: dict[str, Any], headers: dict[str, str],
-                            deadline: float, slo_name: str, key: bytes | None) -> Response | dict[str, str]:
+                            deadline: float, slo_name: str, key: Prefix | None) -> Response | dict[str, str]:
         """The prefill half on a prefill worker, its KV sent to `decode`. When the KV is there, the
         headers that tell the decode worker what the prefill found (its cached prompt tokens); else the
         answer the client gets (shed, bad input). Raises GatewayError with no prefill worker."""
@@ -211,6 +211,7 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
             if annotate is not None:
                 annotate(None, {"flowprefill.route.worker": worker.url, "flowprefill.route.attempts": len(tried),
                                 "flowprefill.route.prefix_affinity": key is not None,
+                                "flowprefill.route.prefix_match_chars": key.matched_chars if key else 0,
                                 "http.upstream.status_code": up.status_code})
             metrics.answered(slo.name, up.status_code)
             if body.get("stream"):

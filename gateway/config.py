@@ -52,8 +52,9 @@ class GatewayConfig(msgspec.Struct, kw_only=True):
     request_timeout_s: float = 600.0
     max_body_bytes: int = 16 * 1024 * 1024
     upstream: Upstream = Upstream()
-    # Prefix affinity (gateway/affinity.py): requests sharing their first this many characters go to
-    # the same worker, unless its backlog is past the least loaded one's by more than the slack.
+    # Prefix affinity (gateway/affinity.py): a request goes to the worker holding its longest earlier
+    # prefix of at least this many characters (new: its first characters' rendezvous choice), unless
+    # that worker's backlog is past the least loaded one's by more than the slack.
     prefix_affinity_chars: int = 1024
     prefix_affinity_slack_s: float = 0.25
 

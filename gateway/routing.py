@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from gateway.affinity import rendezvous
+from gateway.affinity import Prefix, PrefixTable
 from gateway.config import Upstream
 
 log = logging.getLogger("flowprefill.gateway")
@@ -58,9 +58,10 @@ class WorkerPool:
         self.gated = self.upstream.kind == "openai"
         self.roles = roles
         self.affinity_slack_s = affinity_slack_s
+        self.prefixes = PrefixTable()  # where this pool's requests' prefixes went (gateway/affinity.py)
         self._rr = itertools.count()
         self._seq = itertools.count()
-        self._waiting: list[tuple[float, int, frozenset[str], bytes | None, asyncio.Future[Worker]]] = []
+        self._waiting: list[tuple[float, int, frozenset[str], Prefix | None, asyncio.Future[Worker]]] = []
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -68,7 +69,7 @@ class WorkerPool:
         return sum(not f.done() for *_, f in self._waiting)
 
     async def acquire(self, deadline: float, exclude: frozenset[str] | set[str] = frozenset(),
-                      key: bytes | None = None) -> Worker | None:
+                      key: Prefix | None = None) -> Worker | None:
         """A worker for this request, counted in flight there (give it back with `release`).
         None when no healthy worker is left to try. Gated: waits its turn in deadline order.
         `key`: the request's prefix key (gateway/affinity.py), if it has one."""
@@ -100,13 +101,16 @@ class WorkerPool:
         if self.gated:
             self._dispatch()
 
-    def _free(self, exclude: frozenset[str], key: bytes | None = None) -> Worker | None:
+    def _free(self, exclude: frozenset[str], key: Prefix | None = None) -> Worker | None:
         now, cap = time.monotonic(), self.upstream.max_concurrency
         live = [w for w in self.workers if w.url not in exclude and w.healthy and w.down_until <= now]
         free = [w for w in live if w.in_flight < cap]
-        if key is not None and len(live) > 1 and (home := rendezvous(key, live)) in free:
-            return home  # a slot on the prefix's worker; when it is full, any free one
-        return min(free, key=lambda w: w.in_flight) if free else None
+        if not free:
+            return None
+        w = min(free, key=lambda w: w.in_flight)
+        if key is not None and (home := self.prefixes.home(key, live)) in free:
+            w = home  # a slot on the prefix's worker; when it is full, any free one
+        return self._went(w, key)
 
     def _dispatch(self) -> None:
         """Hand free slots to waiters, earliest deadline first."""
@@ -127,7 +131,7 @@ class WorkerPool:
         for item in later:
             heapq.heappush(self._waiting, item)
 
-    def pick(self, exclude: frozenset[str] | set[str] = frozenset(), key: bytes | None = None) -> Worker | None:
+    def pick(self, exclude: frozenset[str] | set[str] = frozenset(), key: Prefix | None = None) -> Worker | None:
         now = time.monotonic()
         live = [w for w in self.workers if w.url not in exclude and w.healthy and w.down_until <= now]
         if not live:
@@ -135,11 +139,15 @@ class WorkerPool:
         start = next(self._rr)
         ranked = sorted(range(len(live)), key=lambda i: (self._score(live[i]), (i - start) % len(live)))
         best = live[ranked[0]]
-        if key is not None and len(live) > 1:
-            home = rendezvous(key, live)
-            if self._score(home) <= self._score(best) + self.affinity_slack_s:
-                return home
-        return best
+        if key is not None and self._score(home := self.prefixes.home(key, live)) <= (
+                self._score(best) + self.affinity_slack_s):
+            best = home
+        return self._went(best, key)
+
+    def _went(self, w: Worker, key: Prefix | None) -> Worker:
+        if key is not None:
+            self.prefixes.record(key, w.url)  # its prefix will be cached there
+        return w
 
     def _score(self, w: Worker) -> float:
         return w.backlog_s + w.in_flight * self.per_request_s
