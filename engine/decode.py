@@ -27,23 +27,27 @@ class OutputStream:
         self._pending = ""  # decoded text not yet sent
 
     def push(self, sampled: Sampled) -> TokenOutput:
-        req, token = self.req, sampled.token
+        req, token, p = self.req, sampled.token, self.req.sampling
         req.output_token_ids.append(token)
         finish = None
         if token in self.eos:
             finish = "stop"
         else:
-            self._pending += self._decoder.push(token)
-        stops = req.sampling.stop
-        cut = min((i for i in (self._pending.find(s) for s in stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self._pending, finish = self._pending[:cut], "stop"
-        if finish is None and len(req.output_token_ids) >= req.sampling.max_tokens:
+            self._pending += self._decoder.push(token)  # a stop token id's text is kept, as vLLM does
+            if token in p.stop_token_ids:
+                finish = "stop"
+        # As vLLM: stop strings count from min_tokens on (the sampler holds EOS and stop ids back till then).
+        stops = p.stop if len(req.output_token_ids) >= p.min_tokens else []
+        found = [(i, len(s)) for s in stops if (i := self._pending.find(s)) >= 0]
+        if found:
+            at, n = min(found)
+            self._pending, finish = self._pending[:at + n * p.include_stop_str_in_output], "stop"
+        if finish is None and len(req.output_token_ids) >= p.max_tokens:
             finish = "length"
         if finish:
             text, self._pending = self._pending, ""
         else:
-            hold = max((_overlap(self._pending, s) for s in stops), default=0)
+            hold = max((_overlap(self._pending, s) for s in p.stop), default=0)
             text, self._pending = self._pending[: len(self._pending) - hold], self._pending[len(self._pending) - hold :]
         return TokenOutput(req.request_id, [token], text, finish,
                            logprobs=None if sampled.logprob is None else [sampled.logprob])
@@ -89,7 +93,7 @@ class Answers:
         reqs = [s.req for s in streams]
         logits = model.decode([r.output_token_ids[-1] for r in reqs], [r.num_tokens - 1 for r in reqs],
                               [r.block_table for r in reqs], kv)
-        return streams, sample(logits, reqs, generators)
+        return streams, sample(logits, reqs, generators, self.tokenizer.eos_token_ids)
 
     def start(self, req: Request, token: Sampled, now: float) -> TokenOutput:
         """Its prefill is done: its first token, or after a recompute its next one."""

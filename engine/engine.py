@@ -96,8 +96,9 @@ class Engine:
                              f"model's context of {ctx} tokens")
         if not all(0 <= t < self.model.cfg.vocab_size for t in req.prompt_token_ids):
             raise ValueError(f"token ids must be in [0, {self.model.cfg.vocab_size})")
-        if not all(0 <= t < self.model.cfg.vocab_size for t in req.sampling.logit_bias):
-            raise ValueError(f"logit_bias token ids must be in [0, {self.model.cfg.vocab_size})")
+        for name, ids in (("logit_bias", req.sampling.logit_bias), ("stop_token_ids", req.sampling.stop_token_ids)):
+            if not all(0 <= t < self.model.cfg.vocab_size for t in ids):
+                raise ValueError(f"{name} token ids must be in [0, {self.model.cfg.vocab_size})")
         if self.kv.blocks_for(req.max_total_tokens) > self.kv.num_blocks:
             raise ValueError(f"request needs {req.max_total_tokens} tokens of KV cache, "
                              f"the worker has {self.kv.num_blocks * self.kv.block_size}")
@@ -266,7 +267,8 @@ class Engine:
                 r.state = RequestState.WAITING
                 unfinished.append(r)
         logits, batch.logits = batch.logits, None
-        tokens = sample(logits[[i for i, _ in live]], [r for _, r in live], self._generators) if live else []
+        tokens = sample(logits[[i for i, _ in live]], [r for _, r in live], self._generators,
+                        self.tokenizer.eos_token_ids) if live else []
         now = self.clock()
         for (_, r), token in zip(live, tokens, strict=True):
             if isinstance(token, Exception):

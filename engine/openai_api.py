@@ -45,6 +45,12 @@ class _Common(msgspec.Struct, kw_only=True, omit_defaults=True):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's extension
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias added to its logit
+    min_p: float | None = None  # vLLM's extensions (engine/request.py SamplingParams)
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    use_beam_search: bool | None = None  # refused when true
+    prompt_logprobs: int | None = None  # refused when set
     # Known fields of OpenAI's API this server does not implement: refused with a 400 when set, never
     # silently ignored (a client asking for JSON or tool calls must not get plain text as if it were).
     response_format: dict[str, Any] | None = None
@@ -64,6 +70,10 @@ class _Common(msgspec.Struct, kw_only=True, omit_defaults=True):
         """The first field set to something this server does not do, or None."""
         if self.n not in (None, 1):
             return "n"
+        if self.use_beam_search:
+            return "use_beam_search"
+        if self.prompt_logprobs is not None:
+            return "prompt_logprobs"
         if self.response_format and self.response_format.get("type", "text") != "text":
             return "response_format"
         if any(x is not None for x in (self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar)):
@@ -91,7 +101,10 @@ class _Common(msgspec.Struct, kw_only=True, omit_defaults=True):
                                 frequency_penalty=self.frequency_penalty or 0.0,
                                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                                 logit_bias=bias,
-                                logprobs=self.top_logprobs_wanted())
+                                logprobs=self.top_logprobs_wanted(),
+                                min_p=self.min_p or 0.0, min_tokens=self.min_tokens or 0,
+                                stop_token_ids=list(self.stop_token_ids or []),
+                                include_stop_str_in_output=bool(self.include_stop_str_in_output))
         params.validate()
         return params
 
@@ -108,6 +121,8 @@ class Unsupported(ValueError):
         "echo": "echo is not supported",
         "best_of": "best_of other than 1 is not supported",
         "suffix": "suffix (insertion) is not supported",
+        "use_beam_search": "beam search is not supported",
+        "prompt_logprobs": "prompt_logprobs is not supported",
     }
 
     def __init__(self, field: str) -> None:

@@ -43,6 +43,13 @@ class SamplingParams(msgspec.Struct):
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = {}
     logprobs: int | None = None  # None: off; n: the sampled token's log-probability and the n likeliest
+    # vLLM's extensions: min_p keeps tokens at least this share of the likeliest's probability; no
+    # stop (EOS, stop_token_ids, stop strings) before min_tokens; stop_token_ids end the answer like
+    # EOS, their text kept; include_stop_str_in_output keeps the stop string that ended it.
+    min_p: float = 0.0
+    min_tokens: int = 0
+    stop_token_ids: list[int] = []
+    include_stop_str_in_output: bool = False
 
     def validate(self) -> None:
         if self.max_tokens < 1:
@@ -62,6 +69,10 @@ class SamplingParams(msgspec.Struct):
             raise ValueError("repetition_penalty must be in [0.01, 100]")
         if any(not -100 <= v <= 100 for v in self.logit_bias.values()):
             raise ValueError("logit_bias values must be in [-100, 100]")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError("min_tokens must be in [0, max_tokens]")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"the number of top logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
 

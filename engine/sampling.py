@@ -1,21 +1,26 @@
-"""Token sampling: logit bias and penalties, greedy, temperature, top-k, top-p, per-request seeds,
-and the sampled token's log-probability."""
+"""Token sampling: logit bias and penalties, min_tokens, greedy, temperature, min-p, top-k, top-p,
+per-request seeds, and the sampled token's log-probability."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 from engine.request import Logprob, Request, Sampled
 
 
-def sample(logits: torch.Tensor, requests: list[Request], generators: dict[str, torch.Generator]
-           ) -> list[Sampled | Exception]:
+def sample(logits: torch.Tensor, requests: list[Request], generators: dict[str, torch.Generator],
+           eos: Sequence[int] = ()) -> list[Sampled | Exception]:
     """One token per row of logits [batch, vocab], or the exception that row raised: a request whose
-    parameters trip a bug fails alone, not every request sampled with it."""
+    parameters trip a bug fails alone, not every request sampled with it. `eos`: the model's
+    end-of-sequence ids (which min_tokens holds back)."""
     out: list[Sampled | Exception] = []
     for row, req in zip(logits, requests, strict=True):
         try:
-            token = sample_row(penalized(row, req) if req.sampling.penalized else row, req, generators)
+            early = len(req.output_token_ids) < req.sampling.min_tokens
+            token = sample_row(penalized(row, req, eos if early else None) if req.sampling.penalized or early
+                               else row, req, generators)
             k = req.sampling.logprobs
             out.append(Sampled(token, None if k is None else logprob(row, token, k)))
         except Exception as exc:  # the caller fails this request with it
@@ -23,11 +28,12 @@ def sample(logits: torch.Tensor, requests: list[Request], generators: dict[str, 
     return out
 
 
-def penalized(row: torch.Tensor, req: Request) -> torch.Tensor:
+def penalized(row: torch.Tensor, req: Request, eos: Sequence[int] | None = None) -> torch.Tensor:
     """The logits after logit_bias, then the penalties, in vLLM's order and with its semantics:
     repetition_penalty divides positive logits and multiplies negative ones of every token seen in
     the prompt or the output (HF's definition); frequency_penalty subtracts once per occurrence in
-    the output and presence_penalty once for any (OpenAI's)."""
+    the output and presence_penalty once for any (OpenAI's). With `eos` (an answer short of its
+    min_tokens), the tokens that would end it cannot be sampled."""
     p, dev = req.sampling, row.device
     row = row.float().clone()
     if p.logit_bias:
@@ -44,6 +50,8 @@ def penalized(row: torch.Tensor, req: Request) -> torch.Tensor:
     if p.frequency_penalty or p.presence_penalty:
         counts = torch.bincount(out, minlength=row.numel()).to(row.dtype)
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    if eos is not None and (ends := [*([] if p.ignore_eos else eos), *p.stop_token_ids]):
+        row[torch.tensor(ends, dtype=torch.long, device=dev)] = float("-inf")
     return row
 
 
@@ -52,6 +60,9 @@ def sample_row(row: torch.Tensor, req: Request, generators: dict[str, torch.Gene
     if p.greedy:
         return int(row.argmax())
     row = row / p.temperature
+    if p.min_p:  # vLLM's order: after temperature, before top-k and top-p
+        probs = torch.softmax(row, dim=-1)
+        row = row.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     if p.top_k:
         kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))

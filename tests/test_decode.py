@@ -372,8 +372,9 @@ def test_engine_stop_string_and_eos(make_engine: Callable[..., Engine], monkeypa
     # EOS: force the 4th sampled token of request "eos" to be an EOS id.
     inner = engine_module.sample
 
-    def forced(logits: torch.Tensor, reqs: list[Request], gens: dict[str, torch.Generator]) -> list[Sampled]:
-        out = inner(logits, reqs, gens)
+    def forced(logits: torch.Tensor, reqs: list[Request], gens: dict[str, torch.Generator],
+               eos: list[int]) -> list[Sampled]:
+        out = inner(logits, reqs, gens, eos)
         return [Sampled(EOS) if r.request_id.startswith("eos") and len(r.output_token_ids) == 3 else t
                 for r, t in zip(reqs, out, strict=True)]
 
@@ -384,3 +385,17 @@ def test_engine_stop_string_and_eos(make_engine: Callable[..., Engine], monkeypa
     assert kept.finish_reason == "length" and len(kept.output_token_ids) == 10
     assert kept.output_token_ids[3] == EOS
     assert eng.kv.num_free_blocks == eng.kv.num_blocks
+
+
+def test_engine_min_tokens_and_stop_token_ids(make_engine: Callable[..., Engine]) -> None:
+    """vLLM's extensions end to end: EOS pushed to the top by logit_bias is held back until
+    min_tokens; a stop token id ends the answer with its text kept."""
+    eng = make_engine()
+    p = prompt(20, 5)
+    held = eng.generate([p], SamplingParams(max_tokens=40, temperature=0.0, min_tokens=5, logit_bias={EOS: 100.0}))[0]
+    assert held.finish_reason == "stop" and len(held.output_token_ids) == 6 and held.output_token_ids[-1] == EOS
+    assert EOS not in held.output_token_ids[:5]
+    a = ord("A")
+    stopped = eng.generate([p], SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[a],
+                                               logit_bias={a: 100.0}))[0]
+    assert stopped.finish_reason == "stop" and stopped.output_token_ids == [a]

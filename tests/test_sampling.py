@@ -66,6 +66,8 @@ def test_greedy_follows_the_processed_logits_and_logprobs_the_raw_ones() -> None
     ({"repetition_penalty": 1e-300}, "repetition_penalty must be in"),
     ({"logit_bias": {3: 101.0}}, "logit_bias values"),
     ({"logprobs": 21}, "top logprobs must be in"),
+    ({"min_p": 1.5}, "min_p must be in"),
+    ({"min_tokens": 17, "max_tokens": 16}, "min_tokens must be in"),
 ])
 def test_out_of_range_values_are_refused(fields: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -93,7 +95,9 @@ def test_request_fields() -> None:
                         (CompletionRequest(prompt="x", suffix="end"), "suffix"),
                         (CompletionRequest(prompt="x", n=2), "n"),
                         (ChatCompletionRequest(messages=[], tool_choice="required"), "tools"),
-                        (ChatCompletionRequest(messages=[], guided_choice=["a", "b"]), "guided_decoding")]:
+                        (ChatCompletionRequest(messages=[], guided_choice=["a", "b"]), "guided_decoding"),
+                        (CompletionRequest(prompt="x", use_beam_search=True), "use_beam_search"),
+                        (ChatCompletionRequest(messages=[], prompt_logprobs=1), "prompt_logprobs")]:
         with pytest.raises(Unsupported) as err:
             body.sampling(16)
         assert err.value.field == field
@@ -176,3 +180,70 @@ def test_messages_as_chat_templates_read_them() -> None:
     assert tool == {"role": "tool", "content": "42", "tool_call_id": "call-1", "name": "calc"}
     with pytest.raises(ValueError, match="only text content parts"):
         ChatMessage("user", [{"type": "input_audio", "input_audio": {}}]).for_template()
+
+
+def test_vllm_extensions_reach_the_sampler() -> None:
+    p = CompletionRequest(prompt="x", min_p=0.1, min_tokens=3, stop_token_ids=[7, 9],
+                          include_stop_str_in_output=True, use_beam_search=False).sampling(16)
+    assert (p.min_p, p.min_tokens, p.stop_token_ids, p.include_stop_str_in_output) == (0.1, 3, [7, 9], True)
+    nulls = msgspec.json.decode(b'{"prompt": "x", "min_p": null, "min_tokens": null, "stop_token_ids": null, '
+                                b'"include_stop_str_in_output": null, "use_beam_search": null}', type=CompletionRequest)
+    assert nulls.sampling(16) == SamplingParams()
+
+
+def test_min_p_keeps_tokens_within_a_share_of_the_likeliest() -> None:
+    """vLLM's min-p: after temperature, tokens below min_p x the likeliest's probability are out."""
+    probs = torch.tensor([0.5, 0.3, 0.12, 0.05, 0.03])
+    logits = probs.log().unsqueeze(0)
+    r = req([0], [], temperature=1.0, min_p=0.2, seed=0)  # keeps p >= 0.1: tokens 0, 1, 2
+    gens: dict[str, torch.Generator] = {}  # one seeded stream of draws
+    drawn = {sample(logits, [r], gens)[0].token for _ in range(300)}  # type: ignore[union-attr]
+    assert drawn == {0, 1, 2}
+    hot = req([0], [], temperature=2.0, min_p=0.2, seed=0)  # flatter after temperature: 3 is back in
+    gens.clear()
+    assert 3 in {sample(logits, [hot], gens)[0].token for _ in range(400)}  # type: ignore[union-attr]
+
+
+def test_min_tokens_holds_back_eos_and_stop_token_ids() -> None:
+    logits = torch.tensor([[0.0, 5.0, 9.0, 1.0]])  # the likeliest two end the answer
+    early = req([0], [3, 3], temperature=0, min_tokens=3, stop_token_ids=[1])
+    assert sample(logits, [early], {}, eos=[2]) == [Sampled(3)]
+    done = req([0], [3, 3, 3], temperature=0, min_tokens=3, stop_token_ids=[1])
+    assert sample(logits, [done], {}, eos=[2]) == [Sampled(2)]
+    ignoring = req([0], [], temperature=0, min_tokens=3, ignore_eos=True)
+    assert sample(logits, [ignoring], {}, eos=[2]) == [Sampled(2)]  # ignore_eos: EOS is no stop to hold
+
+
+class _Tok:
+    eos_token_ids = (0,)
+
+    def incremental_decoder(self) -> _Dec:
+        return _Dec()
+
+
+class _Dec:
+    def push(self, token: int) -> str:
+        return chr(ord("a") + token - 1)
+
+
+def stream(tokens: list[int], **sampling: object) -> tuple[str, str | None]:
+    from engine.decode import OutputStream
+
+    r = req([1], [], **{"max_tokens": 50, **sampling})
+    out = OutputStream(r, _Tok())  # type: ignore[arg-type]
+    text, finish = "", None
+    for t in tokens:
+        o = out.push(Sampled(t))
+        text, finish = text + o.text, o.finish_reason
+        if finish:
+            break
+    return text, finish
+
+
+def test_stop_token_ids_stop_strings_and_min_tokens_in_the_stream() -> None:
+    assert stream([1, 2, 3, 4, 5], stop_token_ids=[3]) == ("abc", "stop")  # the stop id's text is kept
+    assert stream([1, 2, 3, 4, 5], stop=["cd"]) == ("ab", "stop")
+    assert stream([1, 2, 3, 4, 5], stop=["cd"], include_stop_str_in_output=True) == ("abcd", "stop")
+    # before min_tokens, a stop string does not stop (as vLLM); one that completes later does
+    assert stream([1, 2, 1, 2, 5], stop=["ab"]) == ("", "stop")
+    assert stream([1, 2, 1, 2, 5], stop=["ab"], min_tokens=3) == ("ab", "stop")  # the first "ab" passes
