@@ -1,0 +1,85 @@
+"""A crowd through `flowprefill serve` on a KV cache far smaller than it needs: streams read to the
+end, whole answers, stop strings with min_tokens, and clients that leave mid-stream, all at once.
+Answers are evicted and recomputed, requests wait for blocks; yet every request ends as a whole
+answer or as cancelled (its client gone), the worker's counters say the same, and once the crowd
+is gone the cache is whole and nothing waits or decodes."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import httpx
+import pytest
+from processes import serving
+from prometheus_client.parser import text_string_to_metric_families
+
+pytestmark = pytest.mark.slow
+
+CLIENTS = 24
+
+
+def _client(url: str, i: int, outcome: dict[int, str]) -> None:
+    rng = random.Random(i)
+    prompt = "".join(rng.choice("abcdefghij ") for _ in range(rng.randrange(150, 300)))
+    kind = ("stream", "whole", "leave", "stop")[i % 4]
+    body = {"model": "flowprefill-default", "prompt": prompt, "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True}
+    with httpx.Client(base_url=url, timeout=120) as http:
+        if kind == "whole":
+            r = http.post("/v1/completions", json=body)
+            ok = r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 200
+            outcome[i] = "length" if ok else f"bad {r.status_code} {r.text[:200]}"
+        elif kind == "stop":
+            r = http.post("/v1/completions", json=body | {"stop": ["a"], "min_tokens": 20})
+            data = r.json()
+            ok = r.status_code == 200 and data["usage"]["completion_tokens"] >= 20
+            outcome[i] = data["choices"][0]["finish_reason"] if ok else f"bad {r.status_code} {r.text[:200]}"
+        else:
+            lines = 0
+            with http.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
+                for line in r.iter_lines():
+                    lines += line.startswith("data: ")
+                    if kind == "leave" and lines == 5:
+                        break  # the client goes: the engine must cancel and free its blocks
+                    if line == "data: [DONE]":
+                        break
+            outcome[i] = "cancelled" if kind == "leave" else ("length" if line == "data: [DONE]" and lines == 201
+                                                              else f"bad stream of {lines} events")
+
+
+def _metrics(worker: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(f"{worker}/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_a_crowd_on_a_small_cache_ends_whole_and_leaves_nothing_behind() -> None:
+    with serving("--kv-capacity-tokens", "4096", "--kv-block-size", "16") as url:
+        worker = url.rsplit(":", 1)[0] + f":{int(url.rsplit(':', 1)[1]) + 1}"
+        outcome: dict[int, str] = {}
+        threads = [threading.Thread(target=_client, args=(url, i, outcome)) for i in range(CLIENTS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        assert len(outcome) == CLIENTS, "a client never got an answer"
+        assert all(o in ("length", "stop", "cancelled") for o in outcome.values()), sorted(outcome.items())
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            load = httpx.get(f"{worker}/load").json()
+            if (load["waiting"], load["decoding"], load["kv_cache_usage"]) == (0, 0, 0.0):
+                break
+            time.sleep(0.2)
+        assert (load["waiting"], load["decoding"], load["kv_cache_usage"]) == (0, 0, 0.0), load
+        m = _metrics(worker)
+        finished: dict[str, float] = {}
+        for (name, labels), v in m.items():
+            if name == "flowprefill_requests_finished_total":
+                reason = dict(labels)["finish_reason"]
+                finished[reason] = finished.get(reason, 0) + v
+        assert sum(finished.values()) == CLIENTS and finished.get("cancelled") == CLIENTS // 4, finished
+        assert not finished.get("error")
+        evicted = sum(v for k, v in m.items() if k[0] == "flowprefill_decode_preemptions_total")
+        assert evicted > 0, "the cache never ran short: the scenario did not happen"
