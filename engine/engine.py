@@ -131,6 +131,7 @@ class Engine:
         Raises ValueError for KV that does not fit this model or prompt."""
         self.validate(req)
         handoff.check(self.model.cfg, req, kv, first)
+        req.prefilled_elsewhere = True
         with self._cv:
             if req.request_id in self._requests:
                 raise ValueError(f"duplicate request id {req.request_id!r}")
@@ -223,13 +224,11 @@ class Engine:
             now = self.clock()
             prev.suspend(now, self.scheduler.chosen_at, batch, queued)
             self.preemptions += 1
-            for o in self.observers:
-                o.on_segment_end(prev, now)
+            self._notify("on_segment_end", prev, now)
         batch.begin_segment(now)
-        for o in self.observers:
-            o.on_segment_start(batch, now)
-            if preempted:
-                o.on_preempt(prev, batch)
+        self._notify("on_segment_start", batch, now)
+        if preempted:
+            self._notify("on_preempt", prev, batch)
         self._current = batch
 
     def _reserve_tokens(self, req: Request) -> int:
@@ -252,8 +251,7 @@ class Engine:
     def _complete(self, batch: PrefillBatch) -> None:
         now = self.clock()
         batch.end_segment(now)
-        for o in self.observers:
-            o.on_segment_end(batch, now)
+        self._notify("on_segment_end", batch, now)
         self.cost.observe(batch.num_tokens, batch.steps.base_cost, batch.exec_s)
         live, unfinished = [], []
         for i, (r, whole) in enumerate(zip(batch.requests, batch.completes_prefills, strict=True)):
@@ -289,8 +287,7 @@ class Engine:
         """Its first token, or after a recompute its next one (the gap includes the eviction)."""
         gap = now - r.last_token_time if r.last_token_time is not None else None
         out = self.answers.start(r, token, now)
-        for o in self.observers:
-            o.on_tokens([r], [gap])
+        self._notify("on_tokens", [r], [gap])
         self._emit(out)
 
     def _evict(self, evicted: list[Request]) -> None:
@@ -305,8 +302,7 @@ class Engine:
             req.state = RequestState.WAITING
             req.deadline = now + self.scheduler.predict_s(req) + req.tbt_target_s
             req.evictions += 1
-            for o in self.observers:
-                o.on_evict(req, now)
+            self._notify("on_evict", req, now)
             with self._cv:
                 self.scheduler.on_evicted(req)
 
@@ -346,8 +342,7 @@ class Engine:
         now = self.clock()
         got = [(s.req, now - s.req.last_token_time) for s, t in zip(streams, tokens, strict=True)
                if not isinstance(t, Exception)]
-        for o in self.observers:
-            o.on_tokens([r for r, _ in got], [gap for _, gap in got])
+        self._notify("on_tokens", [r for r, _ in got], [gap for _, gap in got])
         for stream, token in zip(streams, tokens, strict=True):
             if isinstance(token, Exception):
                 self._finish(stream.req, "error", f"sampling failed: {token}")
@@ -382,8 +377,16 @@ class Engine:
             if reason in ("stop", "length"):
                 self.prefixes.answered(req)
             self._free_blocks(req.block_table)
+        self._notify("on_finish", req)
+
+    def _notify(self, event: str, *args: object) -> None:
+        """Tell the observers (telemetry). They watch, never steer: one that raises is logged, and
+        no request fails for it."""
         for o in self.observers:
-            o.on_finish(req)
+            try:
+                getattr(o, event)(*args)
+            except Exception:
+                log.exception("observer %s failed on %s", type(o).__name__, event)
 
     def _free_blocks(self, block_table: list[int]) -> None:
         """Return KV blocks; requests that waited for them get a scheduling decision (a completion

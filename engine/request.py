@@ -162,6 +162,7 @@ class Request(msgspec.Struct, kw_only=True):
     # out (`kv_export`, filled on the engine thread) for hand-off to a decode worker.
     export_kv: bool = False
     kv_export: dict[str, Any] | None = None
+    prefilled_elsewhere: bool = False  # a decode worker's: its prompt's KV was handed to it
     trace_context: Any = None  # telemetry's carrier, never read by the engine
     prompt_token_mask: Any = None  # repetition_penalty's: which vocabulary ids the prompt holds (made once)
     # Prefix caching: the content hashes of the prompt's full KV blocks (None: not cacheable, e.g. a

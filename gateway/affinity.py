@@ -29,6 +29,9 @@ import msgspec
 
 CHARS_PER_TOKEN = 4  # a token id counts as this many characters of text
 CHUNK_CHARS = 256  # the granularity of recorded prefixes (about 64 tokens)
+# Prefixes are told apart up to this many characters (hashing costs ~1 us per chunk on the gateway's
+# event loop; a 16 MiB body would take ~90 ms): longer conversations still find their worker by it.
+MAX_PREFIX_CHARS = 65_536
 TABLE_ENTRIES = 200_000  # chunks remembered per pool (~50M characters of prefixes; ~40 MB)
 
 
@@ -64,7 +67,7 @@ def prefix_key(body: dict[str, Any], chars: int) -> Prefix | None:
     if head is None:
         return None
     chunks, h = [], b""
-    for i in range(len(text) // CHUNK_CHARS):
+    for i in range(min(len(text), MAX_PREFIX_CHARS) // CHUNK_CHARS):
         h = hashlib.blake2b(h + text[i * CHUNK_CHARS:(i + 1) * CHUNK_CHARS].encode(), digest_size=16).digest()
         chunks.append(h)
     return Prefix(hashlib.blake2b(head.encode(), digest_size=16).digest(), chunks, -(-len(head) // CHUNK_CHARS))

@@ -100,6 +100,8 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
                 failed = r
                 continue
             if r.status_code == 200:
+                if key is not None:
+                    prefill_pool.prefixes.record(key, pre.url)  # its prompt is cached there now
                 return {h: v for h in (CACHED_TOKENS_HEADER,) if (v := r.headers.get(h))}
             keep = ("retry-after", "x-flowprefill-dropped-reason")
             metrics.answered(slo_name, r.status_code, r.headers.get("x-flowprefill-dropped-reason"))
@@ -204,6 +206,8 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
                     continue
                 break
             pool.record_ok(worker)
+            if key is not None and prefill_pool is None and up.status_code == 200:
+                pool.prefixes.record(key, worker.url)  # its prompt is cached there now
             # (the content type travels as the response's media type: a header too would send it twice;
             # the worker's x-request-id, which it made unique if the client's was in use there)
             answer_headers = ours | {k: v for k, v in up.headers.items()

@@ -58,7 +58,9 @@ class WorkerPool:
         self.gated = self.upstream.kind == "openai"
         self.roles = roles
         self.affinity_slack_s = affinity_slack_s
-        self.prefixes = PrefixTable()  # where this pool's requests' prefixes went (gateway/affinity.py)
+        # Where this pool's requests' prefixes are cached (gateway/affinity.py): the caller records a
+        # worker once it has answered 200, so a worker that shed or failed a request never takes its keys.
+        self.prefixes = PrefixTable()
         self._rr = itertools.count()
         self._seq = itertools.count()
         self._waiting: list[tuple[float, int, frozenset[str], Prefix | None, asyncio.Future[Worker]]] = []
@@ -107,10 +109,11 @@ class WorkerPool:
         free = [w for w in live if w.in_flight < cap]
         if not free:
             return None
-        w = min(free, key=lambda w: w.in_flight)
-        if key is not None and (home := self.prefixes.home(key, live)) in free:
-            w = home  # a slot on the prefix's worker; when it is full, any free one
-        return self._went(w, key)
+        if key is not None:
+            if (home := self.prefixes.home(key, live)) in free:
+                return home  # a slot on the prefix's worker; when it is full, any free one
+            key.matched_chars = 0
+        return min(free, key=lambda w: w.in_flight)
 
     def _dispatch(self) -> None:
         """Hand free slots to waiters, earliest deadline first."""
@@ -139,15 +142,11 @@ class WorkerPool:
         start = next(self._rr)
         ranked = sorted(range(len(live)), key=lambda i: (self._score(live[i]), (i - start) % len(live)))
         best = live[ranked[0]]
-        if key is not None and self._score(home := self.prefixes.home(key, live)) <= (
-                self._score(best) + self.affinity_slack_s):
-            best = home
-        return self._went(best, key)
-
-    def _went(self, w: Worker, key: Prefix | None) -> Worker:
         if key is not None:
-            self.prefixes.record(key, w.url)  # its prefix will be cached there
-        return w
+            if self._score(home := self.prefixes.home(key, live)) <= self._score(best) + self.affinity_slack_s:
+                return home
+            key.matched_chars = 0  # load wins: what was found is not where it goes
+        return best
 
     def _score(self, w: Worker) -> float:
         return w.backlog_s + w.in_flight * self.per_request_s

@@ -7,7 +7,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
@@ -44,6 +44,7 @@ class EngineMetrics(EngineObserver):
             {"model": model or engine.model.cfg.name, "policy": engine.policy.name, "version": flowprefill_version()})
         # Goodput over a sliding window: first tokens that met their target, per second.
         self._attained_at: deque[float] = deque()
+        self._children: dict[tuple[Any, str], Any] = {}
         self._lock = threading.Lock()
         Gauge("flowprefill_goodput_requests_per_second",
               f"Requests per second that met their TTFT target, over the last {GOODPUT_WINDOW_S:.0f} s",
@@ -121,29 +122,41 @@ class EngineMetrics(EngineObserver):
         self.evictions.labels(req.slo_class).inc()
 
     def on_tokens(self, reqs: list[Request], gaps: list[float | None]) -> None:
+        # Per token, on the engine thread: labelled children looked up once per class, counts added
+        # once per class and step.
+        made: dict[str, int] = {}
         for req, gap in zip(reqs, gaps, strict=True):
             if not req.export_kv:  # a prefill worker's first token is counted where the answer decodes
-                self.generation_tokens.labels(req.slo_class).inc()
+                made[req.slo_class] = made.get(req.slo_class, 0) + 1
             if gap is not None:
-                self.token_gap.labels(req.slo_class).observe(gap)
+                self._child(self.token_gap, req.slo_class).observe(gap)
+        for cls, n in made.items():
+            self._child(self.generation_tokens, cls).inc(n)
+
+    def _child(self, metric: Histogram | Counter, cls: str) -> Any:
+        child = self._children.get((metric, cls))
+        if child is None:
+            child = self._children[(metric, cls)] = metric.labels(cls)
+        return child
 
     def on_finish(self, req: Request) -> None:
         if req.block_hashes is not None:  # looked up in the prefix cache at arrival
             self.prefix_queries.inc(req.num_prompt_tokens)
             self.prefix_hits.inc(req.cached_tokens)
         cls = req.slo_class
-        self.finished.labels(cls, req.finish_reason or "").inc()
-        self.prompt_tokens.labels(cls).inc(req.num_prompt_tokens)
-        if req.finish_time is not None:
-            self.duration.labels(cls).observe(req.finish_time - req.arrival_time)
-        n = len(req.output_token_ids)
-        if n > 1 and req.first_token_time is not None and req.last_token_time is not None:
-            self.tpot.labels(cls).observe((req.last_token_time - req.first_token_time) / (n - 1))
-        if req.ttft is None:
+        if not req.export_kv:  # a disaggregated request ends on its decode worker: counted there
+            self.finished.labels(cls, req.finish_reason or "").inc()
+            self.prompt_tokens.labels(cls).inc(req.num_prompt_tokens)
+            if req.finish_time is not None:
+                self.duration.labels(cls).observe(req.finish_time - req.arrival_time)
+            n = len(req.output_token_ids)
+            if n > 1 and req.first_token_time is not None and req.last_token_time is not None:
+                self.tpot.labels(cls).observe((req.last_token_time - req.first_token_time) / (n - 1))
+        if req.ttft is None or req.prefilled_elsewhere:  # TTFT counts where the prompt was prefilled
             return
-        self.ttft.labels(req.slo_class).observe(req.ttft)
+        self.ttft.labels(cls).observe(req.ttft)
         met = req.ttft <= req.ttft_target_s
-        (self.attained if met else self.violated).labels(req.slo_class).inc()
+        (self.attained if met else self.violated).labels(cls).inc()
         if met:
             with self._lock:
                 self._attained_at.append(time.monotonic())

@@ -81,23 +81,50 @@ def chat(system: str, *turns: str) -> dict:
     return {"messages": messages}
 
 
+def served(p: WorkerPool, body: dict) -> Worker:
+    """Route a request as the gateway does: pick, and once the worker answered 200, record it."""
+    prefix = prefix_key(body, 1024)
+    assert prefix is not None
+    w = p.pick(key=prefix)
+    assert w is not None
+    p.prefixes.record(prefix, w.url)
+    return w
+
+
 def test_a_conversation_that_spilled_over_follows_its_worker() -> None:
     """Conversations sharing a long system prompt start on its worker until that one is busy; one
     that spilled to another worker finds its own history there on its next turn (its longest
     recorded prefix), not on the system prompt's worker."""
     p = pool()
     system = "You are a careful assistant. " * 60  # 1,740 characters
-    first = p.pick(key=prefix_key(chat(system, "q1 " * 100), 1024))
+    first = served(p, chat(system, "q1 " * 100))
     first.backlog_s = 1.0
     spilled_key = prefix_key(chat(system, "other " * 100), 1024)
-    spilled = p.pick(key=spilled_key)
-    assert spilled is not first and spilled_key.matched_chars >= 1536  # the system prompt, found on `first`
+    spilled = served(p, chat(system, "other " * 100))
+    assert spilled is not first
+    assert p.prefixes.home(spilled_key, p.workers) is spilled  # now recorded there, all of it
     first.backlog_s = 0.0  # idle again: by the system prompt alone the next turn would go back
     turn2 = prefix_key(chat(system, "other " * 100, "and then? " * 20), 1024)
     assert p.pick(key=turn2) is spilled
     assert turn2.matched_chars > len(system)
     again = prefix_key(chat(system, "q1 " * 100, "more " * 30), 1024)
     assert p.pick(key=again) is first  # the first conversation's turn 2 goes home too
+
+
+def test_a_worker_that_did_not_answer_does_not_take_the_prefix() -> None:
+    """Routing records nothing: the gateway records a worker once it answered 200. A turn that every
+    worker shed, retried later, still goes where its history is. (Found by review: picking used to
+    record, so the last worker to shed took the conversation.)"""
+    p = pool()
+    home = served(p, chat("You are careful. " * 80, "q1 " * 100))
+    turn2 = chat("You are careful. " * 80, "q1 " * 100, "q2 " * 50)
+    tried: set[str] = set()
+    while (w := p.pick(exclude=tried, key=prefix_key(turn2, 1024))) is not None:
+        tried.add(w.url)  # shed there: nothing computed, nothing cached
+    assert p.pick(key=prefix_key(turn2, 1024)) is home
+    busy = prefix_key(turn2, 1024)
+    home.backlog_s = 1.0
+    assert p.pick(key=busy) is not home and busy.matched_chars == 0  # load won: no match reported
 
 
 def test_the_table_forgets_least_recently_used_chunks_first() -> None:

@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_engine import Sink, assert_idle_and_free, tokens
 
 from engine.engine import Engine
+from engine.observer import EngineObserver
 from engine.request import Request, SamplingParams
 from telemetry.metrics import EngineMetrics
 
@@ -71,3 +72,55 @@ def test_a_cancelled_request_is_counted_as_such(make_engine: EngineFactory) -> N
     std = ("slo_class", "standard")
     assert got[("flowprefill_requests_finished_total", (("finish_reason", "cancelled"), std))] == 1
     assert got[("flowprefill_generation_tokens_total", (std,))] == len(req.output_token_ids)
+
+
+def test_a_disaggregated_request_is_counted_once(make_engine: EngineFactory) -> None:
+    """Summed over its prefill and decode workers, as Prometheus sums: one request, its prompt once,
+    its tokens once, its TTFT where its prompt was prefilled. (Found by review: counted twice.)"""
+    from engine import handoff
+    from engine.request import Sampled
+
+    prefill, decode = make_engine(), make_engine()
+    per_worker = [EngineMetrics(prefill), EngineMetrics(decode)]
+    prompt = tokens(100, seed=9)
+    first = Request(request_id="p", prompt_token_ids=prompt, export_kv=True,
+                    sampling=SamplingParams(max_tokens=1, temperature=0.0))
+    first.sink = sink = Sink(first)
+    prefill.add_request(first)
+    assert sink.wait() == "length"
+    kv, token = handoff.unpack(handoff.pack(first.kv_export, Sampled(first.output_token_ids[0])))
+    req = Request(request_id="d", prompt_token_ids=prompt,
+                  sampling=SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    req.sink = sink = Sink(req)
+    decode.add_prefilled(req, kv, token)
+    assert sink.wait() == "length"
+
+    def total(name: str) -> float:
+        return sum(v for m in per_worker for (n, _), v in samples(m).items() if n == name)
+
+    assert total("flowprefill_generation_tokens_total") == 5
+    assert total("flowprefill_prompt_tokens_total") == 100
+    assert total("flowprefill_requests_finished_total") == 1
+    assert total("flowprefill_request_duration_seconds_count") == 1
+    assert total("flowprefill_time_to_first_token_seconds_count") == 1
+    assert samples(per_worker[0])[("flowprefill_time_to_first_token_seconds_count", (("slo_class", "standard"),))] == 1
+
+
+class Broken(EngineObserver):
+    """Telemetry with a bug in every hook."""
+
+    def __getattribute__(self, name: str) -> object:
+        if name.startswith("on_"):
+            def fail(*_: object) -> None:
+                raise RuntimeError(f"{name} is broken")
+            return fail
+        return super().__getattribute__(name)
+
+
+def test_a_failing_observer_fails_no_request(make_engine: EngineFactory) -> None:
+    eng = make_engine(kv_capacity_tokens=10 * 16)
+    eng.observers.append(Broken())
+    reqs = [submit(eng, f"r{i}", 40 + 10 * i, 30) for i in range(3)]  # evictions too: a 10-block cache
+    for req, sink in reqs:
+        assert sink.wait() == "length" and len(req.output_token_ids) == 30
+    assert_idle_and_free(eng)
