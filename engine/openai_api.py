@@ -68,8 +68,6 @@ class _Common(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     def unsupported(self) -> str | None:
         """The first field set to something this server does not do, or None."""
-        if self.n not in (None, 1):
-            return "n"
         if self.use_beam_search:
             return "use_beam_search"
         if self.prompt_logprobs is not None:
@@ -207,29 +205,30 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 
 def completion_chunk(rid: str, model: str, text: str, finish: str | None, chat: bool,
-                     first: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+                     first: bool = False, logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
     if chat:
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
-        choice = {"index": 0, "delta": delta if text or first else {}, "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": index, "delta": delta if text or first else {}, "logprobs": logprobs,
+                  "finish_reason": finish}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
 
 
-def completion_body(rid: str, model: str, text: str, finish: str | None, chat: bool,
-                    prompt_tokens: int, completion_tokens: int, logprobs: dict[str, Any] | None = None,
-                    cached_tokens: int = 0) -> dict[str, Any]:
+def completion_body(rid: str, model: str, choices: list[tuple[str, str | None, dict[str, Any] | None]], chat: bool,
+                    usage_: dict[str, Any]) -> dict[str, Any]:
+    """`choices`: each one's text, finish reason and logprobs, in index order."""
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                  "finish_reason": finish}
+        body = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": f}
+                for i, (text, f, lp) in enumerate(choices)]
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        body = [{"index": i, "text": text, "logprobs": lp, "finish_reason": f}
+                for i, (text, f, lp) in enumerate(choices)]
         obj = "text_completion"
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
-            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": body, "usage": usage_}
 
 
 class LogprobFormatter:

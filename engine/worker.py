@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -27,14 +26,13 @@ from engine.openai_api import (
     StreamOptions,
     Unsupported,
     completion_body,
-    completion_chunk,
     error_body,
     http_error_body,
     new_id,
-    usage,
 )
-from engine.request import Logprob, Sampled, TokenOutput
 from engine.request import Request as EngineRequest
+from engine.request import Sampled, TokenOutput
+from engine.responses import Choices, sse
 from engine.slo import DEFAULT_CLASS, DEFAULT_CLASSES, SLOClass
 from telemetry.metrics import EngineMetrics
 
@@ -52,6 +50,7 @@ def chat_default_max_tokens(prompt_tokens: int, room_tokens: int) -> int:
     also reserved in KV when the batch forms. A client wanting longer answers says so. A prompt that
     leaves no room gets 1, which validation then refuses, naming the context."""
     return max(1, min(CHAT_DEFAULT_MAX_TOKENS, room_tokens - prompt_tokens))
+MAX_CHOICES = 128  # n: OpenAI's limit
 HANDOFF_TIMEOUT_S = 30.0  # a decode request waits this long for its prefill worker's KV
 
 
@@ -152,15 +151,26 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
             raise BadRequest(f"this worker only prefills: send it requests with {handoff.KV_TO_HEADER}", status=421)
         if role == "decode" and not kv_id:
             raise BadRequest(f"this worker only decodes: send it requests with {handoff.KV_ID_HEADER}", status=421)
+        n = 1 if body.n is None else body.n
+        if not 1 <= n <= MAX_CHOICES:
+            raise BadRequest(f"n must be in [1, {MAX_CHOICES}]", param="n")
+        if n > 1 and (kv_to or kv_id):
+            raise BadRequest("n > 1 is not supported with prefill/decode disaggregation", param="n")
         if kv_to:  # the prefill half of a disaggregated request: the first token, then hand the KV over
             if body.stream:
                 raise BadRequest(f"a request with {handoff.KV_TO_HEADER} must not stream")
             sampling = msgspec.structs.replace(sampling, max_tokens=1)
         req = EngineRequest.for_class(slo, request_id=rid, prompt_token_ids=ids, sampling=sampling,
                                       export_kv=bool(kv_to))
+        # n choices are n engine requests: choice i's seed is seed + i (reproducible, yet different)
+        seeds = [None if sampling.seed is None else sampling.seed + i for i in range(n)]
+        reqs = [req, *(EngineRequest.for_class(slo, request_id=f"{rid}-{i}", prompt_token_ids=ids,
+                                                sampling=msgspec.structs.replace(sampling, seed=seeds[i]))
+                       for i in range(1, n))]
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
-        req.sink = lambda out: loop.call_soon_threadsafe(queue.put_nowait, out)
+        for r in reqs:
+            r.sink = lambda out: loop.call_soon_threadsafe(queue.put_nowait, out)
         headers = {"x-slo-class": slo.name, "x-request-id": rid}
         try:
             engine.validate(req)
@@ -197,37 +207,30 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
                                        code=reason), status_code=status,
                             headers=headers | {"retry-after": "1", "x-flowprefill-dropped-reason": reason})
         else:
-            if tracer is not None:
-                tracer.start(req, "chat" if chat else "text_completion")
-            try:
-                engine.add_request(req)
-            except ValueError as exc:
-                if tracer is not None:  # never queued: the engine will not close its span
-                    req.finish_reason = "error"
-                    tracer.on_finish(req)
-                raise BadRequest(str(exc)) from None
+            for added, r in enumerate(reqs):
+                if tracer is not None:
+                    tracer.start(r, "chat" if chat else "text_completion")
+                try:
+                    engine.add_request(r)
+                except ValueError as exc:
+                    if tracer is not None:  # never queued: the engine will not close its span
+                        r.finish_reason = "error"
+                        tracer.on_finish(r)
+                    for queued in reqs[:added]:  # choices already queued go too
+                        engine.cancel(queued.request_id)
+                    raise BadRequest(str(exc)) from None
         if req.predicted_miss:  # served anyway, after feasible requests; a gateway may shed instead
             headers["x-flowprefill-predicted-miss"] = "true"
         model = model_name
-        formatter = (None if sampling.logprobs is None
-                     else LogprobFormatter(engine.tokenizer.token_bytes, chat))
+        choices = Choices(engine, reqs, queue, None if sampling.logprobs is None
+                          else lambda: LogprobFormatter(engine.tokenizer.token_bytes, chat))
         if body.stream:
             options = body.stream_options or StreamOptions()
-            return EventStream(_sse(engine, req, queue, model, chat, options, formatter),
-                               media_type="text/event-stream", headers=headers)
-        texts, finish = [], None
-        logprobs: list[Logprob] = []
-        try:
-            while finish is None:
-                out = await queue.get()
-                texts.append(out.text)
-                logprobs += out.logprobs or []
-                finish = out.finish_reason
-        finally:
-            if finish is None:  # the handler was cancelled (client gone): stop the engine work
-                engine.cancel(rid)
-        if finish == "error":
-            return Response(error_body(out.error or "engine error", "server_error"), status_code=500, headers=headers)
+            return EventStream(sse(choices, rid, model, chat, options), media_type="text/event-stream",
+                               headers=headers)
+        await choices.gather()
+        if choices.error is not None:
+            return Response(error_body(choices.error, "server_error"), status_code=500, headers=headers)
         if kv_to and req.kv_export is not None:
             kv, req.kv_export = req.kv_export, None
             transport = "http" if request.headers.get(handoff.TRANSPORT_HEADER) == "http" else "auto"
@@ -235,6 +238,7 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
             try:
                 with transfer_span("kv_transfer", **{"flowprefill.direction": "out", "flowprefill.request_id": rid,
                                                      "server.address": kv_to}) as span:
+                    logprobs = choices.logprobs[0]
                     first = Sampled(req.output_token_ids[0], logprobs[0] if logprobs else None)
                     used, size = await handoff.send(peers, kv_to, rid, kv, first, transport)
                     span.set_attributes({"flowprefill.kv_bytes": size, "flowprefill.kv_transport": used})
@@ -244,10 +248,7 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
             headers |= {"x-flowprefill-kv-bytes": str(size), "x-flowprefill-kv-transport": used,
                         CACHED_TOKENS_HEADER: str(req.cached_tokens),
                         "x-flowprefill-kv-ms": f"{(time.perf_counter() - t0) * 1000:.3f}"}
-        return Response(completion_body(rid, model, "".join(texts), finish, chat, req.num_prompt_tokens,
-                                        len(req.output_token_ids), formatter and formatter.format(logprobs),
-                                        req.cached_tokens),
-                        headers=headers)
+        return Response(completion_body(rid, model, choices.bodies(), chat, choices.usage()), headers=headers)
 
     @post("/v1/completions", status_code=200)
     async def completions(request: Request) -> Any:
@@ -316,39 +317,6 @@ def _prompt_ids(engine: Engine, prompt: Any) -> list[int]:
         return _prompt_ids(engine, prompt[0])
     raise ValueError("prompt must be a string, a list of token ids, or a one-element list of either "
                      "(batched prompts are not supported)")
-
-
-async def _sse(engine: Engine, req: EngineRequest, queue: asyncio.Queue[TokenOutput], model: str, chat: bool,
-               options: StreamOptions, formatter: LogprobFormatter | None) -> AsyncIterator[bytes]:
-    rid, finish, first, sent = req.request_id, None, True, 0
-    try:
-        while finish is None:
-            out = await queue.get()
-            finish, sent = out.finish_reason, sent + len(out.token_ids)
-            if finish == "error":
-                err = error_body(out.error or "engine error", "server_error")
-                yield b"data: " + msgspec.json.encode(err) + b"\n\n"
-                break
-            # One event per token, even when its text is held back (a partial UTF-8 character, a
-            # possible stop string): clients time tokens by events, so TBT stays measurable.
-            logprobs = formatter.format(out.logprobs or []) if formatter is not None else None
-            chunk = completion_chunk(rid, model, out.text, finish, chat, first, logprobs)
-            if options.include_usage and options.continuous_usage_stats:  # vLLM's: both asked for
-                chunk["usage"] = usage(req.num_prompt_tokens, sent, req.cached_tokens)  # as of this chunk
-            yield _event(chunk)
-            first = False
-        if options.include_usage:
-            chunk = completion_chunk(rid, model, "", None, chat) | {
-                "choices": [], "usage": usage(req.num_prompt_tokens, sent, req.cached_tokens)}
-            yield _event(chunk)
-        yield b"data: [DONE]\n\n"
-    finally:
-        if finish is None:  # client went away mid-stream
-            engine.cancel(rid)
-
-
-def _event(obj: dict[str, Any]) -> bytes:
-    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
 
 
 def _http_error(_: Request, exc: HTTPException) -> Response:

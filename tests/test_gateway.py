@@ -277,3 +277,38 @@ def test_sheddable_request_predicted_to_miss_is_shed_with_retry_after(served: st
     assert 'flowprefill_gateway_shed_total{reason="predicted_slo_miss",slo_class="relaxed"} 1.0' in metrics
     assert 'flowprefill_gateway_requests_total{code="429",slo_class="relaxed"} 1.0' in metrics
     assert 'flowprefill_gateway_requests_total{code="200",slo_class="interactive"}' in metrics
+
+
+def test_n_choices(served: str) -> None:
+    """n choices, as OpenAI's: indexes 0..n-1, the prompt counted once in usage, seeds that make them
+    differ yet reproducible; streamed, each choice's chunks carry its index and end on their own."""
+    client = openai.OpenAI(base_url=f"{served}/v1", api_key="unused")
+
+    def sampled() -> list[str]:
+        out = client.completions.create(model="flowprefill-default", prompt="Once upon a time", max_tokens=8, n=3,
+                                        temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+        assert [c.index for c in out.choices] == [0, 1, 2]
+        assert all(c.finish_reason == "length" for c in out.choices)
+        assert out.usage.completion_tokens == 24 and out.usage.prompt_tokens == len("Once upon a time")
+        return [c.text for c in out.choices]
+
+    first = sampled()
+    assert len(set(first)) > 1 and sampled() == first
+    greedy = client.chat.completions.create(model="flowprefill-default", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=4, n=2, temperature=0, logprobs=True,
+                                            extra_body={"ignore_eos": True})
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content
+    assert all(len(c.logprobs.content) == 4 for c in greedy.choices)
+    chunks = list(client.chat.completions.create(
+        model="flowprefill-default", messages=[{"role": "user", "content": "hi"}], max_tokens=3, n=2, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    by_index: dict[int, list] = {0: [], 1: []}
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        by_index[choice.index].append(choice)
+    for choices in by_index.values():
+        assert len(choices) == 3 and choices[0].delta.role == "assistant" and choices[-1].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 6
+    for n in (0, 129):
+        r = httpx.post(f"{served}/v1/completions", json={"prompt": "hi", "n": n})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text

@@ -93,7 +93,6 @@ def test_request_fields() -> None:
                         (CompletionRequest(prompt="x", echo=True), "echo"),
                         (CompletionRequest(prompt="x", best_of=3), "best_of"),
                         (CompletionRequest(prompt="x", suffix="end"), "suffix"),
-                        (CompletionRequest(prompt="x", n=2), "n"),
                         (ChatCompletionRequest(messages=[], tool_choice="required"), "tools"),
                         (ChatCompletionRequest(messages=[], guided_choice=["a", "b"]), "guided_decoding"),
                         (CompletionRequest(prompt="x", use_beam_search=True), "use_beam_search"),

@@ -1,0 +1,99 @@
+"""One OpenAI request's answer from the engine's outputs. A request asking for `n` choices is `n`
+engine requests (one per choice, the same prompt: after the first prefill the others find its
+blocks in the prefix cache when they come later); their outputs share one queue and are gathered
+here into a response body, or relayed as server-sent events with each choice's index."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+
+from engine.engine import Engine
+from engine.openai_api import LogprobFormatter, StreamOptions, completion_chunk, error_body, usage
+from engine.request import Logprob, Request, TokenOutput
+
+
+class Choices:
+    """The engine requests of one response, in choice order, and what they have produced."""
+
+    def __init__(self, engine: Engine, reqs: list[Request], queue: asyncio.Queue[TokenOutput],
+                 formatter: Callable[[], LogprobFormatter] | None) -> None:
+        self.engine, self.reqs, self.queue = engine, reqs, queue
+        self.index = {r.request_id: i for i, r in enumerate(reqs)}
+        # a formatter each: completions' text offsets run on per choice
+        self.formatters = [formatter and formatter() for _ in reqs]
+        self.texts: list[list[str]] = [[] for _ in reqs]
+        self.logprobs: list[list[Logprob]] = [[] for _ in reqs]
+        self.finish: list[str | None] = [None] * len(reqs)
+        self.error: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or all(self.finish)
+
+    async def next(self) -> tuple[int, TokenOutput]:
+        out = await self.queue.get()
+        i = self.index[out.request_id]
+        self.texts[i].append(out.text)
+        self.logprobs[i] += out.logprobs or []
+        if out.finish_reason:
+            self.finish[i] = out.finish_reason
+            if out.finish_reason == "error":
+                self.error = out.error or "engine error"
+        return i, out
+
+    async def gather(self) -> None:
+        """Until every choice is finished, or one failed (the others are then cancelled)."""
+        try:
+            while not self.done:
+                await self.next()
+        finally:
+            self.cancel_unfinished()  # the handler was cancelled (client gone), or a choice failed
+
+    def cancel_unfinished(self) -> None:
+        for r, finish in zip(self.reqs, self.finish, strict=True):
+            if finish is None:
+                self.engine.cancel(r.request_id)
+
+    def bodies(self) -> list[tuple[str, str | None, dict[str, Any] | None]]:
+        """Each choice's text, finish reason and formatted logprobs."""
+        return [("".join(t), f, fmt and fmt.format(lp))
+                for t, f, lp, fmt in zip(self.texts, self.finish, self.logprobs, self.formatters, strict=True)]
+
+    def usage(self, sent: int | None = None) -> dict[str, Any]:
+        """The prompt counted once (as OpenAI does for n choices), the completions' tokens summed."""
+        first = self.reqs[0]
+        done = sum(len(r.output_token_ids) for r in self.reqs) if sent is None else sent
+        return usage(first.num_prompt_tokens, done, first.cached_tokens)
+
+
+async def sse(choices: Choices, rid: str, model: str, chat: bool, options: StreamOptions) -> AsyncIterator[bytes]:
+    first, sent = [True] * len(choices.reqs), 0
+    try:
+        while not choices.done:
+            i, out = await choices.next()
+            sent += len(out.token_ids)
+            if out.finish_reason == "error":
+                yield _event(error_body(out.error or "engine error", "server_error"))
+                return
+            # One event per token, even when its text is held back (a partial UTF-8 character, a
+            # possible stop string): clients time tokens by events, so TBT stays measurable.
+            fmt = choices.formatters[i]
+            logprobs = fmt.format(out.logprobs or []) if fmt is not None else None
+            chunk = completion_chunk(rid, model, out.text, out.finish_reason, chat, first[i], logprobs, index=i)
+            if options.include_usage and options.continuous_usage_stats:  # vLLM's: both asked for
+                chunk["usage"] = choices.usage(sent)  # as of this chunk
+            yield _event(chunk)
+            first[i] = False
+        if options.include_usage:
+            yield _event(completion_chunk(rid, model, "", None, chat) | {"choices": [], "usage": choices.usage(sent)})
+        yield b"data: [DONE]\n\n"
+    finally:
+        choices.cancel_unfinished()  # client went away mid-stream, or a choice failed
+
+
+def _event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
