@@ -25,6 +25,7 @@ class OutputStream:
         self.eos = set() if req.sampling.ignore_eos else set(tokenizer.eos_token_ids)
         self._decoder = tokenizer.incremental_decoder()
         self._pending = ""  # decoded text not yet sent
+        self._check_from = 0  # where in it stop strings may end (before: the first min_tokens tokens')
 
     def push(self, sampled: Sampled) -> TokenOutput:
         req, token, p = self.req, sampled.token, self.req.sampling
@@ -32,16 +33,22 @@ class OutputStream:
         finish = None
         if token in self.eos:
             finish = "stop"
+        elif token in p.stop_token_ids:  # as vLLM: its text only with include_stop_str_in_output
+            finish = "stop"
+            if p.include_stop_str_in_output:
+                self._pending += self._decoder.push(token)
         else:
-            self._pending += self._decoder.push(token)  # a stop token id's text is kept, as vLLM does
-            if token in p.stop_token_ids:
-                finish = "stop"
-        # As vLLM: stop strings count from min_tokens on (the sampler holds EOS and stop ids back till then).
-        stops = p.stop if len(req.output_token_ids) >= p.min_tokens else []
-        found = [(i, len(s)) for s in stops if (i := self._pending.find(s)) >= 0]
-        if found:
-            at, n = min(found)
-            self._pending, finish = self._pending[:at + n * p.include_stop_str_in_output], "stop"
+            self._pending += self._decoder.push(token)
+        # As vLLM: the text of the first min_tokens tokens is never searched for stop strings (one
+        # may begin in its last characters and end after); the sampler holds EOS and stop ids back.
+        if len(req.output_token_ids) <= p.min_tokens:
+            self._check_from = len(self._pending)
+        else:
+            found = [(i, len(s)) for s in p.stop
+                     if (i := self._pending.find(s, max(0, self._check_from - len(s) + 1))) >= 0]
+            if found:
+                at, n = min(found)
+                self._pending, finish = self._pending[:at + n * p.include_stop_str_in_output], "stop"
         if finish is None and len(req.output_token_ids) >= p.max_tokens:
             finish = "length"
         if finish:
@@ -49,6 +56,7 @@ class OutputStream:
         else:
             hold = max((_overlap(self._pending, s) for s in p.stop), default=0)
             text, self._pending = self._pending[: len(self._pending) - hold], self._pending[len(self._pending) - hold :]
+        self._check_from = max(0, self._check_from - len(text))
         return TokenOutput(req.request_id, [token], text, finish,
                            logprobs=None if sampled.logprob is None else [sampled.logprob])
 

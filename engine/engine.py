@@ -103,15 +103,16 @@ class Engine:
             raise ValueError(f"request needs {req.max_total_tokens} tokens of KV cache, "
                              f"the worker has {self.kv.num_blocks * self.kv.block_size}")
 
-    def admission(self, req: Request, sheddable: bool) -> str | None:
-        """Why a new request should be refused now, or None. Sheddable classes are refused when even
-        running next could not meet their deadline; every class when the queue is past its bound."""
+    def admission(self, req: Request, sheddable: bool, choices: int = 1) -> str | None:
+        """Why a new request (of `choices` engine requests, one per choice) should be refused now, or
+        None. Sheddable classes are refused when even running next could not meet their deadline;
+        every class when the queue is past its bound."""
         s = self.scheduler
-        if len(s.waiting) + sum(len(b.requests) for b in list(s.pool)) >= self.cfg.max_waiting:
+        if len(s.waiting) + sum(len(b.requests) for b in list(s.pool)) + choices > self.cfg.max_waiting:
             return "queue_full"  # counted: every request whose prefill is not done
         if sheddable:
-            cached = self.prefixes.cached_tokens(req)
-            predicted = s.cost_for([req]).prefill_s([SeqSpan(cached, req.num_prompt_tokens - cached)])
+            cached = self.prefixes.cached_tokens(req)  # choices queued together each compute the rest
+            predicted = s.cost_for([req]).prefill_s([SeqSpan(cached, req.num_prompt_tokens - cached)] * choices)
             if req.deadline - self.clock() - predicted < 0:
                 return "predicted_slo_miss"
         return None

@@ -54,6 +54,8 @@ class SamplingParams(msgspec.Struct):
     def validate(self) -> None:
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+        if self.seed is not None and not -2**63 <= self.seed < 2**64:  # torch's generator's range
+            raise ValueError("seed must be in [-2**63, 2**64)")
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
@@ -163,6 +165,7 @@ class Request(msgspec.Struct, kw_only=True):
     export_kv: bool = False
     kv_export: dict[str, Any] | None = None
     prefilled_elsewhere: bool = False  # a decode worker's: its prompt's KV was handed to it
+    choice: int = 0  # OpenAI's n: which choice of its HTTP request this is (metrics count choice 0 once)
     trace_context: Any = None  # telemetry's carrier, never read by the engine
     prompt_token_mask: Any = None  # repetition_penalty's: which vocabulary ids the prompt holds (made once)
     # Prefix caching: the content hashes of the prompt's full KV blocks (None: not cacheable, e.g. a

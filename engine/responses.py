@@ -76,8 +76,9 @@ async def sse(choices: Choices, rid: str, model: str, chat: bool, options: Strea
         while not choices.done:
             i, out = await choices.next()
             sent += len(out.token_ids)
-            if out.finish_reason == "error":
+            if out.finish_reason == "error":  # the stream still ends as streams do
                 yield _event(error_body(out.error or "engine error", "server_error"))
+                yield b"data: [DONE]\n\n"
                 return
             # One event per token, even when its text is held back (a partial UTF-8 character, a
             # possible stop string): clients time tokens by events, so TBT stays measurable.

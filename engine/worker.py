@@ -144,29 +144,30 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
         slo = slo_for(request, body)
         rid = request.headers.get("x-request-id") or new_id("chatcmpl" if chat else "cmpl")
         kv_to, kv_id = request.headers.get(handoff.KV_TO_HEADER), request.headers.get(handoff.KV_ID_HEADER)
-        if not (kv_to or kv_id) and engine.has_request(rid):  # a client's id reused while its first runs
-            rid = f"{rid}-{uuid.uuid4().hex[:8]}"  # (a hand-off's id is the gateway's, unique, and its KV's key)
+        n = 1 if body.n is None else body.n
+        if not 1 <= n <= MAX_CHOICES:
+            raise BadRequest(f"n must be in [1, {MAX_CHOICES}]", param="n")
+        if not (kv_to or kv_id) and any(engine.has_request(i) for i in _choice_ids(rid, n)):
+            rid = f"{rid}-{uuid.uuid4().hex[:8]}"  # a client's id reused while its first runs (a hand-off's
+            # id is the gateway's, unique, and its KV's key)
         # A misrouted request is refused before any work, so the router can send it where it belongs.
         if role == "prefill" and not kv_to:
             raise BadRequest(f"this worker only prefills: send it requests with {handoff.KV_TO_HEADER}", status=421)
         if role == "decode" and not kv_id:
             raise BadRequest(f"this worker only decodes: send it requests with {handoff.KV_ID_HEADER}", status=421)
-        n = 1 if body.n is None else body.n
-        if not 1 <= n <= MAX_CHOICES:
-            raise BadRequest(f"n must be in [1, {MAX_CHOICES}]", param="n")
         if n > 1 and (kv_to or kv_id):
             raise BadRequest("n > 1 is not supported with prefill/decode disaggregation", param="n")
         if kv_to:  # the prefill half of a disaggregated request: the first token, then hand the KV over
             if body.stream:
                 raise BadRequest(f"a request with {handoff.KV_TO_HEADER} must not stream")
-            sampling = msgspec.structs.replace(sampling, max_tokens=1)
+            sampling = msgspec.structs.replace(sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1))
         req = EngineRequest.for_class(slo, request_id=rid, prompt_token_ids=ids, sampling=sampling,
                                       export_kv=bool(kv_to))
         # n choices are n engine requests: choice i's seed is seed + i (reproducible, yet different)
-        seeds = [None if sampling.seed is None else sampling.seed + i for i in range(n)]
-        reqs = [req, *(EngineRequest.for_class(slo, request_id=f"{rid}-{i}", prompt_token_ids=ids,
+        seeds = [None if sampling.seed is None else (sampling.seed + i) % 2**64 for i in range(n)]
+        reqs = [req, *(EngineRequest.for_class(slo, request_id=cid, prompt_token_ids=ids, choice=i,
                                                 sampling=msgspec.structs.replace(sampling, seed=seeds[i]))
-                       for i in range(1, n))]
+                       for i, cid in enumerate(_choice_ids(rid, n)) if i)]
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
         for r in reqs:
@@ -199,7 +200,7 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
                     req.finish_reason = "error"
                     tracer.on_finish(req)
                 raise BadRequest(str(exc)) from None
-        elif reason := engine.admission(req, slo.sheddable):
+        elif reason := engine.admission(req, slo.sheddable, n):
             status = 429 if reason == "predicted_slo_miss" else 503
             message = ("the request cannot meet its TTFT target here (predicted); retry later or with a looser class"
                        if status == 429 else "the worker's queue is full")
@@ -304,6 +305,11 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
         request_max_body_size=16 * 1024 * 1024,
         plugins=plugins,
     )
+
+
+def _choice_ids(rid: str, n: int) -> list[str]:
+    """The engine request ids of a request's n choices: its own id for the first."""
+    return [rid, *(f"{rid}-{i}" for i in range(1, n))]
 
 
 def _prompt_ids(engine: Engine, prompt: Any) -> list[int]:

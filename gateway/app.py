@@ -82,6 +82,8 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
         answer the client gets (shed, bad input). Raises GatewayError with no prefill worker."""
         assert prefill_pool is not None
         first = {k: v for k, v in body.items() if k != "stream_options"} | {"max_tokens": 1, "stream": False}
+        if isinstance(body.get("min_tokens"), int):  # the decode worker holds the rest back
+            first["min_tokens"] = min(body["min_tokens"], 1)
         tried: set[str] = set()
         failed: httpx.Response | None = None
         while (pre := await prefill_pool.acquire(deadline, tried, key)) is not None:

@@ -144,15 +144,19 @@ class EngineMetrics(EngineObserver):
             self.prefix_queries.inc(req.num_prompt_tokens)
             self.prefix_hits.inc(req.cached_tokens)
         cls = req.slo_class
-        if not req.export_kv:  # a disaggregated request ends on its decode worker: counted there
+        n = len(req.output_token_ids)
+        if not req.export_kv and n > 1 and req.first_token_time is not None and req.last_token_time is not None:
+            self.tpot.labels(cls).observe((req.last_token_time - req.first_token_time) / (n - 1))
+        # A request counts once: a disaggregated one on its decode worker (its TTFT where it was
+        # prefilled), one of n choices by its first choice.
+        if req.choice:
+            return
+        if not req.export_kv:
             self.finished.labels(cls, req.finish_reason or "").inc()
             self.prompt_tokens.labels(cls).inc(req.num_prompt_tokens)
             if req.finish_time is not None:
                 self.duration.labels(cls).observe(req.finish_time - req.arrival_time)
-            n = len(req.output_token_ids)
-            if n > 1 and req.first_token_time is not None and req.last_token_time is not None:
-                self.tpot.labels(cls).observe((req.last_token_time - req.first_token_time) / (n - 1))
-        if req.ttft is None or req.prefilled_elsewhere:  # TTFT counts where the prompt was prefilled
+        if req.ttft is None or req.prefilled_elsewhere:
             return
         self.ttft.labels(cls).observe(req.ttft)
         met = req.ttft <= req.ttft_target_s

@@ -240,9 +240,19 @@ def stream(tokens: list[int], **sampling: object) -> tuple[str, str | None]:
 
 
 def test_stop_token_ids_stop_strings_and_min_tokens_in_the_stream() -> None:
-    assert stream([1, 2, 3, 4, 5], stop_token_ids=[3]) == ("abc", "stop")  # the stop id's text is kept
+    assert stream([1, 2, 3, 4, 5], stop_token_ids=[3]) == ("ab", "stop")  # as vLLM: the stop id's text goes
+    assert stream([1, 2, 3, 4, 5], stop_token_ids=[3], include_stop_str_in_output=True) == ("abc", "stop")
     assert stream([1, 2, 3, 4, 5], stop=["cd"]) == ("ab", "stop")
     assert stream([1, 2, 3, 4, 5], stop=["cd"], include_stop_str_in_output=True) == ("abcd", "stop")
     # before min_tokens, a stop string does not stop (as vLLM); one that completes later does
     assert stream([1, 2, 1, 2, 5], stop=["ab"]) == ("", "stop")
     assert stream([1, 2, 1, 2, 5], stop=["ab"], min_tokens=3) == ("ab", "stop")  # the first "ab" passes
+
+
+def test_a_stop_string_must_end_after_the_first_min_tokens_tokens() -> None:
+    """(Found by review.) "b" completes at token 2, under min_tokens, held back as a prefix of "abcd":
+    it must not stop the answer once min_tokens is reached, nor cut the text at an EOS."""
+    assert stream([1, 2, 3, 24, 24, 24], stop=["b", "abcd"], min_tokens=4, max_tokens=6) == ("abcxxx", "length")
+    assert stream([1, 2, 3, 0], stop=["b", "abcd"], min_tokens=3) == ("abc", "stop")
+    # one that ends after them counts, even begun inside them (vLLM's search reaches back len(stop) - 1)
+    assert stream([1, 2, 3, 4, 2], stop=["b", "abcd"], min_tokens=3) == ("", "stop")

@@ -2,7 +2,8 @@
 end, whole answers, stop strings with min_tokens, and clients that leave mid-stream, all at once.
 Answers are evicted and recomputed, requests wait for blocks; yet every request ends as a whole
 answer or as cancelled (its client gone), the worker's counters say the same, and once the crowd
-is gone the cache is whole and nothing waits or decodes."""
+is gone the cache is whole and nothing waits or decodes. Whole answers equal the same requests'
+answers on the idle worker afterwards."""
 
 from __future__ import annotations
 
@@ -17,19 +18,30 @@ from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.slow
 
-CLIENTS = 24
+KINDS = ("stream", "whole", "leave", "stop", "choices")
+CLIENTS = 5 * len(KINDS)
 
 
-def _client(url: str, i: int, outcome: dict[int, str]) -> None:
+def _prompt(i: int) -> str:
     rng = random.Random(i)
-    prompt = "".join(rng.choice("abcdefghij ") for _ in range(rng.randrange(150, 300)))
-    kind = ("stream", "whole", "leave", "stop")[i % 4]
-    body = {"model": "flowprefill-default", "prompt": prompt, "max_tokens": 200, "temperature": 0,
+    return "".join(rng.choice("abcdefghij ") for _ in range(rng.randrange(150, 300)))
+
+
+def _client(url: str, i: int, outcome: dict[int, str], texts: dict[int, str]) -> None:
+    kind = KINDS[i % len(KINDS)]
+    body = {"model": "flowprefill-default", "prompt": _prompt(i), "max_tokens": 200, "temperature": 0,
             "ignore_eos": True}
     with httpx.Client(base_url=url, timeout=120) as http:
         if kind == "whole":
             r = http.post("/v1/completions", json=body)
             ok = r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 200
+            outcome[i] = "length" if ok else f"bad {r.status_code} {r.text[:200]}"
+            texts[i] = r.json()["choices"][0]["text"] if ok else ""
+        elif kind == "choices":  # greedy: both choices the same answer
+            r = http.post("/v1/completions", json=body | {"n": 2})
+            data = r.json()
+            ok = (r.status_code == 200 and data["usage"]["completion_tokens"] == 400
+                  and data["choices"][0]["text"] == data["choices"][1]["text"])
             outcome[i] = "length" if ok else f"bad {r.status_code} {r.text[:200]}"
         elif kind == "stop":
             r = http.post("/v1/completions", json=body | {"stop": ["a"], "min_tokens": 20})
@@ -38,7 +50,12 @@ def _client(url: str, i: int, outcome: dict[int, str]) -> None:
             outcome[i] = data["choices"][0]["finish_reason"] if ok else f"bad {r.status_code} {r.text[:200]}"
         else:
             lines = 0
+            if kind == "leave":  # long enough that it cannot be over before the worker sees the client go
+                body["max_tokens"] = 3500  # (its prompt and all of them must fit the 4,096-token cache)
             with http.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
+                if r.status_code != 200:
+                    outcome[i] = f"bad {r.status_code} {r.read()[:200]!r}"
+                    return
                 for line in r.iter_lines():
                     lines += line.startswith("data: ")
                     if kind == "leave" and lines == 5:
@@ -59,7 +76,8 @@ def test_a_crowd_on_a_small_cache_ends_whole_and_leaves_nothing_behind() -> None
     with serving("--kv-capacity-tokens", "4096", "--kv-block-size", "16") as url:
         worker = url.rsplit(":", 1)[0] + f":{int(url.rsplit(':', 1)[1]) + 1}"
         outcome: dict[int, str] = {}
-        threads = [threading.Thread(target=_client, args=(url, i, outcome)) for i in range(CLIENTS)]
+        texts: dict[int, str] = {}
+        threads = [threading.Thread(target=_client, args=(url, i, outcome, texts)) for i in range(CLIENTS)]
         for t in threads:
             t.start()
         for t in threads:
@@ -79,7 +97,11 @@ def test_a_crowd_on_a_small_cache_ends_whole_and_leaves_nothing_behind() -> None
             if name == "flowprefill_requests_finished_total":
                 reason = dict(labels)["finish_reason"]
                 finished[reason] = finished.get(reason, 0) + v
-        assert sum(finished.values()) == CLIENTS and finished.get("cancelled") == CLIENTS // 4, finished
+        assert sum(finished.values()) == CLIENTS and finished.get("cancelled") == CLIENTS // len(KINDS), finished
         assert not finished.get("error")
         evicted = sum(v for k, v in m.items() if k[0] == "flowprefill_decode_preemptions_total")
         assert evicted > 0, "the cache never ran short: the scenario did not happen"
+        for i, text in texts.items():  # evicted, recomputed, cached or not: the answer alone on an idle worker
+            alone = httpx.post(f"{url}/v1/completions", timeout=60, json={
+                "prompt": _prompt(i), "max_tokens": 200, "temperature": 0, "ignore_eos": True})
+            assert alone.json()["choices"][0]["text"] == text, i
