@@ -13,6 +13,7 @@ import httpx
 import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.exceptions import HTTPException
+from litestar.params import FromPath
 from litestar.response import Stream
 from opentelemetry.trace import INVALID_SPAN
 
@@ -260,7 +261,7 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
         return await run(request, chat=True)
 
     @post("/v1/internal/kv/{request_id:str}", status_code=204, request_max_body_size=4 * 1024**3)
-    async def receive_kv(request: Request, request_id: str) -> None:
+    async def receive_kv(request: Request, request_id: FromPath[str]) -> None:
         shm = request.headers.get(handoff.SHM_HEADER)
         try:
             got = handoff.read_shm(shm) if shm else handoff.unpack(await request.body())
