@@ -59,7 +59,8 @@ def sample_row(row: torch.Tensor, req: Request, generators: dict[str, torch.Gene
     p = req.sampling
     if p.greedy:
         return int(row.argmax())
-    row = row / p.temperature
+    # float32 turns a temperature past ~3.4e38 into inf, and a masked -inf logit over it into NaN
+    row = row / min(p.temperature, 1e30)
     if p.min_p:  # vLLM's order: after temperature, before top-k and top-p
         probs = torch.softmax(row, dim=-1)
         row = row.masked_fill(probs < p.min_p * probs.max(), float("-inf"))

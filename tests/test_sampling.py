@@ -209,6 +209,9 @@ def test_min_tokens_holds_back_eos_and_stop_token_ids() -> None:
     assert sample(logits, [early], {}, eos=[2]) == [Sampled(3)]
     done = req([0], [3, 3, 3], temperature=0, min_tokens=3, stop_token_ids=[1])
     assert sample(logits, [done], {}, eos=[2]) == [Sampled(2)]
+    # (found by fuzzing) a temperature beyond float32's range over the masked logits: no NaN
+    hot = req([0], [], temperature=1.7976931348623155e308, min_tokens=3, stop_token_ids=[1], seed=0)
+    assert sample(logits, [hot], {}, eos=[2])[0].token in (0, 3)  # type: ignore[union-attr]
     ignoring = req([0], [], temperature=0, min_tokens=3, ignore_eos=True)
     assert sample(logits, [ignoring], {}, eos=[2]) == [Sampled(2)]  # ignore_eos: EOS is no stop to hold
 
