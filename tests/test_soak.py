@@ -27,7 +27,7 @@ def _prompt(i: int) -> str:
     return "".join(rng.choice("abcdefghij ") for _ in range(rng.randrange(150, 300)))
 
 
-def _client(url: str, i: int, outcome: dict[int, str], texts: dict[int, str]) -> None:
+def _client(url: str, i: int, outcome: dict[int, str], texts: dict[int, str], disaggregated: bool) -> None:
     kind = KINDS[i % len(KINDS)]
     body = {"model": "flowprefill-default", "prompt": _prompt(i), "max_tokens": 200, "temperature": 0,
             "ignore_eos": True}
@@ -37,6 +37,9 @@ def _client(url: str, i: int, outcome: dict[int, str], texts: dict[int, str]) ->
             ok = r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 200
             outcome[i] = "length" if ok else f"bad {r.status_code} {r.text[:200]}"
             texts[i] = r.json()["choices"][0]["text"] if ok else ""
+        elif kind == "choices" and disaggregated:  # refused by name there
+            r = http.post("/v1/completions", json=body | {"n": 2})
+            outcome[i] = "refused" if r.status_code == 400 and r.json()["error"]["param"] == "n" else r.text[:200]
         elif kind == "choices":  # greedy: both choices the same answer
             r = http.post("/v1/completions", json=body | {"n": 2})
             data = r.json()
@@ -72,32 +75,41 @@ def _metrics(worker: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def test_a_crowd_on_a_small_cache_ends_whole_and_leaves_nothing_behind() -> None:
-    with serving("--kv-capacity-tokens", "4096", "--kv-block-size", "16") as url:
-        worker = url.rsplit(":", 1)[0] + f":{int(url.rsplit(':', 1)[1]) + 1}"
+@pytest.mark.parametrize("disaggregated", [False, True], ids=["colocated", "disaggregated"])
+def test_a_crowd_on_a_small_cache_ends_whole_and_leaves_nothing_behind(disaggregated: bool) -> None:
+    """Disaggregated, the decode worker's cache is the small one: hand-offs wait there for blocks,
+    answers are evicted and recomputed there (their prompts were prefilled elsewhere)."""
+    flags = ("--workers", "2", "--disaggregate") if disaggregated else ()
+    with serving("--kv-capacity-tokens", "4096", "--kv-block-size", "16", *flags) as url:
+        port = int(url.rsplit(":", 1)[1])
+        worker = url.rsplit(":", 1)[0] + f":{port + (2 if disaggregated else 1)}"  # the decode worker
         outcome: dict[int, str] = {}
         texts: dict[int, str] = {}
-        threads = [threading.Thread(target=_client, args=(url, i, outcome, texts)) for i in range(CLIENTS)]
+        threads = [threading.Thread(target=_client, args=(url, i, outcome, texts, disaggregated))
+                   for i in range(CLIENTS)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(180)
         assert len(outcome) == CLIENTS, "a client never got an answer"
-        assert all(o in ("length", "stop", "cancelled") for o in outcome.values()), sorted(outcome.items())
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            load = httpx.get(f"{worker}/load").json()
-            if (load["waiting"], load["decoding"], load["kv_cache_usage"]) == (0, 0, 0.0):
-                break
-            time.sleep(0.2)
-        assert (load["waiting"], load["decoding"], load["kv_cache_usage"]) == (0, 0, 0.0), load
+        ends = ("length", "stop", "cancelled") + (("refused",) if disaggregated else ())
+        assert all(o in ends for o in outcome.values()), sorted(outcome.items())
+        served = CLIENTS - sum(o == "refused" for o in outcome.values())
+        for w in {worker, url.rsplit(":", 1)[0] + f":{port + 1}"}:  # every worker (the prefill one too)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                load = httpx.get(f"{w}/load").json()
+                if (load["waiting"], load["decoding"], load["kv_cache_usage"]) == (0, 0, 0.0):
+                    break
+                time.sleep(0.2)
+            assert (load["waiting"], load["decoding"], load["kv_cache_usage"]) == (0, 0, 0.0), (w, load)
         m = _metrics(worker)
         finished: dict[str, float] = {}
         for (name, labels), v in m.items():
             if name == "flowprefill_requests_finished_total":
                 reason = dict(labels)["finish_reason"]
                 finished[reason] = finished.get(reason, 0) + v
-        assert sum(finished.values()) == CLIENTS and finished.get("cancelled") == CLIENTS // len(KINDS), finished
+        assert sum(finished.values()) == served and finished.get("cancelled") == CLIENTS // len(KINDS), finished
         assert not finished.get("error")
         evicted = sum(v for k, v in m.items() if k[0] == "flowprefill_decode_preemptions_total")
         assert evicted > 0, "the cache never ran short: the scenario did not happen"
