@@ -8,7 +8,8 @@ to the KV cache an answer the client stops reading ends like one the model stops
 arrive at the trace's inter-arrival times scaled to --rate, on a KV cache that holds a fraction of
 them. One engine per policy, the same requests, run one after the other (the CPU is shared),
 repeated with fresh prompts and alternating which goes first. Per policy, medians over the repeats:
-time to serve everything, output tokens/s, TTFT p50/p99, answers decoding at once, evictions.
+time to serve everything, output tokens/s, TTFT p50/p99, the gap between two tokens of an answer
+p50/p99 (what an eviction stretches), answers decoding at once, evictions.
 
 Writes kv_growth.json and kv_growth.png; prints the table.
 """
@@ -63,11 +64,20 @@ def _serve(engine: Engine, workload: list[tuple[float, list[int], int, str]], ma
         while not stop_sampling.wait(SAMPLE_S):
             timeline.append((time.monotonic() - t0, engine.num_decoding, engine.kv.usage))
 
+    gaps: list[float] = []  # between two tokens of an answer, as its client sees them (an eviction's too)
+
     def sink_for(req: Request, answer: int) -> Any:
+        last: list[float] = []
+
         def sink(out: TokenOutput) -> None:  # on the engine thread
             if out.finish_reason:
                 done.release()
-            elif len(req.output_token_ids) == answer:
+                return
+            now = time.monotonic()
+            if last:
+                gaps.append(now - last[0])
+            last[:] = [now]
+            if len(req.output_token_ids) == answer:
                 engine.cancel(req.request_id)  # the client has its answer and goes
         return sink
 
@@ -94,10 +104,16 @@ def _serve(engine: Engine, workload: list[tuple[float, list[int], int, str]], ma
     ttfts = sorted(r.ttft for r in reqs if r.ttft is not None)
     decoding = [d for _, d, _ in timeline]
     return {"elapsed_s": elapsed, "output_tokens": sum(len(r.output_token_ids) for r in reqs),
-            "ttft_p50_ms": 1000 * statistics.median(ttfts), "ttft_p99_ms": 1000 * ttfts[int(0.99 * (len(ttfts) - 1))],
+            "ttft_p50_ms": 1000 * statistics.median(ttfts), "ttft_p99_ms": 1000 * _p99(ttfts),
+            "token_gap_p50_ms": 1000 * statistics.median(gaps), "token_gap_p99_ms": 1000 * _p99(gaps),
             "decoding_mean": statistics.fmean(decoding) if decoding else 0.0, "decoding_max": max(decoding, default=0),
             "evictions": sum(r.evictions for r in reqs), "recomputed_tokens": recompute.tokens,
             "timeline": timeline}
+
+
+def _p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[int(0.99 * (len(ordered) - 1))]
 
 
 def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
@@ -146,13 +162,14 @@ def table(results: dict[str, Any]) -> Table:
     w = results["workload"]
     t = Table(title=f"KV reservation: {w['requests']} chat requests at {results['config']['rate']:g}/s, "
                     f"{results['config']['kv_capacity_tokens']:,}-token cache (medians)")
-    for col in ("policy", "served in (s)", "output tok/s", "TTFT p50 (ms)", "TTFT p99 (ms)", "answers at once",
-                "peak", "evictions", "recomputed tok"):
+    for col in ("policy", "served in (s)", "output tok/s", "TTFT p50 (ms)", "TTFT p99 (ms)", "token gap p50 (ms)",
+                "token gap p99 (ms)", "answers at once", "peak", "evictions", "recomputed tok"):
         t.add_column(col, justify="right")
     for name, s in results["summary"].items():
         t.add_row(name, f"{s['elapsed_s']:.1f}", f"{s['output_tokens_per_s']:.0f}", f"{s['ttft_p50_ms']:.0f}",
-                  f"{s['ttft_p99_ms']:.0f}", f"{s['decoding_mean']:.1f}", f"{s['decoding_max']:.0f}",
-                  f"{s['evictions']:.0f}", f"{s['recomputed_tokens']:,.0f}")
+                  f"{s['ttft_p99_ms']:.0f}", f"{s['token_gap_p50_ms']:.1f}", f"{s['token_gap_p99_ms']:.1f}",
+                  f"{s['decoding_mean']:.1f}", f"{s['decoding_max']:.0f}", f"{s['evictions']:.0f}",
+                  f"{s['recomputed_tokens']:,.0f}")
     return t
 
 
