@@ -17,7 +17,6 @@ Writes kv_growth.json and kv_growth.png; prints the table.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import threading
 import time
@@ -25,12 +24,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import torch
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
 from engine.bench.machine import machine_info
+from engine.bench.report import command, save_figure
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.observer import EngineObserver
@@ -196,10 +195,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     usage.set_ylim(0, 105)
     usage.set_title("KV cache held: reserved (full) vs written (grow)")
     usage.legend(fontsize=8)
-    fig.suptitle(results["command"], fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, results, path)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -218,20 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    args.argv = list(argv or [])
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    console = Console()
-    results = run(args, console)
-    console.print(table(results))
-    args.out.mkdir(parents=True, exist_ok=True)
-    results["config"]["out"] = str(args.out)
-    (args.out / "kv_growth.json").write_text(json.dumps(results, indent=1))
-    plot(results, args.out / "kv_growth.png")
-    console.print(f"wrote {args.out / 'kv_growth.json'} and {args.out / 'kv_growth.png'}")
-    return 0
+main = command("kv_growth", build_parser, run, table, plot)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ Writes prefix_cache.json and prefix_cache.png; prints the table.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import threading
@@ -21,12 +20,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import torch
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
 from engine.bench.machine import machine_info
+from engine.bench.report import command, save_figure
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import Request, SamplingParams
@@ -126,10 +125,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     share.set_ylim(0, 100)
     share.set_ylabel("prompt tokens found cached (%)")
     share.set_title(f"Reuse at {results['config']['kv_block_size']}-token blocks")
-    fig.suptitle(results["command"], fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, results, path)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,20 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    args.argv = list(argv or [])
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    console = Console()
-    results = run(args, console)
-    console.print(table(results))
-    args.out.mkdir(parents=True, exist_ok=True)
-    results["config"]["out"] = str(args.out)
-    (args.out / "prefix_cache.json").write_text(json.dumps(results, indent=1))
-    plot(results, args.out / "prefix_cache.png")
-    console.print(f"wrote {args.out / 'prefix_cache.json'} and {args.out / 'prefix_cache.png'}")
-    return 0 if all(r["same_tokens"] for r in results["turns"]) else 1
+main = command("prefix_cache", build_parser, run, table, plot, ok=lambda r: all(t["same_tokens"] for t in r["turns"]))
 
 
 if __name__ == "__main__":
