@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -66,8 +67,14 @@ class _Common(msgspec.Struct, kw_only=True, omit_defaults=True):
     def top_logprobs_wanted(self) -> int | None:
         return None
 
-    def unsupported(self) -> str | None:
-        """The first field set to something this server does not do, or None."""
+    def tools_wanted(self) -> bool:
+        """Whether the model is offered tools to call (tool_choice "none" offers none)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def unsupported(self, tool_calls: bool = False) -> str | None:
+        """The first field set to something this server does not do, or None. `tool_calls`: the
+        worker reads tool calls back (a --tool-call-parser), so tools with tool_choice "auto" are
+        served; a forced choice ("required", a named function) would need guided decoding."""
         if self.use_beam_search:
             return "use_beam_search"
         if self.prompt_logprobs is not None:
@@ -76,13 +83,15 @@ class _Common(msgspec.Struct, kw_only=True, omit_defaults=True):
             return "response_format"
         if any(x is not None for x in (self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar)):
             return "guided_decoding"
-        if ((self.tools and self.tool_choice != "none") or self.functions
-                or self.tool_choice not in (None, "none", "auto") or self.function_call not in (None, "none", "auto")):
+        if self.tool_choice not in (None, "none", "auto"):
+            return "tool_choice" if tool_calls else "tools"
+        if ((self.tools_wanted() and not tool_calls) or self.functions
+                or self.function_call not in (None, "none", "auto")):
             return "tools"
         return None
 
-    def sampling(self, default_max_tokens: int) -> SamplingParams:
-        if (field := self.unsupported()) is not None:
+    def sampling(self, default_max_tokens: int, tool_calls: bool = False) -> SamplingParams:
+        if (field := self.unsupported(tool_calls)) is not None:
             raise Unsupported(field)
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         max_tokens = self.max_completion_tokens or self.max_tokens
@@ -113,7 +122,10 @@ class Unsupported(ValueError):
     MESSAGES = {  # noqa: RUF012
         "n": "only n=1 is supported",
         "response_format": "response_format other than text (JSON mode, JSON schema) is not supported",
-        "tools": "tool calling (tools, functions) is not supported; send tool_choice \"none\" or no tools",
+        "tools": "tool calling (tools) is not enabled on this server (start it with --tool-call-parser); send "
+                 "tool_choice \"none\" or no tools (the legacy functions are not supported)",
+        "tool_choice": "only tool_choice \"auto\" and \"none\" are supported (a forced tool call needs guided "
+                       "decoding)",
         "guided_decoding": "guided decoding (guided_json, guided_regex, guided_choice, guided_grammar) is not "
                            "supported",
         "echo": "echo is not supported",
@@ -138,7 +150,7 @@ class CompletionRequest(_Common, kw_only=True, omit_defaults=True):
     def top_logprobs_wanted(self) -> int | None:
         return self.logprobs
 
-    def unsupported(self) -> str | None:
+    def unsupported(self, tool_calls: bool = False) -> str | None:
         return super().unsupported() or ("echo" if self.echo else "best_of" if self.best_of not in (None, 1)
                                          else "suffix" if self.suffix else None)
 
@@ -167,7 +179,20 @@ class ChatMessage(msgspec.Struct, omit_defaults=True):
                 raise ValueError(f"only text content parts are supported, got {sorted(map(str, kinds))}")
             content = "\n".join(str(part.get("text") or "") for part in content)
         message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
-        return message | {k: v for k in ("name", "tool_calls", "tool_call_id") if (v := getattr(self, k))}
+        message |= {k: v for k in ("name", "tool_call_id") if (v := getattr(self, k))}
+        if self.tool_calls:  # templates write arguments out as JSON themselves: give them the object
+            message["tool_calls"] = [_arguments_as_object(c) for c in self.tool_calls]
+        return message
+
+
+def _arguments_as_object(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            return call | {"function": function | {"arguments": json.loads(function["arguments"])}}
+        except json.JSONDecodeError:
+            pass
+    return call
 
 
 class ChatCompletionRequest(_Common, kw_only=True, omit_defaults=True):
@@ -204,11 +229,15 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}  # OpenAI's: prompt tokens found cached
 
 
-def completion_chunk(rid: str, model: str, text: str, finish: str | None, chat: bool,
-                     first: bool = False, logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
+def completion_chunk(rid: str, model: str, text: str, finish: str | None, chat: bool, first: bool = False,
+                     logprobs: dict[str, Any] | None = None, index: int = 0,
+                     tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     if chat:
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
-        choice = {"index": index, "delta": delta if text or first else {}, "logprobs": logprobs,
+        if tool_calls:  # streamed as OpenAI's: each call whole, with its index among the calls
+            delta = ({"role": "assistant"} if first else {}) | {"tool_calls": [
+                {"index": i} | call for i, call in enumerate(tool_calls)]}
+        choice = {"index": index, "delta": delta if text or first or tool_calls else {}, "logprobs": logprobs,
                   "finish_reason": finish}
         obj = "chat.completion.chunk"
     else:
@@ -217,16 +246,19 @@ def completion_chunk(rid: str, model: str, text: str, finish: str | None, chat: 
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
 
 
-def completion_body(rid: str, model: str, choices: list[tuple[str, str | None, dict[str, Any] | None]], chat: bool,
-                    usage_: dict[str, Any]) -> dict[str, Any]:
-    """`choices`: each one's text, finish reason and logprobs, in index order."""
+Choice = tuple[str | None, str | None, dict[str, Any] | None, list[dict[str, Any]]]
+
+
+def completion_body(rid: str, model: str, choices: list[Choice], chat: bool, usage_: dict[str, Any]) -> dict[str, Any]:
+    """`choices`: each one's text, finish reason, logprobs and tool calls, in index order."""
     if chat:
-        body = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": f}
-                for i, (text, f, lp) in enumerate(choices)]
+        body = [{"index": i, "message": {"role": "assistant", "content": text}
+                 | ({"tool_calls": calls} if calls else {}), "logprobs": lp, "finish_reason": f}
+                for i, (text, f, lp, calls) in enumerate(choices)]
         obj = "chat.completion"
     else:
         body = [{"index": i, "text": text, "logprobs": lp, "finish_reason": f}
-                for i, (text, f, lp) in enumerate(choices)]
+                for i, (text, f, lp, _) in enumerate(choices)]
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": body, "usage": usage_}
 

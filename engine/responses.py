@@ -12,16 +12,18 @@ from typing import Any
 import msgspec
 
 from engine.engine import Engine
-from engine.openai_api import LogprobFormatter, StreamOptions, completion_chunk, error_body, usage
+from engine.openai_api import Choice, LogprobFormatter, StreamOptions, completion_chunk, error_body, usage
 from engine.request import Logprob, Request, TokenOutput
+from engine.tool_calls import ToolCallParser
 
 
 class Choices:
     """The engine requests of one response, in choice order, and what they have produced."""
 
     def __init__(self, engine: Engine, reqs: list[Request], queue: asyncio.Queue[TokenOutput],
-                 formatter: Callable[[], LogprobFormatter] | None) -> None:
-        self.engine, self.reqs, self.queue = engine, reqs, queue
+                 formatter: Callable[[], LogprobFormatter] | None, tools: ToolCallParser | None = None) -> None:
+        """`tools`: the parser of the model's tool calls, when the request offered it tools."""
+        self.engine, self.reqs, self.queue, self.tools = engine, reqs, queue, tools
         self.index = {r.request_id: i for i, r in enumerate(reqs)}
         # a formatter each: completions' text offsets run on per choice
         self.formatters = [formatter and formatter() for _ in reqs]
@@ -58,10 +60,13 @@ class Choices:
             if finish is None:
                 self.engine.cancel(r.request_id)
 
-    def bodies(self) -> list[tuple[str, str | None, dict[str, Any] | None]]:
-        """Each choice's text, finish reason and formatted logprobs."""
-        return [("".join(t), f, fmt and fmt.format(lp))
-                for t, f, lp, fmt in zip(self.texts, self.finish, self.logprobs, self.formatters, strict=True)]
+    def bodies(self) -> list[Choice]:
+        """Each choice's content, finish reason, formatted logprobs and tool calls."""
+        out: list[Choice] = []
+        for t, f, lp, fmt in zip(self.texts, self.finish, self.logprobs, self.formatters, strict=True):
+            content, calls = self.tools.parse("".join(t)) if self.tools else ("".join(t), [])
+            out.append((content, "tool_calls" if calls else f, fmt and fmt.format(lp), calls))
+        return out
 
     def usage(self, sent: int | None = None) -> dict[str, Any]:
         """The prompt counted once (as OpenAI does for n choices), the completions' tokens summed."""
@@ -72,6 +77,7 @@ class Choices:
 
 async def sse(choices: Choices, rid: str, model: str, chat: bool, options: StreamOptions) -> AsyncIterator[bytes]:
     first, sent = [True] * len(choices.reqs), 0
+    shown = [0] * len(choices.reqs)  # with tools: how much of each choice's text went out as content
     try:
         while not choices.done:
             i, out = await choices.next()
@@ -84,7 +90,10 @@ async def sse(choices: Choices, rid: str, model: str, chat: bool, options: Strea
             # possible stop string): clients time tokens by events, so TBT stays measurable.
             fmt = choices.formatters[i]
             logprobs = fmt.format(out.logprobs or []) if fmt is not None else None
-            chunk = completion_chunk(rid, model, out.text, out.finish_reason, chat, first[i], logprobs, index=i)
+            text, finish, calls = out.text, out.finish_reason, None
+            if choices.tools is not None:
+                text, finish, calls = _tool_delta(choices, i, shown, finish)
+            chunk = completion_chunk(rid, model, text, finish, chat, first[i], logprobs, index=i, tool_calls=calls)
             if options.include_usage and options.continuous_usage_stats:  # vLLM's: both asked for
                 chunk["usage"] = choices.usage(sent)  # as of this chunk
             yield _event(chunk)
@@ -94,6 +103,27 @@ async def sse(choices: Choices, rid: str, model: str, chat: bool, options: Strea
         yield b"data: [DONE]\n\n"
     finally:
         choices.cancel_unfinished()  # client went away mid-stream, or a choice failed
+
+
+def _tool_delta(choices: Choices, i: int, shown: list[int], finish: str | None
+                ) -> tuple[str, str | None, list[dict[str, Any]] | None]:
+    """Choice i's next content delta when tools are offered: its text up to where a tool call may be
+    starting; at its end, the rest, or the tool calls it made (finish_reason "tool_calls")."""
+    parser, text = choices.tools, "".join(choices.texts[i])
+    assert parser is not None
+    if finish is not None:
+        _, calls = parser.parse(text)
+        if calls:
+            rest = text[shown[i]:max(shown[i], parser.start(text))]
+            shown[i] = len(text)
+            return rest, "tool_calls", calls
+        rest, shown[i] = text[shown[i]:], len(text)
+        return rest, finish, None
+    at = parser.start(text)
+    safe = at if at >= 0 else len(text) - parser.undecided(text)
+    delta = text[shown[i]:safe] if safe > shown[i] else ""
+    shown[i] = max(shown[i], safe)
+    return delta, None, None
 
 
 def _event(obj: dict[str, Any]) -> bytes:

@@ -12,11 +12,48 @@ from typing import Any, Protocol
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-# A ChatML-style template, used when a checkpoint ships none.
-DEFAULT_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+# A ChatML template, used when a checkpoint ships none. Offered tools are described in the system
+# message and calls come back in Qwen2.5's (Hermes') <tool_call> format (--tool-call-parser hermes).
+DEFAULT_CHAT_TEMPLATE = """\
+{% if tools %}
+<|im_start|>system
+{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}
+
+{% endif %}
+# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{% for tool in tools %}
+{{ tool | tojson }}
+{% endfor %}
+</tools>
+
+For each function call, return a json object with function name and arguments within \
+<tool_call></tool_call> XML tags:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% endif %}
+{% for m in messages %}
+{% if m['role'] == 'tool' %}
+<|im_start|>user
+<tool_response>
+{{ m['content'] }}
+</tool_response><|im_end|>
+{% elif not (tools and loop.first and m['role'] == 'system') %}
+<|im_start|>{{ m['role'] }}
+{{ m['content'] }}{% for call in m.get('tool_calls', []) %}
+
+<tool_call>
+{"name": "{{ call['function']['name'] }}", "arguments": {{ call['function']['arguments'] | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% endif %}
+{% endfor %}
+{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
 
 
 class Tokenizer(Protocol):
@@ -25,7 +62,7 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str: ...
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> str: ...
 
 
 class _ChatTemplate:
@@ -40,8 +77,9 @@ class _ChatTemplate:
         self._template = env.from_string(template or DEFAULT_CHAT_TEMPLATE)
         self._special = special
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
-        return self._template.render(messages=messages, add_generation_prompt=True, **self._special)
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> str:
+        """`tools`: OpenAI's tool list as the request gave it (templates read the function schemas)."""
+        return self._template.render(messages=messages, tools=tools, add_generation_prompt=True, **self._special)
 
 
 def _raise(message: str) -> None:

@@ -35,6 +35,7 @@ from engine.request import Request as EngineRequest
 from engine.request import Sampled, TokenOutput
 from engine.responses import Choices, sse
 from engine.slo import DEFAULT_CLASS, DEFAULT_CLASSES, SLOClass
+from engine.tool_calls import ToolCallParser
 from telemetry.metrics import EngineMetrics
 
 if TYPE_CHECKING:
@@ -80,13 +81,14 @@ ROLES = ("colocated", "prefill", "decode")
 
 def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOClass] | None = None,
                       default_class: str = DEFAULT_CLASS, tracing: TracerProvider | None = None,
-                      role: str = "colocated") -> Litestar:
+                      role: str = "colocated", tool_call_parser: str | None = None) -> Litestar:
     """`tracing`: a configured provider (telemetry.tracing.setup_tracing) turns on request and
     preemption spans; without one, no tracing code runs. `role`: colocated (prefill and decode),
     prefill (only the prefill half of disaggregated requests, handing the KV on) or decode (only
     requests whose KV is handed to it)."""
     if role not in ROLES:
         raise ValueError(f"unknown worker role {role!r}; choose from {', '.join(ROLES)}")
+    tool_parser = ToolCallParser(tool_call_parser) if tool_call_parser else None
     classes = classes or DEFAULT_CLASSES
     metrics = EngineMetrics(engine, model_name)
     tracer = None
@@ -127,14 +129,18 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
         if body.model and body.model != model_name:
             raise BadRequest(f"model {body.model!r} does not exist; this worker serves {model_name!r}",
                              status=404, param="model")
+        tools = None  # offered to the model, its calls read back by tool_parser
         try:
             if chat:
+                if (field := body.unsupported(tool_parser is not None)) is not None:
+                    raise Unsupported(field)
                 if not body.messages:
                     raise ValueError("messages must not be empty")
+                tools = body.tools if tool_parser is not None and body.tools_wanted() else None
                 ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(
-                    [m.for_template() for m in body.messages]))
+                    [m.for_template() for m in body.messages], tools))
                 room = min(engine.model.cfg.max_position_embeddings, engine.kv.num_blocks * engine.kv.block_size)
-                sampling = body.sampling(chat_default_max_tokens(len(ids), room))
+                sampling = body.sampling(chat_default_max_tokens(len(ids), room), tool_calls=tool_parser is not None)
             else:
                 sampling = body.sampling(DEFAULT_MAX_TOKENS)
                 ids = _prompt_ids(engine, body.prompt)
@@ -225,7 +231,8 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
             headers["x-flowprefill-predicted-miss"] = "true"
         model = model_name
         choices = Choices(engine, reqs, queue, None if sampling.logprobs is None
-                          else lambda: LogprobFormatter(engine.tokenizer.token_bytes, chat))
+                          else lambda: LogprobFormatter(engine.tokenizer.token_bytes, chat),
+                          tool_parser if tools else None)
         if body.stream:
             options = body.stream_options or StreamOptions()
             return EventStream(sse(choices, rid, model, chat, options), media_type="text/event-stream",

@@ -35,6 +35,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="CUDA only: prefills of up to this many tokens replay CUDA graphs (0 = off)")
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=d.prefix_caching,
                    help="reuse the KV of prompt prefixes other requests computed, by KV block (default on)")
+    p.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
+                   help="serve chat requests with tools (tool_choice auto), reading the model's calls in this "
+                        "format: hermes (Qwen2.5, Hermes, the embedded model's template), llama3_json (Llama 3.1)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
 
 
@@ -58,7 +61,8 @@ def _run_worker(args: argparse.Namespace) -> int:
     with console.status("loading model and profiling operators…"):
         engine = Engine(cfg, policy=args.policy).start()
     name = engine.model.cfg.name
-    app = create_worker_app(engine, name, tracing=setup_tracing("flowprefill-worker"), role=args.role)
+    app = create_worker_app(engine, name, tracing=setup_tracing("flowprefill-worker"), role=args.role,
+                            tool_call_parser=args.tool_call_parser)
     url = f"http://{args.host}:{args.port}"
     console.print(f"[bold green]FlowPrefill[/] {args.role} worker serving [bold]{name}[/] (policy {args.policy}, "
                   f"{engine.model.backend.name} attention) at [link={url}/v1]{url}/v1[/]")
@@ -79,6 +83,8 @@ def _worker_argv(args: argparse.Namespace, port: int, threads: int | None, role:
             "--prefix-caching" if args.prefix_caching else "--no-prefix-caching"]
     if args.model:
         argv += ["--model", args.model]
+    if args.tool_call_parser:
+        argv += ["--tool-call-parser", args.tool_call_parser]
     if threads:
         argv += ["--threads", str(threads)]
     return argv
