@@ -122,7 +122,7 @@ class Unsupported(ValueError):
     MESSAGES = {  # noqa: RUF012
         "n": "only n=1 is supported",
         "response_format": "response_format other than text (JSON mode, JSON schema) is not supported",
-        "tools": "tool calling (tools) is not enabled on this server (start it with --tool-call-parser); send "
+        "tools": "tools are served by chat completions on a server started with --tool-call-parser; send "
                  "tool_choice \"none\" or no tools (the legacy functions are not supported)",
         "tool_choice": "only tool_choice \"auto\" and \"none\" are supported (a forced tool call needs guided "
                        "decoding)",
@@ -185,14 +185,19 @@ class ChatMessage(msgspec.Struct, omit_defaults=True):
         return message
 
 
-def _arguments_as_object(call: Any) -> Any:
+def _arguments_as_object(call: Any) -> dict[str, Any]:
+    """A tool call of the history as templates read it: `function.name`, and `function.arguments`
+    as an object (OpenAI's clients send the JSON text)."""
     function = call.get("function") if isinstance(call, dict) else None
-    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ValueError("a message's tool_calls must each have a function with a name")
+    args = function.get("arguments", {})
+    if isinstance(args, str):
         try:
-            return call | {"function": function | {"arguments": json.loads(function["arguments"])}}
+            args = json.loads(args) if args.strip() else {}
         except json.JSONDecodeError:
-            pass
-    return call
+            raise ValueError(f"tool call arguments are not JSON: {args[:100]!r}") from None
+    return call | {"function": function | {"arguments": args}}
 
 
 class ChatCompletionRequest(_Common, kw_only=True, omit_defaults=True):
@@ -235,8 +240,8 @@ def completion_chunk(rid: str, model: str, text: str, finish: str | None, chat: 
     if chat:
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
         if tool_calls:  # streamed as OpenAI's: each call whole, with its index among the calls
-            delta = ({"role": "assistant"} if first else {}) | {"tool_calls": [
-                {"index": i} | call for i, call in enumerate(tool_calls)]}
+            delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text else {}) | {
+                "tool_calls": [{"index": i} | call for i, call in enumerate(tool_calls)]}
         choice = {"index": index, "delta": delta if text or first or tool_calls else {}, "logprobs": logprobs,
                   "finish_reason": finish}
         obj = "chat.completion.chunk"

@@ -113,14 +113,14 @@ def _tool_delta(choices: Choices, i: int, shown: list[int], finish: str | None
     assert parser is not None
     if finish is not None:
         _, calls = parser.parse(text)
-        if calls:
-            rest = text[shown[i]:max(shown[i], parser.start(text))]
+        if calls:  # the content before the calls, less the whitespace that separates them
+            rest = text[shown[i]:max(shown[i], len(text[:parser.start(text)].rstrip()))]
             shown[i] = len(text)
             return rest, "tool_calls", calls
         rest, shown[i] = text[shown[i]:], len(text)
         return rest, finish, None
     at = parser.start(text)
-    safe = at if at >= 0 else len(text) - parser.undecided(text)
+    safe = len(text[:at if at >= 0 else len(text) - parser.undecided(text)].rstrip())  # whitespace waits too
     delta = text[shown[i]:safe] if safe > shown[i] else ""
     shown[i] = max(shown[i], safe)
     return delta, None, None

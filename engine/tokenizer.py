@@ -39,17 +39,20 @@ For each function call, return a json object with function name and arguments wi
 {% endif %}
 {% for m in messages %}
 {% if m['role'] == 'tool' %}
-<|im_start|>user
-<tool_response>
-{{ m['content'] }}
-</tool_response><|im_end|>
-{% elif not (tools and loop.first and m['role'] == 'system') %}
-<|im_start|>{{ m['role'] }}
-{{ m['content'] }}{% for call in m.get('tool_calls', []) %}
+{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}
+{{ '\\n<tool_response>\\n' ~ m['content'] ~ '\\n</tool_response>' }}\
+{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}
+{% elif m.get('tool_calls') %}
+<|im_start|>{{ m['role'] }}{% if m['content'] %}
+
+{{ m['content'] }}{% endif %}{% for call in m['tool_calls'] %}
 
 <tool_call>
 {"name": "{{ call['function']['name'] }}", "arguments": {{ call['function']['arguments'] | tojson }}}
 </tool_call>{% endfor %}<|im_end|>
+{% elif not (tools and loop.first and m['role'] == 'system') %}
+<|im_start|>{{ m['role'] }}
+{{ m['content'] }}<|im_end|>
 {% endif %}
 {% endfor %}
 {% if add_generation_prompt %}<|im_start|>assistant

@@ -51,7 +51,7 @@ class ToolCallParser:
             return text, []
         content = text[:at].strip()
         return content or None, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                                  "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
+                                  "function": {"name": name, "arguments": _arguments(args)}}
                                  for name, args in calls]
 
 
@@ -61,7 +61,7 @@ _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 def _hermes(text: str) -> list[tuple[str, Any]] | None:
     calls = []
     for body in _HERMES.findall(text):
-        call = _call(body, "arguments")
+        call = _call(body, "arguments", "parameters")
         if call is None:
             return None
         calls.append(call)
@@ -76,7 +76,7 @@ def _llama3(text: str) -> list[tuple[str, Any]] | None:
             obj, end = decoder.raw_decode(text, at)
         except json.JSONDecodeError:
             return None
-        call = _call(obj, "parameters", "arguments")
+        call = _call(obj, "parameters", "arguments", required=True)  # else a JSON answer with a "name"
         if call is None:
             return None
         calls.append(call)
@@ -86,7 +86,7 @@ def _llama3(text: str) -> list[tuple[str, Any]] | None:
     return calls or None
 
 
-def _call(obj: Any, *keys: str) -> tuple[str, Any] | None:
+def _call(obj: Any, *keys: str, required: bool = False) -> tuple[str, Any] | None:
     if isinstance(obj, str):
         try:
             obj = json.loads(obj)
@@ -94,8 +94,21 @@ def _call(obj: Any, *keys: str) -> tuple[str, Any] | None:
             return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    args = next((obj[k] for k in keys if k in obj), {})
-    return obj["name"], args
+    if required and not any(k in obj for k in keys):
+        return None
+    return obj["name"], next((obj[k] for k in keys if k in obj), {})
+
+
+def _arguments(args: Any) -> str:
+    """OpenAI's `arguments`: JSON text. A model that wrote its arguments as JSON text already is
+    taken at its word rather than encoded twice."""
+    if isinstance(args, str):
+        try:
+            json.loads(args)
+            return args
+        except json.JSONDecodeError:
+            pass
+    return json.dumps(args, ensure_ascii=False)
 
 
 def _overlap(text: str, marker: str) -> int:

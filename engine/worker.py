@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import msgspec
+from jinja2 import TemplateError
 from litestar import Litestar, Request, Response, get, post
 from litestar.exceptions import HTTPException
 from litestar.params import FromPath
@@ -137,8 +138,11 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
                 if not body.messages:
                     raise ValueError("messages must not be empty")
                 tools = body.tools if tool_parser is not None and body.tools_wanted() else None
-                ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(
-                    [m.for_template() for m in body.messages], tools))
+                try:
+                    prompt = engine.tokenizer.apply_chat_template([m.for_template() for m in body.messages], tools)
+                except (TemplateError, TypeError) as exc:  # what the messages gave the template it cannot use
+                    raise ValueError(f"the chat template cannot render these messages: {exc}") from None
+                ids = engine.tokenizer.encode(prompt)
                 room = min(engine.model.cfg.max_position_embeddings, engine.kv.num_blocks * engine.kv.block_size)
                 sampling = body.sampling(chat_default_max_tokens(len(ids), room), tool_calls=tool_parser is not None)
             else:

@@ -85,13 +85,13 @@ PIECES = ["Let me ", "check.", "\n<tool", "_call>\n", '{"name": "get_weather", '
           "\n</tool_call>"]
 
 
-def choices_fed(pieces: list[str]) -> Choices:
+def choices_fed(pieces: list[str], parser: ToolCallParser = HERMES) -> Choices:
     req = Request(request_id="r", prompt_token_ids=[1, 2, 3])
     queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
     for n, piece in enumerate(pieces):
         queue.put_nowait(TokenOutput("r", [65], piece, "stop" if n == len(pieces) - 1 else None))
         req.output_token_ids.append(65)
-    return Choices(_Engine(), [req], queue, None, HERMES)  # type: ignore[arg-type]
+    return Choices(_Engine(), [req], queue, None, parser)  # type: ignore[arg-type]
 
 
 def test_a_tool_call_answer_whole_and_streamed() -> None:
@@ -110,7 +110,7 @@ def test_a_tool_call_answer_whole_and_streamed() -> None:
     events = asyncio.run(stream())
     assert len(events) == len(PIECES)  # one event per token, held text or not
     deltas = [e["choices"][0]["delta"] for e in events]
-    assert "".join(d.get("content") or "" for d in deltas) == "Let me check.\n"  # never a piece of the tag
+    assert "".join(d.get("content") or "" for d in deltas) == "Let me check."  # never a piece of the tag
     last = events[-1]["choices"][0]
     assert last["finish_reason"] == "tool_calls"
     (call,) = last["delta"]["tool_calls"]
@@ -161,3 +161,55 @@ def test_a_worker_offers_tools_to_the_template(make_engine: EngineFactory) -> No
     assert forced.status_code == 400 and forced.json()["error"]["param"] == "tool_choice"
     none = post(served, base | {"tools": [WEATHER], "tool_choice": "none"})  # offered nothing
     assert none.json()["usage"]["prompt_tokens"] == without.json()["usage"]["prompt_tokens"]
+
+
+# -- found by review --------------------------------------------------------------------------
+
+
+def stream_of(pieces: list[str], parser: ToolCallParser = HERMES) -> list[dict[str, Any]]:
+    async def go() -> list[bytes]:
+        return [c async for c in sse(choices_fed(pieces, parser), "c", "m", True, StreamOptions())]
+    return [msgspec.json.decode(c[6:]) for c in asyncio.run(go())[:-1]]
+
+
+def test_content_and_calls_in_one_last_chunk_keep_the_content() -> None:
+    events = stream_of(['Checking.<tool_call>{"name": "f", "arguments": {}}</tool_call>'])
+    assert events[-1]["choices"][0]["delta"]["content"] == "Checking."
+    assert events[-1]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"] == "f"
+
+
+def test_whitespace_before_a_call_is_not_streamed_as_content() -> None:
+    events = stream_of(["\n", '{"name": "f", ', '"parameters": {}}'], LLAMA)
+    assert not any(e["choices"][0]["delta"].get("content") for e in events)
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_a_json_answer_is_not_a_llama3_call_and_json_text_arguments_stay_as_given() -> None:
+    assert LLAMA.parse('{"name": "Bob", "age": 3}') == ('{"name": "Bob", "age": 3}', [])
+    _, made = HERMES.parse('<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>')
+    assert json.loads(made[0]["function"]["arguments"]) == {"x": 1}
+
+
+def test_the_default_template_writes_calls_and_results_as_qwen25s_does() -> None:
+    from engine.tokenizer import ByteTokenizer
+
+    history = [{"role": "user", "content": "U"},
+               {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]},
+               {"role": "tool", "content": "A"}, {"role": "tool", "content": "B"}]
+    out = ByteTokenizer().apply_chat_template(history, [WEATHER])
+    assert out.endswith('<|im_start|>assistant\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call><|im_end|>\n'
+                        "<|im_start|>user\n<tool_response>\nA\n</tool_response>\n<tool_response>\nB\n"
+                        "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    plain = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert ByteTokenizer().apply_chat_template(plain) == (
+        "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("odd", [[{"id": "x"}], ["str"], [None], [{"function": "f"}],
+                                 [{"function": {"name": "f", "arguments": "{not json"}}]])
+def test_odd_tool_calls_in_the_history_are_a_400(make_engine: EngineFactory, odd: list) -> None:
+    app = create_worker_app(make_engine(), "m")
+    r = post(app, {"messages": [{"role": "user", "content": "hi"},
+                                {"role": "assistant", "content": None, "tool_calls": odd},
+                                {"role": "user", "content": "x"}], "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
