@@ -89,6 +89,8 @@ class EngineMetrics(EngineObserver):
             lambda: engine.num_waiting)
         Gauge("flowprefill_requests_running", "Requests decoding", registry=r).set_function(
             lambda: engine.num_decoding)
+        Gauge("flowprefill_requests_evicted", "Answers evicted while decoding, waiting for their recompute "
+              "(their streams stalled)", registry=r).set_function(lambda: len(engine.answers.evicted))
         Gauge("flowprefill_requests_preempted", "Prefill batches suspended", registry=r).set_function(
             lambda: max(0, len(engine.scheduler.pool) - (engine.scheduler.chosen is not None)))
         Gauge("flowprefill_kv_cache_usage_ratio", "Share of KV blocks in use", registry=r).set_function(

@@ -149,12 +149,14 @@ def test_an_evicted_answer_can_be_cancelled_while_it_waits(make_engine: EngineFa
     assert evictions.happened.wait(60)  # after its 13th token, whose KV goes into a third block
     assert evictions.requests == ["a"] and req.evictions == 1 and "a" in eng.answers.evicted
     assert eng.num_waiting == 1 and req.block_table == []  # it waits: 3 blocks needed, 2 free
+    assert b"flowprefill_requests_evicted 1.0" in metrics.render()  # a stalled stream, counted
     # its next token is due a TBT target after its recompute: it waits feasible, not hopeless
     assert req.deadline - eng.clock() - eng.scheduler.predict_s(req) > 0
     eng.cancel("a")
     assert sink.wait() == "cancelled"
     assert len(req.output_token_ids) == 13
     assert b'flowprefill_decode_preemptions_total{slo_class="standard"} 1.0' in metrics.render()
+    assert b"flowprefill_requests_evicted 0.0" in metrics.render()
     eng._free_blocks(sink.taken)  # type: ignore[attr-defined]
     assert_idle_and_free(eng)
 
