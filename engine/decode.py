@@ -11,6 +11,7 @@ from engine.kv_cache import BlockPool, KVCache
 from engine.model.llama import LlamaModel
 from engine.request import Request, RequestState, Sampled, TokenOutput
 from engine.sampling import sample
+from engine.structured_output import advance
 from engine.tokenizer import ByteTokenizer, HFTokenizer
 
 
@@ -31,6 +32,12 @@ class OutputStream:
         req, token, p = self.req, sampled.token, self.req.sampling
         req.output_token_ids.append(token)
         finish = None
+        if req.grammar is not None:
+            try:
+                if advance(req.grammar, token) and token not in self.eos:
+                    finish = "stop"  # the constraint is complete: only the end could follow
+            except ValueError as exc:  # not expected: the sampler only offers what the matcher allows
+                return TokenOutput(req.request_id, [token], "", "error", str(exc))
         if token in self.eos:
             finish = "stop"
         elif token in p.stop_token_ids:  # as vLLM: its text only with include_stop_str_in_output

@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 
 from engine.request import Logprob, SamplingParams
+from engine.structured_output import Guide
 
 # Prefill/decode disaggregation (engine/handoff.py): the gateway sends a request's prefill half with
 # KV_TO (where the KV goes) and its decode half with KV_ID (which handed-off KV to decode from).
@@ -52,17 +53,23 @@ class _Common(msgspec.Struct, kw_only=True, omit_defaults=True):
     include_stop_str_in_output: bool | None = None
     use_beam_search: bool | None = None  # refused when true
     prompt_logprobs: int | None = None  # refused when set
-    # Known fields of OpenAI's API this server does not implement: refused with a 400 when set, never
-    # silently ignored (a client asking for JSON or tool calls must not get plain text as if it were).
+    # Structured output (engine/structured_output.py), at most one of: OpenAI's response_format
+    # (json_object, json_schema), vLLM's structured_outputs, and its older guided_* fields.
     response_format: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None  # accepted, and llguidance used whatever it names
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # false: a forced "required" call is one call
+    # Known fields of OpenAI's API this server does not implement: refused with a 400 when set, never
+    # silently ignored (a client asking for function calls must not get plain text as if it were).
     functions: list[Any] | None = None
     function_call: Any = None
-    guided_json: Any = None  # vLLM's structured-output extensions
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
 
     def top_logprobs_wanted(self) -> int | None:
         return None
@@ -71,28 +78,61 @@ class _Common(msgspec.Struct, kw_only=True, omit_defaults=True):
         """Whether the model is offered tools to call (tool_choice "none" offers none)."""
         return bool(self.tools) and self.tool_choice != "none"
 
+    def forces_tool_call(self) -> bool:
+        """tool_choice "required" or a named function: the answer is constrained to the call."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, dict)
+
     def unsupported(self, tool_calls: bool = False) -> str | None:
         """The first field set to something this server does not do, or None. `tool_calls`: the
         worker reads tool calls back (a --tool-call-parser), so tools with tool_choice "auto" are
-        served; a forced choice ("required", a named function) would need guided decoding."""
+        served; a forced call ("required", a named function) is served by structured output."""
         if self.use_beam_search:
             return "use_beam_search"
         if self.prompt_logprobs is not None:
             return "prompt_logprobs"
-        if self.response_format and self.response_format.get("type", "text") != "text":
+        if self.response_format and self.response_format.get("type", "text") not in RESPONSE_FORMATS:
             return "response_format"
-        if any(x is not None for x in (self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar)):
-            return "guided_decoding"
-        if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice" if tool_calls else "tools"
-        if ((self.tools_wanted() and not tool_calls) or self.functions
+        if ((self.tools_wanted() and not tool_calls and not self.forces_tool_call()) or self.functions
                 or self.function_call not in (None, "none", "auto")):
             return "tools"
         return None
 
-    def sampling(self, default_max_tokens: int, tool_calls: bool = False) -> SamplingParams:
+    def guide(self) -> Guide | None:
+        """The structured output asked for, whichever way it was spelled, or None. ValueError when
+        it is malformed or asked for twice."""
+        found: dict[str, Guide] = {}
+        json_options: dict[str, Any] = {"whitespace_pattern": self.guided_whitespace_pattern}
+        if (so := self.structured_outputs) is not None:
+            json_options = {"any_whitespace": not so.disable_any_whitespace,
+                            "whitespace_pattern": so.whitespace_pattern or self.guided_whitespace_pattern}
+            for name, value in (("json", so.json), ("regex", so.regex), ("choice", so.choice),
+                                ("grammar", so.grammar)):
+                if value is not None:
+                    found[f"structured_outputs.{name}"] = _guide(name, value, json_options)
+            if so.json_object:
+                found["structured_outputs.json_object"] = Guide.json({"type": "object"}, **json_options)
+        if (rf := self.response_format) and (kind := rf.get("type", "text")) != "text":
+            if kind == "json_object":
+                found["response_format"] = Guide.json({"type": "object"}, **json_options)
+            else:
+                spec = rf.get("json_schema")
+                if not isinstance(spec, dict) or "schema" not in spec:
+                    raise ValueError("response_format of type json_schema needs json_schema.schema")
+                found["response_format"] = Guide.json(spec["schema"], **json_options)
+        for name in ("json", "regex", "choice", "grammar"):
+            if (value := getattr(self, f"guided_{name}")) is not None:
+                found[f"guided_{name}"] = _guide(name, value, json_options)
+        if len(found) > 1:
+            raise ValueError(f"ask for one structured output at most, got {', '.join(found)}")
+        return next(iter(found.values()), None)
+
+    def sampling(self, default_max_tokens: int, tool_calls: bool = False, guide: Guide | None = None) -> SamplingParams:
+        """`guide`: a structured output the request implies (a forced tool call), besides its own."""
         if (field := self.unsupported(tool_calls)) is not None:
             raise Unsupported(field)
+        if (asked := self.guide()) is not None and guide is not None:
+            raise ValueError("a forced tool call cannot be combined with another structured output")
+        guide = guide or asked
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         max_tokens = self.max_completion_tokens or self.max_tokens
         bias = {}
@@ -111,9 +151,36 @@ class _Common(msgspec.Struct, kw_only=True, omit_defaults=True):
                                 logprobs=self.top_logprobs_wanted(),
                                 min_p=self.min_p or 0.0, min_tokens=self.min_tokens or 0,
                                 stop_token_ids=list(self.stop_token_ids or []),
-                                include_stop_str_in_output=bool(self.include_stop_str_in_output))
+                                include_stop_str_in_output=bool(self.include_stop_str_in_output),
+                                guide=guide)
         params.validate()
         return params
+
+
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """vLLM's `structured_outputs` (one of json, regex, choice, grammar, json_object)."""
+
+    json: Any = None  # a JSON schema, as an object or as JSON text
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark, or llama.cpp's GBNF
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False  # JSON without whitespace between its tokens
+    whitespace_pattern: str | None = None
+    disable_fallback: bool | None = None  # vLLM's choice among its backends: one here, nothing to fall back on
+
+
+def _guide(kind: str, value: Any, json_options: dict[str, Any]) -> Guide:
+    if kind == "json":
+        return Guide.json(value, **json_options)
+    if kind == "choice":
+        return Guide.choice(value)
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"a {'regular expression' if kind == 'regex' else kind} must be a non-empty string")
+    return Guide(kind, value)
 
 
 class Unsupported(ValueError):
@@ -121,13 +188,10 @@ class Unsupported(ValueError):
 
     MESSAGES = {  # noqa: RUF012
         "n": "only n=1 is supported",
-        "response_format": "response_format other than text (JSON mode, JSON schema) is not supported",
-        "tools": "tools are served by chat completions on a server started with --tool-call-parser; send "
-                 "tool_choice \"none\" or no tools (the legacy functions are not supported)",
-        "tool_choice": "only tool_choice \"auto\" and \"none\" are supported (a forced tool call needs guided "
-                       "decoding)",
-        "guided_decoding": "guided decoding (guided_json, guided_regex, guided_choice, guided_grammar) is not "
-                           "supported",
+        "response_format": "response_format must be of type text, json_object or json_schema",
+        "tools": "tools are served by chat completions: tool_choice \"auto\" on a server started with "
+                 "--tool-call-parser, \"required\" or a named function on any; send tool_choice \"none\" "
+                 "or no tools otherwise (the legacy functions are not supported)",
         "echo": "echo is not supported",
         "best_of": "best_of other than 1 is not supported",
         "suffix": "suffix (insertion) is not supported",
@@ -151,7 +215,8 @@ class CompletionRequest(_Common, kw_only=True, omit_defaults=True):
         return self.logprobs
 
     def unsupported(self, tool_calls: bool = False) -> str | None:
-        return super().unsupported() or ("echo" if self.echo else "best_of" if self.best_of not in (None, 1)
+        return super().unsupported() or ("tools" if self.tools else "echo" if self.echo
+                                         else "best_of" if self.best_of not in (None, 1)
                                          else "suffix" if self.suffix else None)
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 
 from engine.slo import DEFAULT_CLASSES, SLOClass
+from engine.structured_output import Guide
 
 
 class RequestState(enum.Enum):
@@ -50,6 +51,7 @@ class SamplingParams(msgspec.Struct):
     min_tokens: int = 0
     stop_token_ids: list[int] = []
     include_stop_str_in_output: bool = False
+    guide: Guide | None = None  # structured output: what the answer must match
 
     def validate(self) -> None:
         if self.max_tokens < 1:
@@ -168,6 +170,9 @@ class Request(msgspec.Struct, kw_only=True):
     choice: int = 0  # OpenAI's n: which choice of its HTTP request this is (metrics count choice 0 once)
     trace_context: Any = None  # telemetry's carrier, never read by the engine
     prompt_token_mask: Any = None  # repetition_penalty's: which vocabulary ids the prompt holds (made once)
+    # Structured output: the llguidance matcher its answer follows (engine/structured_output.py),
+    # compiled by the worker from its guide; the sampler masks what it does not allow next.
+    grammar: Any = None
     # Prefix caching: the content hashes of the prompt's full KV blocks (None: not cacheable, e.g. a
     # handed-off request), and how many leading prompt tokens were found cached at arrival.
     block_hashes: list[bytes] | None = None

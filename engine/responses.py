@@ -14,15 +14,16 @@ import msgspec
 from engine.engine import Engine
 from engine.openai_api import Choice, LogprobFormatter, StreamOptions, completion_chunk, error_body, usage
 from engine.request import Logprob, Request, TokenOutput
-from engine.tool_calls import ToolCallParser
+from engine.tool_calls import ForcedCall, ToolCallParser
 
 
 class Choices:
     """The engine requests of one response, in choice order, and what they have produced."""
 
     def __init__(self, engine: Engine, reqs: list[Request], queue: asyncio.Queue[TokenOutput],
-                 formatter: Callable[[], LogprobFormatter] | None, tools: ToolCallParser | None = None) -> None:
-        """`tools`: the parser of the model's tool calls, when the request offered it tools."""
+                 formatter: Callable[[], LogprobFormatter] | None, tools: ToolCallParser | ForcedCall | None = None
+                 ) -> None:
+        """`tools`: what reads the model's tool calls, when the request offered it tools."""
         self.engine, self.reqs, self.queue, self.tools = engine, reqs, queue, tools
         self.index = {r.request_id: i for i, r in enumerate(reqs)}
         # a formatter each: completions' text offsets run on per choice
@@ -65,7 +66,8 @@ class Choices:
         out: list[Choice] = []
         for t, f, lp, fmt in zip(self.texts, self.finish, self.logprobs, self.formatters, strict=True):
             content, calls = self.tools.parse("".join(t)) if self.tools else ("".join(t), [])
-            out.append((content, "tool_calls" if calls else f, fmt and fmt.format(lp), calls))
+            out.append((content, self.tools.finish_reason if calls and self.tools else f, fmt and fmt.format(lp),
+                        calls))
         return out
 
     def usage(self, sent: int | None = None) -> dict[str, Any]:
@@ -116,7 +118,7 @@ def _tool_delta(choices: Choices, i: int, shown: list[int], finish: str | None
         if calls:  # the content before the calls, less the whitespace that separates them
             rest = text[shown[i]:max(shown[i], len(text[:parser.start(text)].rstrip()))]
             shown[i] = len(text)
-            return rest, "tool_calls", calls
+            return rest, parser.finish_reason, calls
         rest, shown[i] = text[shown[i]:], len(text)
         return rest, finish, None
     at = parser.start(text)

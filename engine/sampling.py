@@ -1,5 +1,5 @@
-"""Token sampling: logit bias and penalties, min_tokens, greedy, temperature, min-p, top-k, top-p,
-per-request seeds, and the sampled token's log-probability."""
+"""Token sampling: structured output's mask, logit bias and penalties, min_tokens, greedy,
+temperature, min-p, top-k, top-p, per-request seeds, and the sampled token's log-probability."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.request import Logprob, Request, Sampled
+from engine.structured_output import allowed_logits
 
 
 def sample(logits: torch.Tensor, requests: list[Request], generators: dict[str, torch.Generator],
@@ -18,6 +19,8 @@ def sample(logits: torch.Tensor, requests: list[Request], generators: dict[str, 
     out: list[Sampled | Exception] = []
     for row, req in zip(logits, requests, strict=True):
         try:
+            if req.grammar is not None:  # first, as vLLM: the constraint decides which tokens exist
+                row = allowed_logits(row, req.grammar)
             early = len(req.output_token_ids) < req.sampling.min_tokens
             token = sample_row(penalized(row, req, eos if early else None) if req.sampling.penalized or early
                                else row, req, generators)

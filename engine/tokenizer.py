@@ -161,6 +161,10 @@ class HFTokenizer(_ChatTemplate):
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def to_json(self) -> str:
+        """The tokenizer.json it was loaded from (as the tokenizers library serializes it)."""
+        return self._tok.to_str()
+
     @functools.cache  # noqa: B019 (one tokenizer per worker, alive as long as it)
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for, with nothing dropped by decoding it alone: byte-level BPE

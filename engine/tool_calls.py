@@ -9,6 +9,9 @@ reads back into `tool_calls`, as vLLM's `--tool-call-parser` does.
 A streamed answer's text goes out as content until a tool call may be starting (the text that
 could begin one is held back, as a stop string's would be); from there on it is kept, and read
 when the answer ends.
+
+A forced call (tool_choice "required" or a named function) needs no parser: structured output
+constrains the answer to the call (`ForcedCall`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import json
 import re
 import uuid
 from typing import Any
+
+from engine.structured_output import Guide
 
 PARSERS = ("hermes", "llama3_json")
 
@@ -50,9 +55,65 @@ class ToolCallParser:
         if calls is None:
             return text, []
         content = text[:at].strip()
-        return content or None, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                                  "function": {"name": name, "arguments": _arguments(args)}}
-                                 for name, args in calls]
+        return content or None, _openai_calls(calls)
+
+    finish_reason = "tool_calls"  # of an answer that made calls
+
+
+class ForcedCall:
+    """tool_choice "required" or a named function: the answer is constrained to the call(s), in
+    vLLM's way. A named function's answer is its arguments object (finish_reason "stop", as OpenAI's
+    and vLLM's); a required call's is a list of `{"name", "parameters"}` objects, one of the tools'
+    each (finish_reason "tool_calls"). It reads like a parser: nothing is content until the answer
+    ends, then the calls; an answer cut short (max_tokens) is content."""
+
+    def __init__(self, tools: list[Any], tool_choice: Any, parallel: bool = True) -> None:
+        """`parallel`: OpenAI's parallel_tool_calls; false, "required" makes exactly one call."""
+        functions: dict[str, Any] = {}
+        for tool in tools:
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise ValueError("each tool must be {\"type\": \"function\", \"function\": {\"name\": ...}}")
+            functions[function["name"]] = function.get("parameters") or {"type": "object"}
+        if tool_choice == "required":
+            self.name = None
+            schema = {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": [
+                {"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
+                 "required": ["name", "parameters"]} for name, params in functions.items()]}}
+        else:
+            function = tool_choice.get("function")
+            if tool_choice.get("type") != "function" or not isinstance(function, dict):
+                raise ValueError('tool_choice must be "none", "auto", "required" or '
+                                 '{"type": "function", "function": {"name": ...}}')
+            self.name = function.get("name")
+            if self.name not in functions:
+                raise ValueError(f"tool_choice names {self.name!r}, which is not among the tools")
+            schema = functions[self.name]
+        self.guide = Guide.json(schema)
+        self.finish_reason = "stop" if self.name else "tool_calls"
+
+    def start(self, text: str) -> int:
+        return 0
+
+    def undecided(self, text: str) -> int:
+        return len(text)
+
+    def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            return text, []
+        if self.name is not None:
+            return None, _openai_calls([(self.name, value)])
+        calls = [_call(c, "parameters") for c in value] if isinstance(value, list) else [None]
+        if not calls or any(c is None for c in calls):
+            return text, []
+        return None, _openai_calls(calls)  # type: ignore[arg-type]
+
+
+def _openai_calls(calls: list[tuple[str, Any]]) -> list[dict[str, Any]]:
+    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": name, "arguments": _arguments(args)}} for name, args in calls]
 
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)

@@ -36,7 +36,8 @@ from engine.request import Request as EngineRequest
 from engine.request import Sampled, TokenOutput
 from engine.responses import Choices, sse
 from engine.slo import DEFAULT_CLASS, DEFAULT_CLASSES, SLOClass
-from engine.tool_calls import ToolCallParser
+from engine.structured_output import Grammars
+from engine.tool_calls import ForcedCall, ToolCallParser
 from telemetry.metrics import EngineMetrics
 
 if TYPE_CHECKING:
@@ -90,6 +91,7 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
     if role not in ROLES:
         raise ValueError(f"unknown worker role {role!r}; choose from {', '.join(ROLES)}")
     tool_parser = ToolCallParser(tool_call_parser) if tool_call_parser else None
+    grammars = Grammars(engine.tokenizer, engine.model.cfg.vocab_size)
     classes = classes or DEFAULT_CLASSES
     metrics = EngineMetrics(engine, model_name)
     tracer = None
@@ -130,21 +132,27 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
         if body.model and body.model != model_name:
             raise BadRequest(f"model {body.model!r} does not exist; this worker serves {model_name!r}",
                              status=404, param="model")
-        tools = None  # offered to the model, its calls read back by tool_parser
+        tools = None  # offered to the model, its calls read back by `calls`
+        calls: ToolCallParser | ForcedCall | None = None
         try:
             if chat:
                 if (field := body.unsupported(tool_parser is not None)) is not None:
                     raise Unsupported(field)
                 if not body.messages:
                     raise ValueError("messages must not be empty")
-                tools = body.tools if tool_parser is not None and body.tools_wanted() else None
+                if body.tools_wanted():
+                    tools, calls = body.tools, ForcedCall(body.tools, body.tool_choice, body.parallel_tool_calls
+                                                          is not False) if body.forces_tool_call() else tool_parser
+                elif body.forces_tool_call():
+                    raise ValueError("tool_choice asks for a tool call, but no tools are given")
                 try:
                     prompt = engine.tokenizer.apply_chat_template([m.for_template() for m in body.messages], tools)
                 except (TemplateError, TypeError) as exc:  # what the messages gave the template it cannot use
                     raise ValueError(f"the chat template cannot render these messages: {exc}") from None
                 ids = engine.tokenizer.encode(prompt)
                 room = min(engine.model.cfg.max_position_embeddings, engine.kv.num_blocks * engine.kv.block_size)
-                sampling = body.sampling(chat_default_max_tokens(len(ids), room), tool_calls=tool_parser is not None)
+                sampling = body.sampling(chat_default_max_tokens(len(ids), room), tool_calls=tool_parser is not None,
+                                         guide=calls.guide if isinstance(calls, ForcedCall) else None)
             else:
                 sampling = body.sampling(DEFAULT_MAX_TOKENS)
                 ids = _prompt_ids(engine, body.prompt)
@@ -186,6 +194,10 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
         headers = {"x-slo-class": slo.name, "x-request-id": rid}
         try:
             engine.validate(req)
+            if sampling.guide is not None:  # compiled off the event loop: a large schema takes a while
+                req.grammar = await asyncio.to_thread(grammars.matcher, sampling.guide)
+                for r in reqs[1:]:
+                    r.grammar = req.grammar.deep_copy()
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         if kv_id:  # the decode half: admitted at prefill; its KV comes from the prefill worker
@@ -236,7 +248,7 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
         model = model_name
         choices = Choices(engine, reqs, queue, None if sampling.logprobs is None
                           else lambda: LogprobFormatter(engine.tokenizer.token_bytes, chat),
-                          tool_parser if tools else None)
+                          calls)
         if body.stream:
             options = body.stream_options or StreamOptions()
             return EventStream(sse(choices, rid, model, chat, options), media_type="text/event-stream",

@@ -4,6 +4,7 @@ exactly what one worker alone produces."""
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from safetensors.torch import save
 from engine import handoff
 from engine.engine import Engine
 from engine.request import Request, Sampled, SamplingParams
+from engine.structured_output import Grammars, Guide
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -159,6 +161,17 @@ def test_served_disaggregated_matches_one_worker(disaggregated: int, engines: tu
     assert len(lp.token_logprobs) == 10
     assert all(top == {tok: pytest.approx(p)} for tok, p, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs,
                                                                         strict=True))  # greedy: the likeliest
+    # structured output: the prefill worker's first token is constrained, and the decode worker's
+    # matcher follows it before constraining the rest
+    regex = "[a-z]{3}( [a-z]{2,5}){3}"
+    ref_req = Request(request_id="guided", prompt_token_ids=eng.tokenizer.encode(prompt),
+                      sampling=SamplingParams(max_tokens=30, temperature=0, guide=Guide("regex", regex)))
+    ref_req.grammar = Grammars(eng.tokenizer, eng.model.cfg.vocab_size).matcher(ref_req.sampling.guide)
+    want = eng.tokenizer.decode(_run(eng, ref_req).output_token_ids)
+    guided = client.completions.create(model="flowprefill-default", prompt=prompt, max_tokens=30, temperature=0,
+                                       extra_body={"guided_regex": regex})
+    assert guided.choices[0].text == want and guided.choices[0].finish_reason == "stop"
+    assert re.fullmatch(regex, want)
     # the prefill worker did prefill only: its KV went to the decode worker, nothing is left behind
     pre = httpx.get(f"http://127.0.0.1:{port + 1}/load").json()
     dec = httpx.get(f"http://127.0.0.1:{port + 2}/load").json()

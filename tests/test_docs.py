@@ -242,6 +242,8 @@ def _documented_commands() -> list[tuple[str, list[str]]]:
             for line in block.replace("\\\n", " ").splitlines():
                 line = line.split(" #")[0]
                 for part in re.split(r"&&|\|\||;", line):
+                    if "flowprefill" not in part:  # a multi-line JSON body's line is no shell line
+                        continue
                     words = shlex.split(part.strip().rstrip("&").strip()) if part.strip() else []
                     while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
                         words = words[1:]

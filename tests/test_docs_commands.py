@@ -46,7 +46,7 @@ def run(cmd: str, port: int, timeout: float = 120) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("doc", ["docs/quickstart.md", "README.md"])
+@pytest.mark.parametrize("doc", ["docs/quickstart.md", "README.md", "docs/engine.md"])
 def test_curl_commands(port: int, doc: str) -> None:
     cmds = [b for b in blocks(doc, "bash") if b.lstrip().startswith("curl")]
     assert cmds, f"no curl commands in {doc}"

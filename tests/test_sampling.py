@@ -88,13 +88,12 @@ def test_request_fields() -> None:
         CompletionRequest(prompt="x", logit_bias={"hello": 1.0}).sampling(16)
     # Known fields we do not implement are refused, naming the field; their neutral values pass.
     for body, field in [(ChatCompletionRequest(messages=[], tools=[{"type": "function"}]), "tools"),
-                        (ChatCompletionRequest(messages=[], response_format={"type": "json_object"}),
+                        (ChatCompletionRequest(messages=[], response_format={"type": "structural_tag"}),
                          "response_format"),
                         (CompletionRequest(prompt="x", echo=True), "echo"),
                         (CompletionRequest(prompt="x", best_of=3), "best_of"),
                         (CompletionRequest(prompt="x", suffix="end"), "suffix"),
-                        (ChatCompletionRequest(messages=[], tool_choice="required"), "tools"),
-                        (ChatCompletionRequest(messages=[], guided_choice=["a", "b"]), "guided_decoding"),
+                        (ChatCompletionRequest(messages=[], functions=[{"name": "f"}]), "tools"),
                         (CompletionRequest(prompt="x", use_beam_search=True), "use_beam_search"),
                         (ChatCompletionRequest(messages=[], prompt_logprobs=1), "prompt_logprobs")]:
         with pytest.raises(Unsupported) as err:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -10,6 +11,8 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from processes import free_port, start, stop, wait_healthy
 from schemathesis.checks import not_a_server_error
+
+EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "40"))  # per operation; a one-off deeper run sets more
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +34,7 @@ def test_no_server_errors(served_schema: schemathesis.BaseSchema) -> None:
     assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/v1/models"}
     for op in operations:
         @given(case=op.as_strategy())
-        @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
         def check(case: schemathesis.Case) -> None:
             response = case.call(timeout=120)
             case.validate_response(response, checks=[not_a_server_error])
