@@ -128,6 +128,9 @@ class EngineTracer(EngineObserver):
             "flowprefill.ttft_target_ms": req.ttft_target_s * 1000,
             "flowprefill.predicted_miss": req.predicted_miss,
         })
+        if (guide := req.sampling.guide) is not None:  # structured output: what the answer is held to
+            root.set_attributes({"gen_ai.output.type": "json" if guide.kind == "json" else "text",
+                                 "flowprefill.structured_output": guide.kind})
         rt = _RequestTrace(root)
         if not handed_off:
             rt.queue = self._child(rt, "queue", req.arrival_time)

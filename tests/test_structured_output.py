@@ -325,3 +325,31 @@ def _guided(eng: Engine, grammars: Grammars, guide: Guide, i: int, sampling: dic
     req.sink = sink = Sink(req)
     eng.add_request(req)
     return req, sink
+
+
+def test_the_request_span_says_what_the_answer_was_held_to(make_engine: EngineFactory) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from telemetry.tracing import EngineTracer
+
+    eng = make_engine()
+    exporter, provider = InMemorySpanExporter(), TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = EngineTracer(eng, "tiny")
+    tracer.tracer = provider.get_tracer("test")
+    grammars = Grammars(eng.tokenizer, eng.model.cfg.vocab_size)
+    for i, guide in enumerate([Guide.json({"type": "object"}), Guide.choice(["a", "b"]), None]):
+        req = Request(request_id=f"s{i}", prompt_token_ids=tokens(20, seed=i),
+                      sampling=SamplingParams(max_tokens=4, temperature=0.0, guide=guide))
+        req.grammar = guide and grammars.matcher(guide)
+        req.sink = sink = Sink(req)
+        tracer.start(req, "chat")
+        eng.add_request(req)
+        sink.wait()
+    roots = {s.attributes["flowprefill.request_id"]: s.attributes for s in exporter.get_finished_spans()
+             if s.name == "chat tiny"}
+    assert (roots["s0"]["gen_ai.output.type"], roots["s0"]["flowprefill.structured_output"]) == ("json", "json")
+    assert (roots["s1"]["gen_ai.output.type"], roots["s1"]["flowprefill.structured_output"]) == ("text", "choice")
+    assert "gen_ai.output.type" not in roots["s2"]
