@@ -122,11 +122,13 @@ class _Vocabulary:
 
 def allowed_logits(row: torch.Tensor, matcher: llguidance.LLMatcher) -> torch.Tensor:
     """The logits with every token the matcher does not allow next set to -inf."""
-    bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-    allowed = torch.from_numpy(bits[: row.numel()].astype(bool)).to(row.device)
-    if not bool(allowed.any()):
+    # one bit per token, unpacked straight into bools: runs every token of every constrained answer,
+    # and converting the bits after unpacking took three times as long at a 152K vocabulary
+    bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little",
+                         count=row.numel()).view(np.bool_)
+    if not bits.any():
         raise ValueError(f"the structured output allows no next token: {matcher.get_error() or 'dead end'}")
-    return row.float().masked_fill(~allowed, float("-inf"))
+    return torch.where(torch.from_numpy(bits).to(row.device), row.float(), float("-inf"))
 
 
 def advance(matcher: llguidance.LLMatcher, token: int) -> bool:
