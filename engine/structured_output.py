@@ -10,6 +10,7 @@ lives on the request and is where its answer left it.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,7 @@ from engine.tokenizer import ByteTokenizer, HFTokenizer
 if TYPE_CHECKING:
     import llguidance
 
+log = logging.getLogger("flowprefill.structured_output")
 KINDS = ("json", "regex", "choice", "grammar")
 
 
@@ -62,9 +64,17 @@ class Grammars:
         self._lltok: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
 
+    def warm_up(self) -> None:
+        """Build the vocabulary's side in the background (a large vocabulary takes a second), so the
+        first constrained request does not wait for it."""
+        def build() -> None:
+            try:
+                self.lltokenizer()
+            except Exception:  # the first constrained request will say what is wrong
+                log.exception("structured output is not available")
+        threading.Thread(target=build, name="flowprefill-grammars", daemon=True).start()
+
     def lltokenizer(self) -> llguidance.LLTokenizer:
-        """Built on first use (a large vocabulary takes a second): only workers asked for guided
-        answers pay for it."""
         import llguidance
 
         with self._lock:

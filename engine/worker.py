@@ -325,6 +325,7 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
     return Litestar(
         route_handlers=[completions, chat_completions, receive_kv, models, health, load, prometheus],
         exception_handlers={BadRequest: _error, HTTPException: _http_error},
+        on_startup=[grammars.warm_up],
         on_shutdown=[engine.shutdown, peers.aclose] + ([tracing.shutdown] if tracing is not None else []),
         request_max_body_size=16 * 1024 * 1024,
         plugins=plugins,
