@@ -85,7 +85,11 @@ class _Common(msgspec.Struct, kw_only=True, omit_defaults=True):
     def unsupported(self, tool_calls: bool = False) -> str | None:
         """The first field set to something this server does not do, or None. `tool_calls`: the
         worker reads tool calls back (a --tool-call-parser), so tools with tool_choice "auto" are
-        served; a forced call ("required", a named function) is served by structured output."""
+        served; a forced call ("required", a named function) is served by structured output.
+        ValueError for a tool_choice that is none of those."""
+        if self.tool_choice not in (None, "none", "auto", "required") and not isinstance(self.tool_choice, dict):
+            raise ValueError('tool_choice must be "none", "auto", "required" or '
+                             '{"type": "function", "function": {"name": ...}}')
         if self.use_beam_search:
             return "use_beam_search"
         if self.prompt_logprobs is not None:
@@ -104,7 +108,8 @@ class _Common(msgspec.Struct, kw_only=True, omit_defaults=True):
         json_options: dict[str, Any] = {"whitespace_pattern": self.guided_whitespace_pattern}
         if (so := self.structured_outputs) is not None:
             json_options = {"any_whitespace": not so.disable_any_whitespace,
-                            "whitespace_pattern": so.whitespace_pattern or self.guided_whitespace_pattern}
+                            "whitespace_pattern": so.whitespace_pattern or self.guided_whitespace_pattern,
+                            "close_objects": so.disable_additional_properties}
             for name, value in (("json", so.json), ("regex", so.regex), ("choice", so.choice),
                                 ("grammar", so.grammar)):
                 if value is not None:
@@ -169,6 +174,7 @@ class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True, omit_default
     grammar: str | None = None  # Lark, or llama.cpp's GBNF
     json_object: bool | None = None
     disable_any_whitespace: bool = False  # JSON without whitespace between its tokens
+    disable_additional_properties: bool = False  # JSON: objects that list properties allow no others
     whitespace_pattern: str | None = None
     disable_fallback: bool | None = None  # vLLM's choice among its backends: one here, nothing to fall back on
 
@@ -215,7 +221,8 @@ class CompletionRequest(_Common, kw_only=True, omit_defaults=True):
         return self.logprobs
 
     def unsupported(self, tool_calls: bool = False) -> str | None:
-        return super().unsupported() or ("tools" if self.tools else "echo" if self.echo
+        return super().unsupported() or ("tools" if self.tools or self.tool_choice not in (None, "none")
+                                         else "echo" if self.echo
                                          else "best_of" if self.best_of not in (None, 1)
                                          else "suffix" if self.suffix else None)
 

@@ -14,6 +14,7 @@ import msgspec
 from engine.engine import Engine
 from engine.openai_api import Choice, LogprobFormatter, StreamOptions, completion_chunk, error_body, usage
 from engine.request import Logprob, Request, TokenOutput
+from engine.structured_output import failed_by_constraint
 from engine.tool_calls import ForcedCall, ToolCallParser
 
 
@@ -85,7 +86,9 @@ async def sse(choices: Choices, rid: str, model: str, chat: bool, options: Strea
             i, out = await choices.next()
             sent += len(out.token_ids)
             if out.finish_reason == "error":  # the stream still ends as streams do
-                yield _event(error_body(out.error or "engine error", "server_error"))
+                error = out.error or "engine error"
+                kind = "invalid_request_error" if failed_by_constraint(error) else "server_error"
+                yield _event(error_body(error, kind))
                 yield b"data: [DONE]\n\n"
                 return
             # One event per token, even when its text is held back (a partial UTF-8 character, a

@@ -20,7 +20,7 @@ def sample(logits: torch.Tensor, requests: list[Request], generators: dict[str, 
     for row, req in zip(logits, requests, strict=True):
         try:
             if req.grammar is not None:  # first, as vLLM: the constraint decides which tokens exist
-                row = allowed_logits(row, req.grammar)
+                row = allowed_logits(row, req.grammar, list(eos) if req.sampling.ignore_eos else None)
             early = len(req.output_token_ids) < req.sampling.min_tokens
             token = sample_row(penalized(row, req, eos if early else None) if req.sampling.penalized or early
                                else row, req, generators)
@@ -54,7 +54,11 @@ def penalized(row: torch.Tensor, req: Request, eos: Sequence[int] | None = None)
         counts = torch.bincount(out, minlength=row.numel()).to(row.dtype)
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
     if eos is not None and (ends := [*([] if p.ignore_eos else eos), *p.stop_token_ids]):
-        row[torch.tensor(ends, dtype=torch.long, device=dev)] = float("-inf")
+        held = torch.tensor(ends, dtype=torch.long, device=dev)
+        kept = row[held]
+        row[held] = float("-inf")
+        if not bool(torch.isfinite(row).any()):  # a structured output only the end can complete: it ends
+            row[held] = kept
     return row
 
 

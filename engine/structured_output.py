@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -38,21 +39,45 @@ class Guide(msgspec.Struct, frozen=True, omit_defaults=True):
     whitespace_pattern: str | None = None  # JSON: a regular expression for that whitespace instead
 
     @classmethod
-    def json(cls, schema: Any, **kw: Any) -> Guide:
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"the JSON schema is not JSON: {exc}") from None
-        if not isinstance(schema, dict | bool):
-            raise ValueError("a JSON schema must be an object")
-        return cls("json", json.dumps(schema), **kw)
+    def json(cls, schema: Any, close_objects: bool = False, **kw: Any) -> Guide:
+        """`close_objects` (vLLM's disable_additional_properties): objects that list their
+        properties allow no others unless they say so."""
+        try:
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"the JSON schema is not JSON: {exc}") from None
+            if schema is True:
+                schema = {}  # JSON Schema's "anything"
+            if not isinstance(schema, dict):
+                raise ValueError("a JSON schema must be an object")
+            return cls("json", json.dumps(_closed(schema) if close_objects else schema), **kw)
+        except RecursionError:
+            raise ValueError("the JSON schema is nested too deeply") from None
 
     @classmethod
     def choice(cls, choices: Any) -> Guide:
         if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
             raise ValueError("a choice must be a non-empty list of non-empty strings")
         return cls("choice", json.dumps(choices))
+
+
+def _closed(schema: Any) -> Any:
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _closed(v) for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+# A constraint whose next mask, or whose step past a token, costs more CPU than this fails alone
+# (an ambiguous grammar can grow costlier with every token, and the engine thread waits for it:
+# every answer in the batch would). Normal masks take well under a millisecond.
+STEP_CPU_LIMIT_S = 0.02
 
 
 class Grammars:
@@ -94,21 +119,26 @@ class Grammars:
             raise ValueError(f"unknown structured output kind {guide.kind!r}")
         try:
             if guide.kind == "json":
-                options: dict[str, Any] = {"whitespace_flexible": guide.any_whitespace}
+                # oneOf as anyOf, as vLLM's default backend reads it (pydantic writes unions so)
+                options: dict[str, Any] = {"whitespace_flexible": guide.any_whitespace, "coerce_one_of": True}
                 if guide.whitespace_pattern is not None:
                     options["whitespace_pattern"] = guide.whitespace_pattern
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(guide.spec, defaults=options)
             else:
                 grammar = llguidance.grammar_from(guide.kind, guide.spec)
-        except (ValueError, TypeError) as exc:  # a grammar that does not convert, a choice list that is not JSON
+        except (ValueError, TypeError, RecursionError) as exc:  # a grammar that does not convert, a choice
+            # list that is not JSON, a schema nested past what the converter recurses through
             raise ValueError(f"invalid {_NAMES[guide.kind]}: {exc}") from None
         tok = self.lltokenizer()
         error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tok)
         if error:
             raise ValueError(f"invalid {_NAMES[guide.kind]}: {messages[0]}")
-        matcher = llguidance.LLMatcher(tok, grammar, log_level=0)
+        # terse errors: llguidance's verbose ones dump the parser's state and the whole grammar
+        matcher = llguidance.LLMatcher(tok, grammar, log_level=0, limits=llguidance.LLParserLimits(
+            verbose_errors=False))
+        matcher.compute_bitmask()  # some errors show only here: an empty language, a rule with no end
         if matcher.is_error():
-            raise ValueError(f"invalid {_NAMES[guide.kind]}: {matcher.get_error()}")
+            raise ValueError(f"invalid {_NAMES[guide.kind]}: {_error(matcher)}")
         return matcher
 
 
@@ -130,19 +160,48 @@ class _Vocabulary:
         return self._tok.encode(text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text)
 
 
-def allowed_logits(row: torch.Tensor, matcher: llguidance.LLMatcher) -> torch.Tensor:
-    """The logits with every token the matcher does not allow next set to -inf."""
+def allowed_logits(row: torch.Tensor, matcher: llguidance.LLMatcher, hold: list[int] | None = None) -> torch.Tensor:
+    """The logits with every token the matcher does not allow next set to -inf. `hold`: tokens to
+    leave out too (the end of sequence under ignore_eos), unless nothing else is allowed."""
+    start = time.thread_time()
+    bitmask = matcher.compute_bitmask()
+    _check(matcher, start, "a token's mask")
     # one bit per token, unpacked straight into bools: runs every token of every constrained answer,
     # and converting the bits after unpacking took three times as long at a 152K vocabulary
-    bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little",
+    bits = np.unpackbits(np.frombuffer(bitmask, dtype=np.uint8), bitorder="little",
                          count=row.numel()).view(np.bool_)
+    if hold and bits[hold].any() and bits.sum() > bits[hold].sum():
+        bits = bits.copy()
+        bits[hold] = False
     if not bits.any():
-        raise ValueError(f"the structured output allows no next token: {matcher.get_error() or 'dead end'}")
+        raise ValueError("the structured output allows no next token")
     return torch.where(torch.from_numpy(bits).to(row.device), row.float(), float("-inf"))
 
 
 def advance(matcher: llguidance.LLMatcher, token: int) -> bool:
     """Follow the sampled token; True when the constraint is complete (nothing but the end may come)."""
+    start = time.thread_time()
     if not matcher.consume_token(token):
-        raise ValueError(f"the structured output rejected token {token}: {matcher.get_error()}")
+        raise ValueError(f"the structured output rejected token {token}: {_error(matcher)}")
+    _check(matcher, start, "a token's step")
     return matcher.is_stopped()
+
+
+def _check(matcher: llguidance.LLMatcher, start: float, what: str) -> None:
+    """llguidance never raises for a grammar's trouble: its matcher enters an error state, where it
+    would allow only the end (an answer ending as if complete). Here the trouble is an error."""
+    if matcher.is_error():
+        raise ValueError(f"the structured output failed: {_error(matcher)}")
+    if (spent := time.thread_time() - start) > STEP_CPU_LIMIT_S:
+        raise ValueError(f"the structured output is too costly to follow: {what} took {spent * 1000:.0f} ms "
+                         f"of CPU (at most {STEP_CPU_LIMIT_S * 1000:.0f})")
+
+
+def failed_by_constraint(error: str) -> bool:
+    """Whether an answer's error came from its structured output (the client's constraint: a 400,
+    not a server error, though it showed only while generating)."""
+    return "the structured output" in error
+
+
+def _error(matcher: llguidance.LLMatcher) -> str:
+    return (matcher.get_error() or "unknown error").strip().splitlines()[0]

@@ -74,12 +74,28 @@ class ForcedCall:
             function = tool.get("function") if isinstance(tool, dict) else None
             if not isinstance(function, dict) or not isinstance(function.get("name"), str):
                 raise ValueError("each tool must be {\"type\": \"function\", \"function\": {\"name\": ...}}")
-            functions[function["name"]] = function.get("parameters") or {"type": "object"}
+            if function["name"] in functions:
+                raise ValueError(f"two tools are named {function['name']!r}")
+            params = function.get("parameters") or {"type": "object"}
+            if not isinstance(params, dict):
+                raise ValueError(f"the parameters of tool {function['name']!r} must be a JSON schema object")
+            functions[function["name"]] = params
         if tool_choice == "required":
             self.name = None
-            schema = {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": [
-                {"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
-                 "required": ["name", "parameters"]} for name, params in functions.items()]}}
+            defs: dict[str, dict[str, Any]] = {}
+            items = []
+            for name, params in functions.items():
+                # references point at the root ("#/$defs/X"): each tool's definitions move there
+                params = dict(params)
+                for where in ("$defs", "definitions"):
+                    for key, value in (params.pop(where, None) or {}).items():
+                        if defs.setdefault(where, {}).setdefault(key, value) != value:
+                            raise ValueError(f"tools define {key!r} differently (in {where})")
+                items.append({"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
+                                                               "parameters": params},
+                              "required": ["name", "parameters"]})
+            schema = {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}),
+                      "items": {"anyOf": items}, **defs}
         else:
             function = tool_choice.get("function")
             if tool_choice.get("type") != "function" or not isinstance(function, dict):

@@ -36,7 +36,7 @@ from engine.request import Request as EngineRequest
 from engine.request import Sampled, TokenOutput
 from engine.responses import Choices, sse
 from engine.slo import DEFAULT_CLASS, DEFAULT_CLASSES, SLOClass
-from engine.structured_output import Grammars
+from engine.structured_output import Grammars, failed_by_constraint
 from engine.tool_calls import ForcedCall, ToolCallParser
 from telemetry.metrics import EngineMetrics
 
@@ -127,6 +127,8 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
             raise BadRequest(f"invalid request body: {exc}") from None
         except msgspec.DecodeError:
             raise BadRequest("request body is not valid JSON") from None
+        except RecursionError:
+            raise BadRequest("request body is nested too deeply") from None
         if body.stream_options is not None and not body.stream:
             raise BadRequest("stream_options is only allowed when stream is true", param="stream_options")
         if body.model and body.model != model_name:
@@ -160,6 +162,13 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
             raise BadRequest(str(exc), param=exc.field, code="unsupported_parameter") from None
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
+        grammar = None  # structured output: compiled off the event loop (a large schema takes a while),
+        # and before the request id is made unique: nothing may wait between that and adding it
+        if sampling.guide is not None:
+            try:
+                grammar = await asyncio.to_thread(grammars.matcher, sampling.guide)
+            except ValueError as exc:
+                raise BadRequest(str(exc)) from None
         slo = slo_for(request, body)
         rid = request.headers.get("x-request-id") or new_id("chatcmpl" if chat else "cmpl")
         kv_to, kv_id = request.headers.get(handoff.KV_TO_HEADER), request.headers.get(handoff.KV_ID_HEADER)
@@ -194,10 +203,8 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
         headers = {"x-slo-class": slo.name, "x-request-id": rid}
         try:
             engine.validate(req)
-            if sampling.guide is not None:  # compiled off the event loop: a large schema takes a while
-                req.grammar = await asyncio.to_thread(grammars.matcher, sampling.guide)
-                for r in reqs[1:]:
-                    r.grammar = req.grammar.deep_copy()
+            for r in reqs:
+                r.grammar = grammar and grammar.deep_copy()
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         if kv_id:  # the decode half: admitted at prefill; its KV comes from the prefill worker
@@ -255,7 +262,9 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
                                headers=headers)
         await choices.gather()
         if choices.error is not None:
-            return Response(error_body(choices.error, "server_error"), status_code=500, headers=headers)
+            client = failed_by_constraint(choices.error)
+            return Response(error_body(choices.error, "invalid_request_error" if client else "server_error"),
+                            status_code=400 if client else 500, headers=headers)
         if kv_to and req.kv_export is not None:
             kv, req.kv_export = req.kv_export, None
             transport = "http" if request.headers.get(handoff.TRANSPORT_HEADER) == "http" else "auto"

@@ -88,6 +88,7 @@ def test_refused_fields() -> None:
     weather = [{"type": "function", "function": {"name": "f"}}]
     assert chat(tools=weather, tool_choice="required").unsupported(tool_calls=False) is None
     assert chat(tools=weather).unsupported(tool_calls=False) == "tools"  # "auto" needs a parser
+    assert msgspec.convert({"prompt": "x", "tool_choice": "required"}, CompletionRequest).unsupported() == "tools"
     with pytest.raises(Unsupported):
         msgspec.convert({"prompt": "x", "tools": weather, "tool_choice": "required"}, CompletionRequest).sampling(4)
 
@@ -353,3 +354,121 @@ def test_the_request_span_says_what_the_answer_was_held_to(make_engine: EngineFa
     assert (roots["s0"]["gen_ai.output.type"], roots["s0"]["flowprefill.structured_output"]) == ("json", "json")
     assert (roots["s1"]["gen_ai.output.type"], roots["s1"]["flowprefill.structured_output"]) == ("text", "choice")
     assert "gen_ai.output.type" not in roots["s2"]
+
+
+# -- found by review ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("guide", "message"), [
+    (Guide("regex", "[^\\s\\S]"), "invalid regular expression"),  # matches nothing
+    (Guide("grammar", "start: start"), "invalid grammar"),  # never ends
+    (Guide.json({"$ref": "#/definitions/a", "definitions": {"a": {"$ref": "#/definitions/a"}}}), "invalid JSON"),
+    (Guide("json", '{"type": "object", "properties": {"a": {"type": "string"}}}' + " " * 10), None),
+])
+def test_a_constraint_that_fails_on_its_first_mask_is_refused_at_once(guide: Guide, message: str | None) -> None:
+    """llguidance finds some errors only when it computes a mask; in its error state it would allow
+    just the end, and the answer would look complete."""
+    grammars = Grammars(ByteTokenizer(), 512)
+    if message is None:
+        grammars.matcher(guide)
+        return
+    with pytest.raises(ValueError, match=message):
+        grammars.matcher(guide)
+
+
+def test_schemas_the_ecosystem_writes() -> None:
+    grammars = Grammars(ByteTokenizer(), 512)
+    grammars.matcher(Guide.json({"oneOf": [{"type": "integer"}, {"type": "string"}]}))  # pydantic's unions
+    assert Guide.json(True) == Guide.json({})
+    closed = json.loads(Guide.json({"type": "object", "properties": {"a": {"type": "object", "properties": {}}}},
+                                   close_objects=True).spec)
+    assert closed["additionalProperties"] is False and closed["properties"]["a"]["additionalProperties"] is False
+    assert chat(structured_outputs={"json": {"properties": {}}, "disable_additional_properties": True}).guide() == (
+        Guide.json({"properties": {}, "additionalProperties": False}))
+    with pytest.raises(ValueError, match="nested too deeply"):
+        Guide.json('{"items":' * 3000 + "{}" + "}" * 3000)
+    # a "required" call over tools whose parameters use definitions: they move to the root
+    nested = {"$defs": {"C": {"enum": ["Oslo"]}}, "type": "object", "properties": {"city": {"$ref": "#/$defs/C"}}}
+    forced = ForcedCall([{"type": "function", "function": {"name": "f", "parameters": nested}}], "required")
+    assert json.loads(forced.guide.spec)["$defs"] == {"C": {"enum": ["Oslo"]}}
+    grammars.matcher(forced.guide)
+    other = {"$defs": {"C": {"enum": ["Lima"]}}, "properties": {"c": {"$ref": "#/$defs/C"}}}
+    with pytest.raises(ValueError, match="define 'C' differently"):
+        ForcedCall([{"type": "function", "function": {"name": "f", "parameters": nested}},
+                    {"type": "function", "function": {"name": "g", "parameters": other}}], "required")
+    with pytest.raises(ValueError, match="two tools are named"):
+        ForcedCall([{"type": "function", "function": {"name": "f"}}] * 2, "required")
+
+
+def test_the_end_is_held_back_under_ignore_eos_unless_nothing_else_may_come() -> None:
+    tok = ByteTokenizer()
+    eos = tok.eos_token_ids
+    matcher = Grammars(tok, 512).matcher(Guide("regex", "a?"))
+    allowed = torch.isfinite(allowed_logits(torch.zeros(512), matcher, eos))
+    assert allowed.nonzero().flatten().tolist() == [ord("a")]  # the end would be allowed: "" matches
+    matcher.consume_token(ord("a"))
+    assert torch.isfinite(allowed_logits(torch.zeros(512), matcher, eos)).nonzero().flatten().tolist() == eos
+
+
+@pytest.mark.parametrize(("fields", "status", "message"), [
+    ({"guided_regex": "a{4294967295}"}, 400, "structured output"),  # fails at its first token
+    ({"guided_grammar": 'start: "ab" x\nx: x'}, 400, "structured output"),  # fails after "ab"
+    ({"tools": TOOLS, "tool_choice": "bogus"}, 400, "tool_choice must be"),
+    ({"tools": TOOLS, "tool_choice": 5}, 400, "tool_choice must be"),
+    ({"guided_json": '{"items":' * 3000 + "{}" + "}" * 3000}, 400, "nested too deeply"),
+    ({"guided_regex": "()", "min_tokens": 2}, 200, ""),  # the constraint wins over min_tokens: it ends
+    ({"guided_regex": "a+", "stop_token_ids": [97], "min_tokens": 2, "temperature": 1.0}, 200, ""),
+])
+def test_constraints_that_fail_while_generating(worker: tuple[Engine, Any], fields: dict[str, Any], status: int,
+                                                message: str) -> None:
+    eng, app = worker
+    r = post(app, {"messages": MESSAGES, "max_tokens": 8, "temperature": 0} | fields)
+    assert r.status_code == status, r.text
+    if status == 400:
+        error = r.json()["error"]
+        assert message in error["message"] and error["type"] == "invalid_request_error"
+        assert "\n" not in error["message"]  # llguidance's own dump of its state stays out
+    else:
+        assert r.json()["choices"][0]["finish_reason"] == "stop"
+    assert_idle_and_free(eng)
+
+
+def test_a_deeply_nested_body_is_a_400(worker: tuple[Engine, Any]) -> None:
+    _, app = worker
+    deep = '{"messages": [{"role": "user", "content": "x"}], "guided_json": ' + '{"a":' * 5000 + "1" + "}" * 5001
+    async def go() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as c:
+            return await c.post("/v1/chat/completions", content=deep, headers={"content-type": "application/json"})
+    r = asyncio.run(go())
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
+
+
+def test_a_costly_grammar_fails_alone(worker: tuple[Engine, Any]) -> None:
+    """An ambiguous grammar grows costlier with every token, on the engine thread that every answer
+    waits for: past STEP_CPU_LIMIT_S of CPU for one token it fails, and the others go on."""
+    eng, app = worker
+
+    async def both() -> list[httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as c:
+            base = {"messages": MESSAGES, "max_tokens": 400, "temperature": 0}
+            return list(await asyncio.gather(
+                c.post("/v1/chat/completions", json=base | {"guided_grammar": 'start: x\nx: x x | x x x | "a"'}),
+                c.post("/v1/chat/completions", json=base | {"max_tokens": 60, "ignore_eos": True})))
+    costly, plain = asyncio.run(asyncio.wait_for(both(), 120))
+    assert costly.status_code == 400 and "too costly to follow" in costly.json()["error"]["message"]
+    assert plain.status_code == 200 and plain.json()["usage"]["completion_tokens"] == 60
+    assert_idle_and_free(eng)
+
+
+def test_a_reused_request_id_still_gets_a_suffix(worker: tuple[Engine, Any]) -> None:
+    """Compiling awaits: it happens before the id is made unique, or two requests of one id race."""
+    _, app = worker
+
+    async def both() -> list[httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as c:
+            body = {"messages": MESSAGES, "max_tokens": 8, "temperature": 0, "guided_regex": "[a-z]{8}"}
+            return list(await asyncio.gather(*(c.post("/v1/chat/completions", json=body,
+                                                      headers={"x-request-id": "same"}) for _ in range(2))))
+    responses = asyncio.run(asyncio.wait_for(both(), 60))
+    assert [r.status_code for r in responses] == [200, 200]
+    assert sorted(r.json()["id"] == "same" for r in responses) == [False, True]
