@@ -10,13 +10,14 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "llama",
 }
 
 
 @dataclass
 class ModelConfig:
-    """The subset of a Llama/Qwen2 config.json the engine needs."""
+    """The subset of a Llama/Qwen2/Qwen3 config.json the engine needs."""
 
     architecture: str = "Qwen2ForCausalLM"
     vocab_size: int = 512
@@ -31,6 +32,7 @@ class ModelConfig:
     rope_theta: float = 1_000_000.0
     rope_scaling: dict[str, Any] = field(default_factory=dict)
     attention_bias: bool = True  # Qwen2 has a bias on q/k/v
+    qk_norm: bool = False  # Qwen3: q and k RMS-normalised per head before the rotation
     tie_word_embeddings: bool = True
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
@@ -47,6 +49,8 @@ class ModelConfig:
             )
         if arch == "MistralForCausalLM" and raw.get("sliding_window"):
             raise ValueError("unsupported: Mistral with sliding-window attention (sliding_window is set)")
+        if arch != "MistralForCausalLM" and raw.get("use_sliding_window"):
+            raise ValueError("unsupported: sliding-window attention (use_sliding_window is true)")
         if raw.get("mlp_bias"):
             raise ValueError("unsupported: mlp_bias=true (no Llama/Qwen2 release uses it)")
         heads = raw["num_attention_heads"]
@@ -57,7 +61,7 @@ class ModelConfig:
         rope = {} if rope_type == "default" else {**rope, "rope_type": rope_type}
         eos = raw.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        is_qwen2 = SUPPORTED_ARCHITECTURES[arch] == "qwen2"
+        family = SUPPORTED_ARCHITECTURES[arch]
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -71,7 +75,8 @@ class ModelConfig:
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             rope_scaling=rope,
-            attention_bias=is_qwen2 or bool(raw.get("attention_bias", False)),
+            attention_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+            qk_norm=family == "qwen3",
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),  # transformers' default
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=eos_ids,

@@ -43,6 +43,12 @@ def _llama(**kw: Any) -> Any:
     return LlamaConfig(**(TINY | {"tie_word_embeddings": False} | kw))
 
 
+def _qwen3(**kw: Any) -> Any:
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**(TINY | kw))
+
+
 def _mistral(**kw: Any) -> Any:
     from transformers import MistralConfig
 
@@ -69,6 +75,8 @@ CONFIGS: dict[str, Callable[[], Any]] = {
     "qwen2_yarn": lambda: _qwen2(tie_word_embeddings=False, max_position_embeddings=256,
                                  rope_parameters=dict(YARN_ROPE)),
     "mistral": lambda: _mistral(),
+    # per-head q/k RMSNorm, no bias, and a head size that is not hidden / heads (4 x 32 = 128 vs 64)
+    "qwen3": lambda: _qwen3(head_dim=32, tie_word_embeddings=True),
 }
 
 

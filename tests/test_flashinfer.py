@@ -43,6 +43,26 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def qwen3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small Qwen3 (per-head q/k RMSNorm, head size 128, no bias): its q/k norms run on the fused
+    RMSNorm kernel too."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=128, max_position_embeddings=8192,
+                      tie_word_embeddings=True, eos_token_id=2)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(cfg)
+    with torch.no_grad():  # norms off their initial ones, so a norm applied wrongly shows
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
+    path = tmp_path_factory.mktemp("qwen3-hd128")
+    model.save_pretrained(path)
+    return path
+
+
 def splitting_cost(cfg: Any) -> Any:
     """A cost model that makes a budget of 1e-4 s split prompts into many steps and key tiles, however
     fast the GPU: what is under test is the plan's shape, not the device's speed."""
@@ -151,8 +171,10 @@ def test_fused_rope_matches_torch(rows: int) -> None:
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)  # fp32 inside vs bfloat16 throughout
 
 
-def test_engine_prefill_logits_match_sdpa_and_transformers(checkpoint: Path) -> None:
+@pytest.mark.parametrize("model_dir", ["checkpoint", "qwen3_checkpoint"], ids=["llama", "qwen3"])
+def test_engine_prefill_logits_match_sdpa_and_transformers(request: pytest.FixtureRequest, model_dir: str) -> None:
     """Last-token logits of a batch of uneven prompts (one long enough to be split into many tiles)."""
+    checkpoint = request.getfixturevalue(model_dir)
     from transformers import AutoModelForCausalLM
 
     from engine.config import EngineConfig

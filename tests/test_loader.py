@@ -53,6 +53,16 @@ def test_mistral_sliding_window_is_refused() -> None:
         ModelConfig.from_hf(raw)
 
 
+def test_qwen3_sliding_window_is_refused_and_its_qk_norm_read() -> None:
+    raw = {"architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True, "num_attention_heads": 2}
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        ModelConfig.from_hf(raw)
+    raw = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+           "num_hidden_layers": 1, "num_attention_heads": 2, "head_dim": 16, "use_sliding_window": False}
+    cfg = ModelConfig.from_hf(raw)
+    assert cfg.qk_norm and not cfg.attention_bias and cfg.head_dim == 16
+
+
 def test_mlp_bias_is_refused() -> None:
     raw = {"architectures": ["LlamaForCausalLM"], "mlp_bias": True, "num_attention_heads": 2}
     with pytest.raises(ValueError, match="mlp_bias"):

@@ -40,6 +40,11 @@ SHAPES: dict[str, dict[str, Any]] = {
                    "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
                    "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
                    "bos_token_id": 151643, "eos_token_id": 151645, "tie_word_embeddings": False},
+    "qwen3-8b": {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+                 "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                 "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+                 "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                 "bos_token_id": 151643, "eos_token_id": 151645, "tie_word_embeddings": False},
     # A few-MB stand-in of Llama 3.1's structure (GQA, llama3 RoPE): for tests of this script.
     "tiny-llama": _LLAMA_3_1_8B | {"vocab_size": 256, "hidden_size": 128, "intermediate_size": 256,
                                    "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,

@@ -1,4 +1,4 @@
-"""A Llama / Qwen2 decoder whose prefill is a generator of operator steps.
+"""A Llama / Qwen2 / Qwen3 decoder whose prefill is a generator of operator steps.
 
 The suspended generator *is* the saved state of a preempted prefill: its locals hold the residual
 stream and the layer's activations, and the KV of finished layers is already in the paged cache,
@@ -31,6 +31,8 @@ class LayerWeights:
                          if cfg.attention_bias else None)
         self.o = w[f"{a}.o_proj.weight"].t().contiguous()
         self.o_bias = w.get(f"{a}.o_proj.bias")  # Llama with attention_bias=true
+        self.q_norm = w[f"{a}.q_norm.weight"] if cfg.qk_norm else None  # Qwen3
+        self.k_norm = w[f"{a}.k_norm.weight"] if cfg.qk_norm else None
         self.gate_up = torch.cat([w[f"{m}.gate_proj.weight"], w[f"{m}.up_proj.weight"]]).t().contiguous()
         self.down = w[f"{m}.down_proj.weight"].t().contiguous()
 
@@ -64,6 +66,9 @@ class LlamaModel:
             qkv += layer.qkv_bias
         c = self.cfg
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if layer.q_norm is not None:  # Qwen3: each head's q and k RMS-normalised, then rotated
+            q = self._rms(q.reshape(-1, c.head_dim), layer.q_norm).view(-1, self.q_size)
+            k = self._rms(k.reshape(-1, c.head_dim), layer.k_norm).view(-1, self.kv_size)
         q, k = self.rotary.apply(q, k, rope)
         return q, k, v.reshape(-1, c.num_key_value_heads, c.head_dim)
 

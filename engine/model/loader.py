@@ -35,6 +35,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.attention_bias:
             shapes |= {f"{p}.self_attn.q_proj.bias": (q,), f"{p}.self_attn.k_proj.bias": (kv,),
                        f"{p}.self_attn.v_proj.bias": (kv,)}
+        if cfg.qk_norm:
+            shapes |= {f"{p}.self_attn.q_norm.weight": (d,), f"{p}.self_attn.k_norm.weight": (d,)}
     return shapes
 
 
@@ -87,7 +89,7 @@ def save_checkpoint(cfg: ModelConfig, weights: dict[str, torch.Tensor], path: st
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     c = asdict(cfg)
-    model_type = "qwen2" if cfg.architecture == "Qwen2ForCausalLM" else "llama"
+    model_type = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}.get(cfg.architecture, "llama")
     hf = {k: c[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                             "num_attention_heads", "num_key_value_heads", "head_dim",
                             "max_position_embeddings", "rms_norm_eps", "rope_theta", "tie_word_embeddings",
