@@ -27,12 +27,13 @@ class OutputStream:
         self._decoder = tokenizer.incremental_decoder()
         self._pending = ""  # decoded text not yet sent
         self._check_from = 0  # where in it stop strings may end (before: the first min_tokens tokens')
+        self._thought = ""  # the reasoning's last characters, where its closing tag is looked for
 
     def push(self, sampled: Sampled) -> TokenOutput:
         req, token, p = self.req, sampled.token, self.req.sampling
         req.output_token_ids.append(token)
         finish = None
-        if req.grammar is not None:
+        if req.grammar is not None and req.thinking_until is None:
             try:
                 if advance(req.grammar, token) and token not in self.eos:
                     finish = "stop"  # the constraint is complete: only the end could follow
@@ -45,7 +46,13 @@ class OutputStream:
             if p.include_stop_str_in_output:
                 self._pending += self._decoder.push(token)
         else:
-            self._pending += self._decoder.push(token)
+            piece = self._decoder.push(token)
+            self._pending += piece
+            if req.thinking_until is not None:  # a reasoning model's: its structured output starts after
+                seen = self._thought + piece
+                if req.thinking_until in seen:
+                    req.thinking_until = None
+                self._thought = seen[-len(req.thinking_until or ""):]
         # As vLLM: the text of the first min_tokens tokens is never searched for stop strings (one
         # may begin in its last characters and end after); the sampler holds EOS and stop ids back.
         if len(req.output_token_ids) <= p.min_tokens:

@@ -276,6 +276,14 @@ class ChatCompletionRequest(_Common, kw_only=True, omit_defaults=True):
     messages: list[ChatMessage]
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the chat template
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """chat_template_kwargs (e.g. Qwen3's enable_thinking), less what the server itself decides."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if taken := sorted(set(kwargs) & {"messages", "tools", "add_generation_prompt"}):
+            raise ValueError(f"chat_template_kwargs cannot set {', '.join(taken)}")
+        return kwargs
 
     def top_logprobs_wanted(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -308,14 +316,15 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 def completion_chunk(rid: str, model: str, text: str, finish: str | None, chat: bool, first: bool = False,
                      logprobs: dict[str, Any] | None = None, index: int = 0,
-                     tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                     tool_calls: list[dict[str, Any]] | None = None, reasoning: str = "") -> dict[str, Any]:
     if chat:
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
-        if tool_calls:  # streamed as OpenAI's: each call whole, with its index among the calls
-            delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text else {}) | {
-                "tool_calls": [{"index": i} | call for i, call in enumerate(tool_calls)]}
-        choice = {"index": index, "delta": delta if text or first or tool_calls else {}, "logprobs": logprobs,
-                  "finish_reason": finish}
+        if tool_calls or reasoning:  # calls streamed as OpenAI's: each whole, with its index among them
+            delta = ({"role": "assistant"} if first else {}) | _reasoning(reasoning) | (
+                {"content": text} if text else {}) | ({"tool_calls": [{"index": i} | call for i, call in
+                                                                       enumerate(tool_calls)]} if tool_calls else {})
+        choice = {"index": index, "delta": delta if text or first or tool_calls or reasoning else {},
+                  "logprobs": logprobs, "finish_reason": finish}
         obj = "chat.completion.chunk"
     else:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
@@ -323,19 +332,25 @@ def completion_chunk(rid: str, model: str, text: str, finish: str | None, chat: 
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
 
 
-Choice = tuple[str | None, str | None, dict[str, Any] | None, list[dict[str, Any]]]
+Choice = tuple[str | None, str | None, dict[str, Any] | None, list[dict[str, Any]], str | None]
+
+
+def _reasoning(text: str | None) -> dict[str, str]:
+    """A reasoning model's reasoning under both names clients read: `reasoning_content` (DeepSeek's,
+    SGLang's, vLLM's before 0.11) and `reasoning` (vLLM's since)."""
+    return {} if not text else {"reasoning_content": text, "reasoning": text}
 
 
 def completion_body(rid: str, model: str, choices: list[Choice], chat: bool, usage_: dict[str, Any]) -> dict[str, Any]:
-    """`choices`: each one's text, finish reason, logprobs and tool calls, in index order."""
+    """`choices`: each one's text, finish reason, logprobs, tool calls and reasoning, in index order."""
     if chat:
-        body = [{"index": i, "message": {"role": "assistant", "content": text}
+        body = [{"index": i, "message": {"role": "assistant", "content": text} | _reasoning(reasoning)
                  | ({"tool_calls": calls} if calls else {}), "logprobs": lp, "finish_reason": f}
-                for i, (text, f, lp, calls) in enumerate(choices)]
+                for i, (text, f, lp, calls, reasoning) in enumerate(choices)]
         obj = "chat.completion"
     else:
         body = [{"index": i, "text": text, "logprobs": lp, "finish_reason": f}
-                for i, (text, f, lp, _) in enumerate(choices)]
+                for i, (text, f, lp, _, _) in enumerate(choices)]
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": body, "usage": usage_}
 

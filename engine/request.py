@@ -173,6 +173,9 @@ class Request(msgspec.Struct, kw_only=True):
     # Structured output: the llguidance matcher its answer follows (engine/structured_output.py),
     # compiled by the worker from its guide; the sampler masks what it does not allow next.
     grammar: Any = None
+    # A reasoning model's answer that begins in reasoning: the text that closes it (a reasoning
+    # parser's, engine/reasoning.py). Its structured output applies only after; None once closed.
+    thinking_until: str | None = None
     # Prefix caching: the content hashes of the prompt's full KV blocks (None: not cacheable, e.g. a
     # handed-off request), and how many leading prompt tokens were found cached at arrival.
     block_hashes: list[bytes] | None = None

@@ -13,6 +13,7 @@ import msgspec
 
 from engine.engine import Engine
 from engine.openai_api import Choice, LogprobFormatter, StreamOptions, completion_chunk, error_body, usage
+from engine.reasoning import ReasoningStream
 from engine.request import Logprob, Request, TokenOutput
 from engine.structured_output import failed_by_constraint
 from engine.tool_calls import ForcedCall, ToolCallParser
@@ -22,14 +23,17 @@ class Choices:
     """The engine requests of one response, in choice order, and what they have produced."""
 
     def __init__(self, engine: Engine, reqs: list[Request], queue: asyncio.Queue[TokenOutput],
-                 formatter: Callable[[], LogprobFormatter] | None, tools: ToolCallParser | ForcedCall | None = None
-                 ) -> None:
-        """`tools`: what reads the model's tool calls, when the request offered it tools."""
+                 formatter: Callable[[], LogprobFormatter] | None, tools: ToolCallParser | ForcedCall | None = None,
+                 reasoning: Callable[[], ReasoningStream] | None = None) -> None:
+        """`tools`: what reads the model's tool calls, when the request offered it tools. `reasoning`:
+        a reasoning model's splitter of reasoning from content, one per choice."""
         self.engine, self.reqs, self.queue, self.tools = engine, reqs, queue, tools
         self.index = {r.request_id: i for i, r in enumerate(reqs)}
         # a formatter each: completions' text offsets run on per choice
         self.formatters = [formatter and formatter() for _ in reqs]
-        self.texts: list[list[str]] = [[] for _ in reqs]
+        self.thoughts = [reasoning and reasoning() for _ in reqs]
+        self.texts: list[list[str]] = [[] for _ in reqs]  # the content (with no reasoning model, all the text)
+        self.reasoning: list[list[str]] = [[] for _ in reqs]
         self.logprobs: list[list[Logprob]] = [[] for _ in reqs]
         self.finish: list[str | None] = [None] * len(reqs)
         self.error: str | None = None
@@ -38,16 +42,22 @@ class Choices:
     def done(self) -> bool:
         return self.error is not None or all(self.finish)
 
-    async def next(self) -> tuple[int, TokenOutput]:
+    async def next(self) -> tuple[int, TokenOutput, str]:
+        """The next output, of choice i, with its text as content and its reasoning delta apart."""
         out = await self.queue.get()
         i = self.index[out.request_id]
+        reasoning = ""
+        if (thoughts := self.thoughts[i]) is not None:
+            reasoning, content = thoughts.push(out.text, final=out.finish_reason is not None)
+            self.reasoning[i].append(reasoning)
+            out = msgspec.structs.replace(out, text=content)
         self.texts[i].append(out.text)
         self.logprobs[i] += out.logprobs or []
         if out.finish_reason:
             self.finish[i] = out.finish_reason
             if out.finish_reason == "error":
                 self.error = out.error or "engine error"
-        return i, out
+        return i, out, reasoning
 
     async def gather(self) -> None:
         """Until every choice is finished, or one failed (the others are then cancelled)."""
@@ -63,12 +73,16 @@ class Choices:
                 self.engine.cancel(r.request_id)
 
     def bodies(self) -> list[Choice]:
-        """Each choice's content, finish reason, formatted logprobs and tool calls."""
+        """Each choice's content, finish reason, formatted logprobs, tool calls and reasoning."""
         out: list[Choice] = []
-        for t, f, lp, fmt in zip(self.texts, self.finish, self.logprobs, self.formatters, strict=True):
-            content, calls = self.tools.parse("".join(t)) if self.tools else ("".join(t), [])
-            out.append((content, self.tools.finish_reason if calls and self.tools else f, fmt and fmt.format(lp),
-                        calls))
+        for t, f, lp, fmt, thoughts, r in zip(self.texts, self.finish, self.logprobs, self.formatters, self.thoughts,
+                                              self.reasoning, strict=True):
+            content: str | None = "".join(t)
+            content, calls = self.tools.parse(content) if self.tools else (content, [])
+            reasoning = "".join(r) if thoughts is not None and thoughts.thinking else None
+            out.append((content or (None if reasoning is not None else content),
+                        self.tools.finish_reason if calls and self.tools else f, fmt and fmt.format(lp), calls,
+                        reasoning))
         return out
 
     def usage(self, sent: int | None = None) -> dict[str, Any]:
@@ -83,7 +97,7 @@ async def sse(choices: Choices, rid: str, model: str, chat: bool, options: Strea
     shown = [0] * len(choices.reqs)  # with tools: how much of each choice's text went out as content
     try:
         while not choices.done:
-            i, out = await choices.next()
+            i, out, reasoning = await choices.next()
             sent += len(out.token_ids)
             if out.finish_reason == "error":  # the stream still ends as streams do
                 error = out.error or "engine error"
@@ -98,7 +112,8 @@ async def sse(choices: Choices, rid: str, model: str, chat: bool, options: Strea
             text, finish, calls = out.text, out.finish_reason, None
             if choices.tools is not None:
                 text, finish, calls = _tool_delta(choices, i, shown, finish)
-            chunk = completion_chunk(rid, model, text, finish, chat, first[i], logprobs, index=i, tool_calls=calls)
+            chunk = completion_chunk(rid, model, text, finish, chat, first[i], logprobs, index=i, tool_calls=calls,
+                                     reasoning=reasoning)
             if options.include_usage and options.continuous_usage_stats:  # vLLM's: both asked for
                 chunk["usage"] = choices.usage(sent)  # as of this chunk
             yield _event(chunk)

@@ -65,7 +65,8 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
-    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> str: ...
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[Any] | None = None,
+                            **kwargs: Any) -> str: ...
 
 
 class _ChatTemplate:
@@ -80,9 +81,12 @@ class _ChatTemplate:
         self._template = env.from_string(template or DEFAULT_CHAT_TEMPLATE)
         self._special = special
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> str:
-        """`tools`: OpenAI's tool list as the request gave it (templates read the function schemas)."""
-        return self._template.render(messages=messages, tools=tools, add_generation_prompt=True, **self._special)
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[Any] | None = None,
+                            **kwargs: Any) -> str:
+        """`tools`: OpenAI's tool list as the request gave it (templates read the function schemas);
+        `kwargs`: more variables (a request's chat_template_kwargs, such as Qwen3's enable_thinking)."""
+        return self._template.render(**(self._special | kwargs), messages=messages, tools=tools,
+                                     add_generation_prompt=True)
 
 
 def _raise(message: str) -> None:

@@ -32,6 +32,7 @@ from engine.openai_api import (
     http_error_body,
     new_id,
 )
+from engine.reasoning import CLOSE, ReasoningParser, ReasoningStream
 from engine.request import Request as EngineRequest
 from engine.request import Sampled, TokenOutput
 from engine.responses import Choices, sse
@@ -83,7 +84,8 @@ ROLES = ("colocated", "prefill", "decode")
 
 def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOClass] | None = None,
                       default_class: str = DEFAULT_CLASS, tracing: TracerProvider | None = None,
-                      role: str = "colocated", tool_call_parser: str | None = None) -> Litestar:
+                      role: str = "colocated", tool_call_parser: str | None = None,
+                      reasoning_parser: str | None = None) -> Litestar:
     """`tracing`: a configured provider (telemetry.tracing.setup_tracing) turns on request and
     preemption spans; without one, no tracing code runs. `role`: colocated (prefill and decode),
     prefill (only the prefill half of disaggregated requests, handing the KV on) or decode (only
@@ -91,6 +93,7 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
     if role not in ROLES:
         raise ValueError(f"unknown worker role {role!r}; choose from {', '.join(ROLES)}")
     tool_parser = ToolCallParser(tool_call_parser) if tool_call_parser else None
+    reasoner = ReasoningParser(reasoning_parser) if reasoning_parser else None
     grammars = Grammars(engine.tokenizer, engine.model.cfg.vocab_size)
     classes = classes or DEFAULT_CLASSES
     metrics = EngineMetrics(engine, model_name)
@@ -136,6 +139,7 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
                              status=404, param="model")
         tools = None  # offered to the model, its calls read back by `calls`
         calls: ToolCallParser | ForcedCall | None = None
+        prompt = None  # a chat request's, as its template wrote it
         try:
             if chat:
                 if (field := body.unsupported(tool_parser is not None)) is not None:
@@ -148,7 +152,8 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
                 elif body.forces_tool_call():
                     raise ValueError("tool_choice asks for a tool call, but no tools are given")
                 try:
-                    prompt = engine.tokenizer.apply_chat_template([m.for_template() for m in body.messages], tools)
+                    prompt = engine.tokenizer.apply_chat_template([m.for_template() for m in body.messages], tools,
+                                                                  **body.template_kwargs())
                 except (TemplateError, TypeError) as exc:  # what the messages gave the template it cannot use
                     raise ValueError(f"the chat template cannot render these messages: {exc}") from None
                 ids = engine.tokenizer.encode(prompt)
@@ -196,6 +201,10 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
         reqs = [req, *(EngineRequest.for_class(slo, request_id=cid, prompt_token_ids=ids, choice=i,
                                                 sampling=msgspec.structs.replace(sampling, seed=seeds[i]))
                        for i, cid in enumerate(_choice_ids(rid, n)) if i)]
+        thinking = reasoner is not None and prompt is not None and reasoner.starts_thinking(prompt)
+        if grammar is not None and reasoner is not None and prompt is not None and reasoner.constraint_waits(prompt):
+            for r in reqs:  # the structured output applies to what follows the reasoning
+                r.thinking_until = CLOSE
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
         for r in reqs:
@@ -255,7 +264,8 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
         model = model_name
         choices = Choices(engine, reqs, queue, None if sampling.logprobs is None
                           else lambda: LogprobFormatter(engine.tokenizer.token_bytes, chat),
-                          calls)
+                          calls, (lambda: ReasoningStream(reasoner, thinking)) if reasoner and prompt is not None
+                          else None)
         if body.stream:
             options = body.stream_options or StreamOptions()
             return EventStream(sse(choices, rid, model, chat, options), media_type="text/event-stream",

@@ -38,6 +38,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
                    help="serve chat requests with tools (tool_choice auto), reading the model's calls in this "
                         "format: hermes (Qwen2.5, Hermes, the embedded model's template), llama3_json (Llama 3.1)")
+    p.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"], default=None,
+                   help="a reasoning model's: its <think> reasoning comes back apart from the content "
+                        "(reasoning_content), and a structured output applies after it")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
 
 
@@ -62,7 +65,7 @@ def _run_worker(args: argparse.Namespace) -> int:
         engine = Engine(cfg, policy=args.policy).start()
     name = engine.model.cfg.name
     app = create_worker_app(engine, name, tracing=setup_tracing("flowprefill-worker"), role=args.role,
-                            tool_call_parser=args.tool_call_parser)
+                            tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     url = f"http://{args.host}:{args.port}"
     console.print(f"[bold green]FlowPrefill[/] {args.role} worker serving [bold]{name}[/] (policy {args.policy}, "
                   f"{engine.model.backend.name} attention) at [link={url}/v1]{url}/v1[/]")
@@ -85,6 +88,8 @@ def _worker_argv(args: argparse.Namespace, port: int, threads: int | None, role:
         argv += ["--model", args.model]
     if args.tool_call_parser:
         argv += ["--tool-call-parser", args.tool_call_parser]
+    if args.reasoning_parser:
+        argv += ["--reasoning-parser", args.reasoning_parser]
     if threads:
         argv += ["--threads", str(threads)]
     return argv

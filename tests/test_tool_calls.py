@@ -96,7 +96,7 @@ def choices_fed(pieces: list[str], parser: ToolCallParser = HERMES) -> Choices:
 def test_a_tool_call_answer_whole_and_streamed() -> None:
     whole = choices_fed(PIECES)
     asyncio.run(whole.gather())
-    ((content, finish, _, made),) = whole.bodies()
+    ((content, finish, _, made, _),) = whole.bodies()
     assert content == "Let me check." and finish == "tool_calls"
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in made] == [
         ("get_weather", {"city": "Oslo"})]
