@@ -1,5 +1,6 @@
 """A crowd through `flowprefill serve` on a KV cache far smaller than it needs: streams read to the
-end, whole answers, stop strings with min_tokens, and clients that leave mid-stream, all at once.
+end, whole answers, stop strings with min_tokens, n choices, structured output, and clients that
+leave mid-stream, all at once.
 Answers are evicted and recomputed, requests wait for blocks; yet every request ends as a whole
 answer or as cancelled (its client gone), the worker's counters say the same, and once the crowd
 is gone the cache is whole and nothing waits or decodes. Whole answers equal the same requests'
@@ -8,6 +9,7 @@ answers on the idle worker afterwards."""
 from __future__ import annotations
 
 import random
+import re
 import threading
 import time
 
@@ -18,7 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.slow
 
-KINDS = ("stream", "whole", "leave", "stop", "choices")
+KINDS = ("stream", "whole", "leave", "stop", "choices", "guided")
+GUIDED = {"guided_regex": "[a-j ]{150,}"}  # a structured output that stays open past max_tokens
 CLIENTS = 5 * len(KINDS)
 
 
@@ -32,11 +35,13 @@ def _client(url: str, i: int, outcome: dict[int, str], texts: dict[int, str], di
     body = {"model": "flowprefill-default", "prompt": _prompt(i), "max_tokens": 200, "temperature": 0,
             "ignore_eos": True}
     with httpx.Client(base_url=url, timeout=120) as http:
-        if kind == "whole":
-            r = http.post("/v1/completions", json=body)
+        if kind in ("whole", "guided"):
+            r = http.post("/v1/completions", json=body | (GUIDED if kind == "guided" else {}))
             ok = r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 200
             outcome[i] = "length" if ok else f"bad {r.status_code} {r.text[:200]}"
             texts[i] = r.json()["choices"][0]["text"] if ok else ""
+            if kind == "guided" and ok and not re.fullmatch("[a-j ]*", texts[i]):
+                outcome[i] = f"bad: not what the structured output allows: {texts[i]!r}"
         elif kind == "choices" and disaggregated:  # refused by name there
             r = http.post("/v1/completions", json=body | {"n": 2})
             outcome[i] = "refused" if r.status_code == 400 and r.json()["error"]["param"] == "n" else r.text[:200]
@@ -114,6 +119,7 @@ def test_a_crowd_on_a_small_cache_ends_whole_and_leaves_nothing_behind(disaggreg
         evicted = sum(v for k, v in m.items() if k[0] == "flowprefill_decode_preemptions_total")
         assert evicted > 0, "the cache never ran short: the scenario did not happen"
         for i, text in texts.items():  # evicted, recomputed, cached or not: the answer alone on an idle worker
+            guided = GUIDED if KINDS[i % len(KINDS)] == "guided" else {}
             alone = httpx.post(f"{url}/v1/completions", timeout=60, json={
-                "prompt": _prompt(i), "max_tokens": 200, "temperature": 0, "ignore_eos": True})
+                "prompt": _prompt(i), "max_tokens": 200, "temperature": 0, "ignore_eos": True} | guided)
             assert alone.json()["choices"][0]["text"] == text, i
