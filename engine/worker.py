@@ -315,8 +315,10 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
 
     @get("/v1/models")
     async def models() -> dict[str, Any]:
+        # max_model_len as vLLM's: clients size prompts by it
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "flowprefill"}]}
+                                            "owned_by": "flowprefill",
+                                            "max_model_len": engine.model.cfg.max_position_embeddings}]}
 
     @get("/health")
     async def health() -> dict[str, str]:

@@ -37,6 +37,8 @@ def test_openai_client_sync_and_stream(served: str) -> None:
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
     assert chunks[-1].usage.completion_tokens == 4
     assert chunks[-2].choices[0].finish_reason == "length"
+    (model,) = client.models.list().data
+    assert model.id == "flowprefill-default" and model.max_model_len == 32768  # vLLM's field: the context
 
 
 def test_openai_async_client(served: str) -> None:
