@@ -52,7 +52,7 @@ class ModelConfig:
         if arch != "MistralForCausalLM" and raw.get("use_sliding_window"):
             raise ValueError("unsupported: sliding-window attention (use_sliding_window is true)")
         if raw.get("mlp_bias"):
-            raise ValueError("unsupported: mlp_bias=true (no Llama/Qwen2 release uses it)")
+            raise ValueError("unsupported: mlp_bias=true (no Llama or Qwen release uses it)")
         heads = raw["num_attention_heads"]
         # transformers >= 5 writes rope_parameters; 4.x writes rope_theta + rope_scaling.
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})

@@ -9,6 +9,7 @@ import torch
 
 from engine.kv_cache import BlockPool, KVCache
 from engine.model.llama import LlamaModel
+from engine.reasoning import CLOSE
 from engine.request import Request, RequestState, Sampled, TokenOutput
 from engine.sampling import sample
 from engine.structured_output import advance
@@ -33,6 +34,9 @@ class OutputStream:
         req, token, p = self.req, sampled.token, self.req.sampling
         req.output_token_ids.append(token)
         finish = None
+        if req.opens_thinking:  # its first token: reasoning, or what its structured output allows
+            req.thinking_until = CLOSE if token in req.opens_thinking else None
+            req.opens_thinking = []
         if req.grammar is not None and req.thinking_until is None:
             try:
                 if advance(req.grammar, token) and token not in self.eos:

@@ -236,6 +236,8 @@ class ChatMessage(msgspec.Struct, omit_defaults=True):
     name: str | None = None
     tool_calls: list[Any] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an earlier answer's reasoning (Qwen3's template reads it)
+    reasoning: str | None = None  # vLLM's newer name for it
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates read it: content as one string (text parts joined by
@@ -252,6 +254,8 @@ class ChatMessage(msgspec.Struct, omit_defaults=True):
             content = "\n".join(str(part.get("text") or "") for part in content)
         message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
         message |= {k: v for k in ("name", "tool_call_id") if (v := getattr(self, k))}
+        if thought := self.reasoning_content or self.reasoning:
+            message["reasoning_content"] = thought
         if self.tool_calls:  # templates write arguments out as JSON themselves: give them the object
             message["tool_calls"] = [_arguments_as_object(c) for c in self.tool_calls]
         return message

@@ -8,12 +8,15 @@ and SGLang's name, and vLLM's before 0.11) and `reasoning` (vLLM's since).
 - `qwen3` (Qwen3): the answer begins in reasoning when it opens with `<think>` or its prompt ends
   with one (the thinking-only models' templates put it there); `enable_thinking: false` in
   `chat_template_kwargs` gives a prompt whose empty reasoning is already closed, so the answer is
-  all content. An answer that opened its reasoning but never closed it is all reasoning.
+  all content (for either parser). An answer that opened its reasoning but never closed it is all
+  reasoning.
 
-Content starts after the closing tag and the whitespace that follows it. Streamed, reasoning and
-content go out as they come, with the text that may be the start of a tag held back (as a stop
-string's is). A structured output applies to the content only: the matcher starts once the
-reasoning is closed (`Request.thinking_until`).
+Content is everything after the closing tag, as vLLM's (the whitespace a model writes after it
+included: a structured output's match must come back whole). Streamed, reasoning and content go out
+as they come, with the text that may be the start of a tag held back (as a stop string's is). A
+structured output applies to the content only: the matcher starts once the reasoning is closed
+(`Request.thinking_until`); an answer that may open reasoning or not (`may_open`) decides at its
+first token, which may be the constraint's or the opening tag.
 """
 
 from __future__ import annotations
@@ -31,13 +34,16 @@ class ReasoningParser:
         self.name = name
 
     def starts_thinking(self, prompt: str) -> bool:
-        """Whether an answer to this prompt begins inside its reasoning (before it writes anything)."""
-        return self.name == "deepseek_r1" or prompt.rstrip().endswith(OPEN)
+        """Whether an answer to this prompt begins inside its reasoning (before it writes anything):
+        never when the prompt closed it already (Qwen3's template with enable_thinking false)."""
+        end = prompt.rstrip()
+        return not end.endswith(CLOSE) and (self.name == "deepseek_r1" or end.endswith(OPEN))
 
-    def constraint_waits(self, prompt: str) -> bool:
-        """Whether a structured output waits for the answer's reasoning to close: unless the prompt
-        closed it already (Qwen3's template with enable_thinking false), as vLLM decides."""
-        return not prompt.rstrip().endswith(CLOSE)
+    def may_open(self, prompt: str) -> bool:
+        """Whether an answer to this prompt decides at its first token whether it reasons (by opening
+        with `<think>`): qwen3's, when the prompt neither opened nor closed the reasoning."""
+        end = prompt.rstrip()
+        return self.name == "qwen3" and not end.endswith((OPEN, CLOSE))
 
     def split(self, text: str, thinking: bool) -> tuple[str | None, str]:
         """The answer's reasoning (None when it has none) and its content. `thinking`: it began in
@@ -47,8 +53,8 @@ class ReasoningParser:
             text, thinking = body[len(OPEN):], True
         if not thinking:
             return None, text
-        reasoning, closed, content = text.partition(CLOSE)
-        return reasoning, content.lstrip() if closed else ""
+        reasoning, _, content = text.partition(CLOSE)
+        return reasoning, content
 
 
 class ReasoningStream:
@@ -60,7 +66,6 @@ class ReasoningStream:
         self.text = ""
         self.shown = 0  # how much of `text` has gone out, as reasoning or as content
         self.content_from: int | None = None if thinking else 0  # where content begins in `text`
-        self.closed = False  # the reasoning's closing tag came: the whitespace after it is no content
 
     def push(self, delta: str, final: bool = False) -> tuple[str, str]:
         """The next (reasoning, content) deltas. `final`: the answer ended, nothing is held back."""
@@ -79,17 +84,11 @@ class ReasoningStream:
             end = self.text.find(CLOSE, self.shown)
             if end >= 0:
                 reasoning, self.content_from = self.text[self.shown:end], end + len(CLOSE)
-                self.shown, self.closed = self.content_from, True
+                self.shown = self.content_from
             else:
                 hold = 0 if final else _overlap(self.text, CLOSE)
                 reasoning = self.text[self.shown:len(self.text) - hold]
                 self.shown = len(self.text) - hold
-                return reasoning, ""
-        if self.closed and self.shown == self.content_from:  # the whitespace after the closing tag
-            rest = self.text[self.shown:]
-            self.shown += len(rest) - len(rest.lstrip())
-            self.content_from = self.shown
-            if not rest.strip() and not final:
                 return reasoning, ""
         content = self.text[self.shown:]
         self.shown = len(self.text)

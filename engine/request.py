@@ -176,6 +176,9 @@ class Request(msgspec.Struct, kw_only=True):
     # A reasoning model's answer that begins in reasoning: the text that closes it (a reasoning
     # parser's, engine/reasoning.py). Its structured output applies only after; None once closed.
     thinking_until: str | None = None
+    # An answer that decides at its first token whether it reasons (reasoning.py may_open): the
+    # tokens that open its reasoning, allowed beside its structured output's at that token only.
+    opens_thinking: list[int] = []
     # Prefix caching: the content hashes of the prompt's full KV blocks (None: not cacheable, e.g. a
     # handed-off request), and how many leading prompt tokens were found cached at arrival.
     block_hashes: list[bytes] | None = None

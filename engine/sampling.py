@@ -21,7 +21,8 @@ def sample(logits: torch.Tensor, requests: list[Request], generators: dict[str, 
         try:
             if req.grammar is not None and req.thinking_until is None:  # first, as vLLM: the constraint
                 # decides which tokens exist (once a reasoning model's reasoning is over)
-                row = allowed_logits(row, req.grammar, list(eos) if req.sampling.ignore_eos else None)
+                row = allowed_logits(row, req.grammar, list(eos) if req.sampling.ignore_eos else None,
+                                     req.opens_thinking)
             early = len(req.output_token_ids) < req.sampling.min_tokens
             token = sample_row(penalized(row, req, eos if early else None) if req.sampling.penalized or early
                                else row, req, generators)

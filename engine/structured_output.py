@@ -160,9 +160,11 @@ class _Vocabulary:
         return self._tok.encode(text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text)
 
 
-def allowed_logits(row: torch.Tensor, matcher: llguidance.LLMatcher, hold: list[int] | None = None) -> torch.Tensor:
+def allowed_logits(row: torch.Tensor, matcher: llguidance.LLMatcher, hold: list[int] | None = None,
+                   also: list[int] | None = None) -> torch.Tensor:
     """The logits with every token the matcher does not allow next set to -inf. `hold`: tokens to
-    leave out too (the end of sequence under ignore_eos), unless nothing else is allowed."""
+    leave out too (the end of sequence under ignore_eos), unless nothing else is allowed; `also`:
+    tokens to allow besides (a reasoning model's opening tag)."""
     start = time.thread_time()
     bitmask = matcher.compute_bitmask()
     _check(matcher, start, "a token's mask")
@@ -173,6 +175,8 @@ def allowed_logits(row: torch.Tensor, matcher: llguidance.LLMatcher, hold: list[
     if hold and bits[hold].any() and bits.sum() > bits[hold].sum():
         bits = bits.copy()
         bits[hold] = False
+    if also:
+        bits[also] = True
     if not bits.any():
         raise ValueError("the structured output allows no next token")
     return torch.where(torch.from_numpy(bits).to(row.device), row.float(), float("-inf"))

@@ -32,7 +32,7 @@ from engine.openai_api import (
     http_error_body,
     new_id,
 )
-from engine.reasoning import CLOSE, ReasoningParser, ReasoningStream
+from engine.reasoning import CLOSE, OPEN, ReasoningParser, ReasoningStream
 from engine.request import Request as EngineRequest
 from engine.request import Sampled, TokenOutput
 from engine.responses import Choices, sse
@@ -202,9 +202,13 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
                                                 sampling=msgspec.structs.replace(sampling, seed=seeds[i]))
                        for i, cid in enumerate(_choice_ids(rid, n)) if i)]
         thinking = reasoner is not None and prompt is not None and reasoner.starts_thinking(prompt)
-        if grammar is not None and reasoner is not None and prompt is not None and reasoner.constraint_waits(prompt):
-            for r in reqs:  # the structured output applies to what follows the reasoning
-                r.thinking_until = CLOSE
+        if grammar is not None and reasoner is not None and prompt is not None:
+            # the structured output applies to what follows the reasoning; an answer that may open
+            # reasoning decides at its first token (with a single token that opens it to choose)
+            opener = engine.tokenizer.encode(OPEN) if reasoner.may_open(prompt) else []
+            for r in reqs:
+                r.thinking_until = CLOSE if thinking else None
+                r.opens_thinking = opener if len(opener) == 1 else []
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
         for r in reqs:

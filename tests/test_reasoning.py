@@ -32,10 +32,10 @@ R1, QWEN3 = ReasoningParser("deepseek_r1"), ReasoningParser("qwen3")
 
 
 @pytest.mark.parametrize(("parser", "thinking", "text", "want"), [
-    (R1, True, "<think>\nlet me see</think>\n\nIt is 4.", ("\nlet me see", "It is 4.")),
+    (R1, True, "<think>\nlet me see</think>\n\nIt is 4.", ("\nlet me see", "\n\nIt is 4.")),  # as vLLM's
     (R1, True, "no opening tag</think>It is 4.", ("no opening tag", "It is 4.")),
     (R1, True, "never closed", ("never closed", "")),  # all reasoning, as vLLM's
-    (QWEN3, False, "<think>hmm</think>\n\nIt is 4.", ("hmm", "It is 4.")),
+    (QWEN3, False, "<think>hmm</think>\n\nIt is 4.", ("hmm", "\n\nIt is 4.")),
     (QWEN3, False, "It is 4.", (None, "It is 4.")),  # no reasoning (enable_thinking false)
     (QWEN3, True, "opened by the prompt</think>x", ("opened by the prompt", "x")),
     (QWEN3, False, "<think>cut short", ("cut short", "")),
@@ -66,10 +66,13 @@ def test_any_cut_of_a_stream_gives_the_whole_answers_split(parser: ReasoningPars
             assert stream.thinking == (reasoning is not None)
 
 
-def test_where_a_structured_output_begins() -> None:
+def test_where_reasoning_begins() -> None:
     assert QWEN3.starts_thinking("<|im_start|>assistant\n<think>\n") and not QWEN3.starts_thinking("assistant\n")
     assert R1.starts_thinking("anything")
-    assert QWEN3.constraint_waits("assistant\n") and not QWEN3.constraint_waits("<think>\n\n</think>\n\n")
+    closed = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # Qwen3's template, enable_thinking false
+    assert not R1.starts_thinking(closed) and not QWEN3.starts_thinking(closed)
+    assert QWEN3.may_open("assistant\n") and not QWEN3.may_open(closed) and not QWEN3.may_open("<think>\n")
+    assert not R1.may_open("assistant\n")
 
 
 # -- responses ------------------------------------------------------------------------------------
@@ -96,7 +99,7 @@ def test_whole_and_streamed_responses() -> None:
     whole = fed(PIECES)
     asyncio.run(whole.gather())
     ((content, finish, _, calls, reasoning),) = whole.bodies()
-    assert (content, finish, calls, reasoning) == ("Four.", "stop", [], "Two and two.")
+    assert (content, finish, calls, reasoning) == ("\n\nFour.", "stop", [], "Two and two.")
 
     async def stream() -> list[dict[str, Any]]:
         return [msgspec.json.decode(c[6:]) for c in [c async for c in sse(fed(PIECES), "c", "m", True,
@@ -105,7 +108,7 @@ def test_whole_and_streamed_responses() -> None:
     assert len(deltas) == len(PIECES)  # an event per token, as ever
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "Two and two."
     assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
-    assert "".join(d.get("content") or "" for d in deltas) == "Four."
+    assert "".join(d.get("content") or "" for d in deltas) == "\n\nFour."
     never_closed = fed(["still", " thinking"])
     asyncio.run(never_closed.gather())
     assert never_closed.bodies()[0][0] is None and never_closed.bodies()[0][4] == "still thinking"
@@ -152,6 +155,23 @@ def test_the_constraint_starts_when_the_reasoning_closes() -> None:
     assert stream.push(Sampled(token)).finish_reason is None
 
 
+@pytest.mark.parametrize("opens", [True, False])
+def test_an_answer_that_may_reason_decides_at_its_first_token(opens: bool) -> None:
+    """qwen3 with a prompt that neither opens nor closes the reasoning: the first token may open it
+    (one token, as Qwen3's tokenizer has) or be the constraint's; either way the constraint holds."""
+    tok, think = ByteTokenizer(), 300  # an id the byte vocabulary leaves free stands for "<think>"
+    req = Request(request_id="r", prompt_token_ids=[1], sampling=SamplingParams(max_tokens=64, temperature=0))
+    req.grammar, req.opens_thinking = Grammars(tok, 512).matcher(Guide("regex", "[0-9]+")), [think]
+    row = torch.zeros(512)
+    row[ord("x")], row[think], row[ord("7")] = 5.0, 4.0 if opens else -4.0, 1.0
+    first = sample(row[None], [req], {})[0].token  # type: ignore[union-attr]
+    assert first == (think if opens else ord("7"))  # never "x", which the constraint does not allow
+    OutputStream(req, tok).push(Sampled(first))
+    assert req.opens_thinking == [] and req.thinking_until == (CLOSE if opens else None)
+    nxt = sample(row[None], [req], {})[0].token  # type: ignore[union-attr]
+    assert nxt == (ord("x") if opens else ord("7"))  # reasoning is free; a constrained answer goes on
+
+
 @pytest.fixture(scope="module")
 def engine(torch_single_thread: None) -> Iterator[Engine]:
     mp = pytest.MonkeyPatch()
@@ -188,3 +208,12 @@ def test_a_worker_with_a_reasoning_parser(engine: Engine) -> None:
     refused = post(create_worker_app(engine, "m"), body | {"chat_template_kwargs": {"tools": []}})
     assert refused.status_code == 400 and "chat_template_kwargs" in refused.json()["error"]["message"]
     assert json.dumps(r1)
+
+
+def test_an_earlier_answers_reasoning_reaches_the_template() -> None:
+    from engine.openai_api import ChatMessage
+
+    said = ChatMessage(role="assistant", content="4", reasoning_content="two and two")
+    assert said.for_template()["reasoning_content"] == "two and two"
+    assert ChatMessage(role="assistant", content="4", reasoning="r").for_template()["reasoning_content"] == "r"
+    assert "reasoning_content" not in ChatMessage(role="assistant", content="4").for_template()
