@@ -87,21 +87,9 @@ class Engine:
             self._cv.notify()
 
     def validate(self, req: Request) -> None:
-        req.sampling.validate()
-        n, ctx = req.num_prompt_tokens, self.model.cfg.max_position_embeddings
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        if req.max_total_tokens > ctx:
-            raise ValueError(f"prompt ({n} tokens) + max_tokens ({req.sampling.max_tokens}) exceeds the "
-                             f"model's context of {ctx} tokens")
-        if not all(0 <= t < self.model.cfg.vocab_size for t in req.prompt_token_ids):
-            raise ValueError(f"token ids must be in [0, {self.model.cfg.vocab_size})")
-        for name, ids in (("logit_bias", req.sampling.logit_bias), ("stop_token_ids", req.sampling.stop_token_ids)):
-            if not all(0 <= t < self.model.cfg.vocab_size for t in ids):
-                raise ValueError(f"{name} token ids must be in [0, {self.model.cfg.vocab_size})")
-        if self.kv.blocks_for(req.max_total_tokens) > self.kv.num_blocks:
-            raise ValueError(f"request needs {req.max_total_tokens} tokens of KV cache, "
-                             f"the worker has {self.kv.num_blocks * self.kv.block_size}")
+        """Raises ValueError for a request this worker cannot serve (its model, its cache)."""
+        req.check(self.model.cfg.vocab_size, self.model.cfg.max_position_embeddings,
+                  self.kv.num_blocks * self.kv.block_size)
 
     def admission(self, req: Request, sheddable: bool, choices: int = 1) -> str | None:
         """Why a new request (of `choices` engine requests, one per choice) should be refused now, or

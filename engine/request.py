@@ -198,6 +198,23 @@ class Request(msgspec.Struct, kw_only=True):
             **kw,
         )
 
+    def check(self, vocab_size: int, context: int, kv_tokens: int) -> None:
+        """Raises ValueError, naming the limit, for a request a worker of this vocabulary, context and
+        KV cache cannot serve."""
+        self.sampling.validate()
+        n = self.num_prompt_tokens
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if self.max_total_tokens > context:
+            raise ValueError(f"prompt ({n} tokens) + max_tokens ({self.sampling.max_tokens}) exceeds the "
+                             f"model's context of {context} tokens")
+        for name, ids in (("", self.prompt_token_ids), ("logit_bias ", self.sampling.logit_bias),
+                          ("stop_token_ids ", self.sampling.stop_token_ids)):
+            if not all(0 <= t < vocab_size for t in ids):
+                raise ValueError(f"{name}token ids must be in [0, {vocab_size})")
+        if self.max_total_tokens > kv_tokens:
+            raise ValueError(f"request needs {self.max_total_tokens} tokens of KV cache, the worker has {kv_tokens}")
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
