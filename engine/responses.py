@@ -6,6 +6,7 @@ here into a response body, or relayed as server-sent events with each choice's i
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -110,7 +111,10 @@ async def sse(choices: Choices, rid: str, model: str, chat: bool, options: Strea
             fmt = choices.formatters[i]
             logprobs = fmt.format(out.logprobs or []) if fmt is not None else None
             text, finish, calls = out.text, out.finish_reason, None
-            if choices.tools is not None:
+            if isinstance(choices.tools, ForcedCall) and choices.tools.name is not None:
+                text, calls = "", _arguments_delta(choices.tools.name, out.text, first[i])
+                finish = finish and (choices.tools.finish_reason if finish == "stop" else finish)
+            elif choices.tools is not None:
                 text, finish, calls = _tool_delta(choices, i, shown, finish)
             chunk = completion_chunk(rid, model, text, finish, chat, first[i], logprobs, index=i, tool_calls=calls,
                                      reasoning=reasoning)
@@ -144,6 +148,15 @@ def _tool_delta(choices: Choices, i: int, shown: list[int], finish: str | None
     delta = text[shown[i]:safe] if safe > shown[i] else ""
     shown[i] = max(shown[i], safe)
     return delta, None, None
+
+
+def _arguments_delta(name: str, text: str, first: bool) -> list[dict[str, Any]] | None:
+    """A named forced call streamed as OpenAI streams calls: the call (id, name) with the first piece
+    of its arguments, then the arguments as they are written (the answer is the arguments object)."""
+    if first:
+        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                 "function": {"name": name, "arguments": text}}]
+    return [{"function": {"arguments": text}}] if text else None
 
 
 def _event(obj: dict[str, Any]) -> bytes:

@@ -119,8 +119,8 @@ class ForcedCall:
             value = json.loads(text)
         except json.JSONDecodeError:
             return text, []
-        if self.name is not None:
-            return None, _openai_calls([(self.name, value)])
+        if self.name is not None:  # its arguments as written (and as streamed)
+            return None, _openai_calls([(self.name, text.strip())])
         calls = [_call(c, "parameters") for c in value] if isinstance(value, list) else [None]
         if not calls or any(c is None for c in calls):
             return text, []

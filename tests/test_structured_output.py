@@ -243,18 +243,24 @@ def test_forced_tool_calls(worker: tuple[Engine, Any]) -> None:
     named = {"type": "function", "function": {"name": "get_weather"}}
     r = post(app, base | {"tool_choice": named}).json()["choices"][0]
     assert r["finish_reason"] == "stop" and r["message"]["content"] is None  # OpenAI's for a named call
-    (call,) = r["message"]["tool_calls"]
-    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"])["city"] in (
-        "Oslo", "Lima")
+    (named_call,) = r["message"]["tool_calls"]
+    assert named_call["function"]["name"] == "get_weather"
+    assert json.loads(named_call["function"]["arguments"])["city"] in ("Oslo", "Lima")
     # one call: the model would go on adding calls to the list (random weights)
     r = post(app, base | {"tool_choice": "required", "parallel_tool_calls": False}).json()["choices"][0]
     assert r["finish_reason"] == "tool_calls", r
     (call,) = r["message"]["tool_calls"]
     assert call["function"]["name"] in ("get_weather", "get_time")
+    # streamed as OpenAI streams calls: the call with its name first, then its arguments as written
     streamed = events(app, base | {"tool_choice": named})
-    assert not any(e["choices"][0]["delta"].get("content") for e in streamed)
-    last = streamed[-1]["choices"][0]
-    assert last["finish_reason"] == "stop" and last["delta"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    deltas = [e["choices"][0]["delta"] for e in streamed]
+    assert not any(d.get("content") for d in deltas)
+    head = deltas[0]["tool_calls"][0]
+    assert head["index"] == 0 and head["id"].startswith("call_") and head["function"]["name"] == "get_weather"
+    pieces = [d["tool_calls"][0]["function"]["arguments"] for d in deltas if d.get("tool_calls")]
+    assert len(pieces) > 5 and "".join(pieces) == named_call["function"]["arguments"]  # as the whole answer's
+    assert all("id" not in d["tool_calls"][0] for d in deltas[1:] if d.get("tool_calls"))
+    assert streamed[-1]["choices"][0]["finish_reason"] == "stop"
 
 
 @pytest.mark.parametrize(("fields", "status", "message"), [
