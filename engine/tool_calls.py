@@ -64,8 +64,9 @@ class ForcedCall:
     """tool_choice "required" or a named function: the answer is constrained to the call(s), in
     vLLM's way. A named function's answer is its arguments object (finish_reason "stop", as OpenAI's
     and vLLM's); a required call's is a list of `{"name", "parameters"}` objects, one of the tools'
-    each (finish_reason "tool_calls"). It reads like a parser: nothing is content until the answer
-    ends, then the calls; an answer cut short (max_tokens) is content."""
+    each (finish_reason "tool_calls"). It reads like a parser: nothing is content, the answer is the
+    calls (a whole answer cut short by max_tokens is content); streamed, a named call's arguments go
+    out as they are written (engine/responses.py), "required" calls whole at the end."""
 
     def __init__(self, tools: list[Any], tool_choice: Any, parallel: bool = True) -> None:
         """`parallel`: OpenAI's parallel_tool_calls; false, "required" makes exactly one call."""
