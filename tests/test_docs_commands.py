@@ -65,11 +65,12 @@ def test_curl_commands(port: int, doc: str) -> None:
 @pytest.mark.slow
 def test_python_snippets(port: int) -> None:
     code = blocks("docs/quickstart.md", "python")
-    assert len(code) == 2
+    assert len(code) == 3
     out = subprocess.run([sys.executable, "-c", moved("\n".join(code), port)], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert any(line.startswith("batch ") for line in out.stdout.splitlines())  # the class applied
+    assert any(line.startswith("up=") for line in out.stdout.splitlines())  # the structured answer, parsed
 
 
 @pytest.mark.slow
