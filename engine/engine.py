@@ -22,7 +22,7 @@ from engine.predictor import load_cost
 from engine.prefill import PrefillBatch
 from engine.prefix_cache import PrefixCache
 from engine.request import Request, RequestState, Sampled, SamplingParams, TokenOutput
-from engine.sampling import sample
+from engine.sampling import prompt_logprobs, sample
 from engine.scheduler import Policy, Scheduler, make_policy
 
 log = logging.getLogger("flowprefill.engine")
@@ -253,6 +253,15 @@ class Engine:
             else:  # one chunk of its prompt is done: it queues for the next
                 r.state = RequestState.WAITING
                 unfinished.append(r)
+        at = 0
+        for i, first, count in batch.keep:  # prompt logprobs (echo): each position before a prompt token
+            r, hidden = batch.requests[i], batch.kept[at:at + count]  # type: ignore[index]
+            at += count
+            if not r.state.done:
+                scored = prompt_logprobs(self.model.logits_of, hidden, r.prompt_token_ids[first + 1:first + 1 + count],
+                                         r.sampling.prompt_logprobs or 0)
+                r.prompt_token_logprobs = [*r.prompt_token_logprobs, *([None] if first == 0 else []), *scored]
+        batch.kept = None
         logits, batch.logits = batch.logits, None
         tokens = sample(logits[[i for i, _ in live]], [r for _, r in live], self._generators,
                         self.tokenizer.eos_token_ids) if live else []

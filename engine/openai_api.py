@@ -198,7 +198,6 @@ class Unsupported(ValueError):
         "tools": "tools are served by chat completions: tool_choice \"auto\" on a server started with "
                  "--tool-call-parser, \"required\" or a named function on any; send tool_choice \"none\" "
                  "or no tools otherwise (the legacy functions are not supported)",
-        "echo": "echo is not supported",
         "best_of": "best_of other than 1 is not supported",
         "suffix": "suffix (insertion) is not supported",
         "use_beam_search": "beam search is not supported",
@@ -213,7 +212,7 @@ class Unsupported(ValueError):
 class CompletionRequest(_Common, kw_only=True, omit_defaults=True):
     prompt: str | list[Any]  # text, token ids, or a one-element list of either
     logprobs: int | None = None  # the sampled token's and this many likeliest tokens' log-probabilities
-    echo: bool | None = None
+    echo: bool | None = None  # the prompt before the completion (with logprobs: its tokens' too)
     best_of: int | None = None
     suffix: str | None = None
 
@@ -222,9 +221,14 @@ class CompletionRequest(_Common, kw_only=True, omit_defaults=True):
 
     def unsupported(self, tool_calls: bool = False) -> str | None:
         return super().unsupported() or ("tools" if self.tools or self.tool_choice not in (None, "none")
-                                         else "echo" if self.echo
                                          else "best_of" if self.best_of not in (None, 1)
                                          else "suffix" if self.suffix else None)
+
+    def sampling(self, default_max_tokens: int, tool_calls: bool = False, guide: Guide | None = None) -> SamplingParams:
+        params = super().sampling(default_max_tokens, tool_calls, guide)
+        if self.echo and self.logprobs is not None:  # the prompt's logprobs, as OpenAI's legacy API gives
+            params = msgspec.structs.replace(params, prompt_logprobs=self.logprobs)
+        return params
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
@@ -378,6 +382,22 @@ class LogprobFormatter:
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         return {"token": self._text(token_id), "logprob": max(logprob, self.FLOOR),
                 "bytes": list(self.token_bytes(token_id))}
+
+    def format_prompt(self, token_ids: list[int], entries: list[Logprob | None]) -> dict[str, Any]:
+        """Completions' echoed prompt: each prompt token's entry, null for the first (nothing comes
+        before it), as OpenAI's legacy API writes them."""
+        entries = [None] * (len(token_ids) - len(entries)) + entries  # a one-token prompt has none
+        tokens = [self._text(t) for t in token_ids]
+        offsets = []
+        for text in tokens:
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {"tokens": tokens,
+                "token_logprobs": [None if e is None else max(e.logprob, self.FLOOR) for e in entries],
+                "top_logprobs": [None if e is None else {self._text(t): max(lp, self.FLOOR)
+                                                         for t, lp in (*e.top, (e.token_id, e.logprob))}
+                                 for e in entries],
+                "text_offset": offsets}
 
     def format(self, entries: list[Logprob]) -> dict[str, Any]:
         if self.chat:

@@ -85,6 +85,10 @@ class PrefillBatch:
         self.finished = False
         self.exec_s = 0.0  # measured time spent in its steps
         self.logits: torch.Tensor | None = None
+        # Prompt logprobs: per asking request (its index, first position, rows), and the final
+        # hidden states of those rows, in that order, once the batch is done.
+        self.keep: list[tuple[int, int, int]] = []
+        self.kept: torch.Tensor | None = None
         self._run = run
         self._device = RunAhead(device or torch.device("cpu"))
         self.segment_start: float | None = None
@@ -92,10 +96,23 @@ class PrefillBatch:
     @classmethod
     def on_model(cls, requests: list[Request], spans: list[SeqSpan], model: LlamaModel, kv: KVCache,
                  cost: OpCost, budget_s: float | None) -> PrefillBatch:
-        steps = plan_prefill(cost, spans, budget_s, last_token_only=True)
+        # Prompt logprobs (echo with logprobs): each asking request's rows whose next token is a
+        # prompt token are kept, and the plan computes the last layer for every row.
+        keep: list[tuple[int, int, int]] = []  # (request, first position, rows)
+        rows: list[int] = []
+        row0 = 0
+        for i, (r, s) in enumerate(zip(requests, spans, strict=True)):
+            count = min(s.start + s.length, r.num_prompt_tokens - 1) - s.start
+            if r.sampling.prompt_logprobs is not None and not r.output_token_ids and count > 0:
+                keep.append((i, s.start, count))
+                rows += range(row0, row0 + count)
+            row0 += s.length
+        steps = plan_prefill(cost, spans, budget_s, last_token_only=not keep)
         tokens = [r.prefill_token_ids[s.start : s.start + s.length] for r, s in zip(requests, spans, strict=True)]
-        run = model.prefill(tokens, spans, [r.block_table for r in requests], kv, steps)
-        return cls(requests, spans, steps, run, model.device)
+        run = model.prefill(tokens, spans, [r.block_table for r in requests], kv, steps, keep_rows=rows or None)
+        batch = cls(requests, spans, steps, run, model.device)
+        batch.keep = keep
+        return batch
 
     @property
     def completes_prefills(self) -> list[bool]:
@@ -127,7 +144,9 @@ class PrefillBatch:
             self._device.step_queued(self.steps.cost(i))
         except StopIteration as stop:
             self._device.drain()  # the measured time includes the device's last steps
-            self.logits, self.finished = stop.value, True
+            value = stop.value
+            self.logits, self.kept = value if isinstance(value, tuple) else (value, None)
+            self.finished = True
             return True
         finally:
             self.exec_s += time.perf_counter() - t0

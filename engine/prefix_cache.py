@@ -28,8 +28,9 @@ class PrefixCache:
 
     def cached_tokens(self, req: Request) -> int:
         """How many of its prompt's tokens are cached now (reserves nothing)."""
-        if not self.enabled or req.block_table:
-            return 0
+        if not self.enabled or req.block_table or (req.sampling.prompt_logprobs is not None
+                                                    and not req.output_token_ids):
+            return 0  # prompt logprobs need every position computed
         return self.pool.cached_prefix(self._matchable(req)) * self.pool.block_size
 
     def take(self, req: Request, span: SeqSpan) -> SeqSpan:

@@ -52,6 +52,9 @@ class SamplingParams(msgspec.Struct):
     stop_token_ids: list[int] = []
     include_stop_str_in_output: bool = False
     guide: Guide | None = None  # structured output: what the answer must match
+    # The prompt tokens' log-probabilities and this many likeliest tokens' (completions' echo with
+    # logprobs): the prefill computes its last layer and the logits for every prompt position.
+    prompt_logprobs: int | None = None
 
     def validate(self) -> None:
         if self.max_tokens < 1:
@@ -77,8 +80,9 @@ class SamplingParams(msgspec.Struct):
             raise ValueError("min_p must be in [0, 1]")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError("min_tokens must be in [0, max_tokens]")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"the number of top logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+        for k in (self.logprobs, self.prompt_logprobs):
+            if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"the number of top logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
 
     @property
     def penalized(self) -> bool:
@@ -153,6 +157,8 @@ class Request(msgspec.Struct, kw_only=True):
     # a request if its class is sheddable; the engine still serves it (after the feasible ones).
     predicted_miss: bool = False
     output_token_ids: list[int] = []
+    # SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing precedes it)
+    prompt_token_logprobs: list[Logprob | None] = []
     prefill_start: float | None = None  # first time its batch ran
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -25,10 +25,11 @@ class Choices:
 
     def __init__(self, engine: Engine, reqs: list[Request], queue: asyncio.Queue[TokenOutput],
                  formatter: Callable[[], LogprobFormatter] | None, tools: ToolCallParser | ForcedCall | None = None,
-                 reasoning: Callable[[], ReasoningStream] | None = None) -> None:
+                 reasoning: Callable[[], ReasoningStream] | None = None, echo: str | None = None) -> None:
         """`tools`: what reads the model's tool calls, when the request offered it tools. `reasoning`:
-        a reasoning model's splitter of reasoning from content, one per choice."""
-        self.engine, self.reqs, self.queue, self.tools = engine, reqs, queue, tools
+        a reasoning model's splitter of reasoning from content, one per choice. `echo`: completions'
+        prompt text, given back before each choice's completion (with logprobs, its tokens' first)."""
+        self.engine, self.reqs, self.queue, self.tools, self.echo = engine, reqs, queue, tools, echo
         self.index = {r.request_id: i for i, r in enumerate(reqs)}
         # a formatter each: completions' text offsets run on per choice
         self.formatters = [formatter and formatter() for _ in reqs]
@@ -76,15 +77,25 @@ class Choices:
     def bodies(self) -> list[Choice]:
         """Each choice's content, finish reason, formatted logprobs, tool calls and reasoning."""
         out: list[Choice] = []
-        for t, f, lp, fmt, thoughts, r in zip(self.texts, self.finish, self.logprobs, self.formatters, self.thoughts,
-                                              self.reasoning, strict=True):
+        for req, t, f, lp, fmt, thoughts, r in zip(self.reqs, self.texts, self.finish, self.logprobs, self.formatters,
+                                                   self.thoughts, self.reasoning, strict=True):
             content: str | None = "".join(t)
             content, calls = self.tools.parse(content) if self.tools else (content, [])
             reasoning = "".join(r) if thoughts is not None and thoughts.thinking else None
+            echoed = self._echoed(req, fmt)  # first: the prompt's logprobs come before the completion's
+            formatted = fmt and fmt.format(lp)
+            if echoed:
+                content = echoed[0] + (content or "")
+                formatted = formatted and _joined(echoed[1], formatted)
             out.append((content or (None if reasoning is not None else content),
-                        self.tools.finish_reason if calls and self.tools else f, fmt and fmt.format(lp), calls,
-                        reasoning))
+                        self.tools.finish_reason if calls and self.tools else f, formatted, calls, reasoning))
         return out
+
+    def _echoed(self, req: Request, fmt: LogprobFormatter | None) -> tuple[str, dict[str, Any] | None] | None:
+        """The echoed prompt's text and (with logprobs) its tokens' entries, for a choice's first text."""
+        if self.echo is None:
+            return None
+        return self.echo, fmt and fmt.format_prompt(req.prompt_token_ids, req.prompt_token_logprobs)
 
     def usage(self, sent: int | None = None) -> dict[str, Any]:
         """The prompt counted once (as OpenAI does for n choices), the completions' tokens summed."""
@@ -109,8 +120,11 @@ async def sse(choices: Choices, rid: str, model: str, chat: bool, options: Strea
             # One event per token, even when its text is held back (a partial UTF-8 character, a
             # possible stop string): clients time tokens by events, so TBT stays measurable.
             fmt = choices.formatters[i]
+            echoed = choices._echoed(choices.reqs[i], fmt) if first[i] else None  # before its first text
             logprobs = fmt.format(out.logprobs or []) if fmt is not None else None
             text, finish, calls = out.text, out.finish_reason, None
+            if echoed:
+                text, logprobs = echoed[0] + text, _joined(echoed[1], logprobs) if logprobs else logprobs
             if isinstance(choices.tools, ForcedCall) and choices.tools.name is not None:
                 text, calls = "", _arguments_delta(choices.tools.name, out.text, first[i])
                 finish = finish and (choices.tools.finish_reason if finish == "stop" else finish)
@@ -148,6 +162,11 @@ def _tool_delta(choices: Choices, i: int, shown: list[int], finish: str | None
     delta = text[shown[i]:safe] if safe > shown[i] else ""
     shown[i] = max(shown[i], safe)
     return delta, None, None
+
+
+def _joined(first: dict[str, Any] | None, then: dict[str, Any]) -> dict[str, Any]:
+    """Completions' logprobs of the echoed prompt, then of the completion."""
+    return then if first is None else {k: first[k] + then[k] for k in then}
 
 
 def _arguments_delta(name: str, text: str, first: bool) -> list[dict[str, Any]] | None:

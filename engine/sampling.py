@@ -3,7 +3,7 @@ temperature, min-p, top-k, top-p, per-request seeds, and the sampled token's log
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -96,3 +96,21 @@ def logprob(row: torch.Tensor, token: int, top: int) -> Logprob:
         values, ids = torch.topk(lp, min(top, lp.numel()))
         alternatives = list(zip(ids.tolist(), values.tolist(), strict=True))
     return Logprob(token, float(lp[token]), alternatives)
+
+
+def prompt_logprobs(logits_of: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: list[int],
+                    top: int, chunk: int = 256) -> list[Logprob]:
+    """Each target token's log-probability under the logits of the hidden state before it, with the
+    `top` likeliest, a chunk of rows at a time (a long prompt's logits would not fit at once)."""
+    out: list[Logprob] = []
+    for a in range(0, len(targets), chunk):
+        lp = torch.log_softmax(logits_of(hidden[a:a + chunk]).float(), dim=-1)
+        ids = targets[a:a + chunk]
+        chosen = lp.gather(1, torch.tensor(ids, device=lp.device)[:, None])[:, 0].tolist()
+        if top:
+            values, tops = torch.topk(lp, min(top, lp.shape[1]))
+            alternatives = [list(zip(t, v, strict=True)) for t, v in zip(tops.tolist(), values.tolist(), strict=True)]
+        else:
+            alternatives = [[] for _ in ids]
+        out += [Logprob(t, c, alt) for t, c, alt in zip(ids, chosen, alternatives, strict=True)]
+    return out

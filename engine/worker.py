@@ -140,6 +140,7 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
         tools = None  # offered to the model, its calls read back by `calls`
         calls: ToolCallParser | ForcedCall | None = None
         prompt = None  # a chat request's, as its template wrote it
+        echo = None  # completions' echo: the prompt text given back
         try:
             if chat:
                 if (field := body.unsupported(tool_parser is not None)) is not None:
@@ -163,6 +164,8 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
             else:
                 sampling = body.sampling(DEFAULT_MAX_TOKENS)
                 ids = _prompt_ids(engine, body.prompt)
+                if body.echo:
+                    echo = _prompt_text(body.prompt) or engine.tokenizer.decode(ids)
         except Unsupported as exc:
             raise BadRequest(str(exc), param=exc.field, code="unsupported_parameter") from None
         except ValueError as exc:
@@ -190,6 +193,8 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
             raise BadRequest(f"this worker only decodes: send it requests with {handoff.KV_ID_HEADER}", status=421)
         if n > 1 and (kv_to or kv_id):
             raise BadRequest("n > 1 is not supported with prefill/decode disaggregation", param="n")
+        if sampling.prompt_logprobs is not None and (kv_to or kv_id):  # the prompt's are the prefill worker's
+            raise BadRequest("echo with logprobs is not supported with prefill/decode disaggregation", param="echo")
         if kv_to:  # the prefill half of a disaggregated request: the first token, then hand the KV over
             if body.stream:
                 raise BadRequest(f"a request with {handoff.KV_TO_HEADER} must not stream")
@@ -269,7 +274,7 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
         choices = Choices(engine, reqs, queue, None if sampling.logprobs is None
                           else lambda: LogprobFormatter(engine.tokenizer.token_bytes, chat),
                           calls, (lambda: ReasoningStream(reasoner, thinking)) if reasoner and prompt is not None
-                          else None)
+                          else None, echo)
         if body.stream:
             options = body.stream_options or StreamOptions()
             return EventStream(sse(choices, rid, model, chat, options), media_type="text/event-stream",
@@ -360,6 +365,13 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
 def _choice_ids(rid: str, n: int) -> list[str]:
     """The engine request ids of a request's n choices: its own id for the first."""
     return [rid, *(f"{rid}-{i}" for i in range(1, n))]
+
+
+def _prompt_text(prompt: Any) -> str | None:
+    """A completions prompt's text as given (None for token ids): what echo gives back."""
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else None
 
 
 def _prompt_ids(engine: Engine, prompt: Any) -> list[int]:

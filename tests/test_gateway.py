@@ -74,7 +74,7 @@ def test_openai_async_client(served: str) -> None:
     (b'{"prompt": "x", "logit_bias": {"99999": 5}}', {}, 400),  # not a token of this model
     (b'{"prompt": "x", "logit_bias": {"x": 5}}', {}, 400),
     (b'{"prompt": "x", "logprobs": 21}', {}, 400),
-    (b'{"prompt": "x", "echo": true}', {}, 400),  # refused, not ignored: see test_unsupported_fields...
+    (b'{"prompt": "x", "suffix": "y"}', {}, 400),  # refused, not ignored: see test_unsupported_fields...
     (b'{"prompt": "' + b"x" * (17 * 1024 * 1024) + b'"}', {}, 413),  # past the body limit
 ])
 def test_bad_input_gets_openai_errors(served: str, body: bytes, headers: dict[str, str], status: int) -> None:

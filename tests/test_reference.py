@@ -253,6 +253,32 @@ def test_repetition_penalty_and_logprobs_match_transformers_generate(loaded: Loa
     assert changed, "the penalty must change some greedy output, or this test checks nothing"
 
 
+def test_prompt_logprobs_match_transformers(loaded: Loaded) -> None:
+    """Completions' echo with logprobs: every prompt token's log-probability and top 3 under the
+    logits of the position before it, as transformers' forward gives them; also when the prompt is
+    prefilled in chunks, and never from the prefix cache."""
+    prompts = _prompts((9, 150), loaded.model.cfg.vocab_size, seed=13)
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=3)
+    for policy in ("flowprefill", "chunked:32"):
+        engine = Engine(EngineConfig(model=str(loaded.path), kv_capacity_tokens=4096, kv_block_size=16,
+                                     num_threads=1), policy).start()
+        try:
+            engine.generate(prompts, SamplingParams(max_tokens=1))  # cached, then not used
+            reqs = engine.generate(prompts, params)
+        finally:
+            engine.shutdown()
+        for ids, req in zip(prompts, reqs, strict=True):
+            assert req.cached_tokens == 0 and req.prompt_token_logprobs[0] is None
+            got = req.prompt_token_logprobs[1:]
+            assert len(got) == len(ids) - 1
+            with torch.no_grad():
+                want = torch.log_softmax(loaded.ref(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+            for p, entry in enumerate(got):
+                assert entry is not None and entry.token_id == ids[p + 1]
+                assert entry.logprob == pytest.approx(float(want[p, ids[p + 1]]), abs=1e-4), (policy, p)
+                assert [t for t, _ in entry.top] == want[p].topk(3).indices.tolist()
+
+
 # -- the embedded default model -----------------------------------------------------------------
 
 def test_default_model_saves_a_transformers_checkpoint(tmp_path: Path) -> None:

@@ -90,7 +90,6 @@ def test_request_fields() -> None:
     for body, field in [(ChatCompletionRequest(messages=[], tools=[{"type": "function"}]), "tools"),
                         (ChatCompletionRequest(messages=[], response_format={"type": "structural_tag"}),
                          "response_format"),
-                        (CompletionRequest(prompt="x", echo=True), "echo"),
                         (CompletionRequest(prompt="x", best_of=3), "best_of"),
                         (CompletionRequest(prompt="x", suffix="end"), "suffix"),
                         (ChatCompletionRequest(messages=[], functions=[{"name": "f"}]), "tools"),

@@ -78,15 +78,21 @@ class LlamaModel:
             x += layer.o_bias
         return x + self.kernels.silu_and_mul(self._rms(x, layer.post_norm) @ layer.gate_up) @ layer.down
 
+    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, vocab] of final hidden states (a prefill's `keep_rows`)."""
+        return self._logits(hidden)
+
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return (self._rms(x, self.norm) @ self.lm_head.t()).float()
 
     # -- prefill: the preemptible forward ------------------------------------------------------
     def prefill(self, token_ids: list[list[int]], spans: list[SeqSpan], block_tables: list[list[int]],
-                kv: KVCache, steps: Sequence[Step], all_logits: bool = False
-                ) -> Generator[int, None, torch.Tensor]:
+                kv: KVCache, steps: Sequence[Step], all_logits: bool = False, keep_rows: list[int] | None = None
+                ) -> Generator[int, None, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
         """Yields the index of each finished step; returns last-token logits [batch, vocab]
-        (or every token's, with all_logits). token_ids[i] are the tokens of spans[i]."""
+        (or every token's, with all_logits). token_ids[i] are the tokens of spans[i]. With
+        `keep_rows` (batch rows; the plan must compute the last layer for them), also those rows'
+        final hidden states [rows, hidden] (`logits_of` turns them into logits, a chunk at a time)."""
         c, dev = self.cfg, self.device
         # Set-up runs before the first step, outside the step budget: keep it to vectorised work,
         # and everything the steps need from the host is made here (a host read of device data
@@ -152,7 +158,8 @@ class LlamaModel:
                 yield i
             if all_logits:
                 return self._logits(x)
-            return self._logits(x[torch.tensor(row0[1:], device=dev) - 1])
+            last = self._logits(x[torch.tensor(row0[1:], device=dev) - 1])
+            return (last, x[torch.tensor(keep_rows, device=dev)]) if keep_rows else last
         finally:  # also when a cancelled batch's generator is closed while suspended
             if lease is not None:
                 StepGraphs.release(lease)

@@ -1,0 +1,123 @@
+"""Completions' `echo` (the prompt given back before the completion) and, with `logprobs`, the prompt
+tokens' log-probabilities: what evaluation harnesses read to score a continuation
+(lm-evaluation-harness' local-completions sends echo, logprobs 1, max_tokens 1 and sums
+`token_logprobs[ctxlen:-1]`). The model-level values are checked against transformers in
+test_reference.py; here, the API's shapes and what the engine does around them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from helpers import EngineFactory
+from test_engine import assert_idle_and_free
+
+from engine.engine import Engine
+from engine.model.plan import SeqSpan, plan_prefill
+from engine.worker import create_worker_app
+
+
+@pytest.fixture(scope="module")
+def worker(torch_single_thread: None) -> Iterator[tuple[Engine, Any]]:
+    mp = pytest.MonkeyPatch()
+    factory = EngineFactory(mp, kv_capacity_tokens=16384, kv_block_size=16)
+    try:
+        eng = factory()
+        yield eng, create_worker_app(eng, "m")
+    finally:
+        factory.close()
+        mp.undo()
+
+
+def post(app: Any, body: dict[str, Any], headers: dict[str, str] | None = None) -> httpx.Response:
+    async def go() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as c:
+            return await c.post("/v1/completions", json=body, headers=headers or {})
+    return asyncio.run(asyncio.wait_for(go(), 60))
+
+
+def full_forward_logprobs(eng: Engine, ids: list[int]) -> torch.Tensor:
+    """log_softmax of every position's logits, from one unsplit forward of the whole prompt."""
+    table = eng.kv.allocate(len(ids))
+    try:
+        run = eng.model.prefill([ids], [SeqSpan(0, len(ids))], [table], eng.kv,
+                                plan_prefill(eng.cost, [SeqSpan(0, len(ids))], None), all_logits=True)
+        while True:
+            next(run)
+    except StopIteration as stop:
+        return torch.log_softmax(stop.value.float(), -1)
+    finally:
+        eng.kv.free(table)
+
+
+def test_what_an_evaluation_harness_reads(worker: tuple[Engine, Any]) -> None:
+    eng, app = worker
+    context, continuation = "The capital of France is", " Paris"
+    ids = eng.tokenizer.encode(context + continuation)
+    body = {"prompt": context + continuation, "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0}
+    choice = post(app, body).json()["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"].startswith(context + continuation) and len(lp["tokens"]) == len(ids) + 1
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["text_offset"][:3] == [0, 1, 2]
+    want = full_forward_logprobs(eng, ids)
+    ctxlen = len(eng.tokenizer.encode(context))
+    score = sum(lp["token_logprobs"][ctxlen:-1])  # the harness' sum over the continuation
+    assert score == pytest.approx(sum(float(want[p - 1, ids[p]]) for p in range(ctxlen, len(ids))), abs=1e-3)
+    for p in range(1, len(ids)):  # each top holds the likeliest token and the prompt's own
+        top = lp["top_logprobs"][p]
+        assert lp["token_logprobs"][p] in top.values() and max(top.values()) == pytest.approx(
+            float(want[p - 1].max()), abs=1e-4)
+    assert_idle_and_free(eng)
+
+
+def test_echo_alone_uses_the_prefix_cache_and_logprobs_do_not(worker: tuple[Engine, Any]) -> None:
+    _, app = worker
+    prompt = "A prompt long enough to fill a few cache blocks of sixteen tokens. " * 2
+    first = post(app, {"prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True}).json()
+    again = post(app, {"prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True}).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # no logprobs: cached as ever
+    assert first["choices"][0]["text"] == again["choices"][0]["text"]
+    assert again["choices"][0]["text"].startswith(prompt) and again["choices"][0]["logprobs"] is None
+    scored = post(app, {"prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 0}).json()
+    assert scored["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # every position computed
+    assert scored["choices"][0]["text"] == again["choices"][0]["text"]
+    plain = post(app, {"prompt": prompt, "max_tokens": 3, "temperature": 0}).json()["choices"][0]["text"]
+    assert again["choices"][0]["text"] == prompt + plain
+
+
+def test_token_prompts_streams_and_choices(worker: tuple[Engine, Any]) -> None:
+    eng, app = worker
+    ids = eng.tokenizer.encode("Hello there")
+    whole = post(app, {"prompt": ids, "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 2})
+    text = whole.json()["choices"][0]["text"]
+    assert text.startswith("Hello there")  # token ids echo as their text
+
+    async def stream() -> str:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as c:
+            return (await c.post("/v1/completions", json={"prompt": ids, "max_tokens": 4, "temperature": 0,
+                                                           "echo": True, "logprobs": 2, "stream": True})).text
+    events = [json.loads(line[6:]) for line in asyncio.run(stream()).splitlines() if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events) == text
+    assert events[0]["choices"][0]["text"].startswith("Hello there")  # the prompt comes with the first token
+    streamed = [t for e in events for t in e["choices"][0]["logprobs"]["token_logprobs"]]
+    assert streamed == whole.json()["choices"][0]["logprobs"]["token_logprobs"]
+    two = post(app, {"prompt": "Hi", "max_tokens": 2, "temperature": 0.9, "seed": 1, "echo": True, "logprobs": 1,
+                     "n": 2}).json()["choices"]
+    first, second = (c["logprobs"]["token_logprobs"][:2] for c in two)
+    assert first == second  # each choice scored the same prompt
+    one = post(app, {"prompt": [65], "max_tokens": 1, "echo": True, "logprobs": 1}).json()["choices"][0]
+    assert one["logprobs"]["token_logprobs"][0] is None and len(one["logprobs"]["tokens"]) == 2
+
+
+def test_not_with_disaggregation(worker: tuple[Engine, Any]) -> None:
+    eng, _ = worker
+    prefill = create_worker_app(eng, "m", role="prefill")
+    r = post(prefill, {"prompt": "x", "max_tokens": 1, "echo": True, "logprobs": 1},
+             headers={"x-flowprefill-kv-to": "http://127.0.0.1:1"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
