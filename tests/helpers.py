@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+import contextlib
+from collections.abc import Callable, Generator, Iterator
 from typing import ClassVar
 
 import pytest
@@ -65,3 +66,16 @@ class RerunCapture:
             fn()
 
         return replay
+
+
+@contextlib.contextmanager
+def module_engine(**cfg: object) -> Iterator[Engine]:
+    """One started engine on the embedded model, for a module-scoped fixture (EngineFactory's set-up
+    and tear-down, with a monkeypatch of its own)."""
+    mp = pytest.MonkeyPatch()
+    factory = EngineFactory(mp, **cfg)
+    try:
+        yield factory()
+    finally:
+        factory.close()
+        mp.undo()

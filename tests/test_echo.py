@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from helpers import EngineFactory
+from helpers import module_engine
 from test_engine import assert_idle_and_free
 
 from engine.engine import Engine
@@ -24,14 +24,8 @@ from engine.worker import create_worker_app
 
 @pytest.fixture(scope="module")
 def worker(torch_single_thread: None) -> Iterator[tuple[Engine, Any]]:
-    mp = pytest.MonkeyPatch()
-    factory = EngineFactory(mp, kv_capacity_tokens=16384, kv_block_size=16)
-    try:
-        eng = factory()
+    with module_engine(kv_capacity_tokens=16384, kv_block_size=16) as eng:
         yield eng, create_worker_app(eng, "m")
-    finally:
-        factory.close()
-        mp.undo()
 
 
 def post(app: Any, body: dict[str, Any], headers: dict[str, str] | None = None) -> httpx.Response:

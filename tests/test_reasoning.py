@@ -14,7 +14,7 @@ import httpx
 import msgspec
 import pytest
 import torch
-from helpers import EngineFactory
+from helpers import module_engine
 
 from engine.decode import OutputStream
 from engine.engine import Engine
@@ -174,13 +174,8 @@ def test_an_answer_that_may_reason_decides_at_its_first_token(opens: bool) -> No
 
 @pytest.fixture(scope="module")
 def engine(torch_single_thread: None) -> Iterator[Engine]:
-    mp = pytest.MonkeyPatch()
-    factory = EngineFactory(mp, kv_capacity_tokens=16384, kv_block_size=64)
-    try:
-        yield factory()
-    finally:
-        factory.close()
-        mp.undo()
+    with module_engine(kv_capacity_tokens=16384, kv_block_size=64) as eng:
+        yield eng
 
 
 def post(app: Any, body: dict[str, Any]) -> httpx.Response:

@@ -17,7 +17,7 @@ import msgspec
 import pytest
 import torch
 from checkpoints import write_tokenizer
-from helpers import EngineFactory
+from helpers import EngineFactory, module_engine
 from test_engine import Sink, assert_idle_and_free, tokens
 from test_kv_growth import BS, Evictions
 
@@ -146,14 +146,8 @@ def test_a_token_the_matcher_refuses_ends_the_answer_with_an_error() -> None:
 
 @pytest.fixture(scope="module")
 def worker(torch_single_thread: None) -> Iterator[tuple[Engine, Any]]:
-    mp = pytest.MonkeyPatch()
-    factory = EngineFactory(mp, kv_capacity_tokens=16384, kv_block_size=64)
-    try:
-        eng = factory()
+    with module_engine(kv_capacity_tokens=16384, kv_block_size=64) as eng:
         yield eng, create_worker_app(eng, "m")
-    finally:
-        factory.close()
-        mp.undo()
 
 
 def post(app: Any, body: dict[str, Any], path: str = "/v1/chat/completions") -> httpx.Response:
