@@ -242,6 +242,7 @@ class Engine:
         batch.end_segment(now)
         self._notify("on_segment_end", batch, now)
         self.cost.observe(batch.num_tokens, batch.steps.base_cost, batch.exec_s)
+        self._score_prompts(batch)  # first: a request whose scoring fails is done, and skipped below
         live, unfinished = [], []
         for i, (r, whole) in enumerate(zip(batch.requests, batch.completes_prefills, strict=True)):
             r.num_computed_tokens = batch.spans[i].start + batch.spans[i].length
@@ -253,15 +254,6 @@ class Engine:
             else:  # one chunk of its prompt is done: it queues for the next
                 r.state = RequestState.WAITING
                 unfinished.append(r)
-        at = 0
-        for i, first, count in batch.keep:  # prompt logprobs (echo): each position before a prompt token
-            r, hidden = batch.requests[i], batch.kept[at:at + count]  # type: ignore[index]
-            at += count
-            if not r.state.done:
-                scored = prompt_logprobs(self.model.logits_of, hidden, r.prompt_token_ids[first + 1:first + 1 + count],
-                                         r.sampling.prompt_logprobs or 0)
-                r.prompt_token_logprobs = [*r.prompt_token_logprobs, *([None] if first == 0 else []), *scored]
-        batch.kept = None
         logits, batch.logits = batch.logits, None
         tokens = sample(logits[[i for i, _ in live]], [r for _, r in live], self._generators,
                         self.tokenizer.eos_token_ids) if live else []
@@ -280,6 +272,26 @@ class Engine:
             self.scheduler.on_completion(batch, unfinished)
         self._current = None
         self.answers.schedule(now)
+
+    def _score_prompts(self, batch: PrefillBatch) -> None:
+        """Prompt logprobs (completions' echo): each kept row's logits scored against the prompt token
+        after it. A request whose scoring fails (out of memory on a large vocabulary) fails alone."""
+        at = 0
+        for i, first, count in batch.keep:
+            r, rows = batch.requests[i], slice(at, at + count)
+            at += count
+            if r.state.done:
+                continue
+            hidden = batch.kept[rows] if count else None  # type: ignore[index]
+            try:
+                scored = prompt_logprobs(self.model.logits_of, hidden, r.prompt_token_ids[first + 1:first + 1 + count],
+                                         r.sampling.prompt_logprobs or 0)
+            except Exception as exc:
+                log.exception("prompt logprobs of %s failed", r.request_id)
+                self._finish(r, "error", f"prompt logprobs failed: {exc}")
+                continue
+            r.prompt_token_logprobs = [*r.prompt_token_logprobs, *([None] if first == 0 else []), *scored]
+        batch.kept = None
 
     def _start_decoding(self, r: Request, token: Sampled, now: float) -> None:
         """Its first token, or after a recompute its next one (the gap includes the eviction)."""

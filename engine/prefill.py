@@ -102,12 +102,12 @@ class PrefillBatch:
         rows: list[int] = []
         row0 = 0
         for i, (r, s) in enumerate(zip(requests, spans, strict=True)):
-            count = min(s.start + s.length, r.num_prompt_tokens - 1) - s.start
-            if r.sampling.prompt_logprobs is not None and not r.output_token_ids and count > 0:
+            count = max(0, min(s.start + s.length, r.num_prompt_tokens - 1) - s.start)
+            if r.sampling.prompt_logprobs is not None and not r.output_token_ids and (count or s.start == 0):
                 keep.append((i, s.start, count))
                 rows += range(row0, row0 + count)
             row0 += s.length
-        steps = plan_prefill(cost, spans, budget_s, last_token_only=not keep)
+        steps = plan_prefill(cost, spans, budget_s, last_token_only=not rows)
         tokens = [r.prefill_token_ids[s.start : s.start + s.length] for r, s in zip(requests, spans, strict=True)]
         run = model.prefill(tokens, spans, [r.block_table for r in requests], kv, steps, keep_rows=rows or None)
         batch = cls(requests, spans, steps, run, model.device)

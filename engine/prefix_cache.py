@@ -28,10 +28,12 @@ class PrefixCache:
 
     def cached_tokens(self, req: Request) -> int:
         """How many of its prompt's tokens are cached now (reserves nothing)."""
-        if not self.enabled or req.block_table or (req.sampling.prompt_logprobs is not None
-                                                    and not req.output_token_ids):
+        if not self.enabled or req.block_table:
+            return 0
+        hashes = self._matchable(req)  # hashed even when unused: what it writes is cached for others
+        if req.sampling.prompt_logprobs is not None and not req.output_token_ids:
             return 0  # prompt logprobs need every position computed
-        return self.pool.cached_prefix(self._matchable(req)) * self.pool.block_size
+        return self.pool.cached_prefix(hashes) * self.pool.block_size
 
     def take(self, req: Request, span: SeqSpan) -> SeqSpan:
         """When its batch forms: a reference on each block found at arrival (the span starts after

@@ -87,8 +87,8 @@ class Choices:
             if echoed:
                 content = echoed[0] + (content or "")
                 formatted = formatted and _joined(echoed[1], formatted)
-            out.append((content or (None if reasoning is not None else content),
-                        self.tools.finish_reason if calls and self.tools else f, formatted, calls, reasoning))
+            finish = self.tools.finish_reason if calls and self.tools and f == "stop" else f  # "length" stays
+            out.append((content or (None if reasoning is not None else content), finish, formatted, calls, reasoning))
         return out
 
     def _echoed(self, req: Request, fmt: LogprobFormatter | None) -> tuple[str, dict[str, Any] | None] | None:
@@ -154,7 +154,7 @@ def _tool_delta(choices: Choices, i: int, shown: list[int], finish: str | None
         if calls:  # the content before the calls, less the whitespace that separates them
             rest = text[shown[i]:max(shown[i], len(text[:parser.start(text)].rstrip()))]
             shown[i] = len(text)
-            return rest, parser.finish_reason, calls
+            return rest, parser.finish_reason if finish == "stop" else finish, calls
         rest, shown[i] = text[shown[i]:], len(text)
         return rest, finish, None
     at = parser.start(text)

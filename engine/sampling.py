@@ -98,12 +98,13 @@ def logprob(row: torch.Tensor, token: int, top: int) -> Logprob:
     return Logprob(token, float(lp[token]), alternatives)
 
 
-def prompt_logprobs(logits_of: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: list[int],
+def prompt_logprobs(logits_of: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor | None, targets: list[int],
                     top: int, chunk: int = 256) -> list[Logprob]:
     """Each target token's log-probability under the logits of the hidden state before it, with the
     `top` likeliest, a chunk of rows at a time (a long prompt's logits would not fit at once)."""
     out: list[Logprob] = []
     for a in range(0, len(targets), chunk):
+        assert hidden is not None
         lp = torch.log_softmax(logits_of(hidden[a:a + chunk]).float(), dim=-1)
         ids = targets[a:a + chunk]
         chosen = lp.gather(1, torch.tensor(ids, device=lp.device)[:, None])[:, 0].tolist()

@@ -65,8 +65,9 @@ class ForcedCall:
     vLLM's way. A named function's answer is its arguments object (finish_reason "stop", as OpenAI's
     and vLLM's); a required call's is a list of `{"name", "parameters"}` objects, one of the tools'
     each (finish_reason "tool_calls"). It reads like a parser: nothing is content, the answer is the
-    calls (a whole answer cut short by max_tokens is content); streamed, a named call's arguments go
-    out as they are written (engine/responses.py), "required" calls whole at the end."""
+    calls (a "required" answer cut short by max_tokens is content; a named call's arguments are what
+    was written, whole or cut short, as vLLM's); streamed, a named call's arguments go out as they
+    are written (engine/responses.py), "required" calls whole at the end."""
 
     def __init__(self, tools: list[Any], tool_choice: Any, parallel: bool = True) -> None:
         """`parallel`: OpenAI's parallel_tool_calls; false, "required" makes exactly one call."""
@@ -116,12 +117,13 @@ class ForcedCall:
         return len(text)
 
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        if self.name is not None:  # its arguments as written and streamed (cut short too, as vLLM's)
+            return None, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                           "function": {"name": self.name, "arguments": text}}]
         try:
             value = json.loads(text)
         except json.JSONDecodeError:
             return text, []
-        if self.name is not None:  # its arguments as written (and as streamed)
-            return None, _openai_calls([(self.name, text.strip())])
         calls = [_call(c, "parameters") for c in value] if isinstance(value, list) else [None]
         if not calls or any(c is None for c in calls):
             return text, []

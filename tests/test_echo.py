@@ -14,11 +14,14 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from helpers import module_engine
-from test_engine import assert_idle_and_free
+from helpers import EngineFactory, module_engine
+from test_engine import Sink, assert_idle_and_free
 
+import engine.engine as engine_module
 from engine.engine import Engine
 from engine.model.plan import SeqSpan, plan_prefill
+from engine.observer import EngineObserver
+from engine.request import Request, SamplingParams
 from engine.worker import create_worker_app
 
 
@@ -115,3 +118,44 @@ def test_not_with_disaggregation(worker: tuple[Engine, Any]) -> None:
     r = post(prefill, {"prompt": "x", "max_tokens": 1, "echo": True, "logprobs": 1},
              headers={"x-flowprefill-kv-to": "http://127.0.0.1:1"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+
+
+def test_a_scored_prompt_is_cached_for_others(worker: tuple[Engine, Any]) -> None:
+    eng, app = worker
+    prompt = "Another prompt, written to be cached once it has been scored: sixteen tokens a block. " * 2
+    scored = post(app, {"prompt": prompt, "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 1}).json()
+    assert scored["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    plain = post(app, {"prompt": prompt, "max_tokens": 2, "temperature": 0}).json()
+    assert plain["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # its blocks, registered as usual
+    (one,) = eng.generate([[65]], SamplingParams(max_tokens=1, prompt_logprobs=1))
+    assert one.prompt_token_logprobs == [None]  # one entry per prompt token, as for longer prompts
+
+
+def test_a_request_whose_scoring_fails_fails_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scoring runs after the batch's steps (out of memory on a large vocabulary, say): the request
+    fails, the plain request batched with it is served, and every block comes back."""
+    def broken(*args: object, **kw: object) -> list:
+        raise RuntimeError("out of memory")
+    factory = EngineFactory(monkeypatch, kv_capacity_tokens=4096, kv_block_size=16)
+    try:
+        eng = factory("fcfs", start=False)
+        monkeypatch.setattr(engine_module, "prompt_logprobs", broken)
+        batches: list[list[str]] = []
+
+        class Batches(EngineObserver):
+            def on_segment_start(self, batch: Any, now: float) -> None:
+                batches.append([r.request_id for r in batch.requests])
+        eng.observers.append(Batches())
+        sinks = {}
+        for rid, n, k in (("busy", 300, None), ("scored", 50, 1), ("plain", 55, None)):
+            r = Request(request_id=rid, prompt_token_ids=list(range(40, 40 + n)),
+                        sampling=SamplingParams(max_tokens=2, prompt_logprobs=k))
+            r.sink = sinks[rid] = Sink(r)
+            eng.add_request(r)  # fcfs: "busy" runs first, the other two wait and form one batch
+        eng.start()
+        assert sinks["scored"].wait() == "error" and "prompt logprobs failed" in sinks["scored"].outputs[-1].error
+        assert sinks["plain"].wait() == sinks["busy"].wait() == "length"
+        assert ["scored", "plain"] in batches
+        assert_idle_and_free(eng)
+    finally:
+        factory.close()

@@ -275,12 +275,18 @@ def test_bad_constraints_are_400s(worker: tuple[Engine, Any], fields: dict[str, 
     assert eng.num_waiting == 0 and not eng.has_request(r.headers.get("x-request-id", "-"))
 
 
+def required_cut_is_content() -> bool:
+    return ForcedCall(TOOLS, "required").parse('[{"name": "get_time", "parameters": {') == (
+        '[{"name": "get_time", "parameters": {', [])
+
+
 def test_forced_call_reader() -> None:
     named = ForcedCall(TOOLS, {"type": "function", "function": {"name": "get_time"}})
     assert json.loads(named.guide.spec) == {"type": "object"} and named.finish_reason == "stop"
     content, calls = named.parse("{}")
     assert content is None and calls[0]["function"] == {"name": "get_time", "arguments": "{}"}
-    assert named.parse('{"cut') == ('{"cut', [])  # cut short: the text, as content
+    assert named.parse('{"cut')[1][0]["function"]["arguments"] == '{"cut'  # cut short: as written, as vLLM's
+    assert required_cut_is_content()
     required = ForcedCall(TOOLS, "required")
     _, calls = required.parse('[{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "get_time", '
                               '"parameters": {}}]')
