@@ -22,7 +22,7 @@ from engine.predictor import load_cost
 from engine.prefill import PrefillBatch
 from engine.prefix_cache import PrefixCache
 from engine.request import Request, RequestState, Sampled, SamplingParams, TokenOutput
-from engine.sampling import prompt_logprobs, sample
+from engine.sampling import sample
 from engine.scheduler import Policy, Scheduler, make_policy
 
 log = logging.getLogger("flowprefill.engine")
@@ -242,7 +242,12 @@ class Engine:
         batch.end_segment(now)
         self._notify("on_segment_end", batch, now)
         self.cost.observe(batch.num_tokens, batch.steps.base_cost, batch.exec_s)
-        self._score_prompts(batch)  # first: a request whose scoring fails is done, and skipped below
+        for r, scored in batch.score_prompts(self.model.logits_of):  # first: one that fails is skipped below
+            if isinstance(scored, Exception):
+                log.error("prompt logprobs of %s failed", r.request_id, exc_info=scored)
+                self._finish(r, "error", f"prompt logprobs failed: {scored}")
+            else:
+                r.prompt_token_logprobs = [*r.prompt_token_logprobs, *scored]
         live, unfinished = [], []
         for i, (r, whole) in enumerate(zip(batch.requests, batch.completes_prefills, strict=True)):
             r.num_computed_tokens = batch.spans[i].start + batch.spans[i].length
@@ -272,26 +277,6 @@ class Engine:
             self.scheduler.on_completion(batch, unfinished)
         self._current = None
         self.answers.schedule(now)
-
-    def _score_prompts(self, batch: PrefillBatch) -> None:
-        """Prompt logprobs (completions' echo): each kept row's logits scored against the prompt token
-        after it. A request whose scoring fails (out of memory on a large vocabulary) fails alone."""
-        at = 0
-        for i, first, count in batch.keep:
-            r, rows = batch.requests[i], slice(at, at + count)
-            at += count
-            if r.state.done:
-                continue
-            hidden = batch.kept[rows] if count else None  # type: ignore[index]
-            try:
-                scored = prompt_logprobs(self.model.logits_of, hidden, r.prompt_token_ids[first + 1:first + 1 + count],
-                                         r.sampling.prompt_logprobs or 0)
-            except Exception as exc:
-                log.exception("prompt logprobs of %s failed", r.request_id)
-                self._finish(r, "error", f"prompt logprobs failed: {exc}")
-                continue
-            r.prompt_token_logprobs = [*r.prompt_token_logprobs, *([None] if first == 0 else []), *scored]
-        batch.kept = None
 
     def _start_decoding(self, r: Request, token: Sampled, now: float) -> None:
         """Its first token, or after a recompute its next one (the gap includes the eviction)."""

@@ -18,7 +18,8 @@ import torch
 from engine.kv_cache import KVCache
 from engine.model.llama import LlamaModel
 from engine.model.plan import OpCost, Plan, SeqSpan, plan_prefill
-from engine.request import Request, RequestState, Suspension
+from engine.request import Logprob, Request, RequestState, Suspension
+from engine.sampling import prompt_logprobs
 
 _batch_ids = itertools.count()
 
@@ -113,6 +114,28 @@ class PrefillBatch:
         batch = cls(requests, spans, steps, run, model.device)
         batch.keep = keep
         return batch
+
+    def score_prompts(self, logits_of: Callable[[torch.Tensor], torch.Tensor]
+                      ) -> list[tuple[Request, list[Logprob | None] | Exception]]:
+        """Once it is done: prompt logprobs (completions' echo) of its asking requests, each kept
+        row's logits scored against the prompt token after it (None for a prompt's first token), or
+        the exception a request's scoring raised (out of memory on a large vocabulary): it fails alone."""
+        out: list[tuple[Request, list[Logprob | None] | Exception]] = []
+        at = 0
+        for i, first, count in self.keep:
+            r, rows = self.requests[i], slice(at, at + count)
+            at += count
+            if r.state.done:
+                continue
+            try:
+                hidden = self.kept[rows] if count else None  # type: ignore[index]
+                scored = prompt_logprobs(logits_of, hidden, r.prompt_token_ids[first + 1:first + 1 + count],
+                                         r.sampling.prompt_logprobs or 0)
+                out.append((r, [*([None] if first == 0 else []), *scored]))
+            except Exception as exc:
+                out.append((r, exc))
+        self.kept = None
+        return out
 
     @property
     def completes_prefills(self) -> list[bool]:

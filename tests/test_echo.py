@@ -17,7 +17,7 @@ import torch
 from helpers import EngineFactory, module_engine
 from test_engine import Sink, assert_idle_and_free
 
-import engine.engine as engine_module
+import engine.prefill as prefill_module
 from engine.engine import Engine
 from engine.model.plan import SeqSpan, plan_prefill
 from engine.observer import EngineObserver
@@ -139,7 +139,7 @@ def test_a_request_whose_scoring_fails_fails_alone(monkeypatch: pytest.MonkeyPat
     factory = EngineFactory(monkeypatch, kv_capacity_tokens=4096, kv_block_size=16)
     try:
         eng = factory("fcfs", start=False)
-        monkeypatch.setattr(engine_module, "prompt_logprobs", broken)
+        monkeypatch.setattr(prefill_module, "prompt_logprobs", broken)
         batches: list[list[str]] = []
 
         class Batches(EngineObserver):
