@@ -254,7 +254,9 @@ class Engine:
             if r.state.done or r.request_id not in self._requests:
                 continue
             self.prefixes.prefilled(r)
-            if whole:
+            if whole and not r.sampling.max_tokens:  # a prompt scored (echo), nothing generated
+                self._finish(r, "length")
+            elif whole:
                 live.append((i, r))
             else:  # one chunk of its prompt is done: it queues for the next
                 r.state = RequestState.WAITING

@@ -78,6 +78,10 @@ class _Common(msgspec.Struct, kw_only=True, omit_defaults=True):
         """Whether the model is offered tools to call (tool_choice "none" offers none)."""
         return bool(self.tools) and self.tool_choice != "none"
 
+    def echoes(self) -> bool:
+        """Completions' echo (the prompt given back)."""
+        return False
+
     def forces_tool_call(self) -> bool:
         """tool_choice "required" or a named function: the answer is constrained to the call."""
         return self.tool_choice == "required" or isinstance(self.tool_choice, dict)
@@ -140,6 +144,8 @@ class _Common(msgspec.Struct, kw_only=True, omit_defaults=True):
         guide = guide or asked
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         max_tokens = self.max_completion_tokens or self.max_tokens
+        if max_tokens is not None and max_tokens < 1 and not (max_tokens == 0 and self.echoes()):
+            raise ValueError("max_tokens must be >= 1 (0 only with echo: the prompt scored, nothing generated)")
         bias = {}
         for key, value in (self.logit_bias or {}).items():
             if not (key.isascii() and key.isdigit()):
@@ -218,6 +224,9 @@ class CompletionRequest(_Common, kw_only=True, omit_defaults=True):
 
     def top_logprobs_wanted(self) -> int | None:
         return self.logprobs
+
+    def echoes(self) -> bool:
+        return bool(self.echo)
 
     def unsupported(self, tool_calls: bool = False) -> str | None:
         return super().unsupported() or ("tools" if self.tools or self.tool_choice not in (None, "none")

@@ -57,7 +57,7 @@ class SamplingParams(msgspec.Struct):
     prompt_logprobs: int | None = None
 
     def validate(self) -> None:
-        if self.max_tokens < 1:
+        if self.max_tokens < 0:  # 0: the prefill only (a prompt scored or echoed, nothing generated)
             raise ValueError("max_tokens must be >= 1")
         if self.seed is not None and not -2**63 <= self.seed < 2**64:  # torch's generator's range
             raise ValueError("seed must be in [-2**63, 2**64)")

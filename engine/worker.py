@@ -193,8 +193,9 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
             raise BadRequest(f"this worker only decodes: send it requests with {handoff.KV_ID_HEADER}", status=421)
         if n > 1 and (kv_to or kv_id):
             raise BadRequest("n > 1 is not supported with prefill/decode disaggregation", param="n")
-        if sampling.prompt_logprobs is not None and (kv_to or kv_id):  # the prompt's are the prefill worker's
-            raise BadRequest("echo with logprobs is not supported with prefill/decode disaggregation", param="echo")
+        if (sampling.prompt_logprobs is not None or not sampling.max_tokens) and (kv_to or kv_id):
+            raise BadRequest("echo with logprobs or max_tokens 0 is not supported with prefill/decode "
+                             "disaggregation", param="echo")  # the prompt's logprobs are the prefill worker's
         if kv_to:  # the prefill half of a disaggregated request: the first token, then hand the KV over
             if body.stream:
                 raise BadRequest(f"a request with {handoff.KV_TO_HEADER} must not stream")

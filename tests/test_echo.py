@@ -159,3 +159,32 @@ def test_a_request_whose_scoring_fails_fails_alone(monkeypatch: pytest.MonkeyPat
         assert_idle_and_free(eng)
     finally:
         factory.close()
+
+
+def test_max_tokens_0_scores_the_prompt_and_generates_nothing(worker: tuple[Engine, Any]) -> None:
+    """OpenAI's legacy API (and HELM, and older harnesses) score a prompt with echo and max_tokens 0."""
+    eng, app = worker
+    one = post(app, {"prompt": "Score me", "max_tokens": 1, "echo": True, "logprobs": 1, "temperature": 0}).json()
+    zero = post(app, {"prompt": "Score me", "max_tokens": 0, "echo": True, "logprobs": 1}).json()
+    choice = zero["choices"][0]
+    assert choice["text"] == "Score me" and choice["finish_reason"] == "length"
+    assert zero["usage"]["completion_tokens"] == 0
+    assert choice["logprobs"]["token_logprobs"] == one["choices"][0]["logprobs"]["token_logprobs"][:-1]
+
+    async def stream() -> str:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as c:
+            return (await c.post("/v1/completions", json={"prompt": "Score me", "max_tokens": 0, "echo": True,
+                                                           "stream": True})).text
+    events = [json.loads(line[6:]) for line in asyncio.run(stream()).splitlines() if line.startswith("data: {")]
+    assert [e["choices"][0]["text"] for e in events] == ["Score me"]
+    for body in ({"prompt": "x", "max_tokens": 0}, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}):
+        r = post(app, body) if "prompt" in body else _chat(app, body)
+        assert r.status_code == 400 and "0 only with echo" in r.json()["error"]["message"]
+    assert_idle_and_free(eng)
+
+
+def _chat(app: Any, body: dict[str, Any]) -> httpx.Response:
+    async def go() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as c:
+            return await c.post("/v1/chat/completions", json=body)
+    return asyncio.run(asyncio.wait_for(go(), 60))
