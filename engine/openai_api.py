@@ -216,7 +216,7 @@ class Unsupported(ValueError):
 
 
 class CompletionRequest(_Common, kw_only=True, omit_defaults=True):
-    prompt: str | list[Any]  # text, token ids, or a one-element list of either
+    prompt: str | list[Any]  # text, token ids, or a list of either (each its own completion)
     logprobs: int | None = None  # the sampled token's and this many likeliest tokens' log-probabilities
     echo: bool | None = None  # the prompt before the completion (with logprobs: its tokens' too)
     best_of: int | None = None
@@ -228,6 +228,17 @@ class CompletionRequest(_Common, kw_only=True, omit_defaults=True):
     def echoes(self) -> bool:
         return bool(self.echo)
 
+    def prompts(self, encode: Callable[[str], list[int]]) -> list[tuple[list[int], str | None]]:
+        """The prompt, or each of a list of prompts (OpenAI's batched form), as token ids and the text
+        as given (None for token ids): a string, token ids, or a list of either."""
+        if isinstance(self.prompt, str) or _token_ids(self.prompt):
+            return [_one_prompt(self.prompt, encode)]
+        if not self.prompt:
+            raise ValueError("prompt must not be empty")
+        if len(self.prompt) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts at once")
+        return [_one_prompt(p, encode) for p in self.prompt]
+
     def unsupported(self, tool_calls: bool = False) -> str | None:
         return super().unsupported() or ("tools" if self.tools or self.tool_choice not in (None, "none")
                                          else "best_of" if self.best_of not in (None, 1)
@@ -238,6 +249,22 @@ class CompletionRequest(_Common, kw_only=True, omit_defaults=True):
         if self.echo and self.logprobs is not None:  # the prompt's logprobs, as OpenAI's legacy API gives
             params = msgspec.structs.replace(params, prompt_logprobs=self.logprobs)
         return params
+
+
+MAX_PROMPTS = 256  # completions' batched prompts: each is its own engine request (n of them with n)
+
+
+def _token_ids(prompt: Any) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+
+
+def _one_prompt(prompt: Any, encode: Callable[[str], list[int]]) -> tuple[list[int], str | None]:
+    if isinstance(prompt, str):
+        return encode(prompt), prompt
+    if _token_ids(prompt):
+        return list(prompt), None
+    raise ValueError("prompt must be a string, a list of token ids, or a list of either")
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")

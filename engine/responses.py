@@ -25,10 +25,11 @@ class Choices:
 
     def __init__(self, engine: Engine, reqs: list[Request], queue: asyncio.Queue[TokenOutput],
                  formatter: Callable[[], LogprobFormatter] | None, tools: ToolCallParser | ForcedCall | None = None,
-                 reasoning: Callable[[], ReasoningStream] | None = None, echo: str | None = None) -> None:
+                 reasoning: Callable[[], ReasoningStream] | None = None, echo: list[str] | None = None) -> None:
         """`tools`: what reads the model's tool calls, when the request offered it tools. `reasoning`:
         a reasoning model's splitter of reasoning from content, one per choice. `echo`: completions'
-        prompt text, given back before each choice's completion (with logprobs, its tokens' first)."""
+        prompt texts (one per prompt: n choices each), given back before each choice's completion
+        (with logprobs, its tokens' first)."""
         self.engine, self.reqs, self.queue, self.tools, self.echo = engine, reqs, queue, tools, echo
         self.index = {r.request_id: i for i, r in enumerate(reqs)}
         # a formatter each: completions' text offsets run on per choice
@@ -95,13 +96,14 @@ class Choices:
         """The echoed prompt's text and (with logprobs) its tokens' entries, for a choice's first text."""
         if self.echo is None:
             return None
-        return self.echo, fmt and fmt.format_prompt(req.prompt_token_ids, req.prompt_token_logprobs)
+        text = self.echo[self.index[req.request_id] * len(self.echo) // len(self.reqs)]
+        return text, fmt and fmt.format_prompt(req.prompt_token_ids, req.prompt_token_logprobs)
 
     def usage(self, sent: int | None = None) -> dict[str, Any]:
-        """The prompt counted once (as OpenAI does for n choices), the completions' tokens summed."""
-        first = self.reqs[0]
+        """Each prompt counted once (as OpenAI does for n choices), the completions' tokens summed."""
+        firsts = [r for r in self.reqs if not r.choice]
         done = sum(len(r.output_token_ids) for r in self.reqs) if sent is None else sent
-        return usage(first.num_prompt_tokens, done, first.cached_tokens)
+        return usage(sum(r.num_prompt_tokens for r in firsts), done, sum(r.cached_tokens for r in firsts))
 
 
 async def sse(choices: Choices, rid: str, model: str, chat: bool, options: StreamOptions) -> AsyncIterator[bytes]:

@@ -140,7 +140,7 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
         tools = None  # offered to the model, its calls read back by `calls`
         calls: ToolCallParser | ForcedCall | None = None
         prompt = None  # a chat request's, as its template wrote it
-        echo = None  # completions' echo: the prompt text given back
+        echo = None  # completions' echo: each prompt's text given back
         try:
             if chat:
                 if (field := body.unsupported(tool_parser is not None)) is not None:
@@ -158,14 +158,16 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
                 except (TemplateError, TypeError) as exc:  # what the messages gave the template it cannot use
                     raise ValueError(f"the chat template cannot render these messages: {exc}") from None
                 ids = engine.tokenizer.encode(prompt)
+                prompts = [(ids, prompt)]
                 room = min(engine.model.cfg.max_position_embeddings, engine.kv.num_blocks * engine.kv.block_size)
                 sampling = body.sampling(chat_default_max_tokens(len(ids), room), tool_calls=tool_parser is not None,
                                          guide=calls.guide if isinstance(calls, ForcedCall) else None)
             else:
                 sampling = body.sampling(DEFAULT_MAX_TOKENS)
-                ids = _prompt_ids(engine, body.prompt)
-                if body.echo:
-                    echo = _prompt_text(body.prompt) or engine.tokenizer.decode(ids)
+                prompts = body.prompts(engine.tokenizer.encode)
+                ids = prompts[0][0]
+                if body.echo:  # each prompt's text as given, or its token ids' text
+                    echo = [text if text is not None else engine.tokenizer.decode(p) for p, text in prompts]
         except Unsupported as exc:
             raise BadRequest(str(exc), param=exc.field, code="unsupported_parameter") from None
         except ValueError as exc:
@@ -183,7 +185,8 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
         n = 1 if body.n is None else body.n
         if not 1 <= n <= MAX_CHOICES:
             raise BadRequest(f"n must be in [1, {MAX_CHOICES}]", param="n")
-        if not (kv_to or kv_id) and any(engine.has_request(i) for i in _choice_ids(rid, n)):
+        total = n * len(prompts)  # engine requests: n choices of each prompt
+        if not (kv_to or kv_id) and any(engine.has_request(i) for i in _choice_ids(rid, total)):
             rid = f"{rid}-{uuid.uuid4().hex[:8]}"  # a client's id reused while its first runs (a hand-off's
             # id is the gateway's, unique, and its KV's key)
         # A misrouted request is refused before any work, so the router can send it where it belongs.
@@ -191,8 +194,9 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
             raise BadRequest(f"this worker only prefills: send it requests with {handoff.KV_TO_HEADER}", status=421)
         if role == "decode" and not kv_id:
             raise BadRequest(f"this worker only decodes: send it requests with {handoff.KV_ID_HEADER}", status=421)
-        if n > 1 and (kv_to or kv_id):
-            raise BadRequest("n > 1 is not supported with prefill/decode disaggregation", param="n")
+        if total > 1 and (kv_to or kv_id):
+            raise BadRequest("n > 1 and batched prompts are not supported with prefill/decode disaggregation",
+                             param="n" if n > 1 else "prompt")
         if (sampling.prompt_logprobs is not None or not sampling.max_tokens) and (kv_to or kv_id):
             raise BadRequest("echo with logprobs or max_tokens 0 is not supported with prefill/decode "
                              "disaggregation", param="echo")  # the prompt's logprobs are the prefill worker's
@@ -200,13 +204,14 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
             if body.stream:
                 raise BadRequest(f"a request with {handoff.KV_TO_HEADER} must not stream")
             sampling = msgspec.structs.replace(sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1))
-        req = EngineRequest.for_class(slo, request_id=rid, prompt_token_ids=ids, sampling=sampling,
-                                      export_kv=bool(kv_to))
-        # n choices are n engine requests: choice i's seed is seed + i (reproducible, yet different)
+        # n choices of each prompt are n engine requests: choice i's seed is seed + i (reproducible,
+        # yet different; a prompt of a batch samples as it would alone)
         seeds = [None if sampling.seed is None else (sampling.seed + i) % 2**64 for i in range(n)]
-        reqs = [req, *(EngineRequest.for_class(slo, request_id=cid, prompt_token_ids=ids, choice=i,
-                                                sampling=msgspec.structs.replace(sampling, seed=seeds[i]))
-                       for i, cid in enumerate(_choice_ids(rid, n)) if i)]
+        reqs = [EngineRequest.for_class(slo, request_id=cid, prompt_token_ids=prompts[k // n][0], choice=k % n,
+                                        sampling=msgspec.structs.replace(sampling, seed=seeds[k % n]) if k % n
+                                        else sampling, export_kv=bool(kv_to))
+                for k, cid in enumerate(_choice_ids(rid, total))]
+        req = reqs[0]
         thinking = reasoner is not None and prompt is not None and reasoner.starts_thinking(prompt)
         if grammar is not None and reasoner is not None and prompt is not None:
             # the structured output applies to what follows the reasoning; an answer that may open
@@ -221,7 +226,8 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
             r.sink = lambda out: loop.call_soon_threadsafe(queue.put_nowait, out)
         headers = {"x-slo-class": slo.name, "x-request-id": rid}
         try:
-            engine.validate(req)
+            for r in reqs[::n]:  # each prompt
+                engine.validate(r)
             for r in reqs:
                 r.grammar = grammar and grammar.deep_copy()
         except ValueError as exc:
@@ -249,7 +255,7 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
                     req.finish_reason = "error"
                     tracer.on_finish(req)
                 raise BadRequest(str(exc)) from None
-        elif reason := engine.admission(req, slo.sheddable, n):
+        elif reason := next((why for r in reqs[::n] if (why := engine.admission(r, slo.sheddable, n))), None):
             status = 429 if reason == "predicted_slo_miss" else 503
             message = ("the request cannot meet its TTFT target here (predicted); retry later or with a looser class"
                        if status == 429 else "the worker's queue is full")
@@ -366,26 +372,6 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
 def _choice_ids(rid: str, n: int) -> list[str]:
     """The engine request ids of a request's n choices: its own id for the first."""
     return [rid, *(f"{rid}-{i}" for i in range(1, n))]
-
-
-def _prompt_text(prompt: Any) -> str | None:
-    """A completions prompt's text as given (None for token ids): what echo gives back."""
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
-    return prompt if isinstance(prompt, str) else None
-
-
-def _prompt_ids(engine: Engine, prompt: Any) -> list[int]:
-    if isinstance(prompt, str):
-        return engine.tokenizer.encode(prompt)
-    if not isinstance(prompt, list):  # inside a one-element list: a number, an object, null
-        raise ValueError("prompt must be a string, a list of token ids, or a one-element list of either")
-    if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return list(prompt)
-    if len(prompt) == 1:
-        return _prompt_ids(engine, prompt[0])
-    raise ValueError("prompt must be a string, a list of token ids, or a one-element list of either "
-                     "(batched prompts are not supported)")
 
 
 def _http_error(_: Request, exc: HTTPException) -> Response:

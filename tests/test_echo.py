@@ -188,3 +188,33 @@ def _chat(app: Any, body: dict[str, Any]) -> httpx.Response:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as c:
             return await c.post("/v1/chat/completions", json=body)
     return asyncio.run(asyncio.wait_for(go(), 60))
+
+
+def test_batched_prompts(worker: tuple[Engine, Any]) -> None:
+    """OpenAI's batched form (a list of prompts, as lm-evaluation-harness sends with batch_size > 1):
+    each prompt is its own completion, n choices each, indexed prompt by prompt; each answer equals the
+    prompt's alone, usage adds the prompts up."""
+    eng, app = worker
+    texts = ["First prompt", "The second one", "Third"]
+    batched = post(app, {"prompt": texts, "max_tokens": 4, "temperature": 0.8, "seed": 5, "n": 2, "echo": True,
+                         "logprobs": 1})
+    assert batched.status_code == 200, batched.text
+    body = batched.json()
+    assert [c["index"] for c in body["choices"]] == list(range(6))
+    alone = [post(app, {"prompt": t, "max_tokens": 4, "temperature": 0.8, "seed": 5, "n": 2, "echo": True,
+                        "logprobs": 1}).json() for t in texts]
+    for p, one in enumerate(alone):
+        for j in range(2):
+            got, want = body["choices"][2 * p + j], one["choices"][j]
+            assert got["text"] == want["text"] and got["text"].startswith(texts[p])
+            assert got["logprobs"]["token_logprobs"] == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-5)
+    assert body["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    assert body["usage"]["completion_tokens"] == 3 * 2 * 4
+    ids = [eng.tokenizer.encode(t) for t in texts]
+    as_ids = post(app, {"prompt": ids, "max_tokens": 4, "temperature": 0}).json()["choices"]
+    as_text = post(app, {"prompt": texts, "max_tokens": 4, "temperature": 0}).json()["choices"]
+    assert [c["text"] for c in as_ids] == [c["text"] for c in as_text]
+    for bad in ([], [[]], ["ok", 5], [["x"]]):
+        r = post(app, {"prompt": bad, "max_tokens": 2})
+        assert r.status_code == 400, (bad, r.text)
+    assert_idle_and_free(eng)
