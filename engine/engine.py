@@ -91,17 +91,16 @@ class Engine:
         req.check(self.model.cfg.vocab_size, self.model.cfg.max_position_embeddings,
                   self.kv.num_blocks * self.kv.block_size)
 
-    def admission(self, req: Request, sheddable: bool, choices: int = 1) -> str | None:
-        """Why a new request (of `choices` engine requests, one per choice) should be refused now, or
-        None. Sheddable classes are refused when even running next could not meet their deadline;
-        every class when the queue is past its bound."""
+    def admission(self, reqs: list[Request], sheddable: bool) -> str | None:
+        """Why a new HTTP request (these engine requests: its prompts and their choices) should be
+        refused now, or None. Sheddable classes are refused when even running them all next could not
+        meet their deadline; every class when the queue is past its bound."""
         s = self.scheduler
-        if len(s.waiting) + sum(len(b.requests) for b in list(s.pool)) + choices > self.cfg.max_waiting:
+        if len(s.waiting) + sum(len(b.requests) for b in list(s.pool)) + len(reqs) > self.cfg.max_waiting:
             return "queue_full"  # counted: every request whose prefill is not done
-        if sheddable:
-            cached = self.prefixes.cached_tokens(req)  # choices queued together each compute the rest
-            predicted = s.cost_for([req]).prefill_s([SeqSpan(cached, req.num_prompt_tokens - cached)] * choices)
-            if req.deadline - self.clock() - predicted < 0:
+        if sheddable:  # requests queued together each compute what is not cached now
+            spans = [SeqSpan(c, r.num_prompt_tokens - c) for r in reqs for c in [self.prefixes.cached_tokens(r)]]
+            if reqs[0].deadline - self.clock() - s.cost_for(reqs).prefill_s(spans) < 0:
                 return "predicted_slo_miss"
         return None
 
@@ -223,7 +222,9 @@ class Engine:
     def _reserve_tokens(self, req: Request) -> int:
         """The KV a request takes when its batch forms (EngineConfig.kv_reservation): with `grow`, its
         prefill's and the next token's, whose KV the first decode step writes."""
-        return req.max_total_tokens if self.cfg.kv_reservation == "full" else req.num_tokens + 1
+        # (a prompt scored with max_tokens 0 writes no first token: not a block more than the prompt's)
+        return req.max_total_tokens if self.cfg.kv_reservation == "full" else min(req.num_tokens + 1,
+                                                                                   req.max_total_tokens)
 
     def _headroom_blocks(self) -> int:
         """Blocks a new batch leaves free: one per growing answer, so answers crossing into their

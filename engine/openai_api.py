@@ -143,7 +143,7 @@ class _Common(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise ValueError("a forced tool call cannot be combined with another structured output")
         guide = guide or asked
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        max_tokens = self.max_completion_tokens or self.max_tokens
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         if max_tokens is not None and max_tokens < 1 and not (max_tokens == 0 and self.echoes()):
             raise ValueError("max_tokens must be >= 1 (0 only with echo: the prompt scored, nothing generated)")
         bias = {}

@@ -166,8 +166,7 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
                 sampling = body.sampling(DEFAULT_MAX_TOKENS)
                 prompts = body.prompts(engine.tokenizer.encode)
                 ids = prompts[0][0]
-                if body.echo:  # each prompt's text as given, or its token ids' text
-                    echo = [text if text is not None else engine.tokenizer.decode(p) for p, text in prompts]
+
         except Unsupported as exc:
             raise BadRequest(str(exc), param=exc.field, code="unsupported_parameter") from None
         except ValueError as exc:
@@ -225,9 +224,14 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
         for r in reqs:
             r.sink = lambda out: loop.call_soon_threadsafe(queue.put_nowait, out)
         headers = {"x-slo-class": slo.name, "x-request-id": rid}
+        if total > engine.cfg.max_waiting:  # never admissible here: not a 503 to retry
+            raise BadRequest(f"{total} completions (n x prompts) exceed this worker's queue bound of "
+                             f"{engine.cfg.max_waiting}", param="n" if n > 1 else "prompt")
         try:
             for r in reqs[::n]:  # each prompt
                 engine.validate(r)
+            if not chat and body.echo:  # each prompt's text as given, or its (valid) token ids' text
+                echo = [text if text is not None else engine.tokenizer.decode(p) for p, text in prompts]
             for r in reqs:
                 r.grammar = grammar and grammar.deep_copy()
         except ValueError as exc:
@@ -255,7 +259,7 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
                     req.finish_reason = "error"
                     tracer.on_finish(req)
                 raise BadRequest(str(exc)) from None
-        elif reason := next((why for r in reqs[::n] if (why := engine.admission(r, slo.sheddable, n))), None):
+        elif reason := engine.admission(reqs, slo.sheddable):
             status = 429 if reason == "predicted_slo_miss" else 503
             message = ("the request cannot meet its TTFT target here (predicted); retry later or with a looser class"
                        if status == 429 else "the worker's queue is full")

@@ -81,7 +81,10 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
         headers that tell the decode worker what the prefill found (its cached prompt tokens); else the
         answer the client gets (shed, bad input). Raises GatewayError with no prefill worker."""
         assert prefill_pool is not None
-        first = {k: v for k, v in body.items() if k != "stream_options"} | {"max_tokens": 1, "stream": False}
+        # its first token only (none for a prompt to score: the prefill worker refuses that, before work)
+        limit = body.get("max_completion_tokens", body.get("max_tokens"))
+        first = {k: v for k, v in body.items() if k not in ("stream_options", "max_completion_tokens")} | {
+            "max_tokens": 0 if limit == 0 else 1, "stream": False}
         if isinstance(body.get("min_tokens"), int):  # the decode worker holds the rest back
             first["min_tokens"] = min(body["min_tokens"], 1)
         tried: set[str] = set()

@@ -62,10 +62,13 @@ def _requested(cfg: GatewayConfig, headers: Mapping[str, str], body: Mapping[str
 
 
 def _estimate_prompt_tokens(body: Mapping[str, Any]) -> int:
-    """Token ids are counted; text is estimated at 4 characters a token (no tokenizer here)."""
+    """Token ids are counted; text is estimated at 4 characters a token (no tokenizer here). A batch
+    of prompts (completions' list of strings or of token-id lists) counts them all."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         return len(prompt)
+    if isinstance(prompt, list):
+        return sum(_estimate_prompt_tokens({"prompt": p}) for p in prompt)
     text = prompt if isinstance(prompt, str) else ""
     for m in body.get("messages") or []:
         if isinstance(m, dict) and isinstance(m.get("content"), str):

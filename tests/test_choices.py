@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 from helpers import EngineFactory
+from test_engine import Sink
 
 from engine import handoff
 from engine.request import Request, SamplingParams
@@ -58,11 +59,20 @@ def test_seeds_at_the_top_of_their_range(make_engine: EngineFactory) -> None:
 
 
 def test_admission_counts_every_choice(make_engine: EngineFactory) -> None:
-    """max_waiting 4: a request of n=8 is refused (503), not admitted to queue 8."""
-    eng = make_engine(max_waiting=4)
+    """max_waiting 4: a request of n=8 can never be admitted (400); with one request queued, n=4 or
+    two prompts of n=2 would queue 5 (503); with none, n=4 is served."""
+    eng = make_engine(max_waiting=4, start=False)
     app = create_worker_app(eng, "m")
     r = call(app, "POST", "/v1/completions", {"prompt": "hello", "max_tokens": 2, "n": 8})
-    assert r.status_code == 503 and r.headers["x-flowprefill-dropped-reason"] == "queue_full"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    queued = Request(request_id="queued", prompt_token_ids=[65] * 10)
+    queued.sink = done = Sink(queued)
+    eng.add_request(queued)
+    for body in ({"prompt": "hello", "n": 4}, {"prompt": ["hello", "again"], "n": 2}):
+        r = call(app, "POST", "/v1/completions", body | {"max_tokens": 2})
+        assert r.status_code == 503 and r.headers["x-flowprefill-dropped-reason"] == "queue_full", body
+    eng.start()
+    done.wait()
     assert call(app, "POST", "/v1/completions", {"prompt": "hello", "max_tokens": 2, "n": 4}).status_code == 200
 
 

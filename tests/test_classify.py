@@ -28,6 +28,10 @@ def test_precedence() -> None:
     assert classify(c, {}, {"prompt": "short"}, "k").name == "relaxed"  # the key's default
     assert classify(c, {}, {"prompt": "short"}, None).name == "interactive"  # rules
     assert classify(c, {}, {"prompt": "x" * 400}, None).name == "standard"  # the default class
+    # a batch of prompts is as long as all of them: short ones add up past the rule
+    assert classify(c, {}, {"prompt": ["x" * 36] * 2}, None).name == "standard"
+    assert classify(c, {}, {"prompt": [[1] * 6, [2] * 6]}, None).name == "standard"
+    assert classify(c, {}, {"prompt": [[1] * 6]}, None).name == "interactive"
 
 
 def test_ceiling_caps_never_escalates() -> None:

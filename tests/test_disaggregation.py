@@ -184,6 +184,18 @@ def test_workers_refuse_requests_outside_their_role(disaggregated: int) -> None:
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert r.status_code == 421 and header in r.json()["error"]["message"]
         assert httpx.get(f"http://127.0.0.1:{port}/load").json()["waiting"] == 0
+    # what the halves cannot split is refused by the prefill worker, before it prefills anything
+    def prefilled() -> float:
+        text = httpx.get(f"http://127.0.0.1:{disaggregated + 1}/metrics").text
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("flowprefill_prompt_tokens_total"))
+    before = prefilled()
+    for body, param in (({"echo": True, "max_tokens": 0}, "echo"), ({"echo": True, "logprobs": 1}, "echo"),
+                        ({"n": 2}, "n"), ({"prompt": ["a", "b"]}, "prompt")):
+        r = httpx.post(f"http://127.0.0.1:{disaggregated}/v1/completions",
+                       json={"prompt": "hi", "max_tokens": 2} | body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    assert prefilled() == before
 
 
 @pytest.mark.slow

@@ -218,3 +218,25 @@ def test_batched_prompts(worker: tuple[Engine, Any]) -> None:
         r = post(app, {"prompt": bad, "max_tokens": 2})
         assert r.status_code == 400, (bad, r.text)
     assert_idle_and_free(eng)
+
+
+def test_a_prompt_that_fills_the_cache_is_scored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """max_tokens 0 writes no first token: a prompt of the whole cache's size fits (grow reservation
+    took a block more, and waited for it forever)."""
+    factory = EngineFactory(monkeypatch, kv_capacity_tokens=512, kv_block_size=16)
+    try:
+        eng = factory("fcfs")
+        (scored,) = eng.generate([[i % 250 + 1 for i in range(512)]], SamplingParams(max_tokens=0, prompt_logprobs=0))
+        assert scored.finish_reason == "length" and len(scored.prompt_token_logprobs) == 512
+        (after,) = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+        assert after.finish_reason == "length"
+        assert_idle_and_free(eng)
+    finally:
+        factory.close()
+
+
+def test_echoed_token_ids_out_of_the_vocabulary_are_a_400(worker: tuple[Engine, Any]) -> None:
+    _, app = worker
+    for prompt in ([[5, 6], [7, -1]], [5, 2**70], [[5, 6], [7, 10**9]]):
+        r = post(app, {"prompt": prompt, "max_tokens": 1, "echo": True})
+        assert r.status_code == 400, (prompt, r.text)

@@ -522,10 +522,10 @@ def test_admission_sheds_only_sheddable_predicted_misses_and_bounds_the_queue() 
     eng = _Engine(EngineConfig(max_waiting=1))  # not started: requests stay queued
     try:
         hopeless = _Request(request_id="h", prompt_token_ids=[65] * 20000, ttft_target_s=0.01)
-        assert eng.admission(hopeless, sheddable=True) == "predicted_slo_miss"
-        assert eng.admission(hopeless, sheddable=False) is None
+        assert eng.admission([hopeless], sheddable=True) == "predicted_slo_miss"
+        assert eng.admission([hopeless], sheddable=False) is None
         eng.add_request(_Request(request_id="q", prompt_token_ids=[65] * 10))
-        assert eng.admission(_Request(request_id="x", prompt_token_ids=[65] * 10), sheddable=False) == "queue_full"
+        assert eng.admission([_Request(request_id="x", prompt_token_ids=[65] * 10)], sheddable=False) == "queue_full"
     finally:
         eng.shutdown()
 
