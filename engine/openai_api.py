@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from engine.request import Logprob, SamplingParams
+from engine.request import SamplingParams
 from engine.structured_output import Guide
 
 # Prefill/decode disaggregation (engine/handoff.py): the gateway sends a request's prefill half with
@@ -397,53 +397,3 @@ def completion_body(rid: str, model: str, choices: list[Choice], chat: bool, usa
                 for i, (text, f, lp, _, _) in enumerate(choices)]
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": body, "usage": usage_}
-
-
-class LogprobFormatter:
-    """Logprobs in OpenAI's two shapes: chat's `{"content": [{token, logprob, bytes, top_logprobs}]}`
-    and completions' `{tokens, token_logprobs, top_logprobs, text_offset}`, whose top_logprobs hold
-    the sampled token too when it is not among the likeliest (up to logprobs + 1 entries, as OpenAI's
-    and vLLM's). `bytes` are exactly what the token stands for (`Tokenizer.token_bytes`); its string
-    is them as UTF-8, with a piece of a multi-byte character written as escapes (`\\xe2`), as OpenAI's.
-    Completions' text offsets add up those strings and carry on across a stream's chunks."""
-
-    FLOOR = -9999.0  # vLLM's: a token of probability 0 (-inf) would be encoded as null
-
-    def __init__(self, token_bytes: Callable[[int], bytes], chat: bool) -> None:
-        self.token_bytes, self.chat, self.offset = token_bytes, chat, 0
-
-    def _text(self, token_id: int) -> str:
-        return self.token_bytes(token_id).decode("utf-8", errors="backslashreplace")
-
-    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        return {"token": self._text(token_id), "logprob": max(logprob, self.FLOOR),
-                "bytes": list(self.token_bytes(token_id))}
-
-    def format_prompt(self, token_ids: list[int], entries: list[Logprob | None]) -> dict[str, Any]:
-        """Completions' echoed prompt: each prompt token's entry, null for the first (nothing comes
-        before it), as OpenAI's legacy API writes them."""
-        entries = [None] * (len(token_ids) - len(entries)) + entries  # a one-token prompt has none
-        tokens = [self._text(t) for t in token_ids]
-        offsets = []
-        for text in tokens:
-            offsets.append(self.offset)
-            self.offset += len(text)
-        return {"tokens": tokens,
-                "token_logprobs": [None if e is None else max(e.logprob, self.FLOOR) for e in entries],
-                "top_logprobs": [None if e is None else {self._text(t): max(lp, self.FLOOR)
-                                                         for t, lp in (*e.top, (e.token_id, e.logprob))}
-                                 for e in entries],
-                "text_offset": offsets}
-
-    def format(self, entries: list[Logprob]) -> dict[str, Any]:
-        if self.chat:
-            return {"content": [self._entry(e.token_id, e.logprob)
-                                | {"top_logprobs": [self._entry(t, lp) for t, lp in e.top]} for e in entries]}
-        tokens = [self._text(e.token_id) for e in entries]
-        offsets = []
-        for text in tokens:
-            offsets.append(self.offset)
-            self.offset += len(text)
-        tops = [{self._text(t): max(lp, self.FLOOR) for t, lp in (*e.top, (e.token_id, e.logprob))} for e in entries]
-        return {"tokens": tokens, "token_logprobs": [max(e.logprob, self.FLOOR) for e in entries],
-                "top_logprobs": tops, "text_offset": offsets}

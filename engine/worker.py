@@ -24,7 +24,6 @@ from engine.openai_api import (
     CACHED_TOKENS_HEADER,
     ChatCompletionRequest,
     CompletionRequest,
-    LogprobFormatter,
     StreamOptions,
     Unsupported,
     completion_body,
@@ -35,7 +34,7 @@ from engine.openai_api import (
 from engine.reasoning import CLOSE, OPEN, ReasoningParser, ReasoningStream
 from engine.request import Request as EngineRequest
 from engine.request import Sampled, TokenOutput
-from engine.responses import Choices, sse
+from engine.responses import Choices, LogprobFormatter, sse
 from engine.slo import DEFAULT_CLASS, DEFAULT_CLASSES, SLOClass
 from engine.structured_output import Grammars, failed_by_constraint
 from engine.tool_calls import ForcedCall, ToolCallParser

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from engine import handoff
-from engine.openai_api import ChatCompletionRequest, CompletionRequest, LogprobFormatter, Unsupported
+from engine.openai_api import ChatCompletionRequest, CompletionRequest, Unsupported
 from engine.request import Logprob, Request, Sampled, SamplingParams
+from engine.responses import LogprobFormatter
 from engine.sampling import penalized, sample
 
 VOCAB = 12
