@@ -52,7 +52,7 @@ class _Common(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     use_beam_search: bool | None = None  # refused when true
-    prompt_logprobs: int | None = None  # refused when set
+    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs and this many likeliest
     # Structured output (engine/structured_output.py), at most one of: OpenAI's response_format
     # (json_object, json_schema), vLLM's structured_outputs, and its older guided_* fields.
     response_format: dict[str, Any] | None = None
@@ -96,8 +96,6 @@ class _Common(msgspec.Struct, kw_only=True, omit_defaults=True):
                              '{"type": "function", "function": {"name": ...}}')
         if self.use_beam_search:
             return "use_beam_search"
-        if self.prompt_logprobs is not None:
-            return "prompt_logprobs"
         if self.response_format and self.response_format.get("type", "text") not in RESPONSE_FORMATS:
             return "response_format"
         if ((self.tools_wanted() and not tool_calls and not self.forces_tool_call()) or self.functions
@@ -163,7 +161,7 @@ class _Common(msgspec.Struct, kw_only=True, omit_defaults=True):
                                 min_p=self.min_p or 0.0, min_tokens=self.min_tokens or 0,
                                 stop_token_ids=list(self.stop_token_ids or []),
                                 include_stop_str_in_output=bool(self.include_stop_str_in_output),
-                                guide=guide)
+                                guide=guide, prompt_logprobs=self.prompt_logprobs)
         params.validate()
         return params
 
@@ -207,7 +205,6 @@ class Unsupported(ValueError):
         "best_of": "best_of other than 1 is not supported",
         "suffix": "suffix (insertion) is not supported",
         "use_beam_search": "beam search is not supported",
-        "prompt_logprobs": "prompt_logprobs is not supported",
     }
 
     def __init__(self, field: str) -> None:
@@ -247,7 +244,7 @@ class CompletionRequest(_Common, kw_only=True, omit_defaults=True):
     def sampling(self, default_max_tokens: int, tool_calls: bool = False, guide: Guide | None = None) -> SamplingParams:
         params = super().sampling(default_max_tokens, tool_calls, guide)
         if self.echo and self.logprobs is not None:  # the prompt's logprobs, as OpenAI's legacy API gives
-            params = msgspec.structs.replace(params, prompt_logprobs=self.logprobs)
+            params = msgspec.structs.replace(params, prompt_logprobs=max(self.logprobs, self.prompt_logprobs or 0))
         return params
 
 

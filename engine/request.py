@@ -120,6 +120,7 @@ class Logprob(msgspec.Struct, array_like=True):
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = []
+    rank: int = 0  # a prompt token's rank among the vocabulary (1: the likeliest); 0: not computed
 
 
 class Sampled(msgspec.Struct, array_like=True):

@@ -40,9 +40,9 @@ class LogprobFormatter:
         return {"token": self._text(token_id), "logprob": max(logprob, self.FLOOR),
                 "bytes": list(self.token_bytes(token_id))}
 
-    def format_prompt(self, token_ids: list[int], entries: list[Logprob | None]) -> dict[str, Any]:
-        """Completions' echoed prompt: each prompt token's entry, null for the first (nothing comes
-        before it), as OpenAI's legacy API writes them."""
+    def format_prompt(self, token_ids: list[int], entries: list[Logprob | None], top: int) -> dict[str, Any]:
+        """Completions' echoed prompt: each prompt token's entry with its `top` likeliest, null for the
+        first (nothing comes before it), as OpenAI's legacy API writes them."""
         entries = [None] * (len(token_ids) - len(entries)) + entries  # a one-token prompt has none
         tokens = [self._text(t) for t in token_ids]
         offsets = []
@@ -52,7 +52,7 @@ class LogprobFormatter:
         return {"tokens": tokens,
                 "token_logprobs": [None if e is None else max(e.logprob, self.FLOOR) for e in entries],
                 "top_logprobs": [None if e is None else {self._text(t): max(lp, self.FLOOR)
-                                                         for t, lp in (*e.top, (e.token_id, e.logprob))}
+                                                         for t, lp in (*e.top[:top], (e.token_id, e.logprob))}
                                  for e in entries],
                 "text_offset": offsets}
 
@@ -75,12 +75,14 @@ class Choices:
 
     def __init__(self, engine: Engine, reqs: list[Request], queue: asyncio.Queue[TokenOutput],
                  formatter: Callable[[], LogprobFormatter] | None, tools: ToolCallParser | ForcedCall | None = None,
-                 reasoning: Callable[[], ReasoningStream] | None = None, echo: list[str] | None = None) -> None:
+                 reasoning: Callable[[], ReasoningStream] | None = None, echo: list[str] | None = None,
+                 prompt_k: int | None = None) -> None:
         """`tools`: what reads the model's tool calls, when the request offered it tools. `reasoning`:
         a reasoning model's splitter of reasoning from content, one per choice. `echo`: completions'
         prompt texts (one per prompt: n choices each), given back before each choice's completion
-        (with logprobs, its tokens' first)."""
+        (with logprobs, its tokens' first). `prompt_k`: vLLM's prompt_logprobs, when asked for."""
         self.engine, self.reqs, self.queue, self.tools, self.echo = engine, reqs, queue, tools, echo
+        self.prompt_k = prompt_k
         self.index = {r.request_id: i for i, r in enumerate(reqs)}
         # a formatter each: completions' text offsets run on per choice
         self.formatters = [formatter and formatter() for _ in reqs]
@@ -147,7 +149,32 @@ class Choices:
         if self.echo is None:
             return None
         text = self.echo[self.index[req.request_id] * len(self.echo) // len(self.reqs)]
-        return text, fmt and fmt.format_prompt(req.prompt_token_ids, req.prompt_token_logprobs)
+        return text, fmt and fmt.format_prompt(req.prompt_token_ids, req.prompt_token_logprobs,
+                                               req.sampling.logprobs or 0)
+
+    def prompt_logprobs(self, req: Request) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's `prompt_logprobs`: per prompt token, null for the first, else by token id (a string
+        key in JSON) its logprob, rank and text, for the token and the `prompt_k` likeliest."""
+        def entry(token: int, logprob: float, rank: int) -> dict[str, Any]:
+            text = self.engine.tokenizer.token_bytes(token).decode("utf-8", errors="replace")
+            return {"logprob": max(logprob, LogprobFormatter.FLOOR), "rank": rank, "decoded_token": text}
+        entries = req.prompt_token_logprobs
+        out: list[dict[str, dict[str, Any]] | None] = [None] * (len(req.prompt_token_ids) - len(entries))
+        for e in entries:
+            out.append(None if e is None else {str(t): entry(t, lp, i + 1) for i, (t, lp) in enumerate(
+                e.top[:self.prompt_k or 0])} | {str(e.token_id): entry(e.token_id, e.logprob, e.rank)})
+        return out
+
+    def with_prompt_logprobs(self, body: dict[str, Any], chat: bool, i: int | None = None) -> dict[str, Any]:
+        """A response body or chunk with vLLM's prompt_logprobs when asked for: in chat at the top
+        (one prompt), in completions on each choice (on chunk i's, when streaming)."""
+        if self.prompt_k is None:
+            return body
+        if chat:
+            return body | {"prompt_logprobs": self.prompt_logprobs(self.reqs[0])}
+        for choice in body["choices"]:
+            choice["prompt_logprobs"] = self.prompt_logprobs(self.reqs[choice["index"] if i is None else i])
+        return body
 
     def usage(self, sent: int | None = None) -> dict[str, Any]:
         """Each prompt counted once (as OpenAI does for n choices), the completions' tokens summed."""
@@ -184,6 +211,8 @@ async def sse(choices: Choices, rid: str, model: str, chat: bool, options: Strea
                 text, finish, calls = _tool_delta(choices, i, shown, finish)
             chunk = completion_chunk(rid, model, text, finish, chat, first[i], logprobs, index=i, tool_calls=calls,
                                      reasoning=reasoning)
+            if first[i]:  # vLLM's prompt_logprobs come with a choice's first chunk
+                chunk = choices.with_prompt_logprobs(chunk, chat, i)
             if options.include_usage and options.continuous_usage_stats:  # vLLM's: both asked for
                 chunk["usage"] = choices.usage(sent)  # as of this chunk
             yield _event(chunk)

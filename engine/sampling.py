@@ -107,11 +107,12 @@ def prompt_logprobs(logits_of: Callable[[torch.Tensor], torch.Tensor], hidden: t
         assert hidden is not None
         lp = torch.log_softmax(logits_of(hidden[a:a + chunk]).float(), dim=-1)
         ids = targets[a:a + chunk]
-        chosen = lp.gather(1, torch.tensor(ids, device=lp.device)[:, None])[:, 0].tolist()
+        picked = lp.gather(1, torch.tensor(ids, device=lp.device)[:, None])
+        chosen, ranks = picked[:, 0].tolist(), ((lp > picked).sum(dim=1) + 1).tolist()
         if top:
             values, tops = torch.topk(lp, min(top, lp.shape[1]))
             alternatives = [list(zip(t, v, strict=True)) for t, v in zip(tops.tolist(), values.tolist(), strict=True)]
         else:
             alternatives = [[] for _ in ids]
-        out += [Logprob(t, c, alt) for t, c, alt in zip(ids, chosen, alternatives, strict=True)]
+        out += [Logprob(t, c, alt, r) for t, c, alt, r in zip(ids, chosen, alternatives, ranks, strict=True)]
     return out

@@ -196,8 +196,9 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
             raise BadRequest("n > 1 and batched prompts are not supported with prefill/decode disaggregation",
                              param="n" if n > 1 else "prompt")
         if (sampling.prompt_logprobs is not None or not sampling.max_tokens) and (kv_to or kv_id):
-            raise BadRequest("echo with logprobs or max_tokens 0 is not supported with prefill/decode "
-                             "disaggregation", param="echo")  # the prompt's logprobs are the prefill worker's
+            raise BadRequest("prompt logprobs (echo with logprobs, prompt_logprobs) and max_tokens 0 are not "
+                             "supported with prefill/decode disaggregation",  # the prefill worker's to give
+                             param="prompt_logprobs" if body.prompt_logprobs is not None else "echo")
         if kv_to:  # the prefill half of a disaggregated request: the first token, then hand the KV over
             if body.stream:
                 raise BadRequest(f"a request with {handoff.KV_TO_HEADER} must not stream")
@@ -284,7 +285,7 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
         choices = Choices(engine, reqs, queue, None if sampling.logprobs is None
                           else lambda: LogprobFormatter(engine.tokenizer.token_bytes, chat),
                           calls, (lambda: ReasoningStream(reasoner, thinking)) if reasoner and prompt is not None
-                          else None, echo)
+                          else None, echo, body.prompt_logprobs)
         if body.stream:
             options = body.stream_options or StreamOptions()
             return EventStream(sse(choices, rid, model, chat, options), media_type="text/event-stream",
@@ -311,7 +312,8 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
             headers |= {"x-flowprefill-kv-bytes": str(size), "x-flowprefill-kv-transport": used,
                         CACHED_TOKENS_HEADER: str(req.cached_tokens),
                         "x-flowprefill-kv-ms": f"{(time.perf_counter() - t0) * 1000:.3f}"}
-        return Response(completion_body(rid, model, choices.bodies(), chat, choices.usage()), headers=headers)
+        return Response(choices.with_prompt_logprobs(completion_body(rid, model, choices.bodies(), chat,
+                                                                     choices.usage()), chat), headers=headers)
 
     @post("/v1/completions", status_code=200)
     async def completions(request: Request) -> Any:

@@ -240,3 +240,30 @@ def test_echoed_token_ids_out_of_the_vocabulary_are_a_400(worker: tuple[Engine, 
     for prompt in ([[5, 6], [7, -1]], [5, 2**70], [[5, 6], [7, 10**9]]):
         r = post(app, {"prompt": prompt, "max_tokens": 1, "echo": True})
         assert r.status_code == 400, (prompt, r.text)
+
+
+def test_vllms_prompt_logprobs(worker: tuple[Engine, Any]) -> None:
+    """vLLM's `prompt_logprobs` (completions per choice, chat at the top): by token id, the prompt
+    token's logprob and rank and the k likeliest's, the same numbers echo gives."""
+    eng, app = worker
+    echo = post(app, {"prompt": "Rank these", "max_tokens": 1, "echo": True, "logprobs": 0}).json()["choices"][0]
+    got = post(app, {"prompt": "Rank these", "max_tokens": 1, "prompt_logprobs": 2}).json()["choices"][0]
+    ids = eng.tokenizer.encode("Rank these")
+    entries = got["prompt_logprobs"]
+    assert len(entries) == len(ids) and entries[0] is None and got["logprobs"] is None
+    for p, (entry, lp) in enumerate(zip(entries[1:], echo["logprobs"]["token_logprobs"][1:len(ids)], strict=True), 1):
+        mine = entry[str(ids[p])]
+        assert mine["logprob"] == pytest.approx(lp, abs=1e-5) and mine["rank"] >= 1
+        best = min(entry.values(), key=lambda e: e["rank"])
+        assert best["rank"] == 1 and best["logprob"] >= mine["logprob"] and 2 <= len(entry) <= 3
+    chat = _chat(app, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "prompt_logprobs": 0})
+    body = chat.json()
+    assert chat.status_code == 200 and body["prompt_logprobs"][0] is None
+    assert all(len(e) == 1 for e in body["prompt_logprobs"][1:])  # k=0: the prompt token alone
+
+    async def stream() -> str:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as c:
+            return (await c.post("/v1/completions", json={"prompt": "Rank these", "max_tokens": 2,
+                                                           "prompt_logprobs": 2, "stream": True})).text
+    events = [json.loads(line[6:]) for line in asyncio.run(stream()).splitlines() if line.startswith("data: {")]
+    assert events[0]["choices"][0]["prompt_logprobs"] == entries and "prompt_logprobs" not in events[1]["choices"][0]

@@ -94,8 +94,7 @@ def test_request_fields() -> None:
                         (CompletionRequest(prompt="x", best_of=3), "best_of"),
                         (CompletionRequest(prompt="x", suffix="end"), "suffix"),
                         (ChatCompletionRequest(messages=[], functions=[{"name": "f"}]), "tools"),
-                        (CompletionRequest(prompt="x", use_beam_search=True), "use_beam_search"),
-                        (ChatCompletionRequest(messages=[], prompt_logprobs=1), "prompt_logprobs")]:
+                        (CompletionRequest(prompt="x", use_beam_search=True), "use_beam_search")]:
         with pytest.raises(Unsupported) as err:
             body.sampling(16)
         assert err.value.field == field
