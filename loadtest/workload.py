@@ -206,13 +206,16 @@ def poisson(rate: float, n: int, lengths: Workload | None = None, seed: int = 0,
 
 
 def traces_dir() -> Path:
-    """The production traces shipped beside the project (../shared/traces), or $FLOWPREFILL_TRACES."""
+    """The production traces shipped in the package (loadtest/traces, README.md there says what they
+    are and their licence), or the folder $FLOWPREFILL_TRACES names."""
     import os
+    from importlib import resources
 
     env = os.environ.get("FLOWPREFILL_TRACES")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[2] / "shared" / "traces"
+    # A regular (not zipped) install: setuptools installs package data as plain files.
+    return Path(str(resources.files("loadtest") / "traces"))
 
 
 def azure_mix(rule: ClassRule | None = None) -> Workload:

@@ -106,7 +106,16 @@ def test_prompts_synthesized_to_exact_count() -> None:
         assert len(ids) == n and not {256, 258} & set(ids)
 
 
-@pytest.mark.skipif(not (traces_dir() / "azure_llm_2023_conv.csv").is_file(), reason="shared traces absent")
+def test_the_traces_ship_in_the_package(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A user's clone reads its own copies (never a folder beside the checkout); $FLOWPREFILL_TRACES overrides them."""
+    monkeypatch.delenv("FLOWPREFILL_TRACES", raising=False)
+    d = traces_dir()
+    assert d.is_relative_to(Path(__file__).resolve().parents[1] / "loadtest")
+    assert {"azure_llm_2023_conv.csv", "azure_llm_2023_code.csv", "README.md"} <= {p.name for p in d.iterdir()}
+    monkeypatch.setenv("FLOWPREFILL_TRACES", str(tmp_path))
+    assert traces_dir() == tmp_path
+
+
 def test_azure_mix_merges_both_traces() -> None:
     from loadtest.workload import azure_mix
 
