@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -48,12 +49,24 @@ def healthy(url: str) -> bool:
         return False
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
+def answers(url: str) -> bool:
+    """The process answers /health at all (a gateway with no healthy worker answers 503)."""
+    try:
+        httpx.get(f"{url}/health", timeout=1)
+        return True
+    except httpx.HTTPError:
+        return False
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180, *,
+                 ready: Callable[[str], bool] = healthy) -> None:
+    """Until `ready(url)` (by default: /health answers 200). Raises RuntimeError if the process exits
+    first, TimeoutError after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the process for {url} exited with code {proc.returncode}")
-        if healthy(url):
+        if ready(url):
             return
         time.sleep(0.2)
     raise TimeoutError(f"{url} did not become healthy in {timeout:g} s")
