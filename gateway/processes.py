@@ -4,6 +4,7 @@ it. Shared by `serve`, the benchmarks that start servers, and the tests."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -113,21 +114,17 @@ class Relayed:
 
     def _pass_on(self) -> None:
         assert self.proc.stderr is not None
-        out = getattr(sys.stderr, "buffer", None)
         for line in self.proc.stderr:
             if line.startswith(self.error_prefix):
                 self.error = line[len(self.error_prefix):].decode(errors="replace").strip()
                 continue
-            if line.strip():
-                self.last_line = line.decode(errors="replace").strip()
-            try:
-                if out is not None:
-                    out.write(line)
-                    out.flush()
-                else:
-                    sys.stderr.write(line.decode(errors="replace"))
-            except (OSError, ValueError):  # our own stderr is closed: keep draining the child's
-                out = None
+            text = line.decode(errors="replace")
+            if text.strip():
+                self.last_line = text.strip()
+            # sys.stderr as it is now: while a rich status spinner runs, its proxy prints above the spinner
+            with contextlib.suppress(OSError, ValueError):  # our own stderr closed: keep draining the child's
+                sys.stderr.write(text)
+                sys.stderr.flush()
 
     def cause(self) -> str:
         """Why the child is gone, in one line (call once it has exited)."""

@@ -37,7 +37,8 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        hint = f" (see {self.prog} --help)" if message.startswith("the following arguments are required") else ""
+        self.exit(2, f"{self.prog}: error: {message}{hint}\n")
 
 
 def bind(host: str, port: int, what: str) -> socket.socket:
