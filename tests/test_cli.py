@@ -108,6 +108,8 @@ def test_serve_passes_every_engine_option_to_its_workers(tiny_checkpoint: Callab
     (["worker", "--policy", "chunked:x"], "expected chunked:N with N tokens"),
     (["gateway", "--workers", "http://127.0.0.1:1", "--config", "/nonexistent.toml"],
      "--config /nonexistent.toml: no such file or directory"),
+    (["gateway", "--workers", "http://127.0.0.1:1", "--port", "70000"], "70000 is not a TCP port (1 to 65535)"),
+    (["serve", "--port", "65535"], "--port 65535 leaves no room for 1 worker port(s) after it"),
 ])
 def test_a_mistake_is_one_line_and_exit_2(argv: list[str], message: str) -> None:
     line = one_line_error(flowprefill(*argv))

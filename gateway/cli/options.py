@@ -91,10 +91,21 @@ def add_server_options(parser: argparse.ArgumentParser) -> list[argparse.Action]
     ]
 
 
+def port_number(value: str) -> int:
+    port = int(value)
+    if not 1 <= port <= MAX_PORT:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (1 to {MAX_PORT})")
+    return port
+
+
+MAX_PORT = 65535
+port_number.__name__ = "port"  # argparse names the type in its error: "invalid port value: 'x'"
+
+
 def add_address(parser: argparse.ArgumentParser, host_help: str = "address to listen on",
                 port_help: str = "port to listen on") -> None:
     parser.add_argument("--host", default="127.0.0.1", help=host_help)
-    parser.add_argument("--port", type=int, default=8000, help=port_help)
+    parser.add_argument("--port", type=port_number, default=8000, metavar="PORT", help=port_help)
 
 
 def worker_options() -> list[argparse.Action]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from gateway.cli.common import CommandLineError, bind, exit_on_sigterm
 from gateway.cli.options import (
+    MAX_PORT,
     add_address,
     add_engine_options,
     add_server_options,
@@ -53,6 +54,8 @@ class Fleet:
             raise CommandLineError("--workers must be >= 1")
         if args.disaggregate and args.workers < 2:
             raise CommandLineError("--disaggregate needs --workers 2 or more (prefill and decode workers)")
+        if args.port + args.workers > MAX_PORT:
+            raise CommandLineError(f"--port {args.port} leaves no room for {args.workers} worker port(s) after it")
         n_prefill = args.workers // 2 if args.disaggregate else 0
         rest = "decode" if args.disaggregate else "colocated"
         return cls([args.port + 1 + i for i in range(args.workers)],
