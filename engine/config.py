@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -85,40 +85,64 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: Path) -> ModelConfig:
+        if not path.is_dir():
+            raise FileNotFoundError(f"model directory {path} does not exist" if not path.exists()
+                                    else f"model directory {path} is not a directory")
         cfg = path / "config.json"
         if not cfg.is_file():
             raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face checkpoint directory)")
-        return cls.from_hf(json.loads(cfg.read_text()), name=path.name)
+        try:
+            return cls.from_hf(json.loads(cfg.read_text()), name=path.name)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{cfg}: not JSON ({exc})") from None
+        except KeyError as exc:
+            raise ValueError(f"{cfg}: no {exc.args[0]!r} (not a transformer's config.json?)") from None
+
+
+def setting(default: Any, help: str, flag: str | None = "") -> Any:
+    """An EngineConfig field and what the command line says about it (gateway/cli/options.py derives
+    `flowprefill serve` and `worker`'s engine options from these): `help`, and `flag` to name the
+    option other than after the field (None: not an option)."""
+    return field(default=default, metadata={"help": help, "flag": flag})
 
 
 @dataclass
 class EngineConfig:
-    """Knobs of one engine worker."""
+    """Knobs of one engine worker. A `Literal` type lists a setting's choices."""
 
-    model: str | None = None  # a local HF checkpoint dir; None = the embedded default model
-    dtype: str = "float32"
-    device: str = "cpu"
-    attention_backend: str = "auto"  # auto | sdpa | flashinfer
-    row_kernels: str = "auto"  # auto | torch | flashinfer: RMSNorm, SiLU-and-mul, RoPE (engine/model/kernels.py)
-    kv_block_size: int = 256
-    kv_capacity_tokens: int = 262_144
+    model: str | None = setting(None, "local Hugging Face checkpoint directory (default: the embedded model)")
+    dtype: Literal["float32", "bfloat16", "float16"] = setting(
+        "float32", "dtype of the weights, activations and KV cache")
+    device: str = setting("cpu", "torch device, e.g. cpu, cuda, cuda:1")
+    attention_backend: Literal["auto", "sdpa", "flashinfer"] = setting(
+        "auto", "attention kernels (auto: FlashInfer on CUDA when installed, else SDPA)")
+    row_kernels: Literal["auto", "torch", "flashinfer"] = setting(
+        "auto", "RMSNorm, SiLU-and-mul and RoPE: FlashInfer's fused kernels (auto: on CUDA when they load)")
+    kv_block_size: int = setting(256, "tokens per KV-cache block, the unit of allocation and of prefix reuse")
+    kv_capacity_tokens: int = setting(
+        262_144, "KV-cache size in tokens, allocated at start-up (rounded down to whole blocks)")
     # When a request's KV blocks are taken. grow: its prompt's (and the first answer token's) when its
     # batch forms, the answer's as it grows; when blocks run out an answer is evicted and later
     # recomputed (vLLM's preemption by recompute, TensorRT-LLM's MAX_UTILIZATION). full: prompt +
     # max_tokens when its batch forms, so nothing is ever evicted, at the cost of how many requests
     # fit at once (TensorRT-LLM's GUARANTEED_NO_EVICT).
-    kv_reservation: str = "grow"
-    max_batch_tokens: int = 2048
-    max_waiting: int = 1024  # overload bound: beyond it new requests of every class get a 503
+    kv_reservation: Literal["grow", "full"] = setting(
+        "grow", "grow: an answer's KV as it grows, evicting (and later recomputing) answers when it runs "
+                "out; full: prompt + max_tokens up front, never evicting")
+    max_batch_tokens: int = setting(
+        2048, "most prompt tokens in one prefill batch (a longer single prompt still runs, alone)")
+    max_waiting: int = setting(
+        1024, "overload bound: with this many requests waiting for or in prefill, new ones get a 503")
     # Sub-operator split: no single step of a prefill is predicted to run longer than this,
     # which bounds how long a preemption request waits for the running batch to stop.
-    step_budget_ms: float = 2.0
-    preemptible: bool = True  # False = checkpoints off: one step per operator, no split
+    step_budget_ms: float = setting(2.0, "longest predicted prefill step: bounds the preemption stop latency")
+    preemptible: bool = setting(True, "False: checkpoints off, one step per operator, no split", flag=None)
     # CUDA only: batches of up to this many tokens replay their row-wise steps as CUDA graphs,
     # captured when the engine starts (engine/model/graphs.py); 0 = always eager.
-    cuda_graph_tokens: int = 2048
+    cuda_graph_tokens: int = setting(
+        2048, "CUDA only: prefills of up to this many tokens replay CUDA graphs (0 = off)")
     # Automatic prefix caching: a prompt whose leading KV blocks another request computed starts
     # after them (engine/kv_cache.py); blocks are reused at the granularity of kv_block_size.
-    prefix_caching: bool = True
-    num_threads: int | None = None
-    seed: int = 0
+    prefix_caching: bool = setting(True, "reuse the KV of prompt prefixes other requests computed, by KV block")
+    num_threads: int | None = setting(None, "torch intra-op threads (default: torch's choice)", flag="--threads")
+    seed: int = setting(0, "seed of the embedded default model's weights", flag=None)

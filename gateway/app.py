@@ -300,8 +300,16 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
         return document
 
     @get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "workers": {w.url: w.healthy for p in pools for w in p.workers}}
+    async def health() -> Response[dict[str, Any]]:
+        """200 while each pool a request needs has a healthy worker; else 503, naming the empty pool(s)
+        (so a load balancer's readiness check takes this gateway out while it can serve nothing)."""
+        body: dict[str, Any] = {"status": "ok", "workers": {w.url: w.healthy for p in pools for w in p.workers}}
+        jobs = (("prefill ", prefill_pool), ("decode " if prefill_pool else "", pool))
+        empty = [f"no healthy {job}worker" for job, p in jobs
+                 if p is not None and not any(w.healthy for w in p.workers)]
+        if not empty:
+            return Response(body)
+        return Response(body | {"status": "unavailable", "reason": "; ".join(empty)}, status_code=503)
 
     @get("/metrics", media_type="text/plain; version=0.0.4")
     async def prometheus() -> bytes:

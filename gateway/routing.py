@@ -7,6 +7,7 @@ import contextlib
 import heapq
 import itertools
 import logging
+import os
 import time
 
 import httpx
@@ -26,6 +27,7 @@ class Worker:
         self.down_until = 0.0
         self.errors = 0  # consecutive 5xx answers (`WorkerPool.record_error`)
         self.role = ""  # what the worker says it does (its /load): colocated, prefill or decode
+        self.problem: str | None = None  # why its last health check failed (logged when it changes)
 
     def __repr__(self) -> str:
         return f"Worker({self.url}, healthy={self.healthy}, in_flight={self.in_flight})"
@@ -170,32 +172,48 @@ class WorkerPool:
         w.errors = 0
 
     async def poll_once(self) -> None:
-        async def check(w: Worker) -> None:
-            try:
-                if self.gated:  # a plain OpenAI server: alive or not
-                    (await self.client.get(f"{w.url}{self.upstream.health_path}", timeout=2.0)).raise_for_status()
-                else:
-                    r = await self.client.get(f"{w.url}/load", timeout=2.0)
-                    r.raise_for_status()
-                    load = r.json()
-                    w.backlog_s = float(load.get("predicted_backlog_s", 0.0))
-                    role = str(load.get("role", "colocated"))
-                    if role not in self.roles:
-                        if role != w.role:
-                            log.error("worker %s has role %r, but it is listed where %s is needed: not routing to it",
-                                      w.url, role, " or ".join(sorted(self.roles)))
-                        w.role, w.healthy = role, False
-                        return
-                    w.role = role
-                if not w.healthy and time.monotonic() >= w.down_until:
-                    log.info("worker %s healthy again", w.url)
-                w.healthy = time.monotonic() >= w.down_until
-            except (httpx.HTTPError, ValueError):
-                w.healthy = False
-
-        await asyncio.gather(*(check(w) for w in self.workers))
+        await asyncio.gather(*(self._check(w) for w in self.workers))
         if self.gated:
             self._dispatch()  # a worker back in rotation has free slots
+
+    async def _check(self, w: Worker) -> None:
+        """One health check: in rotation when it passes (and a failure's cool-down is over); the
+        reason it fails is logged once, when it changes, and so is the recovery."""
+        try:
+            problem = await (self._probe_server(w) if self.gated else self._probe_load(w))
+        except httpx.HTTPError as exc:
+            problem = _unreachable(exc)
+        except ValueError:
+            problem = "GET /load answered something that is not JSON: is it a flowprefill worker?"
+        if problem is not None:
+            if problem != w.problem:
+                log.warning("worker %s unhealthy: %s", w.url, problem)
+            w.healthy, w.problem = False, problem
+            return
+        if not w.healthy and time.monotonic() >= w.down_until:
+            log.info("worker %s healthy again", w.url)
+        w.healthy, w.problem = time.monotonic() >= w.down_until, None
+
+    async def _probe_server(self, w: Worker) -> str | None:
+        """A plain OpenAI server: alive or not."""
+        path = self.upstream.health_path
+        r = await self.client.get(f"{w.url}{path}", timeout=2.0)
+        return None if r.is_success else f"GET {path} answered {r.status_code}"
+
+    async def _probe_load(self, w: Worker) -> str | None:
+        """A flowprefill worker: its /load gives its predicted backlog and its role."""
+        r = await self.client.get(f"{w.url}/load", timeout=2.0)
+        if r.status_code == 404:
+            return "GET /load answered 404: a plain OpenAI server? use --upstream openai"
+        if not r.is_success:
+            return f"GET /load answered {r.status_code}"
+        load = r.json()
+        w.backlog_s = float(load.get("predicted_backlog_s", 0.0))
+        w.role = str(load.get("role", "colocated"))
+        if w.role not in self.roles:
+            return (f"it has role {w.role!r}, but it is listed where {' or '.join(sorted(self.roles))} is needed: "
+                    "not routing to it")
+        return None
 
     async def _loop(self) -> None:
         while True:
@@ -210,3 +228,21 @@ class WorkerPool:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+
+
+def _unreachable(exc: httpx.HTTPError) -> str:
+    """Why a health check got no answer, in a few words."""
+    if isinstance(exc, httpx.ConnectTimeout):
+        return "unreachable (connect timed out)"
+    if isinstance(exc, httpx.ConnectError):
+        cause: BaseException | None = exc  # the OSError underneath: ECONNREFUSED, a DNS failure
+        while cause is not None and not (isinstance(cause, OSError) and cause.errno):
+            cause = cause.__cause__ or cause.__context__
+        if not isinstance(cause, OSError):
+            return f"unreachable ({exc})"
+        # asyncio words ECONNREFUSED "Connect call failed (...)"; the errno's own words are clearer
+        reason = os.strerror(cause.errno) if cause.errno > 0 else str(cause.strerror)
+        return f"unreachable ({reason.lower()})"
+    if isinstance(exc, httpx.TimeoutException):
+        return "no answer to its health check in 2 s"
+    return f"health check failed ({type(exc).__name__}: {exc})"

@@ -150,17 +150,22 @@ def _scale_needed(points: list[dict[str, Any]]) -> float | None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flowprefill bench goodput", description=__doc__)
-    p.add_argument("--engine", choices=["real", "sim"], default="sim")
+    p.add_argument("--engine", choices=["real", "sim"], default="sim",
+                   help="real: the engine in this process on this machine; sim: the simulator driving the "
+                        "same scheduler code with a cost model (--cost) (default: sim)")
     p.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated policy names")
     p.add_argument("--workload", default="azure-mix", help="azure-mix or a trace file (Azure/BurstGPT CSV, JSONL)")
     p.add_argument("--requests", type=int, default=None, help="first N requests of the workload")
     p.add_argument("--rates", default=None, help="offered rates, req/s (default: per engine)")
-    p.add_argument("--slo-scales", default="0.4,0.6,0.8,1.0,1.5,2.0")
+    p.add_argument("--slo-scales", default="0.4,0.6,0.8,1.0,1.5,2.0",
+                   help="comma-separated SLO scales for the sweep at --scale-rate; empty: no sweep "
+                        "(default: 0.4,0.6,0.8,1.0,1.5,2.0)")
     p.add_argument("--scale-rate", type=float, default=None, help="rate for the SLO-scale sweep (default 2)")
     p.add_argument("--cost", default="cpu", help="sim cost model: cpu (profile this machine) or MODEL@GPU, "
                    "e.g. llama-3.1-8b@h100")
     p.add_argument("--no-ideal", action="store_true", help="skip the ideal-preemption bound")
-    p.add_argument("--out", default="bench-results")
+    p.add_argument("--out", default="bench-results",
+                   help="directory for goodput-ENGINE.json and .png (default: bench-results)")
     return p
 
 

@@ -53,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--host) and report them side by side")
     p.add_argument("--serve-args", default="--threads 1",
                    help="extra `flowprefill serve` options with --serve-policies (default leaves a core to Locust)")
-    p.add_argument("--out", default="bench-results/loadtest")
+    p.add_argument("--out", default="bench-results/loadtest",
+                   help="directory for goodput.json, goodput.png and each run's Locust CSVs "
+                        "(default: bench-results/loadtest)")
     return p
 
 

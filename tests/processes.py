@@ -11,9 +11,9 @@ from typing import Any
 
 import httpx
 
-from gateway.processes import free_port, start, stop, wait_healthy
+from gateway.processes import answers, free_port, start, stop, wait_healthy
 
-__all__ = ["asgi_body", "free_port", "preemption_scenario", "serving", "start", "stop", "uvicorn_thread",
+__all__ = ["answers", "asgi_body", "free_port", "preemption_scenario", "serving", "start", "stop", "uvicorn_thread",
            "wait_healthy"]
 
 

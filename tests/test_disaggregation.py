@@ -15,7 +15,7 @@ import openai
 import pytest
 import torch
 from helpers import EngineFactory
-from processes import free_port, start, stop, wait_healthy
+from processes import answers, free_port, start, stop, wait_healthy
 from safetensors.torch import save
 
 from engine import handoff
@@ -205,9 +205,10 @@ def test_gateway_keeps_a_worker_out_of_a_pool_its_role_does_not_fit(disaggregate
     port = free_port()
     proc = start("gateway", "--workers", f"http://127.0.0.1:{disaggregated + 2}", "--port", str(port))
     try:
-        wait_healthy(f"http://127.0.0.1:{port}", proc)
-        assert httpx.get(f"http://127.0.0.1:{port}/health").json()["workers"] == {
-            f"http://127.0.0.1:{disaggregated + 2}": False}
+        wait_healthy(f"http://127.0.0.1:{port}", proc, ready=answers)  # up, with no worker it can use
+        health = httpx.get(f"http://127.0.0.1:{port}/health")
+        assert health.json()["workers"] == {f"http://127.0.0.1:{disaggregated + 2}": False}
+        assert health.status_code == 503
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert r.status_code == 503 and r.headers["x-flowprefill-dropped-reason"] == "no_healthy_worker"
     finally:

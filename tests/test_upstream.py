@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from processes import free_port, start, stop, wait_healthy
+from processes import answers, free_port, start, stop, wait_healthy
 
 from engine.slo import DEFAULT_CLASSES
 from gateway.config import GatewayConfig, Upstream
@@ -76,7 +76,9 @@ def test_no_healthy_upstream(tmp_path: Path) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     gw = start("gateway", "--workers", dead, "--port", str(port), "--config", str(cfg))
     try:
-        wait_healthy(f"http://127.0.0.1:{port}", gw)
+        wait_healthy(f"http://127.0.0.1:{port}", gw, ready=answers)  # up, with no healthy worker
+        health = httpx.get(f"http://127.0.0.1:{port}/health")
+        assert health.status_code == 503 and health.json()["reason"] == "no healthy worker"
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi"}, timeout=10)
         assert r.status_code == 503 and r.headers["x-flowprefill-dropped-reason"] == "no_healthy_worker"
         assert r.json()["error"]["type"] == "server_error"

@@ -1,0 +1,98 @@
+"""FlowPrefill: SLO-aware LLM serving (an SLO gateway in front of engine workers that preempt
+prefills at operator boundaries), its load test and its benchmarks.
+
+A thin dispatcher: each subcommand's module is imported only when it runs, so `flowprefill --help`
+and `flowprefill gateway` load no torch."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+from dataclasses import dataclass
+from types import ModuleType
+
+from gateway.cli.common import CommandLineError, Parser
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: `module` defines `add_arguments(parser)` and `run(args) -> int`, or, for the
+    load test and the benchmarks, which parse their own arguments, `main(argv) -> int`."""
+
+    module: str
+    help: str
+
+    def load(self) -> ModuleType:
+        return importlib.import_module(self.module)
+
+
+SERVERS = {
+    "serve": Command("gateway.cli.serve", "gateway + engine worker(s) on this machine (embedded model by default)"),
+    "gateway": Command("gateway.cli.gateway", "the SLO gateway alone, in front of running workers"),
+    "worker": Command("gateway.cli.worker", "one engine worker (OpenAI API + /load, /health, /metrics)"),
+}
+# `flowprefill bench NAME ARGS`: adding a benchmark is one line here.
+BENCHES = {
+    "prefill": Command("engine.bench.prefill", "prefill throughput, checkpoint overhead, preemption stop latency"),
+    "goodput": Command("loadtest.goodput", "max goodput per policy vs rate and SLO scale (real engine or sim)"),
+    "gateway": Command("gateway.bench", "latency the gateway adds and its requests/s on one core"),
+    "prefix": Command("engine.bench.prefix_cache",
+                      "prefix caching on a multi-turn chat workload: TTFT per turn, on vs off"),
+    "kv": Command("engine.bench.kv_growth",
+                  "KV taken as answers grow vs reserved up front, on chat requests of a trace"),
+}
+LOADTEST = Command("loadtest.run", "a Locust profile, headless, against a gateway: per-class goodput report")
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("flowprefill")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def build_parser(only: str | None = None) -> Parser:
+    """The command tree. `only`: build that server subcommand's options and no other's (what `main`
+    does, so a subcommand imports only its own module); None: every subcommand's (for tools, tests)."""
+    parser = Parser(prog="flowprefill", description=__doc__.split("\n\n")[0],
+                    epilog="`flowprefill COMMAND --help` lists a command's options.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, command in SERVERS.items():
+        if only in (None, name):
+            module = command.load()
+            module.add_arguments(sub.add_parser(name, help=command.help, description=module.__doc__))
+        else:
+            sub.add_parser(name, help=command.help, add_help=False)
+    bench = sub.add_parser("bench", help="benchmarks", description="Benchmarks; `flowprefill bench NAME --help` "
+                           "describes each.")
+    benches = bench.add_subparsers(dest="bench", required=True, metavar="NAME")
+    for name, command in BENCHES.items():
+        benches.add_parser(name, help=command.help, add_help=False)  # its own parser reads the rest
+    sub.add_parser("loadtest", help=LOADTEST.help, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll is noise
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(only=command if command in SERVERS else "")
+    args, rest = parser.parse_known_args(argv)
+    try:
+        if args.command in SERVERS:
+            if rest:
+                parser.error(f"unrecognized arguments to {args.command}: {' '.join(rest)} "
+                             f"(see flowprefill {args.command} --help)")
+            return SERVERS[args.command].load().run(args)
+        return (BENCHES[args.bench] if args.command == "bench" else LOADTEST).load().main(rest)
+    except CommandLineError as exc:
+        print(f"flowprefill {args.command}: error: {exc}", file=sys.stderr, flush=True)
+        return exc.code
+    except KeyboardInterrupt:
+        return 130

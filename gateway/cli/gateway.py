@@ -1,0 +1,85 @@
+"""Run the SLO gateway alone, in front of engine workers that are already running (on this machine
+or on others), or in front of plain OpenAI-compatible servers (vLLM, SGLang) with --upstream openai.
+It classifies each request into an SLO class, stamps its deadline and routes it to the least loaded
+healthy worker; /health answers 503 while no worker a request needs is healthy."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import typing
+from typing import TYPE_CHECKING, Any
+
+from gateway.cli.common import CommandLineError, bind, serve_app
+from gateway.cli.options import add_address
+from gateway.config import GatewayConfig, Upstream
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+
+def _urls(value: str) -> list[str]:
+    return [u for u in value.split(",") if u]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", dest="workers_urls", required=True, type=_urls, metavar="URLS",
+                        help="comma-separated worker base URLs (flowprefill workers or any OpenAI server)")
+    parser.add_argument("--prefill-workers", dest="prefill_urls", default=None, type=_urls, metavar="URLS",
+                        help="comma-separated prefill worker URLs: disaggregated, --workers then decode")
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="gateway TOML: SLO classes, API keys, rules, [upstream]")
+    add_address(parser)
+    upstream = Upstream()
+    parser.add_argument("--upstream", choices=typing.get_args(typing.get_type_hints(Upstream)["kind"]),
+                        default=None,
+                        help="what the workers are (overrides the config's [upstream] kind; default "
+                             f"{upstream.kind}): openai = plain OpenAI-compatible servers (vLLM, SGLang) behind "
+                             "an EDF queue at the gateway")
+    parser.add_argument("--max-concurrency", type=int, default=None, metavar="N",
+                        help="openai upstreams: requests in flight per server (overrides the config; default "
+                             f"{upstream.max_concurrency})")
+
+
+def load_config(path: str | None, workers: list[str], prefill_workers: list[str] | None = None,
+                **upstream: Any) -> GatewayConfig:
+    """The gateway's configuration: the TOML file's (if any), these workers, `upstream` overrides
+    that are set. A file that is missing or wrong is the user's to fix: CommandLineError."""
+    import msgspec
+
+    try:
+        cfg = GatewayConfig.load(path, workers, prefill_workers)
+        if overrides := {k: v for k, v in upstream.items() if v is not None}:
+            cfg.upstream = msgspec.structs.replace(cfg.upstream, **overrides)
+            cfg.check()
+    except (OSError, ValueError) as exc:  # tomllib.TOMLDecodeError is a ValueError
+        message = exc.strerror.lower() if isinstance(exc, OSError) and exc.strerror else str(exc)
+        message = message.removeprefix(f"{path}: ")  # GatewayConfig.load names the file in some
+        raise CommandLineError(f"--config {path}: {message}" if path else message) from None
+    return cfg
+
+
+def serve_gateway(cfg: GatewayConfig, sock: socket.socket, url: str, console: Console | None = None) -> int:
+    """Announce the gateway at `url` and serve on `sock` until stopped."""
+    from rich.console import Console
+
+    from gateway.app import create_gateway_app
+    from telemetry.tracing import setup_tracing
+
+    console = console or Console(stderr=True)
+    app = create_gateway_app(cfg, tracing=setup_tracing("flowprefill-gateway"))
+    route = (f"prefill {', '.join(cfg.prefill_workers)} → decode {', '.join(cfg.workers)}" if cfg.prefill_workers
+             else ", ".join(cfg.workers))
+    console.print(f"[bold green]FlowPrefill[/] gateway at [link={url}/v1]{url}/v1[/] → {route}", soft_wrap=True)
+    print(url, flush=True)
+    serve_app(app, sock)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.workers_urls:
+        raise CommandLineError("--workers names no URL")
+    cfg = load_config(args.config, args.workers_urls, args.prefill_urls, kind=args.upstream,
+                      max_concurrency=args.max_concurrency)
+    sock = bind(args.host, args.port, "the gateway")
+    return serve_gateway(cfg, sock, f"http://{args.host}:{args.port}")

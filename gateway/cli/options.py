@@ -1,0 +1,128 @@
+"""The options `flowprefill serve` and `worker` share, each defined once: the engine's, derived from
+EngineConfig's fields (engine/config.py: the option's type, choices, default and help), and the
+server's (the policy, the output parsers). `serve` hands them to its workers with `to_argv`.
+
+Importing this module loads no torch: `flowprefill gateway` uses `add_address`. The server options'
+names come from their registries (engine.scheduler, engine.tool_calls, engine.reasoning), which do
+load it; they are imported only by `add_server_options`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from engine.config import EngineConfig, ModelConfig
+from gateway.cli.common import CommandLineError
+
+
+def check_model(path: str | None) -> None:
+    """--model names a Hugging Face checkpoint directory whose config.json FlowPrefill can run (its
+    weights the worker reads when it loads them). Checked before anything starts, not when parsing:
+    a command line can be read on a machine without the checkpoint (tests/test_docs.py does)."""
+    if path is not None:
+        try:
+            ModelConfig.from_dir(Path(path))
+        except (OSError, ValueError) as exc:
+            raise CommandLineError(str(exc)) from None
+
+
+def _kind(hint: Any) -> tuple[type, tuple[str, ...] | None]:
+    """The argparse type of a field's annotation, and its choices when it is a Literal."""
+    if typing.get_origin(hint) is Literal:
+        return str, typing.get_args(hint)
+    if typing.get_origin(hint) in (types.UnionType, typing.Union):  # X | None
+        (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _kind(inner)
+    return hint, None
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """One option per EngineConfig field the command line sets, its dest the field's name."""
+    group = parser.add_argument_group("engine", "each engine worker's settings (EngineConfig, docs/engine.md)")
+    hints = typing.get_type_hints(EngineConfig)
+    actions = []
+    for f in dataclasses.fields(EngineConfig):
+        flag = f.metadata.get("flag", "")
+        if flag is None:
+            continue
+        kind, choices = _kind(hints[f.name])
+        how: dict[str, Any] = ({"action": argparse.BooleanOptionalAction} if kind is bool
+                               else {"type": kind, "choices": choices,
+                                     "metavar": "DIR" if f.name == "model" else "N" if kind in (int, float)
+                                     else None})
+        actions.append(group.add_argument(flag or f"--{f.name.replace('_', '-')}", dest=f.name, default=f.default,
+                                          help=f.metadata["help"], **how))
+    return actions
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the options parsed into (fields without an option keep their defaults)."""
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+                           if hasattr(args, f.name)})
+
+
+def add_server_options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """What an engine worker's server does with requests: the prefill policy, the output parsers."""
+    from engine import reasoning, tool_calls
+    from engine.scheduler import POLICIES, make_policy
+
+    def policy(name: str) -> str:
+        try:
+            make_policy(name)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return name
+
+    group = parser.add_argument_group("server", "how each engine worker serves requests")
+    return [
+        group.add_argument("--policy", default="flowprefill", type=policy, metavar="POLICY",
+                           help=f"prefill scheduling policy: {' | '.join(POLICIES)} (N: chunk tokens)"),
+        group.add_argument("--tool-call-parser", choices=tool_calls.PARSERS, default=None,
+                           help="serve chat requests with tools (tool_choice auto), reading the model's calls in "
+                                "this format: hermes (Qwen2.5, Hermes, the embedded model's template), "
+                                "llama3_json (Llama 3.1); without it such requests are refused"),
+        group.add_argument("--reasoning-parser", choices=reasoning.PARSERS, default=None,
+                           help="a reasoning model's: its <think> reasoning comes back apart from the content "
+                                "(reasoning_content), and a structured output applies after it"),
+    ]
+
+
+def port_number(value: str) -> int:
+    port = int(value)
+    if not 1 <= port <= MAX_PORT:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (1 to {MAX_PORT})")
+    return port
+
+
+MAX_PORT = 65535
+port_number.__name__ = "port"  # argparse names the type in its error: "invalid port value: 'x'"
+
+
+def add_address(parser: argparse.ArgumentParser, host_help: str = "address to listen on",
+                port_help: str = "port to listen on") -> None:
+    parser.add_argument("--host", default="127.0.0.1", help=host_help)
+    parser.add_argument("--port", type=port_number, default=8000, metavar="PORT", help=port_help)
+
+
+def worker_options() -> list[argparse.Action]:
+    """The options a worker takes that `serve` passes on to each of its workers."""
+    parser = argparse.ArgumentParser()
+    return add_server_options(parser) + add_engine_options(parser)
+
+
+def to_argv(args: argparse.Namespace, actions: list[argparse.Action]) -> list[str]:
+    """The command-line words that give these options their values in `args` (defaults left out)."""
+    argv: list[str] = []
+    for action in actions:
+        value = getattr(args, action.dest)
+        if value == action.default:
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(action.option_strings[0 if value else 1])  # --prefix-caching / --no-prefix-caching
+        else:
+            argv += [action.option_strings[0], str(value)]
+    return argv

@@ -1,0 +1,121 @@
+"""Run the SLO gateway in this process and its engine workers as child processes, all on this
+machine: the gateway on --port, the workers on the ports after it (127.0.0.1 only). Without --model
+the workers serve the embedded default model. Every port is checked before anything starts, and a
+worker that cannot start stops `serve` with the reason."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from gateway.cli.common import CommandLineError, bind, exit_on_sigterm
+from gateway.cli.options import (
+    MAX_PORT,
+    add_address,
+    add_engine_options,
+    add_server_options,
+    check_model,
+    to_argv,
+    worker_options,
+)
+
+WORKER_HOST = "127.0.0.1"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_address(parser, "address the gateway listens on (its workers listen on 127.0.0.1)",
+                "the gateway's port; its engine workers take the ports after it")
+    parser.add_argument("--workers", type=int, default=1, metavar="N",
+                        help="engine worker processes (on the ports after --port); each gets (cores - 1) / "
+                             "workers torch threads, at least one, unless --threads says otherwise")
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="gateway TOML: SLO classes, API keys, rules, [upstream]")
+    parser.add_argument("--disaggregate", action="store_true",
+                        help="prefill/decode disaggregation: the first half of the workers prefill, the rest decode")
+    add_server_options(parser)
+    add_engine_options(parser)
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """The engine workers `serve` starts: one port and one role each."""
+
+    ports: list[int]
+    roles: list[str]
+
+    @classmethod
+    def plan(cls, args: argparse.Namespace) -> Fleet:
+        if args.workers < 1:
+            raise CommandLineError("--workers must be >= 1")
+        if args.disaggregate and args.workers < 2:
+            raise CommandLineError("--disaggregate needs --workers 2 or more (prefill and decode workers)")
+        if args.port + args.workers > MAX_PORT:
+            raise CommandLineError(f"--port {args.port} leaves no room for {args.workers} worker port(s) after it")
+        n_prefill = args.workers // 2 if args.disaggregate else 0
+        rest = "decode" if args.disaggregate else "colocated"
+        return cls([args.port + 1 + i for i in range(args.workers)],
+                   ["prefill"] * n_prefill + [rest] * (args.workers - n_prefill))
+
+    def urls(self, *roles: str) -> list[str]:
+        return [f"http://{WORKER_HOST}:{p}" for p, r in zip(self.ports, self.roles, strict=True) if r in roles]
+
+
+def _threads(args: argparse.Namespace) -> int:
+    # One core stays with the gateway (and the engine's own Python threads): on a 2-core host one torch
+    # thread per worker gave far more goodput than two (docs/benchmarks.md, ideal-bound runs).
+    return args.num_threads or max(1, ((os.cpu_count() or 1) - 1) // args.workers)
+
+
+@contextmanager
+def running(fleet: Fleet, args: argparse.Namespace) -> Iterator[None]:
+    """The fleet's workers, each healthy, for the `with` block; stopped after it (or on failure)."""
+    from rich.console import Console
+
+    from gateway.processes import Relayed, wait_healthy
+
+    options = to_argv(argparse.Namespace(**{**vars(args), "num_threads": _threads(args)}), worker_options())
+    children = [Relayed([sys.executable, "-m", "gateway.cli", "worker", "--role", role, "--host", WORKER_HOST,
+                         "--port", str(port), *options], error_prefix="flowprefill worker: error: ")
+                for port, role in zip(fleet.ports, fleet.roles, strict=True)]
+    try:
+        with Console(stderr=True).status(f"starting {len(children)} engine worker(s)…"):
+            for child, port in zip(children, fleet.ports, strict=True):
+                try:
+                    wait_healthy(f"http://{WORKER_HOST}:{port}", child.proc)
+                except RuntimeError:  # it exited: a mistake it reported (exit 2) or a crash
+                    raise CommandLineError(f"engine worker on port {port}: {child.cause()}",
+                                           code=2 if child.proc.returncode == 2 else 1) from None
+                except TimeoutError as exc:
+                    raise CommandLineError(f"engine worker on port {port}: {exc}", code=1) from None
+        yield
+    finally:
+        for child in children:  # all at once: they drain in parallel
+            child.proc.terminate()
+        for child in children:
+            try:
+                child.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+
+
+def run(args: argparse.Namespace) -> int:
+    from gateway.cli.gateway import load_config, serve_gateway
+    from gateway.processes import PortInUse, check_free
+
+    fleet = Fleet.plan(args)
+    check_model(args.model)
+    cfg = load_config(args.config, fleet.urls("colocated", "decode"), fleet.urls("prefill") or None)
+    sock = bind(args.host, args.port, "the gateway")  # held from here: nothing else takes it meanwhile
+    for port in fleet.ports:
+        try:
+            check_free(WORKER_HOST, port)
+        except PortInUse as exc:
+            raise CommandLineError(f"engine worker on port {port}: {exc.strerror}") from None
+    exit_on_sigterm()
+    with running(fleet, args):
+        return serve_gateway(cfg, sock, f"http://{args.host}:{args.port}")

@@ -1,0 +1,62 @@
+"""Run one engine worker: the model behind the OpenAI API (/v1/completions, /v1/chat/completions,
+/v1/models), plus /load (what the gateway routes on), /health and /metrics. Its port is taken before
+the model loads; a checkpoint or setting it cannot run stops it with one line saying why."""
+
+from __future__ import annotations
+
+import argparse
+
+from gateway.cli.common import CommandLineError, bind, serve_app
+from gateway.cli.options import add_address, add_engine_options, add_server_options, check_model, engine_config
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from engine.worker import ROLES
+
+    add_address(parser)
+    parser.add_argument("--role", choices=ROLES, default="colocated",
+                        help="colocated: prefill and decode; prefill or decode: one half of PD disaggregation")
+    add_server_options(parser)
+    add_engine_options(parser)
+
+
+def check_device(name: str) -> None:
+    """--device names a device this machine has (torch's own failure is an AssertionError, deep in loading)."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise CommandLineError(f"--device {name}: {exc}") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise CommandLineError(f"--device {name}: this machine has {count} CUDA device(s) "
+                                   f"(torch {torch.__version__})")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from engine.engine import Engine
+    from engine.worker import create_worker_app
+    from telemetry.tracing import setup_tracing
+
+    check_model(args.model)
+    sock = bind(args.host, args.port, "the worker")
+    check_device(args.device)
+    console = Console(stderr=True)
+    try:
+        with console.status("loading model and profiling operators…"):
+            engine = Engine(engine_config(args), policy=args.policy).start()
+        name = engine.model.cfg.name
+        app = create_worker_app(engine, name, tracing=setup_tracing("flowprefill-worker"), role=args.role,
+                                tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+    except (OSError, ValueError) as exc:  # the checkpoint or a setting: the loader's messages (docs/engine.md)
+        raise CommandLineError(str(exc)) from None
+    url = f"http://{args.host}:{args.port}"
+    console.print(f"[bold green]FlowPrefill[/] {args.role} worker serving [bold]{name}[/] (policy {args.policy}, "
+                  f"{engine.model.backend.name} attention) at [link={url}/v1]{url}/v1[/]", soft_wrap=True)
+    print(url, flush=True)
+    serve_app(app, sock)
+    return 0
