@@ -15,6 +15,7 @@ from engine.endpoint import BadRequest
 from engine.engine import Engine
 from engine.openai_api import error_body, http_error_body
 from engine.reasoning import ReasoningParser
+from engine.responses_endpoint import ResponsesEndpoint
 from engine.serving import (  # noqa: F401 (the limits' names, also read from here)
     CHAT_DEFAULT_MAX_TOKENS,
     DEFAULT_MAX_TOKENS,
@@ -121,7 +122,8 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
         plugins.append(litestar_plugin(exclude=["/health", "/load", "/metrics"]))
     return Litestar(
         route_handlers=[completions, chat_completions, receive_kv, health, load, prometheus,
-                        *ModelList(engine, model_name).handlers(), *TokenizeEndpoints(generation).handlers()],
+                        *ModelList(engine, model_name).handlers(), *TokenizeEndpoints(generation).handlers(),
+                        *ResponsesEndpoint(generation).handlers()],
         exception_handlers={BadRequest: _error, HTTPException: _http_error},
         on_startup=[generation.grammars.warm_up],
         on_shutdown=[engine.shutdown, generation.peers.aclose] + ([tracing.shutdown] if tracing is not None else []),
