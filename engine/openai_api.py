@@ -333,7 +333,8 @@ class ChatCompletionRequest(_Common, kw_only=True, omit_defaults=True):
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+    """A request id in OpenAI's forms: "chatcmpl-…", "cmpl-…", and the newer APIs' "resp_…"."""
+    return f"{prefix}_{uuid.uuid4().hex}" if prefix == "resp" else f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,

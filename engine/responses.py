@@ -91,6 +91,7 @@ class Choices:
         self.reasoning: list[list[str]] = [[] for _ in reqs]
         self.logprobs: list[list[Logprob]] = [[] for _ in reqs]
         self.finish: list[str | None] = [None] * len(reqs)
+        self.reasoning_tokens = [0] * len(reqs)  # those written while the reasoning was open (its tags too)
         self.error: str | None = None
 
     @property
@@ -103,7 +104,10 @@ class Choices:
         i = self.index[out.request_id]
         reasoning = ""
         if (thoughts := self.thoughts[i]) is not None:
+            was_reasoning = thoughts.content_from is None
             reasoning, content = thoughts.push(out.text, final=out.finish_reason is not None)
+            if was_reasoning or thoughts.content_from is None:
+                self.reasoning_tokens[i] += len(out.token_ids)
             self.reasoning[i].append(reasoning)
             out = msgspec.structs.replace(out, text=content)
         self.texts[i].append(out.text)
@@ -208,7 +212,7 @@ async def sse(choices: Choices, rid: str, model: str, chat: bool, options: Strea
                 text, calls = "", _arguments_delta(choices.tools.name, out.text, first[i])
                 finish = finish and (choices.tools.finish_reason if finish == "stop" else finish)
             elif choices.tools is not None:
-                text, finish, calls = _tool_delta(choices, i, shown, finish)
+                text, finish, calls = tool_delta(choices, i, shown, finish)
             chunk = completion_chunk(rid, model, text, finish, chat, first[i], logprobs, index=i, tool_calls=calls,
                                      reasoning=reasoning)
             if first[i]:  # vLLM's prompt_logprobs come with a choice's first chunk
@@ -224,7 +228,7 @@ async def sse(choices: Choices, rid: str, model: str, chat: bool, options: Strea
         choices.cancel_unfinished()  # client went away mid-stream, or a choice failed
 
 
-def _tool_delta(choices: Choices, i: int, shown: list[int], finish: str | None
+def tool_delta(choices: Choices, i: int, shown: list[int], finish: str | None
                 ) -> tuple[str, str | None, list[dict[str, Any]] | None]:
     """Choice i's next content delta when tools are offered: its text up to where a tool call may be
     starting; at its end, the rest, or the tool calls it made (finish_reason "tool_calls")."""

@@ -1,6 +1,9 @@
-"""SLO classes: a TTFT/TBT target and a priority per class (SPEC: Default SLO classes)."""
+"""SLO classes: a TTFT/TBT target and a priority per class (SPEC: Default SLO classes), and the request
+headers that choose them."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import msgspec
 
@@ -23,3 +26,82 @@ DEFAULT_CLASSES: dict[str, SLOClass] = {
     )
 }
 DEFAULT_CLASS = "standard"
+
+# The request headers that choose a request's SLO class or its targets. Where llm-d's router (home of
+# the Gateway API Inference Extension's endpoint picker) has its own name, both are read, llm-d's
+# first: a request sending both names is served by llm-d's.
+CLASS_HEADER = "x-slo-class"
+OBJECTIVE_HEADERS = ("x-llm-d-inference-objective", "x-gateway-inference-objective")
+TTFT_HEADERS = ("x-llm-d-slo-ttft-ms", "x-slo-ttft-ms")
+TPOT_HEADERS = ("x-llm-d-slo-tpot-ms", "x-slo-tpot-ms")  # time per output token: the TBT target
+MAX_TARGET_MS = 3_600_000  # an explicit target of an hour or more is a mistake, not an SLO
+
+
+class HeaderError(ValueError):
+    """A header that names no known class, or a target that is not a number of milliseconds."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def first_header(headers: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, str] | None:
+    """The first of `names` the request sent (a non-empty value), and its value."""
+    for name in names:
+        if value := headers.get(name):
+            return name, value
+    return None
+
+
+def target_ms(headers: Mapping[str, str], names: tuple[str, ...]) -> float | None:
+    """An explicit latency target, in milliseconds, from the first of `names` sent; None if none is."""
+    if (found := first_header(headers, names)) is None:
+        return None
+    name, value = found
+    try:
+        ms = float(value)
+    except ValueError:
+        raise HeaderError(f"{name} must be a number of milliseconds", name) from None
+    if not 0 < ms < MAX_TARGET_MS:  # also refuses nan and inf
+        raise HeaderError(f"{name} must be in (0, {MAX_TARGET_MS})", name)
+    return ms
+
+
+def named_class(headers: Mapping[str, str], classes: dict[str, SLOClass]) -> SLOClass | None:
+    """The class a header names: `x-slo-class`, else the inference objective; None if neither is sent."""
+    if (found := first_header(headers, (CLASS_HEADER, *OBJECTIVE_HEADERS))) is None:
+        return None
+    header, name = found
+    if name not in classes:
+        raise HeaderError(f"unknown SLO class {name[:64]!r} in {header}; known: {sorted(classes)}", header)
+    return classes[name]
+
+
+def with_tbt_target(slo: SLOClass, headers: Mapping[str, str]) -> SLOClass:
+    """The class with the request's explicit time-per-output-token target, if it sent one."""
+    tpot = target_ms(headers, TPOT_HEADERS)
+    return slo if tpot is None else msgspec.structs.replace(slo, tbt_ms=tpot)
+
+
+def class_for_ttft(classes: dict[str, SLOClass], ttft_ms: float) -> SLOClass:
+    """An explicit TTFT target's class: the tightest whose target it still meets gives its priority
+    (the loosest when it meets none), with the target as asked."""
+    base = min((c for c in classes.values() if c.ttft_ms >= ttft_ms), key=lambda c: c.ttft_ms,
+               default=max(classes.values(), key=lambda c: c.ttft_ms))
+    return msgspec.structs.replace(base, ttft_ms=ttft_ms)
+
+
+def requested_slo(headers: Mapping[str, str], service_tier: str | None, classes: dict[str, SLOClass],
+                  default_class: str) -> SLOClass:
+    """A worker's reading of a request's SLO, in the gateway's order (gateway/classify.py, which adds
+    keys and rules): the class a header names, with an explicit TTFT target if one is sent (a gateway
+    sends the time left of its own); else the class of an explicit TTFT target; else the body's
+    `service_tier` if it names a class; else the default. An explicit TBT target replaces the class's."""
+    ttft = target_ms(headers, TTFT_HEADERS)
+    if (slo := named_class(headers, classes)) is not None:
+        slo = slo if ttft is None else msgspec.structs.replace(slo, ttft_ms=ttft)
+    elif ttft is not None:
+        slo = class_for_ttft(classes, ttft)
+    else:  # OpenAI's own service_tier values ("auto", "default", ...) name no class
+        slo = classes.get(service_tier or "", classes[default_class])
+    return with_tbt_target(slo, headers)

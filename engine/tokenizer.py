@@ -63,10 +63,10 @@ class Tokenizer(Protocol):
     vocab_size: int
     eos_token_ids: list[int]
 
-    def encode(self, text: str) -> list[int]: ...
-    def decode(self, ids: list[int]) -> str: ...
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
     def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[Any] | None = None,
-                            **kwargs: Any) -> str: ...
+                            add_generation_prompt: bool = True, **kwargs: Any) -> str: ...
 
 
 class _ChatTemplate:
@@ -82,11 +82,11 @@ class _ChatTemplate:
         self._special = special
 
     def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[Any] | None = None,
-                            **kwargs: Any) -> str:
+                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """`tools`: OpenAI's tool list as the request gave it (templates read the function schemas);
         `kwargs`: more variables (a request's chat_template_kwargs, such as Qwen3's enable_thinking)."""
         return self._template.render(**(self._special | kwargs), messages=messages, tools=tools,
-                                     add_generation_prompt=True)
+                                     add_generation_prompt=add_generation_prompt)
 
 
 def _raise(message: str) -> None:
@@ -104,7 +104,8 @@ class ByteTokenizer(_ChatTemplate):
         self.special_ids = {s: 256 + i for i, s in enumerate(self.SPECIALS)}
         self.eos_token_ids = [self.special_ids["<|endoftext|>"], self.special_ids["<|im_end|>"]]
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """`add_special_tokens`: nothing to add (a byte-level vocabulary has no BOS)."""
         ids: list[int] = []
         for i, part in enumerate(_split_specials(text, self.SPECIALS)):
             if i % 2:
@@ -113,7 +114,9 @@ class ByteTokenizer(_ChatTemplate):
                 ids.extend(part.encode("utf-8"))
         return ids
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if not skip_special_tokens:
+            return b"".join(map(self.token_bytes, ids)).decode("utf-8", errors="replace")
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -159,11 +162,12 @@ class HFTokenizer(_ChatTemplate):
             eos.append(tid)
         self.eos_token_ids = sorted(set(eos))
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """`add_special_tokens`: what the tokenizer's post-processor adds (a BOS, for Llama's)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def to_json(self) -> str:
         """The tokenizer.json it was loaded from (as the tokenizers library serializes it)."""

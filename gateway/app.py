@@ -21,9 +21,11 @@ from litestar.types import Receive, Scope, Send  # at run time: Litestar reads t
 
 from engine.openai_api import CACHED_TOKENS_HEADER, KV_ID_HEADER, KV_TO_HEADER, error_body, http_error_body, new_id
 from gateway.affinity import Prefix, prefix_key
-from gateway.classify import ClassificationError, classify
+from gateway.classify import ClassificationError, as_chat_view, classify
 from gateway.config import GatewayConfig
+from gateway.errors import GatewayError, no_healthy_worker
 from gateway.http1 import Http1Response
+from gateway.lookups import Lookups
 from gateway.netio import UpstreamResponse, UpstreamTransport
 from gateway.openapi import openapi_document
 from gateway.routing import QueueFull, Worker, WorkerPool
@@ -37,13 +39,8 @@ CLIENT_SHARDS = 8
 # Worker answers worth another worker: it could not reach something, or was overloaded. A 500 is the
 # request tripping a bug there; retried, it would fail every worker's batch it joined.
 RETRY_ELSEWHERE = frozenset({502, 503, 504})
-
-
-class GatewayError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 headers: dict[str, str] | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.type, self.param, self.headers, self.code = status, type_, param, headers or {}, code
+RESPONSES = "/v1/responses"  # OpenAI's Responses API: served as chat is, its input read as messages
+ID_PREFIXES = {"/v1/chat/completions": "chatcmpl", RESPONSES: "resp"}  # of the ids the gateway gives
 
 
 def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None) -> Litestar:
@@ -82,7 +79,7 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
         answer the client gets (shed, bad input). Raises GatewayError with no prefill worker."""
         assert prefill_pool is not None
         # its first token only (none for a prompt to score: the prefill worker refuses that, before work)
-        limit = body.get("max_completion_tokens", body.get("max_tokens"))
+        limit = body.get("max_completion_tokens", body.get("max_tokens", body.get("max_output_tokens")))
         first = {k: v for k, v in body.items() if k not in ("stream_options", "max_completion_tokens")} | {
             "max_tokens": 0 if limit == 0 else 1, "stream": False}
         if isinstance(body.get("min_tokens"), int):  # the decode worker holds the rest back
@@ -115,8 +112,7 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
         if failed is not None:  # every prefill worker tried failed: the last one's answer
             metrics.answered(slo_name, failed.status_code)
             return Response(failed.content, status_code=failed.status_code, media_type="application/json")
-        raise GatewayError(503, "no healthy prefill worker", "server_error",
-                           headers={"retry-after": "1", "x-flowprefill-dropped-reason": "no_healthy_worker"})
+        raise no_healthy_worker(pool="prefill worker")
 
     async def forward(headers: Headers, raw: bytes, path: str, arrival: float) -> Response | Stream:
         api_key = authorized(headers)  # before the body: an unknown client learns nothing else
@@ -126,11 +122,12 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
             raise GatewayError(400, "request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise GatewayError(400, "request body must be a JSON object")
+        view = as_chat_view(body) if path == RESPONSES else body  # its prompt, as the others say it
         try:
-            slo = classify(cfg, headers, body, api_key)
+            slo = classify(cfg, headers, view, api_key)
         except ClassificationError as exc:
             raise GatewayError(400, str(exc), param=exc.param) from None
-        rid = headers.get("x-request-id") or new_id("chatcmpl" if path.endswith("chat/completions") else "cmpl")
+        rid = headers.get("x-request-id") or new_id(ID_PREFIXES.get(path, "cmpl"))
         if prefill_pool is not None and headers.get("x-request-id"):  # it keys the KV hand-off:
             rid = f"{rid}-{uuid.uuid4().hex[:8]}"  # two requests reusing a client's id must not share one
         ours = {"x-slo-class": slo.name, "x-request-id": rid}
@@ -142,10 +139,11 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
         upstream_headers = {h: v for h in FORWARDED_HEADERS if (v := headers.get(h))}
         upstream_headers |= {"x-slo-class": slo.name, "x-request-id": rid,
                              # the deadline was fixed at gateway arrival: the worker gets what is left
-                             "x-slo-ttft-ms": f"{max(1.0, slo.ttft_ms - elapsed_ms):.3f}"}
+                             "x-slo-ttft-ms": f"{max(1.0, slo.ttft_ms - elapsed_ms):.3f}",
+                             "x-slo-tpot-ms": f"{slo.tbt_ms:.3f}"}
         if annotate is not None:
             annotate(upstream_headers, {
-                "gen_ai.operation.name": "chat" if path.endswith("chat/completions") else "text_completion",
+                "gen_ai.operation.name": "text_completion" if path == "/v1/completions" else "chat",
                 "gen_ai.request.model": str(body.get("model") or ""),
                 "flowprefill.request_id": rid, "flowprefill.slo_class": slo.name,
                 "flowprefill.ttft_target_ms": slo.ttft_ms,
@@ -153,7 +151,7 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
                 "flowprefill.stream": bool(body.get("stream"))})
         tried: set[str] = set()
         # Where its prefix may be cached: the prefill workers' when disaggregated (decode imports KV).
-        key = prefix_key(body, cfg.prefix_affinity_chars)
+        key = prefix_key(view, cfg.prefix_affinity_chars)
         shed: UpstreamResponse | Http1Response | None = None
         failed: tuple[int, bytes] | None = None  # the last worker's 5xx answer (status, body)
         if pool.pick() is None:  # every worker looked down at the last poll: look again before refusing
@@ -249,8 +247,7 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
             status, content = failed
             metrics.answered(slo.name, status)
             return Response(content, status_code=status, media_type="application/json", headers=ours)
-        raise GatewayError(503, "no healthy worker", "server_error",
-                           headers=ours | {"retry-after": "1", "x-flowprefill-dropped-reason": "no_healthy_worker"})
+        raise no_healthy_worker(ours)
 
     def proxied(path: str) -> ASGIRouteHandler:
         # Litestar's raw-ASGI route handler: @post's per-request signature model and response
@@ -283,15 +280,6 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
             raise GatewayError(401, "invalid API key", "authentication_error", code="invalid_api_key",
                                headers={"www-authenticate": "Bearer"})
         return api_key
-
-    @get("/v1/models")
-    async def models(request: Request) -> Any:
-        authorized(request.headers)
-        worker = pool.pick()
-        if worker is None:
-            raise GatewayError(503, "no healthy worker", "server_error", headers={"retry-after": "1"})
-        r = await client.get(f"{worker.url}/v1/models")
-        return Response(r.content, status_code=r.status_code, media_type="application/json")
 
     document = openapi_document()
 
@@ -335,8 +323,9 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
         from telemetry.tracing import litestar_plugin
         plugins.append(litestar_plugin(exclude=["/health", "/metrics"]))
         on_shutdown.append(tracing.shutdown)
-    return Litestar(route_handlers=[proxied("/v1/completions"), proxied("/v1/chat/completions"), models, openapi,
-                                    health, prometheus],
+    lookups = Lookups(cfg, pool, client, metrics, authorized, annotate)
+    return Litestar(route_handlers=[*(proxied(p) for p in ("/v1/completions", "/v1/chat/completions", RESPONSES)),
+                                    *lookups.handlers(), openapi, health, prometheus],
                     openapi_config=None,  # gateway/openapi.py serves the complete document
                     exception_handlers={GatewayError: _error, HTTPException: _http_error},
                     on_startup=[startup], on_shutdown=on_shutdown,

@@ -7,7 +7,15 @@ from typing import Any
 
 import msgspec
 
-from engine.slo import SLOClass
+from engine.slo import (
+    TTFT_HEADERS,
+    HeaderError,
+    SLOClass,
+    class_for_ttft,
+    named_class,
+    target_ms,
+    with_tbt_target,
+)
 from gateway.config import GatewayConfig
 
 
@@ -19,35 +27,30 @@ class ClassificationError(ValueError):
 
 def classify(cfg: GatewayConfig, headers: Mapping[str, str], body: Mapping[str, Any],
              api_key: str | None) -> SLOClass:
-    """x-slo-class > x-gateway-inference-objective > x-slo-ttft-ms > body service_tier > the API
-    key's default > length rules > the default class; then capped at the key's ceiling."""
+    """x-slo-class > x-llm-d-inference-objective (or x-gateway-inference-objective) >
+    x-llm-d-slo-ttft-ms (or x-slo-ttft-ms) > body service_tier > the API key's default > length
+    rules > the default class; then capped at the key's ceiling. x-llm-d-slo-tpot-ms (or
+    x-slo-tpot-ms) sets the TBT target of the class applied (under a ceiling, never tighter than the
+    ceiling's)."""
     key = cfg.api_keys.get(api_key) if api_key else None
-    slo = _requested(cfg, headers, body, key)
-    if key is not None and key.ceiling is not None:
-        ceiling = cfg.classes[key.ceiling]
-        if slo.priority > ceiling.priority:  # served at the ceiling, never escalated
+    try:
+        slo = _requested(cfg, headers, body, key)
+        ceiling = cfg.classes[key.ceiling] if key is not None and key.ceiling is not None else None
+        if ceiling is not None and slo.priority > ceiling.priority:  # served at the ceiling, never escalated
             slo = ceiling
-    return slo
+        tbt = with_tbt_target(slo, headers).tbt_ms
+    except HeaderError as exc:
+        raise ClassificationError(str(exc), exc.param) from None
+    if ceiling is not None:
+        tbt = max(tbt, ceiling.tbt_ms)
+    return slo if tbt == slo.tbt_ms else msgspec.structs.replace(slo, tbt_ms=tbt)
 
 
 def _requested(cfg: GatewayConfig, headers: Mapping[str, str], body: Mapping[str, Any], key: Any) -> SLOClass:
-    for header in ("x-slo-class", "x-gateway-inference-objective"):
-        if name := headers.get(header):
-            if name not in cfg.classes:
-                raise ClassificationError(f"unknown SLO class {name[:64]!r} in {header}; known: {sorted(cfg.classes)}",
-                                          header)
-            return cfg.classes[name]
-    if ttft := headers.get("x-slo-ttft-ms"):
-        try:
-            ms = float(ttft)
-        except ValueError:
-            raise ClassificationError("x-slo-ttft-ms must be a number of milliseconds", "x-slo-ttft-ms") from None
-        if not 0 < ms < 3_600_000:
-            raise ClassificationError("x-slo-ttft-ms must be in (0, 3600000)", "x-slo-ttft-ms")
-        # The tightest class whose target this request still meets gives its priority.
-        base = min((c for c in cfg.classes.values() if c.ttft_ms >= ms), key=lambda c: c.ttft_ms,
-                   default=max(cfg.classes.values(), key=lambda c: c.ttft_ms))
-        return msgspec.structs.replace(base, ttft_ms=ms)
+    if (named := named_class(headers, cfg.classes)) is not None:
+        return named
+    if (ms := target_ms(headers, TTFT_HEADERS)) is not None:
+        return class_for_ttft(cfg.classes, ms)
     tier = body.get("service_tier")
     if isinstance(tier, str) and tier in cfg.classes:
         return cfg.classes[tier]
@@ -59,6 +62,23 @@ def _requested(cfg: GatewayConfig, headers: Mapping[str, str], body: Mapping[str
             if n <= rule.max_prompt_tokens:
                 return cfg.classes[rule.slo_class]
     return cfg.classes[cfg.default_class]
+
+
+def as_chat_view(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A Responses API body (`instructions`, `input`) as chat's messages, for what the gateway reads
+    of a prompt (its length, its prefix for affinity): each item's role (or type) and its text."""
+    instructions = body.get("instructions")
+    messages = [{"role": "system", "content": instructions}] if isinstance(instructions, str) else []
+    given = body.get("input")
+    if isinstance(given, str):
+        messages.append({"role": "user", "content": given})
+    for item in given if isinstance(given, list) else []:
+        if isinstance(item, dict):
+            content = next((item[k] for k in ("content", "output", "arguments") if k in item), "")
+            if isinstance(content, list):  # text parts
+                content = "".join(str(p.get("text") or "") for p in content if isinstance(p, dict))
+            messages.append({"role": str(item.get("role") or item.get("type")), "content": content})
+    return {"messages": messages, "service_tier": body.get("service_tier")}
 
 
 def _estimate_prompt_tokens(body: Mapping[str, Any]) -> int:

@@ -9,18 +9,26 @@ from typing import Any
 import msgspec
 
 from engine.openai_api import ChatCompletionRequest, CompletionRequest
+from engine.responses_api import ResponsesRequest
+from engine.slo import OBJECTIVE_HEADERS, TPOT_HEADERS, TTFT_HEADERS
+from engine.tokenize_api import DetokenizeRequest, TokenizeRequest
 
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"],
     "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                    "param": {"type": "string", "nullable": True}, "code": {"type": "string", "nullable": True}}}}}
 
+def _header(name: str, kind: str, description: str) -> dict[str, Any]:
+    return {"name": name, "in": "header", "required": False, "schema": {"type": kind}, "description": description}
+
+
 _SLO_HEADERS = [
-    {"name": "x-slo-class", "in": "header", "required": False, "schema": {"type": "string"},
-     "description": "SLO class to run at (interactive, standard, relaxed, batch, or a configured one)"},
-    {"name": "x-slo-ttft-ms", "in": "header", "required": False, "schema": {"type": "number"},
-     "description": "explicit time-to-first-token target in milliseconds"},
-    {"name": "x-request-id", "in": "header", "required": False, "schema": {"type": "string"}},
+    _header("x-slo-class", "string", "SLO class to run at (interactive, standard, relaxed, batch, or configured)"),
+    *(_header(h, "string", "llm-d's inference objective: an SLO class's name (after x-slo-class)")
+      for h in OBJECTIVE_HEADERS),
+    *(_header(h, "number", "explicit time-to-first-token target in milliseconds") for h in TTFT_HEADERS),
+    *(_header(h, "number", "explicit time-per-output-token (TBT) target in milliseconds") for h in TPOT_HEADERS),
+    _header("x-request-id", "string", "the request's id (the gateway makes one if none is sent)"),
 ]
 
 
@@ -45,9 +53,18 @@ def _openapi_30(schema: Any) -> Any:
 
 
 def openapi_document(title: str = "FlowPrefill gateway", version: str = "") -> dict[str, Any]:
-    (completion, chat), components = msgspec.json.schema_components(
-        [CompletionRequest, ChatCompletionRequest], ref_template="#/components/schemas/{name}")
+    (completion, chat, responses, tokenize, detokenize), components = msgspec.json.schema_components(
+        [CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest],
+        ref_template="#/components/schemas/{name}")
     components["Error"] = _ERROR
+    json_object = {"application/json": {"schema": {"type": "object"}}}
+    error = {"description": "an OpenAI error body",
+             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+
+    def lookup(summary: str, body: dict[str, Any]) -> dict[str, Any]:
+        return {"post": {"summary": summary, "parameters": _SLO_HEADERS[-1:],
+                         "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+                         "responses": {"200": {"description": "ok", "content": json_object}, "default": error}}}
 
     def generate(summary: str, body: dict[str, Any]) -> dict[str, Any]:
         return {"post": {
@@ -67,9 +84,16 @@ def openapi_document(title: str = "FlowPrefill gateway", version: str = "") -> d
         "paths": {
             "/v1/completions": generate("Create a completion", completion),
             "/v1/chat/completions": generate("Create a chat completion", chat),
+            "/v1/responses": generate("Create a response (OpenAI's Responses API)", responses),
             "/v1/models": {"get": {"summary": "The served model", "responses": {
-                "200": {"description": "OpenAI model list", "content": {"application/json": {
-                    "schema": {"type": "object"}}}}}}},
+                "200": {"description": "OpenAI model list", "content": json_object}}}},
+            "/v1/models/{model_id}": {"get": {
+                "summary": "One model", "parameters": [{"name": "model_id", "in": "path", "required": True,
+                                                       "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "OpenAI model object", "content": json_object},
+                              "default": error}}},
+            "/tokenize": lookup("Token ids of a prompt or of chat messages (vLLM's)", tokenize),
+            "/detokenize": lookup("The text of token ids (vLLM's)", detokenize),
             "/health": {"get": {"summary": "Gateway and worker health", "responses": {
                 "200": {"description": "ok", "content": {"application/json": {"schema": {"type": "object"}}}}}}},
         },

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.classify import ClassificationError, classify
+from gateway.classify import ClassificationError, as_chat_view, classify
 from gateway.config import APIKey, GatewayConfig, LengthRule
 
 
@@ -32,6 +32,46 @@ def test_precedence() -> None:
     assert classify(c, {}, {"prompt": ["x" * 36] * 2}, None).name == "standard"
     assert classify(c, {}, {"prompt": [[1] * 6, [2] * 6]}, None).name == "standard"
     assert classify(c, {}, {"prompt": [[1] * 6]}, None).name == "interactive"
+
+
+def test_llm_d_names_and_their_older_aliases() -> None:
+    """llm-d's router's headers, each with its older name beside it: llm-d's wins when both are sent,
+    and they keep their place in the precedence."""
+    c = cfg()
+    assert classify(c, {"x-llm-d-inference-objective": "batch"}, {}, None).name == "batch"
+    assert classify(c, {"x-llm-d-inference-objective": "relaxed", "x-gateway-inference-objective": "batch"},
+                    {}, None).name == "relaxed"
+    assert classify(c, {"x-slo-class": "standard", "x-llm-d-inference-objective": "batch"}, {}, None).name == "standard"
+    assert classify(c, {"x-llm-d-inference-objective": "batch", "x-llm-d-slo-ttft-ms": "100"}, {}, None).name == "batch"
+    both = classify(c, {"x-llm-d-slo-ttft-ms": "300", "x-slo-ttft-ms": "5000"}, {"service_tier": "batch"}, None)
+    assert (both.name, both.ttft_ms) == ("standard", 300)
+    with pytest.raises(ClassificationError) as bad:
+        classify(c, {"x-llm-d-inference-objective": "gold"}, {}, None)
+    assert bad.value.param == "x-llm-d-inference-objective"
+
+
+def test_tpot_sets_the_tbt_target() -> None:
+    c = cfg(api_keys={"cheap": APIKey(ceiling="relaxed")})
+    assert classify(c, {}, {}, None).tbt_ms == 100  # the class's
+    assert classify(c, {"x-llm-d-slo-tpot-ms": "40", "x-slo-tpot-ms": "90"}, {}, None).tbt_ms == 40
+    tight = classify(c, {"x-slo-tpot-ms": "30", "x-slo-class": "batch"}, {}, None)
+    assert (tight.name, tight.tbt_ms, tight.ttft_ms) == ("batch", 30, 6000)
+    # under a ceiling, never tighter than the ceiling's target
+    assert classify(c, {"x-llm-d-slo-tpot-ms": "40"}, {}, "cheap").tbt_ms == 200
+    assert classify(c, {"x-llm-d-slo-tpot-ms": "500"}, {}, "cheap").tbt_ms == 500
+    for bad in ("fast", "0", "nan", "inf", "-1"):
+        with pytest.raises(ClassificationError) as refused:
+            classify(c, {"x-llm-d-slo-tpot-ms": bad}, {}, None)
+        assert refused.value.param == "x-llm-d-slo-tpot-ms"
+
+
+def test_a_responses_body_is_measured_by_its_input() -> None:
+    c = cfg(rules=[LengthRule(10, "interactive")])
+    short = as_chat_view({"instructions": "hi", "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "short"}]}]})
+    assert classify(c, {}, short, None).name == "interactive"
+    assert classify(c, {}, as_chat_view({"input": "x" * 400}), None).name == "standard"
+    assert classify(c, {}, as_chat_view({"input": "x", "service_tier": "batch"}), None).name == "batch"
 
 
 def test_ceiling_caps_never_escalates() -> None:

@@ -179,6 +179,28 @@ def test_served_disaggregated_matches_one_worker(disaggregated: int, engines: tu
 
 
 @pytest.mark.slow
+def test_served_disaggregated_responses_and_tokenize(disaggregated: int, engines: tuple[Engine, Engine]) -> None:
+    """The Responses API splits as chat does: the prefill worker's first token and KV, the rest
+    decoded on the other; whole and streamed, the answer one worker alone gives. Tokenize goes to
+    any worker."""
+    eng = engines[0]
+    messages = [{"role": "user", "content": "Summarize: " + "a long document about scheduling. " * 30}]
+    ids = eng.tokenizer.encode(eng.tokenizer.apply_chat_template(messages))
+    (alone,) = eng.generate([ids], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{disaggregated}/v1", api_key="x", max_retries=0)
+    body = {"model": "flowprefill-default", "input": messages, "max_output_tokens": 8, "temperature": 0,
+            "extra_body": {"ignore_eos": True}}
+    got = client.responses.create(**body)  # type: ignore[call-overload]
+    assert got.output_text == eng.tokenizer.decode(alone.output_token_ids) and got.usage.input_tokens == len(ids)
+    events = list(client.responses.create(stream=True, **body))  # type: ignore[call-overload]
+    assert events[-1].type == "response.incomplete" and events[-1].response.output_text == got.output_text
+    counted = httpx.post(f"http://127.0.0.1:{disaggregated}/tokenize", json={"messages": messages}).json()
+    assert counted["tokens"] == ids
+    for worker in (disaggregated + 1, disaggregated + 2):  # nothing left held
+        assert httpx.get(f"http://127.0.0.1:{worker}/load").json()["kv_cache_usage"] == 0
+
+
+@pytest.mark.slow
 def test_workers_refuse_requests_outside_their_role(disaggregated: int) -> None:
     for port, header in ((disaggregated + 1, "x-flowprefill-kv-to"), (disaggregated + 2, "x-flowprefill-kv-id")):
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "hi", "max_tokens": 2})

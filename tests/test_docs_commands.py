@@ -65,12 +65,13 @@ def test_curl_commands(port: int, doc: str) -> None:
 @pytest.mark.slow
 def test_python_snippets(port: int) -> None:
     code = blocks("docs/quickstart.md", "python")
-    assert len(code) == 3
+    assert len(code) == 4
     out = subprocess.run([sys.executable, "-c", moved("\n".join(code), port)], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert any(line.startswith("batch ") for line in out.stdout.splitlines())  # the class applied
     assert any(line.startswith("up=") for line in out.stdout.splitlines())  # the structured answer, parsed
+    assert any(line.startswith("incomplete 8 ") for line in out.stdout.splitlines())  # the Responses API's
 
 
 @pytest.mark.slow

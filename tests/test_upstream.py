@@ -109,3 +109,17 @@ def test_edf_gate_order_bound_and_cancel() -> None:
             assert (await late).url == b.url and pool.queued == 0
 
     asyncio.run(main())
+
+
+def test_other_endpoints_are_forwarded_as_they_are(gated: str) -> None:
+    """In front of a plain OpenAI server (vLLM has them all): the Responses API queued and classed
+    like chat, tokenize and detokenize as they are, one model found in the server's list."""
+    r = httpx.post(f"{gated}/v1/responses", headers={"x-llm-d-inference-objective": "batch"},
+                   json={"input": "hi", "max_output_tokens": 2}, timeout=60)
+    assert r.status_code == 200 and r.headers["x-slo-class"] == "batch" and r.json()["object"] == "response"
+    ids = httpx.post(f"{gated}/tokenize", json={"prompt": "hello"}).json()["tokens"]
+    assert httpx.post(f"{gated}/detokenize", json={"tokens": ids}).json() == {"prompt": "hello"}
+    (listed,) = httpx.get(f"{gated}/v1/models").json()["data"]
+    assert httpx.get(f"{gated}/v1/models/{listed['id']}").json() == listed
+    missing = httpx.get(f"{gated}/v1/models/nope")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
