@@ -1,4 +1,4 @@
-"""SLO classes: a TTFT/TBT target and a priority per class (SPEC: Default SLO classes)."""
+"""SLO classes: a TTFT/TBT target and a priority per class (docs/reference.md: Default SLO classes)."""
 
 from __future__ import annotations
 
