@@ -408,3 +408,18 @@ def test_reference_default_classes_match_the_code() -> None:
         assert [float(row[1]), float(row[2]), int(row[3]), row[4], row[5]] == [
             c.ttft_ms, c.tbt_ms, c.priority, "yes" if c.sheddable else "no", paper_type[name]], name
 
+
+def test_nothing_cites_a_spec_outside_the_repository() -> None:
+    """The contract is docs/reference.md; no help text, page or comment points at a file users lack."""
+    cited = re.compile(r"\bSPEC\b")
+    skip = {".git", ".venv", "site", "bench-results", "node_modules", "__pycache__"}
+    hits = []
+    for path in ROOT.rglob("*"):
+        rel = path.relative_to(ROOT)
+        if (set(rel.parts) & skip or rel.parts[0].startswith(".") or "egg-info" in str(rel)
+                or path.suffix not in (".py", ".md", ".toml", ".yml", ".yaml", ".txt") or path.name == "test_docs.py"):
+            continue
+        for i, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            if cited.search(line):
+                hits.append(f"{rel}:{i}: {line.strip()[:100]}")
+    assert not hits, "cite docs/reference.md instead:\n" + "\n".join(hits)
