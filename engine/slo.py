@@ -1,5 +1,5 @@
-"""SLO classes: a TTFT/TBT target and a priority per class (SPEC: Default SLO classes), and the request
-headers that choose them."""
+"""SLO classes: a TTFT/TBT target and a priority per class (docs/reference.md: Default SLO classes), and
+the request headers that choose them."""
 
 from __future__ import annotations
 

@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from engine.bench.console import results_console
 from gateway.netio import UpstreamTransport
 from gateway.processes import free_port, start, stop, wait_healthy
 
@@ -83,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    console = Console()
+    console = results_console()
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
     w_port, g_port = free_port(), free_port()
     worker = start("worker", "--port", str(w_port), "--threads", "1", core=cores[-1])

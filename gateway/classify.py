@@ -1,4 +1,4 @@
-"""Which SLO class a request runs at (SPEC's precedence), and the key's ceiling."""
+"""Which SLO class a request runs at (the precedence of docs/reference.md), and the key's ceiling."""
 
 from __future__ import annotations
 

@@ -4,6 +4,10 @@ Sweeps the offered rate (and the SLO scale at a fixed rate) of a workload per po
 engine in-process (virtual arrivals replayed against the wall clock) or in the simulator driving
 the same scheduler code. As in the paper, the measured instance is a prefill instance
 (PD disaggregation): each request generates its first token and is done.
+
+Writes <out>/goodput-<engine>.json (the goodput.json schema of docs/reference.md, one file per engine so
+that real and simulated runs sit side by side), <out>/goodput-<engine>.png, and prints the table. A max
+goodput of "below R" means no rate swept, down to the lowest R, reached 90 % attainment.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from engine.bench.console import results_console
 from engine.bench.machine import machine_info
 from engine.config import EngineConfig
 from engine.model.plan import OpCost
@@ -172,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
-    console = Console()
+    console = results_console()
     real = args.engine == "real"
     n = args.requests or (100 if real else 1000)
     rates = [float(x) for x in (args.rates or "1,2,3,4,6,8,10,12,14,16").split(",")]
@@ -242,14 +247,15 @@ def _table(console: Console, doc: dict[str, Any]) -> None:
         t.add_column(col, justify="right")
     tight = doc["slo_scale_sweep"]["tightest_scale_at_target"]
     for name, pol in doc["policies"].items():
-        t.add_row(name, f"{pol['max_goodput_rps']:.2f}", f"{pol['max_goodput_per_class_rps']:.2f}",
+        t.add_row(name, report.goodput_label(pol["max_goodput_rps"], pol["points"]),
+                  report.goodput_label(pol["max_goodput_per_class_rps"], pol["points"]),
                   "-" if tight.get(name) is None else f"{tight[name]:g}")
     console.print(t)
     r = Table(title="ratios")
     r.add_column("ratio")
     r.add_column("value", justify="right")
     for k, v in doc["ratios"].items():
-        r.add_row(k, f"{v:.2f}")
+        r.add_row(k, report.ratio_label(v))
     console.print(r)
     if doc["engine"] == "real":
         a = Table(title="simulator against the real engine (every measured point, percentage points)")

@@ -1,14 +1,18 @@
 """Locust against an OpenAI-compatible endpoint (the FlowPrefill gateway, or any other), open loop.
 
-    locust -f loadtest/locustfile.py --host http://127.0.0.1:8000 --load-profile burst
-    flowprefill loadtest --profile burst --host http://127.0.0.1:8000      # the same, headless
+    .venv/bin/locust -f loadtest/locustfile.py --host http://127.0.0.1:8000 --load-profile burst
+    .venv/bin/flowprefill loadtest --profile burst --host http://127.0.0.1:8000      # the same, headless
 
 Arrivals come from a profile's schedule, not from response times: a pacer shared by the users of a
 process hands out the next arrival and its due time; a free user sleeps until then and sends it.
 With several Locust workers, worker k of n sends arrivals k, k+n, … from a start time the master
 broadcasts. TTFT is the first streamed event carrying a choice, TBT the gaps between such events.
 Locust's stats are named per SLO class (`POST` end to end, `TTFT`, `TBT`); a "SLO" tab in the web UI
-shows attainment per class; at the end the master writes goodput.json, requests.csv and a PNG.
+shows attainment per class; at the end the master writes goodput.json, requests.csv and a PNG, with
+the preemptions the server's FlowPrefill workers counted meanwhile (loadtest/server.py).
+
+Users are the bound on requests in flight (`--max-in-flight` per process, or the web UI's "Number
+of users"), all started before the first arrival is due.
 """
 
 from __future__ import annotations
@@ -28,10 +32,14 @@ from locust.runners import MasterRunner, WorkerRunner
 
 from loadtest import results
 from loadtest.profiles import Profile, ProfileError, Schedule, load_profile
+from loadtest.server import PreemptionCounter
 from loadtest.workload import synthesize_prompt
 
 log = logging.getLogger("flowprefill.loadtest")
 LAG_WARN_S = 0.05
+# Locust warns of spawn rates above 100 users/s per process (runners.py); this is the fastest it
+# does not warn of, so 128 users take 1.3 s to start, and the schedule starts once they have.
+SPAWN_RATE = 100.0
 
 
 class Pacer:
@@ -62,8 +70,9 @@ class Pacer:
         lag = time.time() - due
         if lag > LAG_WARN_S and not self.warned:
             self.warned = True
-            log.warning("load generator fell behind the schedule by %.0f ms at request %d: raise "
-                        "--max-in-flight (users per process) or add Locust workers", lag * 1000, i)
+            log.warning("load generator fell behind the schedule by %.0f ms at request %d: raise the users "
+                        "(--max-in-flight per process, or the web UI's number of users) or add Locust workers",
+                        lag * 1000, i)
         return i, due
 
 
@@ -78,6 +87,7 @@ class Run:
     pending: list[results.Record]  # a worker's records not yet reported to the master
     started_at: float = 0.0
     last_arrival_at: float = 0.0
+    preemptions: PreemptionCounter | None = None
 
     def setup(self, env: Environment) -> None:
         opts = env.parsed_options
@@ -108,8 +118,9 @@ RUN = Run()
 def _arguments(parser: Any) -> None:
     parser.add_argument("--load-profile", default="steady", include_in_web_ui=True,
                         help="steady | ramp | burst | azure, or a profile TOML file")
-    parser.add_argument("--max-in-flight", type=int, default=128, include_in_web_ui=True,
-                        help="users per load-generating process: the most requests it keeps in flight")
+    parser.add_argument("--max-in-flight", type=int, default=128, include_in_web_ui=False,
+                        help="users per load-generating process: the most requests it keeps in flight "
+                             "(the web UI's number of users, for all processes together)")
     parser.add_argument("--drain-s", type=float, default=120.0,
                         help="after the last arrival, how long to wait for answers before stopping")
     parser.add_argument("--flowprefill-out", default="", help="write goodput.json, requests.csv and a PNG here")
@@ -123,6 +134,7 @@ def _init(environment: Environment, **_: Any) -> None:
     except ProfileError as exc:
         log.error("%s", exc)
         raise SystemExit(2) from None
+    _common_options(environment)
     runner = environment.runner
     if isinstance(runner, WorkerRunner):
         def plan(msg: Any, **_: Any) -> None:
@@ -136,6 +148,19 @@ def _init(environment: Environment, **_: Any) -> None:
                 (r.index, r) for r in map(results.Record.from_wire, data.get("flowprefill", []))))
     if environment.web_ui:
         results.extend_web_ui(environment, RUN)
+
+
+def _common_options(environment: Environment) -> None:
+    """The users and spawn rate the web UI's form opens at (and a headless run uses) unless -u / -r
+    name them: --max-in-flight per load-generating process, all started within about a second."""
+    opts = environment.parsed_options
+    if opts is None or opts.worker:
+        return
+    processes = max(1, opts.expect_workers if opts.master else 1)
+    if opts.num_users is None:
+        opts.num_users = opts.max_in_flight * processes
+    if opts.spawn_rate is None:
+        opts.spawn_rate = min(float(opts.num_users), SPAWN_RATE * processes)
 
 
 @events.report_to_master.add_listener
@@ -155,11 +180,14 @@ def _start(environment: Environment, **_: Any) -> None:
     if isinstance(runner, WorkerRunner):
         return  # the master's plan message starts the pacer
     RUN.records, RUN.started_at = {}, time.time()
+    RUN.preemptions = PreemptionCounter(environment.host or "")
+    opts = environment.parsed_options
+    spawn_s = opts.num_users / opts.spawn_rate if opts.num_users and opts.spawn_rate else 0.0
     if isinstance(runner, MasterRunner):
-        t0 = time.time() + 2.0  # time for the workers to receive the plan and spawn their users
+        t0 = time.time() + max(2.0, spawn_s)  # time for the workers to receive the plan and spawn their users
         runner.send_message("flowprefill_plan", {"t0": t0, "workers": runner.worker_count, "nonce": RUN.nonce})
     else:
-        t0 = time.time() + 0.5
+        t0 = time.time() + max(0.5, spawn_s)
     RUN.pacer.start(t0, 0, 1)
     RUN.last_arrival_at = t0 + RUN.schedule.workload.duration_s
 
@@ -169,8 +197,9 @@ def _stop(environment: Environment, **_: Any) -> None:
     if isinstance(environment.runner, WorkerRunner) or not environment.parsed_options.flowprefill_out:
         return
     out = Path(environment.parsed_options.flowprefill_out)
+    preempted = RUN.preemptions.stop() if RUN.preemptions else None
     doc = results.write(out, RUN.profile, RUN.schedule, RUN.records, environment.host or "", RUN.model,
-                        environment.parsed_options.label)
+                        environment.parsed_options.label, preempted)
     log.info("wrote %s: %s", out / "goodput.json", json.dumps(doc["accounting"]))
 
 
@@ -258,17 +287,20 @@ class OpenAIUser(HttpUser):
 
 
 class ScheduleShape(LoadTestShape):
-    """Enough users for the profile from the start; ends the run once every scheduled request has
-    an answer (or the drain time after the last arrival has passed)."""
+    """The users (the in-flight bound) from the start, at the spawn rate of the command line or the
+    web UI's form; ends the run once every scheduled request has an answer (or the drain time after
+    the last arrival has passed). The profile, not the users, decides when requests arrive."""
+
+    use_common_options = True  # the form shows (and takes) the users and spawn rate this shape runs
 
     def tick(self) -> tuple[int, float] | None:
         opts = self.runner.environment.parsed_options
-        workers = getattr(self.runner, "worker_count", 0) or 1
-        users = opts.max_in_flight * workers
+        users = opts.num_users or opts.max_in_flight * (getattr(self.runner, "worker_count", 0) or 1)
+        spawn_rate = opts.spawn_rate or min(float(users), SPAWN_RATE)
         if RUN.started_at and RUN.done:
             return None
         if RUN.last_arrival_at and time.time() > RUN.last_arrival_at + opts.drain_s:
             log.warning("drain time over: %d of %d requests unanswered", len(RUN.schedule) - len(RUN.records),
                         len(RUN.schedule))
             return None
-        return users, users
+        return users, spawn_rate

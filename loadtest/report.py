@@ -1,5 +1,5 @@
-"""Per-class SLO attainment and goodput, in SPEC's goodput.json schema (shared by `bench goodput`
-and `loadtest`)."""
+"""Per-class SLO attainment and goodput, in the goodput.json schema of docs/reference.md (shared by
+`bench goodput` and `loadtest`)."""
 
 from __future__ import annotations
 
@@ -64,6 +64,17 @@ def max_goodput(points: list[dict[str, Any]], per_class: bool = False,
     return best
 
 
+def goodput_label(rps: float, points: list[dict[str, Any]]) -> str:
+    """A max goodput as printed: 0 means no rate swept reached the target, "below" the lowest one."""
+    if rps > 0 or not points:
+        return f"{rps:.2f}"
+    return f"below {min(p['rate'] for p in points):g}"
+
+
+def ratio_label(value: float | None) -> str:
+    return "n/a (baseline below every rate)" if value is None else f"{value:.2f}"
+
+
 def report(workload: dict[str, Any], engine: str, model: str, slo_scale: float, classes: dict[str, Any],
            policies: dict[str, list[dict[str, Any]]], baseline_pairs: Iterable[tuple[str, str]] = (),
            extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -78,7 +89,9 @@ def report(workload: dict[str, Any], engine: str, model: str, slo_scale: float, 
     for a, b in baseline_pairs:
         if a in out["policies"] and b in out["policies"]:
             den = out["policies"][b]["max_goodput_rps"]
-            out["ratios"][f"{a}/{b}"] = out["policies"][a]["max_goodput_rps"] / den if den else float("inf")
+            # A baseline that met the target at no rate swept has no ratio (null): "inf" (or 0/0) would
+            # claim a number the sweep did not measure, and is not JSON.
+            out["ratios"][f"{a}/{b}"] = out["policies"][a]["max_goodput_rps"] / den if den else None
     if extra:
         out |= extra
     return out

@@ -1,5 +1,6 @@
-"""What a Locust run measured: one record per scheduled request, turned into SPEC's goodput.json
-(engine "http"), a per-request CSV, a PNG and the web UI's per-class SLO table."""
+"""What a Locust run measured: one record per scheduled request, turned into goodput.json (the
+schema of docs/reference.md, engine "http"), a per-request CSV, a PNG and the web UI's per-class SLO
+table."""
 
 from __future__ import annotations
 
@@ -61,10 +62,15 @@ def class_table(records: list[Record]) -> list[dict[str, Any]]:
         target = DEFAULT_CLASSES[name].ttft_ms if name in DEFAULT_CLASSES else float("nan")
         attained = sum(1 for r in mine if r.ok and r.ttft_s * 1000 <= target)
         rows.append({"slo_class": name, "requests": len(mine), "failed": sum(not r.ok for r in mine),
-                     "ttft_target_ms": target, "attainment": round(attained / len(mine), 4),
+                     "ttft_target_ms": target, "attained": attained, "attainment": round(attained / len(mine), 4),
                      "ttft_p50_ms": _pct(ttft, 50), "ttft_p99_ms": _pct(ttft, 99),
                      "tbt_p50_ms": _pct(tbt, 50), "tbt_p99_ms": _pct(tbt, 99)})
     return rows
+
+
+def percent(share: float) -> str:
+    """An attainment (a share) as the command line, the web UI and the plot show it."""
+    return f"{share:.0%}"
 
 
 def _pct(values: np.ndarray, q: float) -> float | None:
@@ -72,9 +78,11 @@ def _pct(values: np.ndarray, q: float) -> float | None:
 
 
 def write(out: Path, profile: Profile, schedule: Schedule, records: dict[int, Record], host: str, model: str,
-          label: str) -> dict[str, Any]:
-    """goodput.json (SPEC schema, engine "http"; one point per offered-rate phase), requests.csv and
-    goodput.png. Requests with no record count as failed: nothing is dropped from the accounting."""
+          label: str, preempted: dict[str, int] | None = None) -> dict[str, Any]:
+    """goodput.json (docs/reference.md's schema, engine "http"; one point per offered-rate phase),
+    requests.csv and goodput.png. Requests with no record count as failed: nothing is dropped from
+    the accounting. `preempted`: the server's preemptions during the run by "victim<-by" class pair
+    (None: not readable); a one-point run's point carries their total."""
     out.mkdir(parents=True, exist_ok=True)
     w = schedule.workload
     full = []
@@ -85,6 +93,9 @@ def write(out: Path, profile: Profile, schedule: Schedule, records: dict[int, Re
     for rate in sorted(set(schedule.phase)):
         mine = [r for r, ph in zip(full, schedule.phase, strict=True) if ph == rate]
         points.append(report.point(round(rate, 4), outcomes(mine)))
+    total = None if preempted is None else sum(preempted.values())
+    if total is not None and len(points) == 1:
+        points[0]["preemptions"] = total
     succeeded = sum(r.ok for r in full)
     accounting = {"scheduled": len(w.requests), "sent": len(records), "succeeded": succeeded,
                   "failed": len(records) - succeeded, "missing": len(w.requests) - len(records)}
@@ -94,6 +105,7 @@ def write(out: Path, profile: Profile, schedule: Schedule, records: dict[int, Re
         "http", model, 1.0, {k: {"ttft_ms": c.ttft_ms, "tbt_ms": c.tbt_ms} for k, c in DEFAULT_CLASSES.items()},
         {label: points},
         extra={"host": host, "profile": msgspec.to_builtins(profile), "accounting": accounting,
+               "server": {"preemptions": total, "preemptions_by_class": preempted},
                "per_class": class_table(full),
                "errors": _errors(full),
                "loadgen": {"lag_p50_ms": float(np.percentile(lag, 50)), "lag_p99_ms": float(np.percentile(lag, 99)),
@@ -145,9 +157,13 @@ def plot(records: list[Record], doc: dict[str, Any], path: Path) -> None:
     ax1.set_title("TTFT by SLO class")
     ax1.legend()
     rows = doc["per_class"]
-    ax2.bar([r["slo_class"] for r in rows], [r["attainment"] for r in rows], color=[f"C{i}" for i in range(len(rows))])
+    bars = ax2.bar([r["slo_class"] for r in rows], [r["attainment"] for r in rows],
+                   color=[f"C{i}" for i in range(len(rows))])
+    # A class that attained nothing has no bar: its label still says what happened to its requests.
+    ax2.bar_label(bars, [f"{percent(r['attainment'])}: {r['attained']} of {r['requests']}"
+                         + (f", {r['failed']} failed" if r["failed"] else "") for r in rows], padding=2)
     ax2.axhline(report.ATTAINMENT_TARGET, color="k", linestyle="--", linewidth=1, label="target")
-    ax2.set_ylim(0, 1.05)
+    ax2.set_ylim(0, 1.15)  # room for the labels over full bars
     ax2.set_ylabel("TTFT SLO attainment")
     label = next(iter(doc["policies"]))
     ax2.set_title(f"{label}: goodput {sum(p['goodput_rps'] for p in doc['policies'][label]['points']):.2f} req/s "
@@ -174,6 +190,7 @@ def extend_web_ui(environment: Environment, run: Run) -> None:
     def _slo_stats(response: Any) -> Any:
         if request.path != "/stats/requests" or not response.is_json:
             return response
-        rows = class_table(list(run.records.values()) + list(run.pending))
+        rows = [r | {"attainment": percent(r["attainment"])}
+                for r in class_table(list(run.records.values()) + list(run.pending))]
         response.set_data(json.dumps({**response.json, "extended_stats": [{"key": "slo", "data": rows}]}))
         return response

@@ -1,5 +1,6 @@
 """`flowprefill loadtest`: run a Locust profile headless against a gateway (or any OpenAI-compatible
-server) and write SPEC's goodput.json (engine "http"), requests.csv and goodput.png.
+server) and write <out>/goodput.json (the schema of docs/reference.md, engine "http"), requests.csv and
+goodput.png; with several policies or rates, one such folder per run and <out>/goodput.json for all.
 
     flowprefill loadtest --profile burst --host http://127.0.0.1:8000
     flowprefill loadtest --profile azure --rate 3 --processes 2 --host http://127.0.0.1:8000
@@ -26,10 +27,12 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
+from engine.bench.console import results_console
 from gateway.processes import free_port, start, stop, wait_healthy
 from loadtest import report
 from loadtest.goodput import RATIO_PAIRS
 from loadtest.profiles import Profile, ProfileError, load_profile
+from loadtest.results import percent
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 
@@ -61,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    console = Console()
+    console = results_console()
 
     rates = [float(r) for r in args.rates.split(",")] if args.rates else [args.rate]
     try:
@@ -103,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _locust(profile: Profile, host: str, label: str, out: Path, args: argparse.Namespace) -> dict[str, Any] | None:
     """One headless Locust run (single process, or a master and --processes workers)."""
-    console = Console()
+    console = results_console()
     out.mkdir(parents=True, exist_ok=True)
     for stale in ("goodput.json", "requests.csv", "goodput.png"):
         (out / stale).unlink(missing_ok=True)
@@ -167,7 +170,7 @@ def _merge(docs: list[dict[str, Any]], argv: list[str] | None) -> dict[str, Any]
     return report.report(
         first["workload"] | {"requests": max(d["workload"]["requests"] for d in docs)}, "http", first["model"], 1.0,
         first["classes"], policies, RATIO_PAIRS,
-        extra={"runs": [{k: d[k] for k in ("host", "accounting", "per_class", "loadgen", "errors")}
+        extra={"runs": [{k: d[k] for k in ("host", "accounting", "per_class", "loadgen", "errors", "server")}
                         | {"policy": next(iter(d["policies"])), "rate": d["profile"]["rate"]} for d in docs],
                "accounting": {k: sum(d["accounting"][k] for d in docs) for k in first["accounting"]},
                "command": "flowprefill loadtest " + " ".join(argv if argv is not None else sys.argv[2:])})
@@ -182,11 +185,11 @@ def _side_by_side(console: Console, doc: dict[str, Any]) -> None:
     t.add_column("max goodput", justify="right")
     for name, pol in doc["policies"].items():
         by_rate = {pt["rate"]: pt for pt in pol["points"]}
-        t.add_row(name, *[f"{by_rate[r]['goodput_rps']:.2f} ({by_rate[r]['attainment']:.0%})" if r in by_rate
-                          else "-" for r in rates], f"{pol['max_goodput_rps']:.2f}")
+        t.add_row(name, *[f"{by_rate[r]['goodput_rps']:.2f} ({percent(by_rate[r]['attainment'])})" if r in by_rate
+                          else "-" for r in rates], report.goodput_label(pol["max_goodput_rps"], pol["points"]))
     console.print(t)
     for k, v in doc["ratios"].items():
-        console.print(f"{k}: {v:.2f}x")
+        console.print(f"{k}: {report.ratio_label(v)}{'' if v is None else 'x'}")
 
 
 def _plot_rates(doc: dict[str, Any], path: Path) -> None:
@@ -231,12 +234,19 @@ def _summary(console: Console, doc: dict[str, Any]) -> None:
         t.add_column(col, justify="left" if col == "class" else "right")
     for r in doc["per_class"]:
         t.add_row(r["slo_class"], str(r["requests"]), str(r["failed"]), f"{r['ttft_target_ms']:g}",
-                  f"{r['attainment']:.0%}", _f(r["ttft_p50_ms"]), _f(r["ttft_p99_ms"]), _f(r["tbt_p99_ms"]))
+                  percent(r["attainment"]), _f(r["ttft_p50_ms"]), _f(r["ttft_p99_ms"]), _f(r["tbt_p99_ms"]))
     console.print(t)
     pts = doc["policies"][label]["points"]
     for pt in pts:
-        console.print(f"offered {pt['rate']:.3g} req/s: attainment {pt['attainment']:.0%}, "
+        console.print(f"offered {pt['rate']:.3g} req/s: attainment {percent(pt['attainment'])}, "
                       f"goodput {pt['goodput_rps']:.3g} req/s")
+    server = doc.get("server") or {}
+    if server.get("preemptions") is None:
+        console.print("preemptions: unknown (the server's workers expose no flowprefill metrics to this host)")
+    else:
+        pairs = ", ".join(f"{v} of {k.replace('<-', ' by ')}" for k, v in server["preemptions_by_class"].items())
+        console.print(f"preemptions (the server's workers, during the run): {server['preemptions']}"
+                      + (f" ({pairs})" if pairs else ""))
     a, lg = doc["accounting"], doc["loadgen"]
     console.print(f"accounting: scheduled {a['scheduled']} = sent {a['sent']} + missing {a['missing']}; "
                   f"sent = succeeded {a['succeeded']} + failed {a['failed']}")

@@ -1,4 +1,5 @@
-"""Prometheus metrics of an engine worker (names fixed by SPEC: prefix flowprefill_)."""
+"""Prometheus metrics of an engine worker and of the gateway (names fixed by docs/reference.md: prefix
+flowprefill_)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ Configured only by the standard `OTEL_*` environment variables, so a default Jae
 when off nothing is installed (no plugin, no engine observer), so it costs nothing.
 
 Engine spans are opened and closed on the engine thread with the engine's own clock readings, so
-queue + prefill segments + preempted intervals tile the request's TTFT exactly.
+queue + prefill segments + preempted intervals follow one another to the nanosecond from the
+request's arrival to its last prefill segment; decode starts at the first token, once it is sampled.
 """
 
 from __future__ import annotations
@@ -192,7 +193,8 @@ class EngineTracer(EngineObserver):
                 "flowprefill.victim_class": r.slo_class,
                 "flowprefill.by_class": s.by_class,
                 "flowprefill.stop_latency_ms": s.stop_latency_s * 1000,
-                # beyond SPEC: on a GPU, the queued steps the stop waited for and their predicted time
+                # beyond the contract (docs/reference.md): on a GPU, the queued steps the stop waited for
+                # and their predicted time
                 "flowprefill.stop_queued_steps": s.queued_steps,
                 "flowprefill.stop_queued_predicted_ms": s.queued_predicted_s * 1000,
             })

@@ -1,4 +1,4 @@
-"""SLO classification precedence and API-key ceilings (SPEC: HTTP)."""
+"""SLO classification precedence and API-key ceilings (docs/reference.md: HTTP)."""
 
 from __future__ import annotations
 

@@ -298,3 +298,128 @@ def test_otel_variable_table_matches_the_code_and_the_sdk() -> None:
     read = set(re.findall(r'"(OTEL_[A-Z_]+)"', (ROOT / "telemetry" / "tracing.py").read_text(encoding="utf-8")))
     assert read and read <= documented, f"read by tracing.py but not documented: {sorted(read - documented)}"
     assert documented <= known, f"not OpenTelemetry variables: {sorted(documented - known)}"
+
+
+# -- docs/reference.md: the product contract, against the code ------------------------------------
+
+# What the contract fixes (it may be extended, never renamed): a change here is a change of contract.
+CONTRACT_METRICS = {
+    "flowprefill_time_to_first_token_seconds", "flowprefill_slo_attained_total", "flowprefill_slo_violated_total",
+    "flowprefill_preemptions_total", "flowprefill_preemption_latency_seconds", "flowprefill_requests_waiting",
+    "flowprefill_requests_running", "flowprefill_requests_preempted", "flowprefill_kv_cache_usage_ratio",
+    "flowprefill_gateway_requests_total", "flowprefill_gateway_shed_total"}
+CONTRACT_PREEMPTED_ATTRS = {
+    "flowprefill.preempted_by", "flowprefill.layer", "flowprefill.operator", "flowprefill.tokens_done",
+    "flowprefill.victim_class", "flowprefill.by_class", "flowprefill.stop_latency_ms"}
+ATTRIBUTE = re.compile(r"(?:flowprefill|gen_ai|server)\.[a-z_.]+")
+
+
+def _codes(cell: str) -> list[str]:
+    return re.findall(r"`([^`]*)`", cell)
+
+
+def _metrics_in_code() -> dict[str, tuple[str, str, tuple[str, ...]]]:
+    """Exposition name -> (type, process, labels) of every metric telemetry/metrics.py defines."""
+    import ast
+
+    kinds = {"Counter": "counter", "Gauge": "gauge", "Histogram": "histogram", "Info": "info"}
+    suffix = {"counter": "_total", "info": "_info"}  # what prometheus_client exposes them as
+    tree = ast.parse((ROOT / "telemetry" / "metrics.py").read_text(encoding="utf-8"))
+    found = {}
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        process = {"EngineMetrics": "worker", "GatewayMetrics": "gateway"}[cls.name]
+        info_labels = {id(c.func.value): tuple(k.value for k in c.args[0].keys)  # Info(...).info({...})
+                       for c in ast.walk(cls) if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
+                       and c.func.attr == "info" and isinstance(c.args[0], ast.Dict)}
+        for call in ast.walk(cls):
+            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in kinds):
+                continue
+            kind = kinds[call.func.id]
+            labels = next((a for a in call.args[2:3]), None) or next(
+                (k.value for k in call.keywords if k.arg == "labelnames"), None)
+            names = tuple(e.value for e in labels.elts) if isinstance(labels, ast.List) else ()
+            found[call.args[0].value + suffix.get(kind, "")] = (kind, process, info_labels.get(id(call), names))
+    return found
+
+
+def test_reference_metrics_match_the_code() -> None:
+    rows = _table(_section("reference.md", "## Metrics"))
+    documented = {_code(r[0]): (r[1], r[3], tuple(_codes(r[2]))) for r in rows}
+    code = _metrics_in_code()
+    assert len(code) > 20 and all(name.startswith("flowprefill_") for name in code)
+    missing, stale = sorted(set(code) - set(documented)), sorted(set(documented) - set(code))
+    assert not missing, f"metrics missing from docs/reference.md: {missing}"
+    assert not stale, f"docs/reference.md lists metrics the code lacks: {stale}"
+    for name, (kind, process, labels) in code.items():
+        assert documented[name] == (kind, process, labels), (name, documented[name])
+    contract = {_code(r[0]) for r in rows if r[4] == "yes"}
+    assert contract == CONTRACT_METRICS, "the reference page's contract metrics are not the contract's"
+    assert all(r[4] in ("yes", "extension") for r in rows)
+
+
+def _span_rows() -> dict[str, set[str]]:
+    """First span name of each row of the reference's span table -> its attributes."""
+    rows = _table(_section("reference.md", "## Traces"))
+    return {_codes(r[0])[0] if _codes(r[0]) else r[0]: set(_codes(r[2])) for r in rows}
+
+
+def test_reference_span_attributes_match_the_tracer() -> None:
+    """Every attribute telemetry/tracing.py sets is on the page, under the span that carries it, and
+    nothing else; the contract's `preempted` attributes are all there."""
+    import ast
+
+    source = (ROOT / "telemetry" / "tracing.py").read_text(encoding="utf-8")
+    tree = ast.parse(source)
+    set_by_tracer = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                     and ATTRIBUTE.fullmatch(n.value)}
+    children: dict[str, set[str]] = {}  # self._child(rt, "NAME", …, attributes={…})
+    for call in ast.walk(tree):
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "_child":
+            attrs = next((k.value for k in call.keywords if k.arg == "attributes"), None)
+            keys = {k.value for k in attrs.keys} if isinstance(attrs, ast.Dict) else set()
+            children.setdefault(call.args[1].value, set()).update(keys)
+    spans = _span_rows()
+    worker_spans = {name: attrs for name, attrs in spans.items() if name not in ("kv_transfer", "POST /v1/…")}
+    assert set(children) | {"text_completion <model>"} == set(worker_spans)
+    for name, keys in children.items():
+        assert keys <= worker_spans[name], (name, sorted(keys - worker_spans[name]))
+    # (a request's end cuts short whichever interval is open: queue, prefill or preempted)
+    assert spans["preempted"] == children["preempted"] | {"flowprefill.interrupted_by"}
+    assert spans["preempted"] >= CONTRACT_PREEMPTED_ATTRS
+    documented = set().union(*worker_spans.values())
+    assert documented == set_by_tracer, (f"set by tracing.py, not on docs/reference.md: "
+                                         f"{sorted(set_by_tracer - documented)}; on the page, not set: "
+                                         f"{sorted(documented - set_by_tracer)}")
+    # the spans other modules open: what the page says they carry is set there
+    for name, path in (("kv_transfer", "engine/worker.py"), ("POST /v1/…", "gateway/app.py")):
+        literals = set(ATTRIBUTE.findall((ROOT / path).read_text(encoding="utf-8")))
+        assert spans[name] <= literals, (name, sorted(spans[name] - literals))
+
+
+def test_reference_default_classes_match_the_code() -> None:
+    from loadtest.workload import ClassRule
+
+    rows = _table(_section("reference.md", "## Default SLO classes"))
+    documented = {_code(r[0]): r for r in rows}
+    assert set(documented) == set(DEFAULT_CLASSES)
+    paper_type = {cls: t for t, cls in ClassRule().by_type.items()}
+    for name, c in DEFAULT_CLASSES.items():
+        row = documented[name]
+        assert [float(row[1]), float(row[2]), int(row[3]), row[4], row[5]] == [
+            c.ttft_ms, c.tbt_ms, c.priority, "yes" if c.sheddable else "no", paper_type[name]], name
+
+
+def test_nothing_cites_a_spec_outside_the_repository() -> None:
+    """The contract is docs/reference.md; no help text, page or comment points at a file users lack."""
+    cited = re.compile(r"\bSPEC\b")
+    skip = {".git", ".venv", "site", "bench-results", "node_modules", "__pycache__"}
+    hits = []
+    for path in ROOT.rglob("*"):
+        rel = path.relative_to(ROOT)
+        if (set(rel.parts) & skip or rel.parts[0].startswith(".") or "egg-info" in str(rel)
+                or path.suffix not in (".py", ".md", ".toml", ".yml", ".yaml", ".txt") or path.name == "test_docs.py"):
+            continue
+        for i, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            if cited.search(line):
+                hits.append(f"{rel}:{i}: {line.strip()[:100]}")
+    assert not hits, "cite docs/reference.md instead:\n" + "\n".join(hits)

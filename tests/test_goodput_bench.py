@@ -1,15 +1,23 @@
-"""`flowprefill bench goodput` end to end on the simulator: SPEC's goodput.json schema, a PNG."""
+"""`flowprefill bench goodput` end to end on the simulator: the goodput.json schema of
+docs/reference.md, a PNG, the files its help names, and a table that says what it measured."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import random
+import re
 from pathlib import Path
+
+import pytest
 
 from gateway.cli import main
 
+ROOT = Path(__file__).resolve().parents[1]
 
-def test_goodput_bench_writes_spec_schema(tmp_path: Path) -> None:
+
+def _trace(tmp_path: Path) -> Path:
     rng = random.Random(0)
     trace = tmp_path / "trace.csv"
     rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
@@ -17,6 +25,11 @@ def test_goodput_bench_writes_spec_schema(tmp_path: Path) -> None:
         n = rng.choice([rng.randint(50, 1000), rng.randint(1500, 2000), rng.randint(3000, 9000)])
         rows.append(f"2023-11-16 18:15:{i // 2:02d}.{(i % 2) * 5}000000,{n},10")
     trace.write_text("\n".join(rows) + "\n")
+    return trace
+
+
+def test_goodput_bench_writes_spec_schema(tmp_path: Path) -> None:
+    trace = _trace(tmp_path)
     out = tmp_path / "out"
     assert main(["bench", "goodput", "--engine", "sim", "--cost", "llama-3.1-8b@h100", "--workload", str(trace),
                  "--rates", "5,20,80", "--slo-scales", "0.5,1.0", "--scale-rate", "20", "--out", str(out)]) == 0
@@ -33,3 +46,42 @@ def test_goodput_bench_writes_spec_schema(tmp_path: Path) -> None:
                 assert {"n", "attainment", "ttft_p50_ms", "ttft_p99_ms"} <= set(c)
     assert "flowprefill/fcfs" in doc["ratios"]
     assert (out / "goodput-sim.png").stat().st_size > 10_000
+
+
+def _json_strict(path: Path) -> dict:
+    """JSON as the standard has it: Infinity and NaN (what json.dumps writes for inf) are refused."""
+    def refuse(name: str) -> None:
+        raise ValueError(f"{path.name}: {name} is not JSON")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_goodput_bench_below_every_rate_and_its_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """At a rate no policy sustains, the table says "below 1000" (not 0.00), the ratios are null (not
+    inf, and 0/0 is no ratio); the files are the ones `--help` and the reference page name, and the
+    table, printed to a pipe, is not cut at 80 columns."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    out = tmp_path / "out"
+    assert main(["bench", "goodput", "--engine", "sim", "--cost", "llama-3.1-8b@h100", "--workload",
+                 str(_trace(tmp_path)), "--rates", "1000", "--slo-scales", "", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    doc = _json_strict(out / "goodput-sim.json")
+    assert all(p["max_goodput_rps"] == 0.0 for p in doc["policies"].values())
+    assert doc["ratios"] and all(v is None for v in doc["ratios"].values())
+    assert "inf" not in printed and "0.00" not in printed
+    rows = [line for line in printed.splitlines() if re.match(r"│ +fcfs │", line)]
+    assert len(rows) == 1 and rows[0].count("below 1000") == 2, printed
+    assert "n/a (baseline below every rate)" in printed
+    header = next(line for line in printed.splitlines() if "max goodput req/s" in line)
+    assert "every class >= 90 %" in header and "tightest SLO scale" in header, printed  # one line, uncut
+    assert sorted(p.name for p in out.iterdir()) == ["goodput-sim.json", "goodput-sim.png"]
+
+    helped = io.StringIO()
+    with contextlib.redirect_stdout(helped), pytest.raises(SystemExit):
+        main(["bench", "goodput", "--help"])
+    assert "<out>/goodput-<engine>.json" in " ".join(helped.getvalue().split())
+    reference = (ROOT / "docs" / "reference.md").read_text()
+    row = next(line for line in reference.splitlines() if line.startswith("| `flowprefill bench goodput"))
+    assert "`<out>/goodput-<engine>.json`" in row and "`<out>/goodput-<engine>.png`" in row
+    assert re.search(r"^\| `flowprefill loadtest` .*`<out>/goodput\.json`", reference, re.M)

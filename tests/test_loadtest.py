@@ -162,10 +162,11 @@ def test_dead_server_every_request_fails_explicitly(tmp_path: Path) -> None:
 def test_web_ui_slo_tab(served: str, tmp_path: Path) -> None:
     (tmp_path / "small.toml").write_text(SMALL)
     port = free_port()
+    log = (tmp_path / "locust.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--host", served,
                              "--load-profile", str(tmp_path / "small.toml"), "--web-host", "127.0.0.1",
                              "--web-port", str(port), "--autostart"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline, rows = time.monotonic() + 60, []
         while time.monotonic() < deadline:
@@ -182,9 +183,18 @@ def test_web_ui_slo_tab(served: str, tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+        log.close()
     assert {r["slo_class"] for r in rows} == {"batch", "interactive"}
     assert sum(r["requests"] for r in rows) == 8
     assert '"extended_tabs"' in page or "extended_tabs" in page
+    # attainment as the command line shows it (a percentage), not a bare share
+    assert all(re.fullmatch(r"\d+%", r["attainment"]) for r in rows), rows
+    # the form opens at what the run uses: the in-flight bound as users, a spawn rate Locust does not warn of
+    args = json.JSONDecoder().raw_decode(page.split("window.templateArgs = ", 1)[1])[0]
+    assert (args["num_users"], args["spawn_rate"], args["hide_common_options"]) == (128, 100.0, False)
+    assert "max_in_flight" not in args["extra_options"]  # one knob for it in the form: the users
+    text = (tmp_path / "locust.log").read_text()
+    assert "All users spawned" in text and "spawn rate is very high" not in text, text[-2000:]
 
 
 def test_trace_replay_profile_from_mooncake_jsonl(tmp_path: Path) -> None:
@@ -206,8 +216,8 @@ def test_documented_locust_commands_parse() -> None:
     parser with this locustfile's options (in a fresh process: Locust must patch the stdlib first)."""
     text = (Path(__file__).resolve().parents[1] / "docs" / "loadtest.md").read_text()
     commands = [line.split(" #")[0] for block in re.findall(r"```bash\n(.*?)```", text, re.S)
-                for line in block.replace("\\\n", " ").splitlines() if line.strip().startswith("locust ")]
-    assert len(commands) >= 2
+                for line in block.replace("\\\n", " ").splitlines() if line.strip().startswith(".venv/bin/locust ")]
+    assert len(commands) >= 3
     code = """
 import json, shlex, sys
 import locust.argument_parser as locust_args
@@ -225,3 +235,52 @@ print("ok", len(json.loads(sys.argv[1])))
     out = subprocess.run([sys.executable, "-c", code, json.dumps(commands)], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr[-2000:]
+
+
+def test_documented_locust_is_the_venvs() -> None:
+    """The docs' setup installs Locust into .venv, whose bin is not on PATH: every command that runs
+    Locust says `.venv/bin/locust` (a bare `locust` is "command not found"), and that file exists."""
+    root = Path(__file__).resolve().parents[1]
+    pages = [*sorted((root / "docs").glob("*.md")), root / "README.md"]
+    lines = [(page.name, line.strip()) for page in pages
+             for block in re.findall(r"```bash\n(.*?)```", page.read_text(), re.S) for line in block.splitlines()]
+    lines += [("locustfile.py", line.strip()) for line in (LOCUSTFILE.read_text().split('"""')[1]).splitlines()]
+    runs = [(page, line) for page, line in lines if re.search(r"(^|[\s/])locust\s", line)]
+    assert len(runs) >= 4
+    bare = [(page, line) for page, line in runs if not line.startswith(".venv/bin/locust ")]
+    assert not bare, bare
+    assert (Path(sys.executable).parent / "locust").is_file()
+
+
+@pytest.mark.slow
+def test_burst_profile_shows_preemption(served: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """The built-in `burst`, as the Quickstart runs it: no request refused (with 8,000-token backlog
+    requests a busy machine's worker shed them all as predicted misses), the backlog preempted by the
+    spike (counted by the server, in the report and on the command line), and the plot's batch bar
+    not empty. The margin: a backlog request's prefill alone is under a second here, the target 6 s."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    worker = served.rsplit(":", 1)[0] + f":{int(served.rsplit(':', 1)[1]) + 1}"
+
+    def preemptions() -> float:
+        return sum(float(line.split()[-1]) for line in httpx.get(f"{worker}/metrics").text.splitlines()
+                   if line.startswith("flowprefill_preemptions_total{"))
+
+    before = preemptions()
+    out = tmp_path / "out"
+    assert flowprefill(["loadtest", "--profile", "burst", "--host", served, "--out", str(out)]) == 0
+    counted = preemptions() - before
+    printed = capsys.readouterr().out
+    doc = _check_report(out, {"batch", "interactive"})
+    assert doc["accounting"]["failed"] == 0, doc["errors"]
+    rows = list(csv.DictReader((out / "requests.csv").open()))
+    assert {r["status"] for r in rows} == {"200"}
+    assert counted >= 1, "nothing was preempted: the burst did not land on the backlog"
+    assert doc["server"]["preemptions"] == counted == doc["policies"]["http"]["points"][0]["preemptions"]
+    assert doc["server"]["preemptions_by_class"].get("batch<-interactive", 0) >= 1
+    assert f"preemptions (the server's workers, during the run): {int(counted)}" in printed
+    batch = next(r for r in doc["per_class"] if r["slo_class"] == "batch")
+    assert batch["attained"] >= 1 and batch["attainment"] > 0, batch  # the plot's batch bar
+    # the per-class table, printed to a pipe, whole: every column on the header's one line
+    header = next(line for line in printed.splitlines() if "target ms" in line)
+    assert all(col in header for col in ("requests", "attainment", "TTFT p50 ms", "TTFT p99 ms", "TBT p99 ms"))

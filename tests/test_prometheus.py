@@ -1,6 +1,6 @@
 """A real Prometheus server (Debian's `prometheus`, installed by .ci/run) scrapes `flowprefill serve`
-with the shipped scrape config; PromQL over its HTTP API sees SPEC's metrics, and every query of the
-shipped Grafana dashboard evaluates."""
+with the shipped scrape config; PromQL over its HTTP API sees the contract's metrics
+(docs/reference.md), and every query of the shipped Grafana dashboard evaluates."""
 
 from __future__ import annotations
 

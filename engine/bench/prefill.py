@@ -39,6 +39,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from engine.bench.console import results_console
 from engine.bench.contenders import HFPrefill, OurPrefill, device_sync, interleaved, load_transformers
 from engine.bench.machine import cpu_count, machine_info
 from engine.bench.overhead import OverheadSection, median
@@ -296,9 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     plan = make_plan(args, parser)
-    console = Console()
-    if not console.is_terminal:  # logs and CI: wide enough for the tables
-        console = Console(width=140)
+    console = results_console()
     out_dir: Path = args.out
     out_dir.mkdir(parents=True, exist_ok=True)
     threads = args.threads or cpu_count()

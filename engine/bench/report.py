@@ -11,6 +11,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from engine.bench.console import results_console
+
 Results = dict[str, Any]
 
 
@@ -26,7 +28,7 @@ def command(name: str, build_parser: Callable[[], argparse.ArgumentParser],
         args.argv = list(argv or [])
         if args.threads:
             torch.set_num_threads(args.threads)
-        console = Console()
+        console = results_console()
         results = run(args, console)
         console.print(table(results))
         args.out.mkdir(parents=True, exist_ok=True)
