@@ -81,6 +81,7 @@ def test_quickstart_load_test(port: int, tmp_path: Path) -> None:
     (cmd,) = [b.strip() for b in blocks("docs/quickstart.md", "bash") if "flowprefill loadtest" in b]
     out = run(f"cd {tmp_path} && {cmd}", port, timeout=300)
     n = len(BUILTIN["burst"].schedule())  # 36 before the backlog was sized to be feasible on slow machines
-    assert f"accounting: scheduled {n} = sent {n} + missing 0; sent = succeeded {n} + failed 0" in " ".join(out.split())
+    accounting = f"accounting: scheduled {n} = sent {n} + missing 0; sent = succeeded {n} + failed 0"
+    assert accounting in " ".join(out.split()), out[-3000:]
     assert re.search(r"preemptions \(the server's workers, during the run\): [1-9]", out), out[-2000:]
     assert (tmp_path / "bench-results/loadtest/goodput.json").exists()
