@@ -33,15 +33,10 @@ import torch
 from safetensors.torch import load, load_file, save, save_file
 
 from engine.config import ModelConfig
-from engine.openai_api import KV_ID_HEADER, KV_TO_HEADER
+from engine.protocol.headers import KV_SHM_HEADER
 from engine.request import Logprob, Request, Sampled
 
-__all__ = ["KV_ID_HEADER", "KV_TO_HEADER", "SHM_HEADER", "TRANSPORT_HEADER", "KVInbox", "check", "pack", "read_shm",
-           "send", "unpack"]
-
 SHM_DIR = Path(os.environ.get("FLOWPREFILL_SHM_DIR", "/dev/shm"))
-SHM_HEADER = "x-flowprefill-kv-shm"  # on the internal POST: the KV is in this file of SHM_DIR
-TRANSPORT_HEADER = "x-flowprefill-kv-transport"  # "http" on a prefill request: no shared memory (benchmarks)
 SHM_MISSING = "kv_shm_missing"  # the decode worker's error code when it cannot see the file
 _SHM_NAME = re.compile(r"flowprefill-kv-[0-9a-f]{32}\.safetensors")
 
@@ -106,7 +101,7 @@ def is_same_host(url: str) -> bool:
 def read_shm(name: str) -> tuple[dict[str, torch.Tensor], Sampled] | None:
     """The KV a same-host prefill worker left in SHM_DIR/name; None if this process cannot see it."""
     if not _SHM_NAME.fullmatch(name):  # only our own files, never a path
-        raise ValueError(f"{SHM_HEADER} must name a file flowprefill-kv-<hex>.safetensors")
+        raise ValueError(f"{KV_SHM_HEADER} must name a file flowprefill-kv-<hex>.safetensors")
     path = SHM_DIR / name
     if not path.is_file():
         return None
@@ -122,7 +117,7 @@ async def send(client: httpx.AsyncClient, decode_url: str, request_id: str, kv: 
         path = SHM_DIR / f"flowprefill-kv-{uuid.uuid4().hex}.safetensors"
         try:
             save_file(tensors, str(path))
-            r = await client.post(url, headers={SHM_HEADER: path.name})
+            r = await client.post(url, headers={KV_SHM_HEADER: path.name})
             if not (r.status_code == 404 and SHM_MISSING in r.text):
                 r.raise_for_status()
                 return "shm", path.stat().st_size

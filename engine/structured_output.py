@@ -9,69 +9,21 @@ lives on the request and is where its answer left it.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import numpy as np
 import torch
 
+from engine.protocol.sampling import KINDS, Guide
 from engine.tokenizer import ByteTokenizer, HFTokenizer
 
 if TYPE_CHECKING:
     import llguidance
 
 log = logging.getLogger("flowprefill.structured_output")
-KINDS = ("json", "regex", "choice", "grammar")
-
-
-class Guide(msgspec.Struct, frozen=True, omit_defaults=True):
-    """What an answer must match."""
-
-    kind: str  # one of KINDS
-    spec: str  # a JSON schema, a regular expression, a JSON list of strings, or a Lark / GBNF grammar
-    # JSON: whitespace may be written between tokens (vLLM's default); off, the JSON is compact, which
-    # keeps a weak model from padding its answer with whitespace until max_tokens.
-    any_whitespace: bool = True
-    whitespace_pattern: str | None = None  # JSON: a regular expression for that whitespace instead
-
-    @classmethod
-    def json(cls, schema: Any, close_objects: bool = False, **kw: Any) -> Guide:
-        """`close_objects` (vLLM's disable_additional_properties): objects that list their
-        properties allow no others unless they say so."""
-        try:
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"the JSON schema is not JSON: {exc}") from None
-            if schema is True:
-                schema = {}  # JSON Schema's "anything"
-            if not isinstance(schema, dict):
-                raise ValueError("a JSON schema must be an object")
-            return cls("json", json.dumps(_closed(schema) if close_objects else schema), **kw)
-        except RecursionError:
-            raise ValueError("the JSON schema is nested too deeply") from None
-
-    @classmethod
-    def choice(cls, choices: Any) -> Guide:
-        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
-            raise ValueError("a choice must be a non-empty list of non-empty strings")
-        return cls("choice", json.dumps(choices))
-
-
-def _closed(schema: Any) -> Any:
-    if isinstance(schema, list):
-        return [_closed(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: _closed(v) for k, v in schema.items()}
-    if "properties" in out and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
 
 
 # A constraint whose next mask, or whose step past a token, costs more CPU than this fails alone

@@ -21,7 +21,7 @@ import re
 import uuid
 from typing import Any
 
-from engine.structured_output import Guide
+from engine.protocol.sampling import Guide
 
 PARSERS = ("hermes", "llama3_json")
 

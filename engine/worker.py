@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.exceptions import HTTPException
 from litestar.params import FromPath
@@ -13,17 +14,18 @@ from litestar.params import FromPath
 from engine import handoff
 from engine.endpoint import BadRequest
 from engine.engine import Engine
-from engine.openai_api import error_body, http_error_body
+from engine.protocol.headers import KV_SHM_HEADER
+from engine.protocol.openai import error_body, http_error_body
+from engine.protocol.slo import DEFAULT_CLASS, DEFAULT_CLASSES, SLOClass
+from engine.protocol.worker import ROLES, WorkerLoad
 from engine.reasoning import ReasoningParser
 from engine.responses_endpoint import ResponsesEndpoint
 from engine.serving import (  # noqa: F401 (the limits' names, also read from here)
     CHAT_DEFAULT_MAX_TOKENS,
     DEFAULT_MAX_TOKENS,
-    ROLES,
     Generation,
     chat_default_max_tokens,
 )
-from engine.slo import DEFAULT_CLASS, DEFAULT_CLASSES, SLOClass
 from engine.tokenize_api import TokenizeEndpoints
 from engine.tool_calls import ToolCallParser
 from telemetry.metrics import EngineMetrics
@@ -88,7 +90,7 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
 
     @post("/v1/internal/kv/{request_id:str}", status_code=204, request_max_body_size=4 * 1024**3)
     async def receive_kv(request: Request, request_id: FromPath[str]) -> None:
-        shm = request.headers.get(handoff.SHM_HEADER)
+        shm = request.headers.get(KV_SHM_HEADER)
         try:
             got = handoff.read_shm(shm) if shm else handoff.unpack(await request.body())
         except Exception as exc:
@@ -102,15 +104,8 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
         return {"status": "ok", "role": role}
 
     @get("/load")
-    async def load() -> dict[str, Any]:
-        s = engine.scheduler
-        backlog: dict[str, float] = {}
-        for r in list(s.waiting):
-            backlog[r.slo_class] = backlog.get(r.slo_class, 0.0) + s.predict_s(r)
-        return {"role": role, "waiting": engine.num_waiting, "decoding": engine.num_decoding,
-                "suspended_batches": max(0, len(s.pool) - 1),
-                "predicted_backlog_s": sum(b.remaining_s for b in list(s.pool)) + sum(backlog.values()),
-                "predicted_backlog_by_class_s": backlog, "kv_cache_usage": engine.kv.usage}
+    async def load() -> WorkerLoad:
+        return msgspec.structs.replace(engine.load(), role=role)
 
     @get("/metrics", media_type="text/plain; version=0.0.4")
     async def prometheus() -> bytes:

@@ -19,7 +19,18 @@ from litestar.handlers import ASGIRouteHandler
 from litestar.response import Stream
 from litestar.types import Receive, Scope, Send  # at run time: Litestar reads the annotations
 
-from engine.openai_api import CACHED_TOKENS_HEADER, KV_ID_HEADER, KV_TO_HEADER, error_body, http_error_body, new_id
+from engine.protocol.headers import (
+    CACHED_TOKENS_HEADER,
+    DROPPED_REASON_HEADER,
+    KV_ID_HEADER,
+    KV_TO_HEADER,
+    PREDICTED_MISS_HEADER,
+    REQUEST_ID_HEADER,
+    SLO_CLASS_HEADER,
+    SLO_TPOT_HEADER,
+    SLO_TTFT_HEADER,
+)
+from engine.protocol.openai import error_body, http_error_body, new_id
 from gateway.affinity import Prefix, prefix_key
 from gateway.classify import ClassificationError, as_chat_view, classify
 from gateway.config import GatewayConfig
@@ -50,8 +61,8 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
     annotate = _span_annotator() if tracing is not None else None
 
     def _error(_: Request, exc: GatewayError) -> Response:
-        metrics.answered(exc.headers.get("x-slo-class", "unclassified"), exc.status,
-                         exc.headers.get("x-flowprefill-dropped-reason"))
+        metrics.answered(exc.headers.get(SLO_CLASS_HEADER, "unclassified"), exc.status,
+                         exc.headers.get(DROPPED_REASON_HEADER))
         return Response(error_body(str(exc), exc.type, exc.param, exc.code), status_code=exc.status,
                         headers=exc.headers)
 
@@ -96,7 +107,7 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
                 continue
             finally:
                 prefill_pool.release(pre)
-            shed_there = bool(r.headers.get("x-flowprefill-dropped-reason"))
+            shed_there = bool(r.headers.get(DROPPED_REASON_HEADER))
             (prefill_pool.record_error if r.status_code >= 500 and not shed_there else prefill_pool.record_ok)(pre)
             if r.status_code in RETRY_ELSEWHERE and not shed_there:
                 failed = r
@@ -105,8 +116,8 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
                 if key is not None:
                     prefill_pool.prefixes.record(key, pre.url)  # its prompt is cached there now
                 return {h: v for h in (CACHED_TOKENS_HEADER,) if (v := r.headers.get(h))}
-            keep = ("retry-after", "x-flowprefill-dropped-reason")
-            metrics.answered(slo_name, r.status_code, r.headers.get("x-flowprefill-dropped-reason"))
+            keep = ("retry-after", DROPPED_REASON_HEADER)
+            metrics.answered(slo_name, r.status_code, r.headers.get(DROPPED_REASON_HEADER))
             return Response(r.content, status_code=r.status_code, media_type="application/json",
                             headers={k: v for k, v in r.headers.items() if k in keep})
         if failed is not None:  # every prefill worker tried failed: the last one's answer
@@ -127,20 +138,20 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
             slo = classify(cfg, headers, view, api_key)
         except ClassificationError as exc:
             raise GatewayError(400, str(exc), param=exc.param) from None
-        rid = headers.get("x-request-id") or new_id(ID_PREFIXES.get(path, "cmpl"))
-        if prefill_pool is not None and headers.get("x-request-id"):  # it keys the KV hand-off:
+        rid = headers.get(REQUEST_ID_HEADER) or new_id(ID_PREFIXES.get(path, "cmpl"))
+        if prefill_pool is not None and headers.get(REQUEST_ID_HEADER):  # it keys the KV hand-off:
             rid = f"{rid}-{uuid.uuid4().hex[:8]}"  # two requests reusing a client's id must not share one
-        ours = {"x-slo-class": slo.name, "x-request-id": rid}
+        ours = {SLO_CLASS_HEADER: slo.name, REQUEST_ID_HEADER: rid}
         deadline = arrival + slo.ttft_ms / 1000
         if pool.gated and cfg.upstream.priority_field:  # a plain OpenAI server: its own priority knob
             body[cfg.upstream.priority_field] = cfg.upstream_priority(slo)
             raw = msgspec.json.encode(body)
         elapsed_ms = (time.monotonic() - arrival) * 1000
         upstream_headers = {h: v for h in FORWARDED_HEADERS if (v := headers.get(h))}
-        upstream_headers |= {"x-slo-class": slo.name, "x-request-id": rid,
+        upstream_headers |= {SLO_CLASS_HEADER: slo.name, REQUEST_ID_HEADER: rid,
                              # the deadline was fixed at gateway arrival: the worker gets what is left
-                             "x-slo-ttft-ms": f"{max(1.0, slo.ttft_ms - elapsed_ms):.3f}",
-                             "x-slo-tpot-ms": f"{slo.tbt_ms:.3f}"}
+                             SLO_TTFT_HEADER: f"{max(1.0, slo.ttft_ms - elapsed_ms):.3f}",
+                             SLO_TPOT_HEADER: f"{slo.tbt_ms:.3f}"}
         if annotate is not None:
             annotate(upstream_headers, {
                 "gen_ai.operation.name": "text_completion" if path == "/v1/completions" else "chat",
@@ -161,7 +172,7 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
                 worker = await pool.acquire(deadline, tried, None if prefill_pool is not None else key)
             except QueueFull:
                 raise GatewayError(503, "the gateway's queue is full", "server_error", headers=ours | {
-                    "retry-after": "1", "x-flowprefill-dropped-reason": "queue_full"}) from None
+                    "retry-after": "1", DROPPED_REASON_HEADER: "queue_full"}) from None
             if worker is None:
                 break
             tried.add(worker.url)
@@ -186,7 +197,7 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
                 pool.release(worker)
                 pool.mark_failed(worker)
                 continue  # nothing was sent to the client yet: retry elsewhere
-            if up.headers.get("x-flowprefill-dropped-reason"):  # shed there: another worker may take it
+            if up.headers.get(DROPPED_REASON_HEADER):  # shed there: another worker may take it
                 shed = up
                 await up.aread()
                 await up.aclose()
@@ -214,7 +225,7 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
             # (the content type travels as the response's media type: a header too would send it twice;
             # the worker's x-request-id, which it made unique if the client's was in use there)
             answer_headers = ours | {k: v for k, v in up.headers.items()
-                                     if k in ("x-flowprefill-predicted-miss", "x-request-id")}
+                                     if k in (PREDICTED_MISS_HEADER, REQUEST_ID_HEADER)}
             if annotate is not None:
                 annotate(None, {"flowprefill.route.worker": worker.url, "flowprefill.route.attempts": len(tried),
                                 "flowprefill.route.prefix_affinity": key is not None,
@@ -236,11 +247,11 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
             return Response(content, status_code=up.status_code, headers=answer_headers,
                             media_type=up.headers.get("content-type", "application/json"))
         if shed is not None:  # every worker shed it: the client gets the reason and when to retry
-            keep = ("retry-after", "x-flowprefill-dropped-reason")
+            keep = ("retry-after", DROPPED_REASON_HEADER)
             if annotate is not None:
-                annotate(None, {"flowprefill.shed_reason": shed.headers.get("x-flowprefill-dropped-reason", ""),
+                annotate(None, {"flowprefill.shed_reason": shed.headers.get(DROPPED_REASON_HEADER, ""),
                                 "flowprefill.route.attempts": len(tried)})
-            metrics.answered(slo.name, shed.status_code, shed.headers.get("x-flowprefill-dropped-reason"))
+            metrics.answered(slo.name, shed.status_code, shed.headers.get(DROPPED_REASON_HEADER))
             return Response(shed.content, status_code=shed.status_code, media_type="application/json",
                             headers=ours | {k: v for k, v in shed.headers.items() if k in keep})
         if failed is not None:  # the worker's own error body: what went wrong there, not "no worker"

@@ -20,6 +20,7 @@ from safetensors.torch import save
 
 from engine import handoff
 from engine.engine import Engine
+from engine.protocol.headers import KV_SHM_HEADER
 from engine.request import Request, Sampled, SamplingParams
 from engine.structured_output import Grammars, Guide
 
@@ -296,9 +297,9 @@ def test_shared_memory_names_are_checked_and_a_missing_file_falls_back_to_http(
         disaggregated: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     decode = f"http://127.0.0.1:{disaggregated + 2}"
     # only our own file names: never a path
-    r = httpx.post(f"{decode}/v1/internal/kv/x", headers={handoff.SHM_HEADER: "../../etc/passwd"})
+    r = httpx.post(f"{decode}/v1/internal/kv/x", headers={KV_SHM_HEADER: "../../etc/passwd"})
     assert r.status_code == 400 and "flowprefill-kv-" in r.json()["error"]["message"]
-    r = httpx.post(f"{decode}/v1/internal/kv/x", headers={handoff.SHM_HEADER: f"flowprefill-kv-{'0' * 32}.safetensors"})
+    r = httpx.post(f"{decode}/v1/internal/kv/x", headers={KV_SHM_HEADER: f"flowprefill-kv-{'0' * 32}.safetensors"})
     assert r.status_code == 404 and r.json()["error"]["code"] == handoff.SHM_MISSING
     # a sender whose shared-memory folder the decode worker cannot see (another container): HTTP after all
     monkeypatch.setattr(handoff, "SHM_DIR", tmp_path)

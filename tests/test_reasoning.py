@@ -18,7 +18,7 @@ from helpers import module_engine
 
 from engine.decode import OutputStream
 from engine.engine import Engine
-from engine.openai_api import ChatCompletionRequest, StreamOptions
+from engine.protocol.openai import ChatCompletionRequest, StreamOptions
 from engine.reasoning import CLOSE, ReasoningParser, ReasoningStream
 from engine.request import Request, Sampled, SamplingParams, TokenOutput
 from engine.responses import Choices, sse
@@ -206,7 +206,7 @@ def test_a_worker_with_a_reasoning_parser(engine: Engine) -> None:
 
 
 def test_an_earlier_answers_reasoning_reaches_the_template() -> None:
-    from engine.openai_api import ChatMessage
+    from engine.protocol.openai import ChatMessage
 
     said = ChatMessage(role="assistant", content="4", reasoning_content="two and two")
     assert said.for_template()["reasoning_content"] == "two and two"

@@ -23,7 +23,7 @@ from test_kv_growth import BS, Evictions
 
 from engine.decode import OutputStream
 from engine.engine import Engine
-from engine.openai_api import ChatCompletionRequest, CompletionRequest, Unsupported
+from engine.protocol.openai import ChatCompletionRequest, CompletionRequest, Unsupported
 from engine.request import Request, Sampled, SamplingParams
 from engine.structured_output import Grammars, Guide, allowed_logits
 from engine.tokenizer import ByteTokenizer, HFTokenizer

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from processes import answers, free_port, start, stop, wait_healthy
 
-from engine.slo import DEFAULT_CLASSES
+from engine.protocol.slo import DEFAULT_CLASSES
 from gateway.config import GatewayConfig, Upstream
 
 

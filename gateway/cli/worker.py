@@ -11,7 +11,7 @@ from gateway.cli.options import add_address, add_engine_options, add_server_opti
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from engine.worker import ROLES
+    from engine.protocol.worker import ROLES
 
     add_address(parser)
     parser.add_argument("--role", choices=ROLES, default="colocated",
