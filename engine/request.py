@@ -5,12 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from engine.protocol.sampling import SamplingParams
 from engine.protocol.slo import DEFAULT_CLASSES, SLOClass
+
+if TYPE_CHECKING:
+    from engine.sampling import TokenConstraint
 
 
 class RequestState(enum.Enum):
@@ -108,15 +111,9 @@ class Request(msgspec.Struct, kw_only=True):
     choice: int = 0  # OpenAI's n: which choice of its HTTP request this is (metrics count choice 0 once)
     trace_context: Any = None  # telemetry's carrier, never read by the engine
     prompt_token_mask: Any = None  # repetition_penalty's: which vocabulary ids the prompt holds (made once)
-    # Structured output: the llguidance matcher its answer follows (engine/structured_output.py),
-    # compiled by the worker from its guide; the sampler masks what it does not allow next.
-    grammar: Any = None
-    # A reasoning model's answer that begins in reasoning: the text that closes it (a reasoning
-    # parser's, engine/reasoning.py). Its structured output applies only after; None once closed.
-    thinking_until: str | None = None
-    # An answer that decides at its first token whether it reasons (reasoning.py may_open): the
-    # tokens that open its reasoning, allowed beside its structured output's at that token only.
-    opens_thinking: list[int] = []
+    # What its answer must follow token by token (structured output: engine/sampling.py's TokenConstraint,
+    # the serving layer's GuidedAnswer); the sampler masks what it does not allow next.
+    constraint: TokenConstraint | None = None
     # Prefix caching: the content hashes of the prompt's full KV blocks (None: not cacheable, e.g. a
     # handed-off request), and how many leading prompt tokens were found cached at arrival.
     block_hashes: list[bytes] | None = None

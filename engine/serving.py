@@ -19,7 +19,7 @@ from litestar import Request, Response
 from litestar.response import Stream
 from opentelemetry.trace import INVALID_SPAN
 
-from engine import handoff
+from engine import kv_transport
 from engine.endpoint import BadRequest, EventStream, decode_body
 from engine.engine import Engine
 from engine.protocol.headers import (
@@ -49,7 +49,7 @@ from engine.reasoning import CLOSE, OPEN, ReasoningParser, ReasoningStream
 from engine.request import Request as EngineRequest
 from engine.request import Sampled, SamplingParams, TokenOutput
 from engine.responses import Choices, LogprobFormatter, completion_body, sse
-from engine.structured_output import Grammars, failed_by_constraint
+from engine.structured_output import Grammars, GuidedAnswer, failed_by_constraint
 from engine.tool_calls import ForcedCall, ToolCallParser
 
 if TYPE_CHECKING:
@@ -103,7 +103,7 @@ class Generation:
         self.engine, self.model, self.classes, self.default_class = engine, model_name, classes, default_class
         self.tracer, self.role, self.tool_parser, self.reasoner = tracer, role, tool_parser, reasoner
         self.grammars = Grammars(engine.tokenizer, engine.model.cfg.vocab_size)
-        self.inbox = handoff.KVInbox()
+        self.inbox = kv_transport.KVInbox()
         self.peers = httpx.AsyncClient(timeout=httpx.Timeout(HANDOFF_TIMEOUT_S, connect=2.0))
 
     def check_model(self, model: str | None) -> None:
@@ -202,13 +202,13 @@ class Generation:
                 raise BadRequest(f"a request with {KV_TO_HEADER} must not stream")
             sampling = msgspec.structs.replace(sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1))
         reqs = self._engine_requests(slo, rid, n, prep, sampling, bool(kv_to))
-        thinking = self._reasoning_setup(reqs, prep.prompt, grammar is not None)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
         for r in reqs:
             r.sink = lambda out: loop.call_soon_threadsafe(queue.put_nowait, out)
         headers = {SLO_CLASS_HEADER: slo.name, REQUEST_ID_HEADER: rid}
-        echo = self._validate(reqs, n, prep, grammar, not chat and bool(body.echo))
+        echo = self._validate(reqs, n, prep, not chat and bool(body.echo))
+        thinking = self._constrain(reqs, prep.prompt, grammar)
         if kv_id:
             await self._receive_handoff(request, reqs[0], kv_id, "chat" if chat else "text_completion")
         elif (shed := self._admit(reqs, slo, headers, "chat" if chat else "text_completion")) is not None:
@@ -254,21 +254,21 @@ class Generation:
                                         else sampling, export_kv=export_kv)
                 for k, cid in enumerate(_choice_ids(rid, n * len(prep.prompts)))]
 
-    def _reasoning_setup(self, reqs: list[EngineRequest], prompt: str | None, constrained: bool) -> bool:
-        """Whether the answers begin in reasoning; a structured output applies to what follows the
-        reasoning, and an answer that may open reasoning decides at its first token (with a single
-        token that opens it to choose)."""
+    def _constrain(self, reqs: list[EngineRequest], prompt: str | None, grammar: Any) -> bool:
+        """Whether the answers begin in reasoning; with a structured output, each answer's own
+        GuidedAnswer, which applies to what follows the reasoning (an answer that may open reasoning
+        decides at its first token, with a single token that opens it to choose)."""
         reasoner = self.reasoner
         thinking = reasoner is not None and prompt is not None and reasoner.starts_thinking(prompt)
-        if constrained and reasoner is not None and prompt is not None:
-            opener = self.engine.tokenizer.encode(OPEN) if reasoner.may_open(prompt) else []
+        if grammar is not None:
+            opener = (self.engine.tokenizer.encode(OPEN) if reasoner is not None and prompt is not None
+                      and reasoner.may_open(prompt) else [])
             for r in reqs:
-                r.thinking_until = CLOSE if thinking else None
-                r.opens_thinking = opener if len(opener) == 1 else []
+                r.constraint = GuidedAnswer(grammar.deep_copy(), CLOSE if thinking else None,
+                                            opener if len(opener) == 1 else [], CLOSE)
         return thinking
 
-    def _validate(self, reqs: list[EngineRequest], n: int, prep: Prepared, grammar: Any,
-                  echo: bool) -> list[str] | None:
+    def _validate(self, reqs: list[EngineRequest], n: int, prep: Prepared, echo: bool) -> list[str] | None:
         """Each prompt checked against this worker's limits; completions' echoed prompt texts."""
         if len(reqs) > self.engine.cfg.max_waiting:  # never admissible here: not a 503 to retry
             raise BadRequest(f"{len(reqs)} completions (n x prompts) exceed this worker's queue bound of "
@@ -279,8 +279,6 @@ class Generation:
             echoed = None  # each prompt's text as given, or its (valid) token ids' text
             if echo:
                 echoed = [text if text is not None else self.engine.tokenizer.decode(p) for p, text in prep.prompts]
-            for r in reqs:
-                r.grammar = grammar and grammar.deep_copy()
             return echoed
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
@@ -354,7 +352,7 @@ class Generation:
                                                       "flowprefill.request_id": started.rid}) as span:
                 logprobs = choices.logprobs[0]
                 first = Sampled(req.output_token_ids[0], logprobs[0] if logprobs else None)
-                used, size = await handoff.send(self.peers, started.kv_to, started.rid, kv, first, transport)
+                used, size = await kv_transport.send(self.peers, started.kv_to, started.rid, kv, first, transport)
                 span.set_attributes({"flowprefill.kv_bytes": size, "flowprefill.kv_transport": used})
         except (httpx.HTTPError, OSError) as exc:
             return Response(error_body(f"handing the KV to {started.kv_to} failed: {exc}", "server_error"),
