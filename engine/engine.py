@@ -285,8 +285,8 @@ class Engine:
             if isinstance(token, Exception):
                 self._finish(r, "error", f"sampling failed: {token}")
                 continue
-            if r.export_kv:  # hand-off: copy the prompt's KV out before the blocks can be freed
-                r.kv_export = self.kv.export_tokens(r.block_table, r.num_prompt_tokens)
+            if r.kv_sink is not None:  # hand-off: copy the prompt's KV out before the blocks can be freed
+                r.kv_sink(self.kv.export_tokens(r.block_table, r.num_prompt_tokens))
             self._start_decoding(r, token, now)
         for r in batch.requests:  # cancelled while the batch ran: their KV was in use until now
             if r.state.done:

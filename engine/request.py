@@ -103,13 +103,13 @@ class Request(msgspec.Struct, kw_only=True):
     evictions: int = 0  # times its answer's KV was taken back while it decoded (then recomputed)
     suspensions: list[Suspension] = []
     sink: Callable[[TokenOutput], None] | None = None  # called from the engine thread
-    # Prefill/decode disaggregation: a prefill worker keeps the prompt's KV when the first token is
-    # out (`kv_export`, filled on the engine thread) for hand-off to a decode worker.
-    export_kv: bool = False
-    kv_export: dict[str, Any] | None = None
+    # Prefill/decode disaggregation: a prefill worker's request gives its prompt's KV to `kv_sink` when
+    # its first token is out (on the engine thread, before its blocks can be freed), for hand-off.
+    kv_sink: Callable[[dict[str, Any]], None] | None = None
     prefilled_elsewhere: bool = False  # a decode worker's: its prompt's KV was handed to it
-    choice: int = 0  # OpenAI's n: which choice of its HTTP request this is (metrics count choice 0 once)
-    trace_context: Any = None  # telemetry's carrier, never read by the engine
+    # The serving layer's state of this request (engine/serving.py's Served: which of its HTTP
+    # request's n choices it is, its KV to hand off); the engine core never reads it.
+    serving: Any = None
     prompt_token_mask: Any = None  # repetition_penalty's: which vocabulary ids the prompt holds (made once)
     # What its answer must follow token by token (structured output: engine/sampling.py's TokenConstraint,
     # the serving layer's GuidedAnswer); the sampler masks what it does not allow next.

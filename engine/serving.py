@@ -81,6 +81,18 @@ class Prepared:
 
 
 @dataclass
+class Served:
+    """The serving layer's state of one engine request (its `Request.serving`; the engine never reads it)."""
+
+    choice: int = 0  # OpenAI's n: which choice of its HTTP request (usage and metrics count a prompt by choice 0)
+    kv: dict[str, Any] | None = None  # the prefill half of a disaggregated request: its prompt's KV, to hand off
+
+    def keep_kv(self, kv: dict[str, Any]) -> None:
+        """Request.kv_sink (on the engine thread, before the first token's output is queued)."""
+        self.kv = kv
+
+
+@dataclass
 class Started:
     """A request whose engine requests are queued (or, handed off, decoding): its outputs to format."""
 
@@ -249,10 +261,14 @@ class Generation:
         """n choices of each prompt are n engine requests: choice i's seed is seed + i (reproducible,
         yet different; a prompt of a batch samples as it would alone)."""
         seeds = [None if sampling.seed is None else (sampling.seed + i) % 2**64 for i in range(n)]
-        return [EngineRequest.for_class(slo, request_id=cid, prompt_token_ids=prep.prompts[k // n][0], choice=k % n,
-                                        sampling=msgspec.structs.replace(sampling, seed=seeds[k % n]) if k % n
-                                        else sampling, export_kv=export_kv)
-                for k, cid in enumerate(_choice_ids(rid, n * len(prep.prompts)))]
+        reqs = []
+        for k, cid in enumerate(_choice_ids(rid, n * len(prep.prompts))):
+            served = Served(choice=k % n)
+            reqs.append(EngineRequest.for_class(
+                slo, request_id=cid, prompt_token_ids=prep.prompts[k // n][0], serving=served,
+                sampling=msgspec.structs.replace(sampling, seed=seeds[k % n]) if k % n else sampling,
+                kv_sink=served.keep_kv if export_kv else None))
+        return reqs
 
     def _constrain(self, reqs: list[EngineRequest], prompt: str | None, grammar: Any) -> bool:
         """Whether the answers begin in reasoning; with a structured output, each answer's own
@@ -342,9 +358,10 @@ class Generation:
             return Response(error_body(choices.error, "invalid_request_error" if client else "server_error"),
                             status_code=400 if client else 500, headers=headers)
         req = started.first
-        if not started.kv_to or req.kv_export is None:
+        served: Served = req.serving
+        if not started.kv_to or served.kv is None:
             return None
-        kv, req.kv_export = req.kv_export, None
+        kv, served.kv = served.kv, None
         transport = "http" if request.headers.get(KV_TRANSPORT_HEADER) == "http" else "auto"
         t0 = time.perf_counter()
         try:

@@ -50,10 +50,11 @@ def test_handoff_decodes_like_one_worker(engines: tuple[Engine, Engine]) -> None
     prefill, decode = engines
     prompt = [(11 * i + 3) % 250 + 1 for i in range(700)]
     (alone,) = prefill.generate([prompt], GREEDY)
-    first = _run(prefill, Request(request_id="p", prompt_token_ids=prompt, export_kv=True,
+    exported: dict[str, torch.Tensor] = {}  # the prompt's KV, given at its first token
+    first = _run(prefill, Request(request_id="p", prompt_token_ids=prompt, kv_sink=exported.update,
                                   sampling=SamplingParams(max_tokens=1, temperature=0)))
-    assert first.kv_export is not None and first.block_table == []  # its KV went back to the pool
-    kv, token = handoff.unpack(handoff.pack(first.kv_export, Sampled(first.output_token_ids[0])))
+    assert exported and first.block_table == []  # its KV went back to the pool
+    kv, token = handoff.unpack(handoff.pack(exported, Sampled(first.output_token_ids[0])))
     assert set(kv) == {f"{k}.{i}" for k in "kv" for i in range(prefill.model.cfg.num_hidden_layers)}
     free_before = decode.kv.num_free_blocks
     req = Request(request_id="d", prompt_token_ids=prompt, sampling=GREEDY)
