@@ -22,8 +22,9 @@ DROPPED_REASON_HEADER = "x-flowprefill-dropped-reason"
 # On an answer served though its TTFT target was predicted missed (a gateway may shed it instead).
 PREDICTED_MISS_HEADER = "x-flowprefill-predicted-miss"
 
-# Prefill/decode disaggregation (engine/handoff.py, engine/kv_transport.py): the gateway sends a request's prefill half with
-# KV_TO_HEADER (where the KV goes) and its decode half with KV_ID_HEADER (which handed-off KV to decode from).
+# Prefill/decode disaggregation (engine/handoff.py, engine/kv_transport.py): the gateway sends a
+# request's prefill half with KV_TO_HEADER (where the KV goes) and its decode half with KV_ID_HEADER
+# (which handed-off KV to decode from).
 KV_TO_HEADER = "x-flowprefill-kv-to"
 KV_ID_HEADER = "x-flowprefill-kv-id"
 # On the prefill half's answer, and from the gateway on the decode half: the prompt tokens the
