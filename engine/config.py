@@ -15,6 +15,29 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 
+# The prefill scheduling policies (engine/scheduler/), named here and not there so that a command
+# line can check a name without loading the engine (torch): `flowprefill serve` runs no engine itself.
+POLICIES = ("flowprefill", "fcfs", "chunked:N", "chunked:N:fcfs", "edf", "priority")
+
+
+def parse_policy(name: str) -> tuple[str, int, str]:
+    """A policy's name as (kind, chunk tokens, chunk order): chunked:N[:fcfs|edf] gives its chunk size
+    and order, the others (0, ""). ValueError for a name that is none of POLICIES."""
+    kind, _, arg = name.partition(":")
+    if kind == "chunked":
+        size, _, order = arg.partition(":")
+        if not size.isdigit():
+            raise ValueError(f"policy {name!r}: expected chunked:N with N tokens, e.g. chunked:2048")
+        if int(size) < 1:
+            raise ValueError("chunk size must be >= 1 token")
+        if order not in ("", "edf", "fcfs"):
+            raise ValueError("chunk order must be edf or fcfs")
+        return kind, int(size), order or "edf"
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}: choose from {', '.join(POLICIES)}")
+    return name, 0, ""
+
+
 @dataclass
 class ModelConfig:
     """The subset of a Llama/Qwen2/Qwen3 config.json the engine needs."""

@@ -9,10 +9,9 @@ import torch
 
 from engine.kv_cache import BlockPool, KVCache
 from engine.model.llama import LlamaModel
-from engine.reasoning import CLOSE
 from engine.request import Request, RequestState, Sampled, TokenOutput
 from engine.sampling import sample
-from engine.structured_output import advance
+from engine.text import prefix_overlap
 from engine.tokenizer import ByteTokenizer, HFTokenizer
 
 
@@ -28,21 +27,11 @@ class OutputStream:
         self._decoder = tokenizer.incremental_decoder()
         self._pending = ""  # decoded text not yet sent
         self._check_from = 0  # where in it stop strings may end (before: the first min_tokens tokens')
-        self._thought = ""  # the reasoning's last characters, where its closing tag is looked for
 
     def push(self, sampled: Sampled) -> TokenOutput:
         req, token, p = self.req, sampled.token, self.req.sampling
         req.output_token_ids.append(token)
-        finish = None
-        if req.opens_thinking:  # its first token: reasoning, or what its structured output allows
-            req.thinking_until = CLOSE if token in req.opens_thinking else None
-            req.opens_thinking = []
-        if req.grammar is not None and req.thinking_until is None:
-            try:
-                if advance(req.grammar, token) and token not in self.eos:
-                    finish = "stop"  # the constraint is complete: only the end could follow
-            except ValueError as exc:  # not expected: the sampler only offers what the matcher allows
-                return TokenOutput(req.request_id, [token], "", "error", str(exc))
+        finish, piece = None, ""
         if token in self.eos:
             finish = "stop"
         elif token in p.stop_token_ids:  # as vLLM: its text only with include_stop_str_in_output
@@ -52,11 +41,12 @@ class OutputStream:
         else:
             piece = self._decoder.push(token)
             self._pending += piece
-            if req.thinking_until is not None:  # a reasoning model's: its structured output starts after
-                seen = self._thought + piece
-                if req.thinking_until in seen:
-                    req.thinking_until = None
-                self._thought = seen[-len(req.thinking_until or ""):]
+        if req.constraint is not None:
+            try:
+                if req.constraint.accept(token, piece):
+                    finish = "stop"  # the constraint is complete: only the end could follow
+            except ValueError as exc:  # not expected: the sampler only offers what the constraint allows
+                return TokenOutput(req.request_id, [token], "", "error", str(exc))
         # As vLLM: the text of the first min_tokens tokens is never searched for stop strings (one
         # may begin in its last characters and end after); the sampler holds EOS and stop ids back.
         if len(req.output_token_ids) <= p.min_tokens:
@@ -72,19 +62,11 @@ class OutputStream:
         if finish:
             text, self._pending = self._pending, ""
         else:
-            hold = max((_overlap(self._pending, s) for s in p.stop), default=0)
+            hold = max((prefix_overlap(self._pending, s) for s in p.stop), default=0)
             text, self._pending = self._pending[: len(self._pending) - hold], self._pending[len(self._pending) - hold :]
         self._check_from = max(0, self._check_from - len(text))
         return TokenOutput(req.request_id, [token], text, finish,
                            logprobs=None if sampled.logprob is None else [sampled.logprob])
-
-
-def _overlap(text: str, stop: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of stop."""
-    for n in range(min(len(text), len(stop) - 1), 0, -1):
-        if stop.startswith(text[-n:]):
-            return n
-    return 0
 
 
 # A decode step runs when the most urgent answer has used this share of its TBT target, so prefill

@@ -21,6 +21,7 @@ from engine.observer import EngineObserver
 from engine.predictor import load_cost
 from engine.prefill import PrefillBatch
 from engine.prefix_cache import PrefixCache
+from engine.protocol.worker import WorkerLoad
 from engine.request import Request, RequestState, Sampled, SamplingParams, TokenOutput
 from engine.sampling import sample
 from engine.scheduler import Policy, Scheduler, make_policy
@@ -151,6 +152,20 @@ class Engine:
     def num_decoding(self) -> int:
         return len(self.answers.running)
 
+    def load(self) -> WorkerLoad:
+        """The queue's state as a gateway routes on it (GET /load), read under the lock that every
+        change to the scheduler's state holds, so waiting and pool are of one moment (any thread)."""
+        with self._cv:
+            s = self.scheduler
+            backlog: dict[str, float] = {}
+            for r in s.waiting:
+                backlog[r.slo_class] = backlog.get(r.slo_class, 0.0) + s.predict_s(r)
+            formed = sum(b.remaining_s for b in s.pool)
+            return WorkerLoad(waiting=len(s.waiting), decoding=self.num_decoding,
+                              suspended_batches=max(0, len(s.pool) - 1),
+                              predicted_backlog_s=formed + sum(backlog.values()),
+                              predicted_backlog_by_class_s=backlog, kv_cache_usage=self.kv.usage)
+
     # -- the engine thread ---------------------------------------------------------------------
     def _loop(self) -> None:
         use_device(self.model.device)  # this thread's kernels, events and graph replays
@@ -270,8 +285,8 @@ class Engine:
             if isinstance(token, Exception):
                 self._finish(r, "error", f"sampling failed: {token}")
                 continue
-            if r.export_kv:  # hand-off: copy the prompt's KV out before the blocks can be freed
-                r.kv_export = self.kv.export_tokens(r.block_table, r.num_prompt_tokens)
+            if r.kv_sink is not None:  # hand-off: copy the prompt's KV out before the blocks can be freed
+                r.kv_sink(self.kv.export_tokens(r.block_table, r.num_prompt_tokens))
             self._start_decoding(r, token, now)
         for r in batch.requests:  # cancelled while the batch ran: their KV was in use until now
             if r.state.done:

@@ -1,52 +1,20 @@
-"""Prefill/decode disaggregation: moving a prefilled request's KV from a prefill worker to a
-decode worker.
-
-The prefill worker computes the prompt and the first token, copies the prompt's KV out of its paged
-cache as one safetensors blob (`k.{layer}`, `v.{layer}`: [prompt tokens, kv heads, head dim], plus
+"""Prefill/decode disaggregation, the engine's side: a prefilled request's prompt KV and first token
+as one safetensors blob (`k.{layer}`, `v.{layer}`: [prompt tokens, kv heads, head dim], plus
 `first_token`, and its log-probabilities `first_logprob`/`first_top_ids` when the request asked for
-them) and gives it to the decode worker's `/v1/internal/kv/{request id}`:
-
-- same host (the decode worker's URL is a loopback address): through shared memory. The blob is
-  written to a file in /dev/shm (a RAM file system) and only its name travels in the POST; the decode
-  worker reads it before answering, and the prefill worker deletes it when the POST returns, whatever
-  the outcome. Two memory copies instead of a trip through the TCP stack and an HTTP body parser.
-- otherwise, or when the decode worker cannot see that file (another container's /dev/shm): the blob
-  is the POST's body, over a pooled HTTP connection.
-
-The decode worker keeps the KV in an inbox until the request itself arrives (from the gateway, with
-`x-flowprefill-kv-id`), writes it into its own cache and decodes from the first token on.
-"""
+them), and the check a decode worker's engine makes before it takes such KV in (Engine.add_prefilled).
+How the blob travels from the prefill worker to the decode worker is the serving layer's:
+engine/kv_transport.py."""
 
 from __future__ import annotations
 
-import asyncio
-import ipaddress
-import os
-import re
-import time
-import uuid
-from pathlib import Path
-from urllib.parse import urlsplit
-
-import httpx
 import torch
-from safetensors.torch import load, load_file, save, save_file
+from safetensors.torch import load, save
 
 from engine.config import ModelConfig
-from engine.openai_api import KV_ID_HEADER, KV_TO_HEADER
 from engine.request import Logprob, Request, Sampled
 
-__all__ = ["KV_ID_HEADER", "KV_TO_HEADER", "SHM_HEADER", "TRANSPORT_HEADER", "KVInbox", "check", "pack", "read_shm",
-           "send", "unpack"]
 
-SHM_DIR = Path(os.environ.get("FLOWPREFILL_SHM_DIR", "/dev/shm"))
-SHM_HEADER = "x-flowprefill-kv-shm"  # on the internal POST: the KV is in this file of SHM_DIR
-TRANSPORT_HEADER = "x-flowprefill-kv-transport"  # "http" on a prefill request: no shared memory (benchmarks)
-SHM_MISSING = "kv_shm_missing"  # the decode worker's error code when it cannot see the file
-_SHM_NAME = re.compile(r"flowprefill-kv-[0-9a-f]{32}\.safetensors")
-
-
-def _tensors(kv: dict[str, torch.Tensor], first: Sampled) -> dict[str, torch.Tensor]:
+def to_tensors(kv: dict[str, torch.Tensor], first: Sampled) -> dict[str, torch.Tensor]:
     tensors = {name: t.contiguous().cpu() for name, t in kv.items()}
     tensors["first_token"] = torch.tensor([first.token], dtype=torch.int64)
     if first.logprob is not None:  # the request asked for logprobs: the first token's travel with it
@@ -57,10 +25,10 @@ def _tensors(kv: dict[str, torch.Tensor], first: Sampled) -> dict[str, torch.Ten
 
 
 def pack(kv: dict[str, torch.Tensor], first: Sampled) -> bytes:
-    return save(_tensors(kv, first))
+    return save(to_tensors(kv, first))
 
 
-def _split(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Sampled]:
+def from_tensors(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Sampled]:
     first = tensors.pop("first_token", None)
     if first is None or first.numel() != 1:
         raise ValueError("handed-off KV has no first_token")
@@ -75,7 +43,7 @@ def _split(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], S
 
 
 def unpack(blob: bytes) -> tuple[dict[str, torch.Tensor], Sampled]:
-    return _split(load(blob))
+    return from_tensors(load(blob))
 
 
 def check(cfg: ModelConfig, req: Request, kv: dict[str, torch.Tensor], first: Sampled) -> None:
@@ -91,78 +59,3 @@ def check(cfg: ModelConfig, req: Request, kv: dict[str, torch.Tensor], first: Sa
             if t is None or tuple(t.shape) != want:
                 raise ValueError(f"handed-off KV {kind}.{layer}: expected shape {want}, got "
                                  f"{None if t is None else tuple(t.shape)}")
-
-
-def is_same_host(url: str) -> bool:
-    host = urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def read_shm(name: str) -> tuple[dict[str, torch.Tensor], Sampled] | None:
-    """The KV a same-host prefill worker left in SHM_DIR/name; None if this process cannot see it."""
-    if not _SHM_NAME.fullmatch(name):  # only our own files, never a path
-        raise ValueError(f"{SHM_HEADER} must name a file flowprefill-kv-<hex>.safetensors")
-    path = SHM_DIR / name
-    if not path.is_file():
-        return None
-    return _split(load_file(path))
-
-
-async def send(client: httpx.AsyncClient, decode_url: str, request_id: str, kv: dict[str, torch.Tensor],
-               first: Sampled, transport: str = "auto") -> tuple[str, int]:
-    """Hand the KV to the decode worker; returns the transport used ("shm" or "http") and the bytes."""
-    url = f"{decode_url.rstrip('/')}/v1/internal/kv/{request_id}"
-    tensors = _tensors(kv, first)
-    if transport == "auto" and is_same_host(decode_url) and SHM_DIR.is_dir():
-        path = SHM_DIR / f"flowprefill-kv-{uuid.uuid4().hex}.safetensors"
-        try:
-            save_file(tensors, str(path))
-            r = await client.post(url, headers={SHM_HEADER: path.name})
-            if not (r.status_code == 404 and SHM_MISSING in r.text):
-                r.raise_for_status()
-                return "shm", path.stat().st_size
-        finally:
-            path.unlink(missing_ok=True)
-    blob = save(tensors)
-    r = await client.post(url, content=blob, headers={"content-type": "application/octet-stream"})
-    r.raise_for_status()
-    return "http", len(blob)
-
-
-class KVInbox:
-    """Handed-off KV waiting for its request. Entries nobody claims expire, so a request that never
-    comes (the client went away between prefill and decode) cannot leak memory."""
-
-    def __init__(self, ttl_s: float = 60.0) -> None:
-        self.ttl_s = ttl_s
-        self._items: dict[str, tuple[float, dict[str, torch.Tensor], Sampled]] = {}
-        self._arrived: dict[str, asyncio.Event] = {}
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def put(self, request_id: str, kv: dict[str, torch.Tensor], first: Sampled) -> None:
-        self._expire()
-        self._items[request_id] = (time.monotonic(), kv, first)
-        self._arrived.setdefault(request_id, asyncio.Event()).set()
-
-    async def take(self, request_id: str, timeout_s: float) -> tuple[dict[str, torch.Tensor], Sampled]:
-        """The KV for `request_id`, waiting up to `timeout_s` for it (TimeoutError after)."""
-        event = self._arrived.setdefault(request_id, asyncio.Event())
-        try:
-            await asyncio.wait_for(event.wait(), timeout_s)
-        finally:
-            self._arrived.pop(request_id, None)
-        _, kv, first = self._items.pop(request_id)
-        return kv, first
-
-    def _expire(self) -> None:
-        cutoff = time.monotonic() - self.ttl_s
-        for rid in [rid for rid, (t, *_) in self._items.items() if t < cutoff]:
-            del self._items[rid]
-            self._arrived.pop(rid, None)

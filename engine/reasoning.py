@@ -15,13 +15,13 @@ Content is everything after the closing tag, as vLLM's (the whitespace a model w
 included: a structured output's match must come back whole). Streamed, reasoning and content go out
 as they come, with the text that may be the start of a tag held back (as a stop string's is). A
 structured output applies to the content only: the matcher starts once the reasoning is closed
-(`Request.thinking_until`); an answer that may open reasoning or not (`may_open`) decides at its
+(`structured_output.GuidedAnswer`); an answer that may open reasoning or not (`may_open`) decides at its
 first token, which may be the constraint's or the opening tag.
 """
 
 from __future__ import annotations
 
-from engine.tool_calls import _overlap
+from engine.text import prefix_overlap
 
 PARSERS = ("deepseek_r1", "qwen3")
 OPEN, CLOSE = "<think>", "</think>"
@@ -86,7 +86,7 @@ class ReasoningStream:
                 reasoning, self.content_from = self.text[self.shown:end], end + len(CLOSE)
                 self.shown = self.content_from
             else:
-                hold = 0 if final else _overlap(self.text, CLOSE)
+                hold = 0 if final else prefix_overlap(self.text, CLOSE)
                 reasoning = self.text[self.shown:len(self.text) - hold]
                 self.shown = len(self.text) - hold
                 return reasoning, ""

@@ -5,12 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from engine.slo import DEFAULT_CLASSES, SLOClass
-from engine.structured_output import Guide
+from engine.protocol.sampling import SamplingParams
+from engine.protocol.slo import DEFAULT_CLASSES, SLOClass
+
+if TYPE_CHECKING:
+    from engine.sampling import TokenConstraint
 
 
 class RequestState(enum.Enum):
@@ -25,75 +28,6 @@ class RequestState(enum.Enum):
     @property
     def done(self) -> bool:
         return self in (RequestState.FINISHED, RequestState.CANCELLED, RequestState.FAILED)
-
-
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat's top_logprobs (and vLLM's default)
-
-
-class SamplingParams(msgspec.Struct):
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    seed: int | None = None
-    stop: list[str] = []
-    ignore_eos: bool = False
-    # OpenAI's penalties on tokens already generated, and vLLM's (HF's) on tokens of prompt or output.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] = {}
-    logprobs: int | None = None  # None: off; n: the sampled token's log-probability and the n likeliest
-    # vLLM's extensions: min_p keeps tokens at least this share of the likeliest's probability; no
-    # stop (EOS, stop_token_ids, stop strings) before min_tokens; stop_token_ids end the answer like
-    # EOS, their text kept; include_stop_str_in_output keeps the stop string that ended it.
-    min_p: float = 0.0
-    min_tokens: int = 0
-    stop_token_ids: list[int] = []
-    include_stop_str_in_output: bool = False
-    guide: Guide | None = None  # structured output: what the answer must match
-    # The prompt tokens' log-probabilities and this many likeliest tokens' (completions' echo with
-    # logprobs): the prefill computes its last layer and the logits for every prompt position.
-    prompt_logprobs: int | None = None
-
-    def validate(self) -> None:
-        if self.max_tokens < 0:  # 0: the prefill only (a prompt scored or echoed, nothing generated)
-            raise ValueError("max_tokens must be >= 1")
-        if self.seed is not None and not -2**63 <= self.seed < 2**64:  # torch's generator's range
-            raise ValueError("seed must be in [-2**63, 2**64)")
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError("top_k must be >= 0")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must not be empty")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2]")
-        if not 0.01 <= self.repetition_penalty <= 100:  # dividing by less overflows float32 logits
-            raise ValueError("repetition_penalty must be in [0.01, 100]")
-        if any(not -100 <= v <= 100 for v in self.logit_bias.values()):
-            raise ValueError("logit_bias values must be in [-100, 100]")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError("min_p must be in [0, 1]")
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError("min_tokens must be in [0, max_tokens]")
-        for k in (self.logprobs, self.prompt_logprobs):
-            if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
-                raise ValueError(f"the number of top logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
-
-    @property
-    def penalized(self) -> bool:
-        """Whether any bias or penalty changes the logits before sampling."""
-        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty
-                    or self.repetition_penalty != 1.0)
-
-    @property
-    def greedy(self) -> bool:
-        # Below 1e-5 (vLLM's threshold too) logits / temperature overflows float32 into inf and NaN.
-        return self.temperature < 1e-5 or self.top_k == 1
 
 
 class Suspension(msgspec.Struct):
@@ -169,23 +103,17 @@ class Request(msgspec.Struct, kw_only=True):
     evictions: int = 0  # times its answer's KV was taken back while it decoded (then recomputed)
     suspensions: list[Suspension] = []
     sink: Callable[[TokenOutput], None] | None = None  # called from the engine thread
-    # Prefill/decode disaggregation: a prefill worker keeps the prompt's KV when the first token is
-    # out (`kv_export`, filled on the engine thread) for hand-off to a decode worker.
-    export_kv: bool = False
-    kv_export: dict[str, Any] | None = None
+    # Prefill/decode disaggregation: a prefill worker's request gives its prompt's KV to `kv_sink` when
+    # its first token is out (on the engine thread, before its blocks can be freed), for hand-off.
+    kv_sink: Callable[[dict[str, Any]], None] | None = None
     prefilled_elsewhere: bool = False  # a decode worker's: its prompt's KV was handed to it
-    choice: int = 0  # OpenAI's n: which choice of its HTTP request this is (metrics count choice 0 once)
-    trace_context: Any = None  # telemetry's carrier, never read by the engine
+    # The serving layer's state of this request (engine/serving.py's Served: which of its HTTP
+    # request's n choices it is, its KV to hand off); the engine core never reads it.
+    serving: Any = None
     prompt_token_mask: Any = None  # repetition_penalty's: which vocabulary ids the prompt holds (made once)
-    # Structured output: the llguidance matcher its answer follows (engine/structured_output.py),
-    # compiled by the worker from its guide; the sampler masks what it does not allow next.
-    grammar: Any = None
-    # A reasoning model's answer that begins in reasoning: the text that closes it (a reasoning
-    # parser's, engine/reasoning.py). Its structured output applies only after; None once closed.
-    thinking_until: str | None = None
-    # An answer that decides at its first token whether it reasons (reasoning.py may_open): the
-    # tokens that open its reasoning, allowed beside its structured output's at that token only.
-    opens_thinking: list[int] = []
+    # What its answer must follow token by token (structured output: engine/sampling.py's TokenConstraint,
+    # the serving layer's GuidedAnswer); the sampler masks what it does not allow next.
+    constraint: TokenConstraint | None = None
     # Prefix caching: the content hashes of the prompt's full KV blocks (None: not cacheable, e.g. a
     # handed-off request), and how many leading prompt tokens were found cached at arrival.
     block_hashes: list[bytes] | None = None

@@ -6,6 +6,7 @@ here into a response body, or relayed as server-sent events with each choice's i
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -13,11 +14,58 @@ from typing import Any
 import msgspec
 
 from engine.engine import Engine
-from engine.openai_api import Choice, StreamOptions, completion_chunk, error_body, usage
+from engine.protocol.openai import StreamOptions, error_body
 from engine.reasoning import ReasoningStream
 from engine.request import Logprob, Request, TokenOutput
 from engine.structured_output import failed_by_constraint
 from engine.tool_calls import ForcedCall, ToolCallParser
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}  # OpenAI's: prompt tokens found cached
+
+
+def completion_chunk(rid: str, model: str, text: str, finish: str | None, chat: bool, first: bool = False,
+                     logprobs: dict[str, Any] | None = None, index: int = 0,
+                     tool_calls: list[dict[str, Any]] | None = None, reasoning: str = "") -> dict[str, Any]:
+    if chat:
+        delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+        if tool_calls or reasoning:  # calls streamed as OpenAI's: each whole, with its index among them
+            delta = ({"role": "assistant"} if first else {}) | _reasoning(reasoning) | (
+                {"content": text} if text else {}) | ({"tool_calls": [{"index": i} | call for i, call in
+                                                                       enumerate(tool_calls)]} if tool_calls else {})
+        choice = {"index": index, "delta": delta if text or first or tool_calls or reasoning else {},
+                  "logprobs": logprobs, "finish_reason": finish}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
+
+
+Choice = tuple[str | None, str | None, dict[str, Any] | None, list[dict[str, Any]], str | None]
+
+
+def _reasoning(text: str | None) -> dict[str, str]:
+    """A reasoning model's reasoning under both names clients read: `reasoning_content` (DeepSeek's,
+    SGLang's, vLLM's before 0.11) and `reasoning` (vLLM's since)."""
+    return {} if not text else {"reasoning_content": text, "reasoning": text}
+
+
+def completion_body(rid: str, model: str, choices: list[Choice], chat: bool, usage_: dict[str, Any]) -> dict[str, Any]:
+    """`choices`: each one's text, finish reason, logprobs, tool calls and reasoning, in index order."""
+    if chat:
+        body = [{"index": i, "message": {"role": "assistant", "content": text} | _reasoning(reasoning)
+                 | ({"tool_calls": calls} if calls else {}), "logprobs": lp, "finish_reason": f}
+                for i, (text, f, lp, calls, reasoning) in enumerate(choices)]
+        obj = "chat.completion"
+    else:
+        body = [{"index": i, "text": text, "logprobs": lp, "finish_reason": f}
+                for i, (text, f, lp, _, _) in enumerate(choices)]
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": body, "usage": usage_}
 
 
 class LogprobFormatter:
@@ -182,7 +230,7 @@ class Choices:
 
     def usage(self, sent: int | None = None) -> dict[str, Any]:
         """Each prompt counted once (as OpenAI does for n choices), the completions' tokens summed."""
-        firsts = [r for r in self.reqs if not r.choice]
+        firsts = [r for r in self.reqs if r.serving is None or not r.serving.choice]
         done = sum(len(r.output_token_ids) for r in self.reqs) if sent is None else sent
         return usage(sum(r.num_prompt_tokens for r in firsts), done, sum(r.cached_tokens for r in firsts))
 

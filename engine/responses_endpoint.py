@@ -1,5 +1,5 @@
 """`POST /v1/responses`, served on the chat path (engine/serving.py; the request's translation is
-engine/responses_api.py): the answer as OpenAI's response object, whole, or streamed as its events
+engine/protocol/responses.py): the answer as OpenAI's response object, whole, or streamed as its events
 (`response.created`, `response.in_progress`, then per output item `response.output_item.added`,
 `response.content_part.added`, the text, reasoning or arguments deltas and their `.done`,
 `response.content_part.done`, `response.output_item.done`; last `response.completed`, or
@@ -19,9 +19,9 @@ from litestar import Request, Response, post
 from litestar.response import Stream
 
 from engine.endpoint import BadRequest, EventStream, decode_body
-from engine.openai_api import Unsupported
+from engine.protocol.openai import Unsupported
+from engine.protocol.responses import ResponsesRequest
 from engine.responses import tool_delta
-from engine.responses_api import ResponsesRequest
 from engine.serving import Generation, Started
 from engine.structured_output import failed_by_constraint
 from engine.tool_calls import ForcedCall

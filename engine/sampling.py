@@ -4,11 +4,27 @@ temperature, min-p, top-k, top-p, per-request seeds, and the sampled token's log
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
 from engine.request import Logprob, Request, Sampled
-from engine.structured_output import allowed_logits
+
+
+class TokenConstraint(Protocol):
+    """What an answer must follow token by token (`Request.constraint`): the serving layer's structured
+    output, which a reasoning model's reasoning may come before (engine/structured_output.py's
+    GuidedAnswer). The engine thread calls it: `mask` before each token is sampled, `accept` after."""
+
+    def mask(self, row: torch.Tensor, hold: list[int] | None) -> torch.Tensor:
+        """The logits with each token that may not come next at -inf; `hold`: tokens to leave out
+        too (the end of sequence under ignore_eos), unless nothing else is allowed."""
+        ...
+
+    def accept(self, token: int, text: str) -> bool:
+        """Follow the sampled token (`text`: what it decoded to, "" for one that ends the answer); True
+        when the constraint is complete (only the end may follow). ValueError when it cannot."""
+        ...
 
 
 def sample(logits: torch.Tensor, requests: list[Request], generators: dict[str, torch.Generator],
@@ -19,10 +35,8 @@ def sample(logits: torch.Tensor, requests: list[Request], generators: dict[str, 
     out: list[Sampled | Exception] = []
     for row, req in zip(logits, requests, strict=True):
         try:
-            if req.grammar is not None and req.thinking_until is None:  # first, as vLLM: the constraint
-                # decides which tokens exist (once a reasoning model's reasoning is over)
-                row = allowed_logits(row, req.grammar, list(eos) if req.sampling.ignore_eos else None,
-                                     req.opens_thinking)
+            if req.constraint is not None:  # first, as vLLM: the constraint decides which tokens exist
+                row = req.constraint.mask(row, list(eos) if req.sampling.ignore_eos else None)
             early = len(req.output_token_ids) < req.sampling.min_tokens
             token = sample_row(penalized(row, req, eos if early else None) if req.sampling.penalized or early
                                else row, req, generators)

@@ -19,26 +19,37 @@ from litestar import Request, Response
 from litestar.response import Stream
 from opentelemetry.trace import INVALID_SPAN
 
-from engine import handoff
+from engine import kv_transport
 from engine.endpoint import BadRequest, EventStream, decode_body
 from engine.engine import Engine
-from engine.openai_api import (
+from engine.protocol.headers import (
     CACHED_TOKENS_HEADER,
+    DROPPED_REASON_HEADER,
+    HANDOFF_TIMEOUT_HEADER,
+    KV_BYTES_HEADER,
+    KV_ID_HEADER,
+    KV_MS_HEADER,
+    KV_TO_HEADER,
+    KV_TRANSPORT_HEADER,
+    PREDICTED_MISS_HEADER,
+    REQUEST_ID_HEADER,
+    SLO_CLASS_HEADER,
+)
+from engine.protocol.openai import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     StreamOptions,
     Unsupported,
-    completion_body,
     error_body,
     new_id,
 )
+from engine.protocol.slo import SLOClass, requested_slo
 from engine.reasoning import CLOSE, OPEN, ReasoningParser, ReasoningStream
 from engine.request import Request as EngineRequest
 from engine.request import Sampled, SamplingParams, TokenOutput
-from engine.responses import Choices, LogprobFormatter, sse
-from engine.slo import SLOClass, requested_slo
-from engine.structured_output import Grammars, failed_by_constraint
+from engine.responses import Choices, LogprobFormatter, completion_body, sse
+from engine.structured_output import Grammars, GuidedAnswer, failed_by_constraint
 from engine.tool_calls import ForcedCall, ToolCallParser
 
 if TYPE_CHECKING:
@@ -48,7 +59,6 @@ DEFAULT_MAX_TOKENS = 16  # completions without max_tokens: OpenAI's legacy defau
 CHAT_DEFAULT_MAX_TOKENS = 1024  # chat without max_tokens: to the answer's end, up to this
 MAX_CHOICES = 128  # n: OpenAI's limit
 HANDOFF_TIMEOUT_S = 30.0  # a decode request waits this long for its prefill worker's KV
-ROLES = ("colocated", "prefill", "decode")
 
 
 def chat_default_max_tokens(prompt_tokens: int, room_tokens: int) -> int:
@@ -68,6 +78,18 @@ class Prepared:
     sampling: SamplingParams
     calls: ToolCallParser | ForcedCall | None = None  # what reads its tool calls back
     prompt: str | None = None  # a chat request's, as its template wrote it
+
+
+@dataclass
+class Served:
+    """The serving layer's state of one engine request (its `Request.serving`; the engine never reads it)."""
+
+    choice: int = 0  # OpenAI's n: which choice of its HTTP request (usage and metrics count a prompt by choice 0)
+    kv: dict[str, Any] | None = None  # the prefill half of a disaggregated request: its prompt's KV, to hand off
+
+    def keep_kv(self, kv: dict[str, Any]) -> None:
+        """Request.kv_sink (on the engine thread, before the first token's output is queued)."""
+        self.kv = kv
 
 
 @dataclass
@@ -93,7 +115,7 @@ class Generation:
         self.engine, self.model, self.classes, self.default_class = engine, model_name, classes, default_class
         self.tracer, self.role, self.tool_parser, self.reasoner = tracer, role, tool_parser, reasoner
         self.grammars = Grammars(engine.tokenizer, engine.model.cfg.vocab_size)
-        self.inbox = handoff.KVInbox()
+        self.inbox = kv_transport.KVInbox()
         self.peers = httpx.AsyncClient(timeout=httpx.Timeout(HANDOFF_TIMEOUT_S, connect=2.0))
 
     def check_model(self, model: str | None) -> None:
@@ -179,7 +201,7 @@ class Generation:
             except ValueError as exc:
                 raise BadRequest(str(exc)) from None
         slo = self.slo_for(request, body)
-        kv_to, kv_id = request.headers.get(handoff.KV_TO_HEADER), request.headers.get(handoff.KV_ID_HEADER)
+        kv_to, kv_id = request.headers.get(KV_TO_HEADER), request.headers.get(KV_ID_HEADER)
         n = 1 if body.n is None else body.n
         if not 1 <= n <= MAX_CHOICES:
             raise BadRequest(f"n must be in [1, {MAX_CHOICES}]", param="n")
@@ -189,22 +211,22 @@ class Generation:
         sampling = prep.sampling
         if kv_to:  # the prefill half of a disaggregated request: the first token, then hand the KV over
             if body.stream:
-                raise BadRequest(f"a request with {handoff.KV_TO_HEADER} must not stream")
+                raise BadRequest(f"a request with {KV_TO_HEADER} must not stream")
             sampling = msgspec.structs.replace(sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1))
         reqs = self._engine_requests(slo, rid, n, prep, sampling, bool(kv_to))
-        thinking = self._reasoning_setup(reqs, prep.prompt, grammar is not None)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
         for r in reqs:
             r.sink = lambda out: loop.call_soon_threadsafe(queue.put_nowait, out)
-        headers = {"x-slo-class": slo.name, "x-request-id": rid}
-        echo = self._validate(reqs, n, prep, grammar, not chat and bool(body.echo))
+        headers = {SLO_CLASS_HEADER: slo.name, REQUEST_ID_HEADER: rid}
+        echo = self._validate(reqs, n, prep, not chat and bool(body.echo))
+        thinking = self._constrain(reqs, prep.prompt, grammar)
         if kv_id:
             await self._receive_handoff(request, reqs[0], kv_id, "chat" if chat else "text_completion")
         elif (shed := self._admit(reqs, slo, headers, "chat" if chat else "text_completion")) is not None:
             return shed
         if reqs[0].predicted_miss:  # served anyway, after feasible requests; a gateway may shed instead
-            headers["x-flowprefill-predicted-miss"] = "true"
+            headers[PREDICTED_MISS_HEADER] = "true"
         reasoner = self.reasoner
         choices = Choices(self.engine, reqs, queue, None if sampling.logprobs is None
                           else lambda: LogprobFormatter(self.engine.tokenizer.token_bytes, chat),
@@ -216,9 +238,9 @@ class Generation:
                      body: Any) -> None:
         """A misrouted request is refused before any work, so the router can send it where it belongs."""
         if self.role == "prefill" and not kv_to:
-            raise BadRequest(f"this worker only prefills: send it requests with {handoff.KV_TO_HEADER}", status=421)
+            raise BadRequest(f"this worker only prefills: send it requests with {KV_TO_HEADER}", status=421)
         if self.role == "decode" and not kv_id:
-            raise BadRequest(f"this worker only decodes: send it requests with {handoff.KV_ID_HEADER}", status=421)
+            raise BadRequest(f"this worker only decodes: send it requests with {KV_ID_HEADER}", status=421)
         if n * prompts > 1 and (kv_to or kv_id):
             raise BadRequest("n > 1 and batched prompts are not supported with prefill/decode disaggregation",
                              param="n" if n > 1 else "prompt")
@@ -228,7 +250,7 @@ class Generation:
                              param="prompt_logprobs" if body.prompt_logprobs is not None else "echo")
 
     def _request_id(self, request: Request, prefix: str, total: int, handed_off: bool) -> str:
-        rid = request.headers.get("x-request-id") or new_id(prefix)
+        rid = request.headers.get(REQUEST_ID_HEADER) or new_id(prefix)
         if not handed_off and any(self.engine.has_request(i) for i in _choice_ids(rid, total)):
             rid = f"{rid}-{uuid.uuid4().hex[:8]}"  # a client's id reused while its first runs (a hand-off's
             # id is the gateway's, unique, and its KV's key)
@@ -239,26 +261,30 @@ class Generation:
         """n choices of each prompt are n engine requests: choice i's seed is seed + i (reproducible,
         yet different; a prompt of a batch samples as it would alone)."""
         seeds = [None if sampling.seed is None else (sampling.seed + i) % 2**64 for i in range(n)]
-        return [EngineRequest.for_class(slo, request_id=cid, prompt_token_ids=prep.prompts[k // n][0], choice=k % n,
-                                        sampling=msgspec.structs.replace(sampling, seed=seeds[k % n]) if k % n
-                                        else sampling, export_kv=export_kv)
-                for k, cid in enumerate(_choice_ids(rid, n * len(prep.prompts)))]
+        reqs = []
+        for k, cid in enumerate(_choice_ids(rid, n * len(prep.prompts))):
+            served = Served(choice=k % n)
+            reqs.append(EngineRequest.for_class(
+                slo, request_id=cid, prompt_token_ids=prep.prompts[k // n][0], serving=served,
+                sampling=msgspec.structs.replace(sampling, seed=seeds[k % n]) if k % n else sampling,
+                kv_sink=served.keep_kv if export_kv else None))
+        return reqs
 
-    def _reasoning_setup(self, reqs: list[EngineRequest], prompt: str | None, constrained: bool) -> bool:
-        """Whether the answers begin in reasoning; a structured output applies to what follows the
-        reasoning, and an answer that may open reasoning decides at its first token (with a single
-        token that opens it to choose)."""
+    def _constrain(self, reqs: list[EngineRequest], prompt: str | None, grammar: Any) -> bool:
+        """Whether the answers begin in reasoning; with a structured output, each answer's own
+        GuidedAnswer, which applies to what follows the reasoning (an answer that may open reasoning
+        decides at its first token, with a single token that opens it to choose)."""
         reasoner = self.reasoner
         thinking = reasoner is not None and prompt is not None and reasoner.starts_thinking(prompt)
-        if constrained and reasoner is not None and prompt is not None:
-            opener = self.engine.tokenizer.encode(OPEN) if reasoner.may_open(prompt) else []
+        if grammar is not None:
+            opener = (self.engine.tokenizer.encode(OPEN) if reasoner is not None and prompt is not None
+                      and reasoner.may_open(prompt) else [])
             for r in reqs:
-                r.thinking_until = CLOSE if thinking else None
-                r.opens_thinking = opener if len(opener) == 1 else []
+                r.constraint = GuidedAnswer(grammar.deep_copy(), CLOSE if thinking else None,
+                                            opener if len(opener) == 1 else [], CLOSE)
         return thinking
 
-    def _validate(self, reqs: list[EngineRequest], n: int, prep: Prepared, grammar: Any,
-                  echo: bool) -> list[str] | None:
+    def _validate(self, reqs: list[EngineRequest], n: int, prep: Prepared, echo: bool) -> list[str] | None:
         """Each prompt checked against this worker's limits; completions' echoed prompt texts."""
         if len(reqs) > self.engine.cfg.max_waiting:  # never admissible here: not a 503 to retry
             raise BadRequest(f"{len(reqs)} completions (n x prompts) exceed this worker's queue bound of "
@@ -269,8 +295,6 @@ class Generation:
             echoed = None  # each prompt's text as given, or its (valid) token ids' text
             if echo:
                 echoed = [text if text is not None else self.engine.tokenizer.decode(p) for p, text in prep.prompts]
-            for r in reqs:
-                r.grammar = grammar and grammar.deep_copy()
             return echoed
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
@@ -279,10 +303,10 @@ class Generation:
         """The decode half: admitted at prefill; its KV comes from the prefill worker."""
         with self.transfer_span("kv_transfer", **{"flowprefill.direction": "in", "flowprefill.request_id": kv_id}):
             try:
-                wait_s = min(HANDOFF_TIMEOUT_S, float(request.headers.get("x-flowprefill-handoff-timeout-s")
+                wait_s = min(HANDOFF_TIMEOUT_S, float(request.headers.get(HANDOFF_TIMEOUT_HEADER)
                                                       or HANDOFF_TIMEOUT_S))
             except ValueError:
-                raise BadRequest("x-flowprefill-handoff-timeout-s must be a number") from None
+                raise BadRequest(f"{HANDOFF_TIMEOUT_HEADER} must be a number") from None
             try:
                 kv, first = await self.inbox.take(kv_id, wait_s)
             except TimeoutError:
@@ -309,7 +333,7 @@ class Generation:
                        if status == 429 else "the worker's queue is full")
             return Response(error_body(message, "rate_limit_exceeded" if status == 429 else "server_error",
                                        code=reason), status_code=status,
-                            headers=headers | {"retry-after": "1", "x-flowprefill-dropped-reason": reason})
+                            headers=headers | {"retry-after": "1", DROPPED_REASON_HEADER: reason})
         for added, r in enumerate(reqs):
             if self.tracer is not None:
                 self.tracer.start(r, operation)
@@ -334,24 +358,25 @@ class Generation:
             return Response(error_body(choices.error, "invalid_request_error" if client else "server_error"),
                             status_code=400 if client else 500, headers=headers)
         req = started.first
-        if not started.kv_to or req.kv_export is None:
+        served: Served = req.serving
+        if not started.kv_to or served.kv is None:
             return None
-        kv, req.kv_export = req.kv_export, None
-        transport = "http" if request.headers.get(handoff.TRANSPORT_HEADER) == "http" else "auto"
+        kv, served.kv = served.kv, None
+        transport = "http" if request.headers.get(KV_TRANSPORT_HEADER) == "http" else "auto"
         t0 = time.perf_counter()
         try:
             with self.transfer_span("kv_transfer", **{"flowprefill.direction": "out", "server.address": started.kv_to,
                                                       "flowprefill.request_id": started.rid}) as span:
                 logprobs = choices.logprobs[0]
                 first = Sampled(req.output_token_ids[0], logprobs[0] if logprobs else None)
-                used, size = await handoff.send(self.peers, started.kv_to, started.rid, kv, first, transport)
+                used, size = await kv_transport.send(self.peers, started.kv_to, started.rid, kv, first, transport)
                 span.set_attributes({"flowprefill.kv_bytes": size, "flowprefill.kv_transport": used})
         except (httpx.HTTPError, OSError) as exc:
             return Response(error_body(f"handing the KV to {started.kv_to} failed: {exc}", "server_error"),
                             status_code=502, headers=headers)
-        headers |= {"x-flowprefill-kv-bytes": str(size), "x-flowprefill-kv-transport": used,
+        headers |= {KV_BYTES_HEADER: str(size), KV_TRANSPORT_HEADER: used,
                     CACHED_TOKENS_HEADER: str(req.cached_tokens),
-                    "x-flowprefill-kv-ms": f"{(time.perf_counter() - t0) * 1000:.3f}"}
+                    KV_MS_HEADER: f"{(time.perf_counter() - t0) * 1000:.3f}"}
         return None
 
 

@@ -4,74 +4,26 @@ forced tool calls). llguidance compiles the constraint into a matcher over the t
 vocabulary; at each step the matcher says which tokens may come next, the sampler masks the others
 (`allowed_logits`), and the matcher follows the sampled token (`advance`). It needs no lookahead
 and no rollback, so decode batching, preemption, eviction and hand-off are unchanged: the matcher
-lives on the request and is where its answer left it.
+lives on the request (`GuidedAnswer`, the engine's `Request.constraint`) and is where its answer left it.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import numpy as np
 import torch
 
+from engine.protocol.sampling import KINDS, Guide
 from engine.tokenizer import ByteTokenizer, HFTokenizer
 
 if TYPE_CHECKING:
     import llguidance
 
 log = logging.getLogger("flowprefill.structured_output")
-KINDS = ("json", "regex", "choice", "grammar")
-
-
-class Guide(msgspec.Struct, frozen=True, omit_defaults=True):
-    """What an answer must match."""
-
-    kind: str  # one of KINDS
-    spec: str  # a JSON schema, a regular expression, a JSON list of strings, or a Lark / GBNF grammar
-    # JSON: whitespace may be written between tokens (vLLM's default); off, the JSON is compact, which
-    # keeps a weak model from padding its answer with whitespace until max_tokens.
-    any_whitespace: bool = True
-    whitespace_pattern: str | None = None  # JSON: a regular expression for that whitespace instead
-
-    @classmethod
-    def json(cls, schema: Any, close_objects: bool = False, **kw: Any) -> Guide:
-        """`close_objects` (vLLM's disable_additional_properties): objects that list their
-        properties allow no others unless they say so."""
-        try:
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"the JSON schema is not JSON: {exc}") from None
-            if schema is True:
-                schema = {}  # JSON Schema's "anything"
-            if not isinstance(schema, dict):
-                raise ValueError("a JSON schema must be an object")
-            return cls("json", json.dumps(_closed(schema) if close_objects else schema), **kw)
-        except RecursionError:
-            raise ValueError("the JSON schema is nested too deeply") from None
-
-    @classmethod
-    def choice(cls, choices: Any) -> Guide:
-        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
-            raise ValueError("a choice must be a non-empty list of non-empty strings")
-        return cls("choice", json.dumps(choices))
-
-
-def _closed(schema: Any) -> Any:
-    if isinstance(schema, list):
-        return [_closed(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: _closed(v) for k, v in schema.items()}
-    if "properties" in out and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
 
 
 # A constraint whose next mask, or whose step past a token, costs more CPU than this fails alone
@@ -199,6 +151,38 @@ def _check(matcher: llguidance.LLMatcher, start: float, what: str) -> None:
     if (spent := time.thread_time() - start) > STEP_CPU_LIMIT_S:
         raise ValueError(f"the structured output is too costly to follow: {what} took {spent * 1000:.0f} ms "
                          f"of CPU (at most {STEP_CPU_LIMIT_S * 1000:.0f})")
+
+
+class GuidedAnswer:
+    """An answer's structured output as the engine follows it (engine/sampling.py's TokenConstraint):
+    its matcher, and for a reasoning model (engine/reasoning.py) the reasoning before the content,
+    where the constraint does not apply yet. `thinking_until`: the text that closes the reasoning
+    the answer begins in (None: it begins in content); `opens_thinking`: the tokens that open it,
+    allowed beside the constraint's at the first token only (an answer that decides there whether it
+    reasons), `close` then being what closes it."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, thinking_until: str | None = None,
+                 opens_thinking: list[int] | None = None, close: str = "") -> None:
+        self.matcher, self.thinking_until, self.close = matcher, thinking_until, close
+        self.opens_thinking = opens_thinking or []
+        self._thought = ""  # the reasoning's last characters, where its closing tag is looked for
+
+    def mask(self, row: torch.Tensor, hold: list[int] | None) -> torch.Tensor:
+        if self.thinking_until is not None:  # reasoning: anything goes until it is closed
+            return row
+        return allowed_logits(row, self.matcher, hold, self.opens_thinking)
+
+    def accept(self, token: int, text: str) -> bool:
+        if self.opens_thinking:  # its first token: reasoning, or what its structured output allows
+            self.thinking_until = self.close if token in self.opens_thinking else None
+            self.opens_thinking = []
+        if self.thinking_until is None:
+            return advance(self.matcher, token)
+        seen = self._thought + text  # the constraint starts after the closing tag
+        if self.thinking_until in seen:
+            self.thinking_until = None
+        self._thought = seen[-len(self.thinking_until or ""):]
+        return False
 
 
 def failed_by_constraint(error: str) -> bool:

@@ -21,7 +21,8 @@ import re
 import uuid
 from typing import Any
 
-from engine.structured_output import Guide
+from engine.protocol.sampling import Guide
+from engine.text import prefix_overlap
 
 PARSERS = ("hermes", "llama3_json")
 
@@ -42,7 +43,7 @@ class ToolCallParser:
     def undecided(self, text: str) -> int:
         """How many trailing characters could still be the beginning of a tool call."""
         if self.name == "hermes":
-            return _overlap(text, "<tool_call>")
+            return prefix_overlap(text, "<tool_call>")
         body = text.lstrip()
         return len(text) if not body or "<|python_tag|>".startswith(body) else 0
 
@@ -189,11 +190,3 @@ def _arguments(args: Any) -> str:
         except json.JSONDecodeError:
             pass
     return json.dumps(args, ensure_ascii=False)
-
-
-def _overlap(text: str, marker: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of marker."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0

@@ -6,24 +6,26 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.exceptions import HTTPException
 from litestar.params import FromPath
 
-from engine import handoff
+from engine import handoff, kv_transport
 from engine.endpoint import BadRequest
 from engine.engine import Engine
-from engine.openai_api import error_body, http_error_body
+from engine.protocol.headers import KV_SHM_HEADER
+from engine.protocol.openai import error_body, http_error_body
+from engine.protocol.slo import DEFAULT_CLASS, DEFAULT_CLASSES, SLOClass
+from engine.protocol.worker import ROLES, WorkerLoad
 from engine.reasoning import ReasoningParser
 from engine.responses_endpoint import ResponsesEndpoint
 from engine.serving import (  # noqa: F401 (the limits' names, also read from here)
     CHAT_DEFAULT_MAX_TOKENS,
     DEFAULT_MAX_TOKENS,
-    ROLES,
     Generation,
     chat_default_max_tokens,
 )
-from engine.slo import DEFAULT_CLASS, DEFAULT_CLASSES, SLOClass
 from engine.tokenize_api import TokenizeEndpoints
 from engine.tool_calls import ToolCallParser
 from telemetry.metrics import EngineMetrics
@@ -58,6 +60,48 @@ class ModelList:
         return [get("/v1/models")(self.models), get("/v1/models/{model_id:path}")(self.model)]
 
 
+class Status:
+    """GET /health, /load (what a gateway routes on: Engine.load, one snapshot) and /metrics."""
+
+    def __init__(self, engine: Engine, role: str, metrics: EngineMetrics) -> None:
+        self.engine, self.role, self.metrics = engine, role, metrics
+
+    async def health(self) -> dict[str, str]:
+        return {"status": "ok", "role": self.role}
+
+    async def load(self) -> WorkerLoad:
+        return msgspec.structs.replace(self.engine.load(), role=self.role)
+
+    async def prometheus(self) -> bytes:
+        return self.metrics.render()
+
+    def handlers(self) -> list[Any]:
+        return [get("/health")(self.health), get("/load")(self.load),
+                get("/metrics", media_type="text/plain; version=0.0.4")(self.prometheus)]
+
+
+class HandoffInbox:
+    """POST /v1/internal/kv/{request id}: a prefill worker's KV for a request this decode worker will
+    get (engine/kv_transport.py), by shared memory or in the body."""
+
+    def __init__(self, inbox: kv_transport.KVInbox) -> None:
+        self.inbox = inbox
+
+    async def receive(self, request: Request, request_id: FromPath[str]) -> None:
+        shm = request.headers.get(KV_SHM_HEADER)
+        try:
+            got = kv_transport.read_shm(shm) if shm else handoff.unpack(await request.body())
+        except Exception as exc:
+            raise BadRequest(f"handed-off KV is not readable: {exc}") from None
+        if got is None:  # not on this host's /dev/shm after all: the sender falls back to HTTP
+            raise BadRequest(f"{shm} is not visible to this worker", status=404, code=kv_transport.SHM_MISSING)
+        self.inbox.put(request_id, *got)
+
+    def handlers(self) -> list[Any]:
+        return [post("/v1/internal/kv/{request_id:str}", status_code=204,
+                     request_max_body_size=4 * 1024**3)(self.receive)]
+
+
 def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOClass] | None = None,
                       default_class: str = DEFAULT_CLASS, tracing: TracerProvider | None = None,
                       role: str = "colocated", tool_call_parser: str | None = None,
@@ -76,7 +120,6 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
     generation = Generation(engine, model_name, classes or DEFAULT_CLASSES, default_class, tracer, role,
                             ToolCallParser(tool_call_parser) if tool_call_parser else None,
                             ReasoningParser(reasoning_parser) if reasoning_parser else None)
-    inbox = generation.inbox
 
     @post("/v1/completions", status_code=200)
     async def completions(request: Request) -> Any:
@@ -86,44 +129,14 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
     async def chat_completions(request: Request) -> Any:
         return await generation.completion(request, chat=True)
 
-    @post("/v1/internal/kv/{request_id:str}", status_code=204, request_max_body_size=4 * 1024**3)
-    async def receive_kv(request: Request, request_id: FromPath[str]) -> None:
-        shm = request.headers.get(handoff.SHM_HEADER)
-        try:
-            got = handoff.read_shm(shm) if shm else handoff.unpack(await request.body())
-        except Exception as exc:
-            raise BadRequest(f"handed-off KV is not readable: {exc}") from None
-        if got is None:  # not on this host's /dev/shm after all: the sender falls back to HTTP
-            raise BadRequest(f"{shm} is not visible to this worker", status=404, code=handoff.SHM_MISSING)
-        inbox.put(request_id, *got)
-
-    @get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok", "role": role}
-
-    @get("/load")
-    async def load() -> dict[str, Any]:
-        s = engine.scheduler
-        backlog: dict[str, float] = {}
-        for r in list(s.waiting):
-            backlog[r.slo_class] = backlog.get(r.slo_class, 0.0) + s.predict_s(r)
-        return {"role": role, "waiting": engine.num_waiting, "decoding": engine.num_decoding,
-                "suspended_batches": max(0, len(s.pool) - 1),
-                "predicted_backlog_s": sum(b.remaining_s for b in list(s.pool)) + sum(backlog.values()),
-                "predicted_backlog_by_class_s": backlog, "kv_cache_usage": engine.kv.usage}
-
-    @get("/metrics", media_type="text/plain; version=0.0.4")
-    async def prometheus() -> bytes:
-        return metrics.render()
-
     plugins = []
     if tracing is not None:
         from telemetry.tracing import litestar_plugin
         plugins.append(litestar_plugin(exclude=["/health", "/load", "/metrics"]))
     return Litestar(
-        route_handlers=[completions, chat_completions, receive_kv, health, load, prometheus,
-                        *ModelList(engine, model_name).handlers(), *TokenizeEndpoints(generation).handlers(),
-                        *ResponsesEndpoint(generation).handlers()],
+        route_handlers=[completions, chat_completions, *Status(engine, role, metrics).handlers(),
+                        *HandoffInbox(generation.inbox).handlers(), *ModelList(engine, model_name).handlers(),
+                        *TokenizeEndpoints(generation).handlers(), *ResponsesEndpoint(generation).handlers()],
         exception_handlers={BadRequest: _error, HTTPException: _http_error},
         on_startup=[generation.grammars.warm_up],
         on_shutdown=[engine.shutdown, generation.peers.aclose] + ([tracing.shutdown] if tracing is not None else []),

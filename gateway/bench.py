@@ -28,6 +28,14 @@ from rich.progress import Progress
 from rich.table import Table
 
 from engine.bench.console import results_console
+from engine.protocol.headers import (
+    KV_BYTES_HEADER,
+    KV_MS_HEADER,
+    KV_TO_HEADER,
+    KV_TRANSPORT_HEADER,
+    REQUEST_ID_HEADER,
+    SLO_CLASS_HEADER,
+)
 from gateway.netio import UpstreamTransport
 from gateway.processes import free_port, start, stop, wait_healthy
 
@@ -153,17 +161,17 @@ def _handoff(console: Console, prefill: str, lengths: list[int], cores: list[int
                     for transport in ("shm", "http") if i % 2 else ("http", "shm"):
                         t0 = time.perf_counter()
                         r = client.post(f"{prefill}/v1/completions", headers={
-                            "x-flowprefill-kv-to": f"http://127.0.0.1:{d_port}",
-                            "x-request-id": f"h{n}-{transport}-{i}",
-                            "x-flowprefill-kv-transport": "http" if transport == "http" else "auto"},
+                            KV_TO_HEADER: f"http://127.0.0.1:{d_port}",
+                            REQUEST_ID_HEADER: f"h{n}-{transport}-{i}",
+                            KV_TRANSPORT_HEADER: "http" if transport == "http" else "auto"},
                             json={"prompt": [65 + (j % 26) for j in range(n)], "max_tokens": 1})
                         r.raise_for_status()
-                        if r.headers["x-flowprefill-kv-transport"] != transport:
+                        if r.headers[KV_TRANSPORT_HEADER] != transport:
                             raise RuntimeError(f"asked for {transport}, the worker used "
-                                               f"{r.headers['x-flowprefill-kv-transport']}")
+                                               f"{r.headers[KV_TRANSPORT_HEADER]}")
                         total[transport].append((time.perf_counter() - t0) * 1000)
-                        ms[transport].append(float(r.headers["x-flowprefill-kv-ms"]))
-                        kv_bytes = int(r.headers["x-flowprefill-kv-bytes"])
+                        ms[transport].append(float(r.headers[KV_MS_HEADER]))
+                        kv_bytes = int(r.headers[KV_BYTES_HEADER])
                 for transport in ("shm", "http"):
                     p50 = float(np.median(ms[transport]))
                     rows.append({"prompt_tokens": n, "transport": transport, "kv_bytes": kv_bytes,
@@ -184,7 +192,7 @@ def floor_app() -> Any:
     @post("/v1/completions", status_code=200)
     async def completions(request: Request) -> Response:
         await request.body()
-        return Response(answer, media_type="application/json", headers={"x-request-id": "x"})
+        return Response(answer, media_type="application/json", headers={REQUEST_ID_HEADER: "x"})
 
     @get("/health")
     async def health() -> dict[str, str]:
@@ -222,7 +230,7 @@ def _breakdown(worker_url: str, gateway_ms: float, n: int, core: int, gap_s: flo
     async def client_alone() -> float:
         transport = UpstreamTransport(httpx.Limits(max_connections=4))
         body = json.dumps(BODY).encode()
-        headers = {"content-type": "application/json", "x-slo-class": "standard", "x-request-id": "b"}
+        headers = {"content-type": "application/json", SLO_CLASS_HEADER: "standard", REQUEST_ID_HEADER: "b"}
         timeout = httpx.Timeout(30).as_dict()
         cpu = 0.0
         for i in range(n + 50):

@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from engine.slo import (
+from engine.protocol.slo import (
     TTFT_HEADERS,
     HeaderError,
     SLOClass,

@@ -8,7 +8,7 @@ from typing import Literal
 
 import msgspec
 
-from engine.slo import DEFAULT_CLASS, DEFAULT_CLASSES, SLOClass
+from engine.protocol.slo import DEFAULT_CLASS, DEFAULT_CLASSES, SLOClass
 
 
 class APIKey(msgspec.Struct, frozen=True):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from engine.protocol.headers import DROPPED_REASON_HEADER
+
 
 class GatewayError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -12,4 +14,4 @@ class GatewayError(Exception):
 
 def no_healthy_worker(headers: dict[str, str] | None = None, pool: str = "worker") -> GatewayError:
     return GatewayError(503, f"no healthy {pool}", "server_error", headers=(headers or {}) | {
-        "retry-after": "1", "x-flowprefill-dropped-reason": "no_healthy_worker"})
+        "retry-after": "1", DROPPED_REASON_HEADER: "no_healthy_worker"})

@@ -16,7 +16,8 @@ from litestar import Request, Response, get, post
 from litestar.datastructures import Headers
 from litestar.params import FromPath
 
-from engine.openai_api import error_body, new_id
+from engine.protocol.headers import REQUEST_ID_HEADER, SLO_CLASS_HEADER
+from engine.protocol.openai import error_body, new_id
 from gateway.classify import ClassificationError, classify
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, no_healthy_worker
@@ -39,11 +40,12 @@ class Lookups:
             slo = classify(self.cfg, headers, {}, self.authorize(headers))
         except ClassificationError as exc:
             raise GatewayError(400, str(exc), param=exc.param) from None
-        return {"x-slo-class": slo.name, "x-request-id": headers.get("x-request-id") or new_id(prefix)}
+        return {SLO_CLASS_HEADER: slo.name, REQUEST_ID_HEADER: headers.get(REQUEST_ID_HEADER) or new_id(prefix)}
 
     async def _ask(self, method: str, path: str, request: Request, ours: dict[str, str]) -> httpx.Response:
         """The first healthy worker's answer (a worker that cannot be reached leaves rotation)."""
-        headers = {h: v for h in FORWARDED if (v := request.headers.get(h))} | {"x-request-id": ours["x-request-id"]}
+        headers = {h: v for h in FORWARDED if (v := request.headers.get(h))}
+        headers[REQUEST_ID_HEADER] = ours[REQUEST_ID_HEADER]
         content = await request.body() if method == "POST" else None
         if self.pool.pick() is None:  # every worker looked down at the last poll: look again first
             await self.pool.poll_once()
@@ -51,8 +53,8 @@ class Lookups:
         while (worker := self.pool.pick(tried)) is not None:
             tried.add(worker.url)
             if self.annotate is not None:
-                self.annotate(headers, {"flowprefill.request_id": ours["x-request-id"],
-                                        "flowprefill.slo_class": ours["x-slo-class"]})
+                self.annotate(headers, {"flowprefill.request_id": ours[REQUEST_ID_HEADER],
+                                        "flowprefill.slo_class": ours[SLO_CLASS_HEADER]})
             try:
                 r = await self.client.request(method, f"{worker.url}{path}", content=content, headers=headers)
             except httpx.HTTPError:
@@ -65,7 +67,7 @@ class Lookups:
         raise no_healthy_worker(ours)  # counted by the app's error handler
 
     def _answer(self, status: int, content: bytes, ours: dict[str, str]) -> Response:
-        self.metrics.answered(ours["x-slo-class"], status)
+        self.metrics.answered(ours[SLO_CLASS_HEADER], status)
         return Response(content, status_code=status, media_type="application/json", headers=ours)
 
     async def models(self, request: Request) -> Response:

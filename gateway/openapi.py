@@ -8,10 +8,10 @@ from typing import Any
 
 import msgspec
 
-from engine.openai_api import ChatCompletionRequest, CompletionRequest
-from engine.responses_api import ResponsesRequest
-from engine.slo import OBJECTIVE_HEADERS, TPOT_HEADERS, TTFT_HEADERS
-from engine.tokenize_api import DetokenizeRequest, TokenizeRequest
+from engine.protocol.headers import OBJECTIVE_HEADERS, REQUEST_ID_HEADER, SLO_CLASS_HEADER, TPOT_HEADERS, TTFT_HEADERS
+from engine.protocol.openai import ChatCompletionRequest, CompletionRequest
+from engine.protocol.responses import ResponsesRequest
+from engine.protocol.tokenize import DetokenizeRequest, TokenizeRequest
 
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"],
@@ -23,12 +23,12 @@ def _header(name: str, kind: str, description: str) -> dict[str, Any]:
 
 
 _SLO_HEADERS = [
-    _header("x-slo-class", "string", "SLO class to run at (interactive, standard, relaxed, batch, or configured)"),
+    _header(SLO_CLASS_HEADER, "string", "SLO class to run at (interactive, standard, relaxed, batch, or configured)"),
     *(_header(h, "string", "llm-d's inference objective: an SLO class's name (after x-slo-class)")
       for h in OBJECTIVE_HEADERS),
     *(_header(h, "number", "explicit time-to-first-token target in milliseconds") for h in TTFT_HEADERS),
     *(_header(h, "number", "explicit time-per-output-token (TBT) target in milliseconds") for h in TPOT_HEADERS),
-    _header("x-request-id", "string", "the request's id (the gateway makes one if none is sent)"),
+    _header(REQUEST_ID_HEADER, "string", "the request's id (the gateway makes one if none is sent)"),
 ]
 
 

@@ -29,11 +29,11 @@ from engine.bench.console import results_console
 from engine.bench.machine import machine_info
 from engine.config import EngineConfig
 from engine.model.plan import OpCost
+from engine.protocol.slo import DEFAULT_CLASSES, SLOClass
 from engine.request import Request, SamplingParams
 from engine.scheduler import make_policy
 from engine.sim import SimConfig, simulate
 from engine.sim.oracle import BatchCostRecorder, ExactCosts
-from engine.slo import DEFAULT_CLASSES, SLOClass
 from loadtest import report
 from loadtest.workload import ClassRule, Workload, azure_mix, head, load_trace, scale_to_rate, synthesize_prompt
 

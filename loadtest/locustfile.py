@@ -30,6 +30,7 @@ from locust import HttpUser, LoadTestShape, constant, events, task
 from locust.env import Environment
 from locust.runners import MasterRunner, WorkerRunner
 
+from engine.protocol.headers import REQUEST_ID_HEADER, SLO_CLASS_HEADER
 from loadtest import results
 from loadtest.profiles import Profile, ProfileError, Schedule, load_profile
 from loadtest.server import PreemptionCounter
@@ -240,13 +241,13 @@ class OpenAIUser(HttpUser):
             path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": bytes(prompt_ids).decode()}]
         else:
             path, body["prompt"] = "/v1/completions", prompt_ids
-        headers = {"x-slo-class": cls, "x-request-id": f"lt-{int(RUN.started_at)}-{i}"}
+        headers = {SLO_CLASS_HEADER: cls, REQUEST_ID_HEADER: f"lt-{int(RUN.started_at)}-{i}"}
         t_send = time.time()
         last = None
         with self.client.post(path, json={k: v for k, v in body.items() if v is not None}, headers=headers,
                               stream=True, catch_response=True, name=cls) as resp:
             rec.status = resp.status_code
-            rec.applied_class = resp.headers.get("x-slo-class", "")
+            rec.applied_class = resp.headers.get(SLO_CLASS_HEADER, "")
             if resp.status_code != 200:
                 rec.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
             else:

@@ -19,7 +19,7 @@ from typing import Literal
 
 import msgspec
 
-from engine.slo import DEFAULT_CLASSES
+from engine.protocol.slo import DEFAULT_CLASSES
 from loadtest.workload import (
     ClassRule,
     TraceError,

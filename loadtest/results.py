@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
-from engine.slo import DEFAULT_CLASSES
+from engine.protocol.slo import DEFAULT_CLASSES
 from loadtest import report
 
 if TYPE_CHECKING:

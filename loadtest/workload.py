@@ -12,7 +12,7 @@ from pathlib import Path
 
 import msgspec
 
-from engine.slo import DEFAULT_CLASSES
+from engine.protocol.slo import DEFAULT_CLASSES
 
 
 class TraceRequest(msgspec.Struct, frozen=True):

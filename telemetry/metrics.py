@@ -129,7 +129,7 @@ class EngineMetrics(EngineObserver):
         # once per class and step.
         made: dict[str, int] = {}
         for req, gap in zip(reqs, gaps, strict=True):
-            if not req.export_kv:  # a prefill worker's first token is counted where the answer decodes
+            if req.kv_sink is None:  # a prefill worker's first token is counted where the answer decodes
                 made[req.slo_class] = made.get(req.slo_class, 0) + 1
             if gap is not None:
                 self._child(self.token_gap, req.slo_class).observe(gap)
@@ -148,13 +148,13 @@ class EngineMetrics(EngineObserver):
             self.prefix_hits.inc(req.cached_tokens)
         cls = req.slo_class
         n = len(req.output_token_ids)
-        if not req.export_kv and n > 1 and req.first_token_time is not None and req.last_token_time is not None:
+        if req.kv_sink is None and n > 1 and req.first_token_time is not None and req.last_token_time is not None:
             self.tpot.labels(cls).observe((req.last_token_time - req.first_token_time) / (n - 1))
         # A request counts once: a disaggregated one on its decode worker (its TTFT where it was
         # prefilled), one of n choices by its first choice.
-        if req.choice:
+        if req.serving is not None and req.serving.choice:  # engine/serving.py's Served
             return
-        if not req.export_kv:
+        if req.kv_sink is None:
             self.finished.labels(cls, req.finish_reason or "").inc()
             self.prompt_tokens.labels(cls).inc(req.num_prompt_tokens)
             if req.finish_time is not None:

@@ -106,6 +106,10 @@ class EngineTracer(EngineObserver):
         # Engine times are monotonic seconds; spans want epoch nanoseconds.
         self._mono0, self._wall0 = engine.clock(), time.time_ns()
         self._clock = engine.clock
+        # Each request's spans, by the request object (not its id string: a duplicate id refused at
+        # add_request must not close the trace of the request that holds it). Written on the HTTP
+        # thread before the engine sees the request, read on the engine thread.
+        self._traces: dict[int, tuple[Request, _RequestTrace]] = {}
         engine.observers.append(self)
 
     def _ns(self, t: float) -> int:
@@ -135,7 +139,11 @@ class EngineTracer(EngineObserver):
         rt = _RequestTrace(root)
         if not handed_off:
             rt.queue = self._child(rt, "queue", req.arrival_time)
-        req.trace_context = rt
+        self._traces[id(req)] = (req, rt)  # the request held too: its id stays its own while here
+
+    def _trace(self, req: Request) -> _RequestTrace | None:
+        found = self._traces.get(id(req))
+        return None if found is None else found[1]
 
     def span(self, name: str, attrs: dict[str, Any]) -> Any:
         """A span in the current context (e.g. `kv_transfer` around a KV hand-off)."""
@@ -148,7 +156,7 @@ class EngineTracer(EngineObserver):
     def on_segment_start(self, batch: PrefillBatch, now: float) -> None:
         members = [r.request_id for r in batch.requests]
         for r in batch.requests:
-            rt: _RequestTrace | None = r.trace_context
+            rt = self._trace(r)
             if rt is None or r.state.done:
                 continue
             if rt.queue is not None:
@@ -168,7 +176,7 @@ class EngineTracer(EngineObserver):
 
     def on_segment_end(self, batch: PrefillBatch, now: float) -> None:
         for r, whole in zip(batch.requests, batch.completes_prefills, strict=True):
-            rt: _RequestTrace | None = r.trace_context
+            rt = self._trace(r)
             if rt is None or rt.prefill is None:
                 continue
             rt.prefill.set_attribute("flowprefill.end_step", batch.next_step)
@@ -178,10 +186,10 @@ class EngineTracer(EngineObserver):
                 rt.queue = self._child(rt, "queue", now, attributes={"flowprefill.chunk_wait": True})
 
     def on_preempt(self, victim: PrefillBatch, by: PrefillBatch) -> None:
-        links = [Link(b.trace_context.prefill.get_span_context(), {"flowprefill.request_id": b.request_id})
-                 for b in by.requests if b.trace_context is not None and b.trace_context.prefill is not None]
+        links = [Link(rt.prefill.get_span_context(), {"flowprefill.request_id": b.request_id})
+                 for b in by.requests if (rt := self._trace(b)) is not None and rt.prefill is not None]
         for r in victim.requests:
-            rt: _RequestTrace | None = r.trace_context
+            rt = self._trace(r)
             if rt is None or r.state.done or not r.suspensions:
                 continue
             s = r.suspensions[-1]
@@ -200,14 +208,14 @@ class EngineTracer(EngineObserver):
             })
 
     def on_evict(self, req: Request, now: float) -> None:
-        rt: _RequestTrace | None = req.trace_context
+        rt = self._trace(req)
         if rt is not None:  # queued again, its prompt and answer to be recomputed (less what is cached)
             rt.queue = self._child(rt, "queue", now, attributes={
                 "flowprefill.evicted": True, "flowprefill.output_tokens": len(req.output_token_ids),
                 "flowprefill.recompute_tokens": req.remaining_prefill_tokens})
 
     def on_finish(self, req: Request) -> None:
-        rt: _RequestTrace | None = req.trace_context
+        _, rt = self._traces.pop(id(req), (None, None))
         if rt is None:
             return
         end = req.finish_time if req.finish_time is not None else self._clock()
@@ -229,4 +237,3 @@ class EngineTracer(EngineObserver):
         if req.finish_reason == "error":
             root.set_status(Status(StatusCode.ERROR, "engine error"))
         root.end(self._ns(end))
-        req.trace_context = None

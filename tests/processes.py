@@ -3,18 +3,35 @@ scenario several tests share."""
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from gateway.processes import answers, free_port, start, stop, wait_healthy
 
-__all__ = ["answers", "asgi_body", "free_port", "preemption_scenario", "serving", "start", "stop", "uvicorn_thread",
-           "wait_healthy"]
+__all__ = ["HEAVY", "answers", "asgi_body", "free_port", "mapped_heavy", "needs_engine", "preemption_scenario",
+           "serving", "start", "stop", "uvicorn_thread", "wait_healthy"]
+
+# A test of a gateway-only module (tests/conftest.py) that starts an engine worker: skipped where only
+# the base install is (.ci/run's gateway venv), which has no torch.
+needs_engine = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                                  reason="starts an engine worker: needs the engine extra")
+# What the gateway's processes never load: the engine's native code, the load generator's, the plots'.
+HEAVY = ("torch", "numpy", "tokenizers", "safetensors", "llguidance", "locust", "matplotlib", "transformers")
+
+
+def mapped_heavy(pid: int) -> tuple[list[str], set[str]]:
+    """The shared objects of HEAVY packages a running process has mapped (Linux: /proc/PID/maps), and
+    all it has mapped: a package's native code is there once it is imported."""
+    libraries = {line.split()[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if ".so" in line}
+    return [lib for lib in libraries if any(f"/{p}/" in lib or f"/{p}." in lib for p in HEAVY)], libraries
 
 
 async def asgi_body(receive: Any) -> bytes:

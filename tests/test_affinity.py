@@ -6,11 +6,13 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from processes import serving
+from processes import needs_engine, serving
 
 from gateway.affinity import CHUNK_CHARS, PrefixTable, prefix_key, rendezvous
 from gateway.config import Upstream
 from gateway.routing import Worker, WorkerPool
+
+pytestmark = pytest.mark.gateway_only
 
 
 def key(body: dict, chars: int = 1024) -> bytes | None:
@@ -167,6 +169,7 @@ def conversation(url: str, turns: int = 4) -> list[int]:
 
 
 @pytest.mark.slow
+@needs_engine
 def test_a_conversation_over_two_workers_finds_its_history() -> None:
     """Every turn after the first lands on the worker that served the last (by load alone, idle
     workers take turns, and a turn there finds its history only if it was there before)."""

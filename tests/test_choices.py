@@ -13,7 +13,7 @@ import pytest
 from helpers import EngineFactory
 from test_engine import Sink
 
-from engine import handoff
+from engine.protocol.headers import KV_TO_HEADER, KV_TRANSPORT_HEADER
 from engine.request import Request, SamplingParams
 from engine.worker import create_worker_app
 
@@ -97,5 +97,5 @@ def test_a_disaggregated_prefill_takes_min_tokens(make_engine: EngineFactory) ->
     """(Found by review.) The prefill half runs one token: min_tokens above 1 must not refuse it."""
     app = create_worker_app(make_engine(), "m", role="prefill")
     r = call(app, "POST", "/v1/completions", {"prompt": "hello", "max_tokens": 16, "min_tokens": 5},
-             {handoff.KV_TO_HEADER: "http://127.0.0.1:9", handoff.TRANSPORT_HEADER: "http"})
+             {KV_TO_HEADER: "http://127.0.0.1:9", KV_TRANSPORT_HEADER: "http"})
     assert r.status_code == 502 and "handing the KV" in r.text  # it ran: only the hand-off had nowhere to go

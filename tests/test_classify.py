@@ -9,6 +9,8 @@ import pytest
 from gateway.classify import ClassificationError, as_chat_view, classify
 from gateway.config import APIKey, GatewayConfig, LengthRule
 
+pytestmark = pytest.mark.gateway_only
+
 
 def cfg(**kw: object) -> GatewayConfig:
     c = GatewayConfig(**kw)  # type: ignore[arg-type]

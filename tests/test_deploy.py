@@ -4,6 +4,7 @@ Grafana will read are well-formed and point at each other."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -95,7 +96,28 @@ def test_kubernetes_manifests_match_the_kubernetes_schema() -> None:
 
 def test_dockerfile_copies_the_packages() -> None:
     root = K8S.parents[2]
-    for line in (K8S / "Dockerfile").read_text().splitlines():
-        if line.startswith("COPY "):
-            for src in line.split()[1:-1]:
-                assert (root / src).exists(), src
+    for name in ("Dockerfile", "Dockerfile.gateway"):
+        for line in (K8S / name).read_text().splitlines():
+            if line.startswith("COPY "):
+                for src in line.split()[1:-1]:
+                    assert (root / src).exists(), f"{name}: {src}"
+
+
+def test_the_gateway_runs_on_a_slim_image_of_the_base_install() -> None:
+    """The gateway's image is the install without extras on a Python image with no CUDA, the workers'
+    the CUDA one with the gpu extra; each container runs the image built for it."""
+    def image(name: str) -> tuple[str, str, str]:
+        text = (K8S / name).read_text()
+        (base,) = [line.split()[1] for line in text.splitlines() if line.startswith("FROM ")]
+        (install,) = [line for line in text.splitlines() if line.startswith("RUN pip install")]
+        return base, install, re.search(r"-t (\S+) \.", text).group(1)  # type: ignore[union-attr]
+
+    gateway_base, gateway_install, gateway_tag = image("Dockerfile.gateway")
+    worker_base, worker_install, worker_tag = image("Dockerfile")
+    assert "cuda" not in gateway_base and "slim" in gateway_base and "[" not in gateway_install
+    assert "cuda" in worker_base and "[gpu]" in worker_install
+    containers = {d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0]
+                  for d in yaml.safe_load_all((K8S / "flowprefill.yaml").read_text()) if d["kind"] != "Service"
+                  and d["kind"] != "ConfigMap"}
+    assert containers["flowprefill-gateway"]["image"] == gateway_tag
+    assert containers["flowprefill-worker"]["image"] == worker_tag

@@ -18,10 +18,11 @@ from helpers import EngineFactory
 from processes import answers, free_port, start, stop, wait_healthy
 from safetensors.torch import save
 
-from engine import handoff
+from engine import handoff, kv_transport
 from engine.engine import Engine
+from engine.protocol.headers import KV_SHM_HEADER
 from engine.request import Request, Sampled, SamplingParams
-from engine.structured_output import Grammars, Guide
+from engine.structured_output import Grammars, Guide, GuidedAnswer
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -49,10 +50,11 @@ def test_handoff_decodes_like_one_worker(engines: tuple[Engine, Engine]) -> None
     prefill, decode = engines
     prompt = [(11 * i + 3) % 250 + 1 for i in range(700)]
     (alone,) = prefill.generate([prompt], GREEDY)
-    first = _run(prefill, Request(request_id="p", prompt_token_ids=prompt, export_kv=True,
+    exported: dict[str, torch.Tensor] = {}  # the prompt's KV, given at its first token
+    first = _run(prefill, Request(request_id="p", prompt_token_ids=prompt, kv_sink=exported.update,
                                   sampling=SamplingParams(max_tokens=1, temperature=0)))
-    assert first.kv_export is not None and first.block_table == []  # its KV went back to the pool
-    kv, token = handoff.unpack(handoff.pack(first.kv_export, Sampled(first.output_token_ids[0])))
+    assert exported and first.block_table == []  # its KV went back to the pool
+    kv, token = handoff.unpack(handoff.pack(exported, Sampled(first.output_token_ids[0])))
     assert set(kv) == {f"{k}.{i}" for k in "kv" for i in range(prefill.model.cfg.num_hidden_layers)}
     free_before = decode.kv.num_free_blocks
     req = Request(request_id="d", prompt_token_ids=prompt, sampling=GREEDY)
@@ -106,7 +108,7 @@ def test_handoff_rejects_kv_of_another_shape(engines: tuple[Engine, Engine]) -> 
 
 def test_inbox_waits_and_expires() -> None:
     async def main() -> None:
-        inbox = handoff.KVInbox(ttl_s=0.0)
+        inbox = kv_transport.KVInbox(ttl_s=0.0)
         waiter = asyncio.ensure_future(inbox.take("a", 5))
         await asyncio.sleep(0)
         inbox.put("a", {}, Sampled(3))
@@ -166,7 +168,7 @@ def test_served_disaggregated_matches_one_worker(disaggregated: int, engines: tu
     regex = "[a-z]{3}( [a-z]{2,5}){3}"
     ref_req = Request(request_id="guided", prompt_token_ids=eng.tokenizer.encode(prompt),
                       sampling=SamplingParams(max_tokens=30, temperature=0, guide=Guide("regex", regex)))
-    ref_req.grammar = Grammars(eng.tokenizer, eng.model.cfg.vocab_size).matcher(ref_req.sampling.guide)
+    ref_req.constraint = GuidedAnswer(Grammars(eng.tokenizer, eng.model.cfg.vocab_size).matcher(ref_req.sampling.guide))
     want = eng.tokenizer.decode(_run(eng, ref_req).output_token_ids)
     guided = client.completions.create(model="flowprefill-default", prompt=prompt, max_tokens=30, temperature=0,
                                        extra_body={"guided_regex": regex})
@@ -261,11 +263,12 @@ def test_failed_handoff_is_an_explicit_error_and_frees_the_kv(disaggregated: int
 
 
 def _shm_leftovers() -> list[str]:
-    return sorted(p.name for p in handoff.SHM_DIR.glob("flowprefill-kv-*")) if handoff.SHM_DIR.is_dir() else []
+    shm = kv_transport.SHM_DIR
+    return sorted(p.name for p in shm.glob("flowprefill-kv-*")) if shm.is_dir() else []
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not handoff.SHM_DIR.is_dir(), reason="no /dev/shm on this host")
+@pytest.mark.skipif(not kv_transport.SHM_DIR.is_dir(), reason="no /dev/shm on this host")
 def test_same_host_handoff_goes_through_shared_memory(disaggregated: int) -> None:
     """A loopback decode worker gets the KV through /dev/shm; forced HTTP gives the same tokens; no
     file is left behind either way."""
@@ -296,17 +299,17 @@ def test_shared_memory_names_are_checked_and_a_missing_file_falls_back_to_http(
         disaggregated: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     decode = f"http://127.0.0.1:{disaggregated + 2}"
     # only our own file names: never a path
-    r = httpx.post(f"{decode}/v1/internal/kv/x", headers={handoff.SHM_HEADER: "../../etc/passwd"})
+    r = httpx.post(f"{decode}/v1/internal/kv/x", headers={KV_SHM_HEADER: "../../etc/passwd"})
     assert r.status_code == 400 and "flowprefill-kv-" in r.json()["error"]["message"]
-    r = httpx.post(f"{decode}/v1/internal/kv/x", headers={handoff.SHM_HEADER: f"flowprefill-kv-{'0' * 32}.safetensors"})
-    assert r.status_code == 404 and r.json()["error"]["code"] == handoff.SHM_MISSING
+    r = httpx.post(f"{decode}/v1/internal/kv/x", headers={KV_SHM_HEADER: f"flowprefill-kv-{'0' * 32}.safetensors"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == kv_transport.SHM_MISSING
     # a sender whose shared-memory folder the decode worker cannot see (another container): HTTP after all
-    monkeypatch.setattr(handoff, "SHM_DIR", tmp_path)
+    monkeypatch.setattr(kv_transport, "SHM_DIR", tmp_path)
     kv = {f"{kind}.{layer}": torch.zeros(5, 2, 32) for layer in range(4) for kind in "kv"}
 
     async def go() -> tuple[str, int]:
         async with httpx.AsyncClient() as client:
-            return await handoff.send(client, decode, "fallback", kv, Sampled(7))
+            return await kv_transport.send(client, decode, "fallback", kv, Sampled(7))
 
     assert asyncio.run(go())[0] == "http"
     assert list(tmp_path.iterdir()) == []

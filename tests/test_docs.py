@@ -22,7 +22,7 @@ import pytest
 
 from engine.bench.prefill_plot import size_label
 from engine.config import EngineConfig
-from engine.slo import DEFAULT_CLASSES
+from engine.protocol.slo import DEFAULT_CLASSES
 from gateway.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]

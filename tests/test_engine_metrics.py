@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import torch
 from helpers import EngineFactory
 from prometheus_client.parser import text_string_to_metric_families
 from test_engine import Sink, assert_idle_and_free, tokens
@@ -83,12 +84,13 @@ def test_a_disaggregated_request_is_counted_once(make_engine: EngineFactory) -> 
     prefill, decode = make_engine(), make_engine()
     per_worker = [EngineMetrics(prefill), EngineMetrics(decode)]
     prompt = tokens(100, seed=9)
-    first = Request(request_id="p", prompt_token_ids=prompt, export_kv=True,
+    exported: dict[str, torch.Tensor] = {}  # the prompt's KV, given at its first token
+    first = Request(request_id="p", prompt_token_ids=prompt, kv_sink=exported.update,
                     sampling=SamplingParams(max_tokens=1, temperature=0.0))
     first.sink = sink = Sink(first)
     prefill.add_request(first)
     assert sink.wait() == "length"
-    kv, token = handoff.unpack(handoff.pack(first.kv_export, Sampled(first.output_token_ids[0])))
+    kv, token = handoff.unpack(handoff.pack(exported, Sampled(first.output_token_ids[0])))
     req = Request(request_id="d", prompt_token_ids=prompt,
                   sampling=SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
     req.sink = sink = Sink(req)

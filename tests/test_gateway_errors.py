@@ -19,6 +19,8 @@ from processes import asgi_body, free_port, start, stop, uvicorn_thread, wait_he
 
 from gateway.routing import WorkerPool
 
+pytestmark = pytest.mark.gateway_only
+
 
 def scripted_worker(name: str, hits: Counter[tuple[str, str]]) -> Any:
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:

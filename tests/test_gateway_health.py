@@ -24,6 +24,8 @@ from processes import answers, free_port, stop, uvicorn_thread, wait_healthy
 from gateway.netio import UpstreamTransport
 from gateway.routing import WorkerPool
 
+pytestmark = pytest.mark.gateway_only
+
 PLAIN_OPENAI = "GET /load answered 404: a plain OpenAI server? use --upstream openai"
 REFUSED = "unreachable (connection refused)"
 

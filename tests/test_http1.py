@@ -16,6 +16,8 @@ from processes import asgi_body, free_port, uvicorn_thread
 
 from gateway.http1 import Http1Pool, request_head
 
+pytestmark = pytest.mark.gateway_only
+
 TIMEOUT = httpx.Timeout(5).as_dict()
 
 

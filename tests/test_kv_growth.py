@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import EngineFactory
 from test_engine import Sink, assert_idle_and_free, tokens
 
@@ -207,12 +208,13 @@ def test_a_handed_off_answer_evicted_on_its_decode_worker_is_recomputed_there(ma
     prefill, decode, alone = make_engine(), make_engine(kv_capacity_tokens=10 * BS), make_engine()
     evictions = Evictions(decode)
     prompt = tokens(20, seed=5)
-    first = Request(request_id="p", prompt_token_ids=prompt, export_kv=True,
+    exported: dict[str, torch.Tensor] = {}  # the prompt's KV, given at its first token
+    first = Request(request_id="p", prompt_token_ids=prompt, kv_sink=exported.update,
                     sampling=SamplingParams(max_tokens=1, temperature=0.0))
     first.sink = sink = Sink(first)
     prefill.add_request(first)
-    assert sink.wait() == "length" and first.kv_export is not None
-    kv, token = handoff.unpack(handoff.pack(first.kv_export, Sampled(first.output_token_ids[0])))
+    assert sink.wait() == "length" and exported
+    kv, token = handoff.unpack(handoff.pack(exported, Sampled(first.output_token_ids[0])))
     Squeeze.eng = decode  # type: ignore[attr-defined]
     req = Request(request_id="d", prompt_token_ids=prompt,
                   sampling=SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))

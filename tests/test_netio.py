@@ -18,6 +18,8 @@ from processes import free_port, uvicorn_thread
 
 from gateway.netio import UpstreamTransport
 
+pytestmark = pytest.mark.gateway_only
+
 LIMITS = httpx.Limits(max_connections=8, max_keepalive_connections=8)
 
 

@@ -18,12 +18,12 @@ from helpers import module_engine
 
 from engine.decode import OutputStream
 from engine.engine import Engine
-from engine.openai_api import ChatCompletionRequest, StreamOptions
+from engine.protocol.openai import ChatCompletionRequest, StreamOptions
 from engine.reasoning import CLOSE, ReasoningParser, ReasoningStream
 from engine.request import Request, Sampled, SamplingParams, TokenOutput
 from engine.responses import Choices, sse
 from engine.sampling import sample
-from engine.structured_output import Grammars, Guide
+from engine.structured_output import Grammars, Guide, GuidedAnswer
 from engine.tokenizer import ByteTokenizer, _ChatTemplate
 from engine.tool_calls import ToolCallParser
 from engine.worker import create_worker_app
@@ -139,7 +139,7 @@ def test_chat_template_kwargs_reach_the_template() -> None:
 def test_the_constraint_starts_when_the_reasoning_closes() -> None:
     tok = ByteTokenizer()
     req = Request(request_id="r", prompt_token_ids=[1], sampling=SamplingParams(max_tokens=64, temperature=0))
-    req.grammar, req.thinking_until = Grammars(tok, 512).matcher(Guide("regex", "[0-9]+")), CLOSE
+    req.constraint = guided = GuidedAnswer(Grammars(tok, 512).matcher(Guide("regex", "[0-9]+")), CLOSE)
     stream = OutputStream(req, tok)
     row = torch.zeros(512)
     row[ord("x")] = 5.0  # the model wants "x", which the constraint does not allow
@@ -147,9 +147,9 @@ def test_the_constraint_starts_when_the_reasoning_closes() -> None:
         assert sample(row[None], [req], {})[0].token == ord("x")  # type: ignore[union-attr]
         assert stream.push(Sampled(ord(ch))).finish_reason is None
     for ch in "</think>":
-        assert req.thinking_until is not None
+        assert guided.thinking_until is not None
         stream.push(Sampled(ord(ch)))
-    assert req.thinking_until is None
+    assert guided.thinking_until is None
     token = sample(row[None], [req], {})[0].token  # type: ignore[union-attr]
     assert chr(token).isdigit()  # the matcher starts fresh after the reasoning
     assert stream.push(Sampled(token)).finish_reason is None
@@ -161,13 +161,14 @@ def test_an_answer_that_may_reason_decides_at_its_first_token(opens: bool) -> No
     (one token, as Qwen3's tokenizer has) or be the constraint's; either way the constraint holds."""
     tok, think = ByteTokenizer(), 300  # an id the byte vocabulary leaves free stands for "<think>"
     req = Request(request_id="r", prompt_token_ids=[1], sampling=SamplingParams(max_tokens=64, temperature=0))
-    req.grammar, req.opens_thinking = Grammars(tok, 512).matcher(Guide("regex", "[0-9]+")), [think]
+    req.constraint = guided = GuidedAnswer(Grammars(tok, 512).matcher(Guide("regex", "[0-9]+")),
+                                           opens_thinking=[think], close=CLOSE)
     row = torch.zeros(512)
     row[ord("x")], row[think], row[ord("7")] = 5.0, 4.0 if opens else -4.0, 1.0
     first = sample(row[None], [req], {})[0].token  # type: ignore[union-attr]
     assert first == (think if opens else ord("7"))  # never "x", which the constraint does not allow
     OutputStream(req, tok).push(Sampled(first))
-    assert req.opens_thinking == [] and req.thinking_until == (CLOSE if opens else None)
+    assert guided.opens_thinking == [] and guided.thinking_until == (CLOSE if opens else None)
     nxt = sample(row[None], [req], {})[0].token  # type: ignore[union-attr]
     assert nxt == (ord("x") if opens else ord("7"))  # reasoning is free; a constrained answer goes on
 
@@ -206,7 +207,7 @@ def test_a_worker_with_a_reasoning_parser(engine: Engine) -> None:
 
 
 def test_an_earlier_answers_reasoning_reaches_the_template() -> None:
-    from engine.openai_api import ChatMessage
+    from engine.protocol.openai import ChatMessage
 
     said = ChatMessage(role="assistant", content="4", reasoning_content="two and two")
     assert said.for_template()["reasoning_content"] == "two and two"

@@ -19,7 +19,7 @@ from processes import uvicorn_thread
 from pydantic import TypeAdapter
 
 from engine.engine import Engine
-from engine.responses_api import ResponsesRequest
+from engine.protocol.responses import ResponsesRequest
 from engine.worker import create_worker_app
 
 EVENTS: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)

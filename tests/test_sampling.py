@@ -1,4 +1,4 @@
-"""Logit bias, penalties and logprobs (engine/sampling.py), their request fields (engine/openai_api.py)
+"""Logit bias, penalties and logprobs (engine/sampling.py), their request fields (engine/protocol/openai.py)
 and their hand-off between disaggregated workers. tests/test_reference.py checks repetition_penalty
 and logprobs against transformers' generate; tests/test_gateway.py the HTTP shapes through a server."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import handoff
-from engine.openai_api import ChatCompletionRequest, CompletionRequest, Unsupported
+from engine.protocol.openai import ChatCompletionRequest, CompletionRequest, Unsupported
 from engine.request import Logprob, Request, Sampled, SamplingParams
 from engine.responses import LogprobFormatter
 from engine.sampling import penalized, sample
@@ -165,7 +165,7 @@ def test_the_first_tokens_logprobs_travel_with_the_kv(first: Sampled) -> None:
 
 
 def test_messages_as_chat_templates_read_them() -> None:
-    from engine.openai_api import ChatMessage
+    from engine.protocol.openai import ChatMessage
 
     assert ChatMessage("developer", "be brief").for_template() == {"role": "system", "content": "be brief"}
     parts = ChatMessage("user", [{"type": "text", "text": "a"}, {"type": "text", "text": None},

@@ -8,10 +8,10 @@ from engine.config import ModelConfig
 from engine.kv_cache import BlockPool
 from engine.model.plan import OpCost, SeqSpan, plan_prefill
 from engine.prefill import PrefillBatch
+from engine.protocol.slo import DEFAULT_CLASSES
 from engine.request import Request, SamplingParams
 from engine.scheduler import Scheduler, make_policy
 from engine.sim.simulator import VirtualRun
-from engine.slo import DEFAULT_CLASSES
 
 COST = OpCost(ModelConfig(), attn_in_s_per_row=2e-6, ffn_s_per_row=1.2e-5, attn_s_per_pair=7e-8)
 

@@ -11,12 +11,12 @@ import pytest
 
 from engine.config import EngineConfig, ModelConfig
 from engine.model.plan import OpCost
+from engine.protocol.slo import DEFAULT_CLASSES
 from engine.request import Request, SamplingParams
 from engine.scheduler import make_policy
 from engine.sim import ExactCosts, SimConfig, simulate
 from engine.sim.costs import analytical
 from engine.sim.oracle import BatchCostRecorder
-from engine.slo import DEFAULT_CLASSES
 from loadtest.workload import poisson
 
 COST = OpCost(ModelConfig(), attn_in_s_per_row=2e-6, ffn_s_per_row=1.2e-5, attn_s_per_pair=7e-8)

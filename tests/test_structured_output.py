@@ -23,9 +23,9 @@ from test_kv_growth import BS, Evictions
 
 from engine.decode import OutputStream
 from engine.engine import Engine
-from engine.openai_api import ChatCompletionRequest, CompletionRequest, Unsupported
+from engine.protocol.openai import ChatCompletionRequest, CompletionRequest, Unsupported
 from engine.request import Request, Sampled, SamplingParams
-from engine.structured_output import Grammars, Guide, allowed_logits
+from engine.structured_output import Grammars, Guide, GuidedAnswer, allowed_logits
 from engine.tokenizer import ByteTokenizer, HFTokenizer
 from engine.tool_calls import ForcedCall
 from engine.worker import create_worker_app
@@ -136,7 +136,7 @@ def test_invalid_constraints_name_what_is_wrong() -> None:
 def test_a_token_the_matcher_refuses_ends_the_answer_with_an_error() -> None:
     tok = ByteTokenizer()
     req = Request(request_id="r", prompt_token_ids=[1], sampling=SamplingParams(max_tokens=8))
-    req.grammar = Grammars(tok, 512).matcher(Guide("regex", "[0-9]+"))
+    req.constraint = GuidedAnswer(Grammars(tok, 512).matcher(Guide("regex", "[0-9]+")))
     out = OutputStream(req, tok).push(Sampled(ord("a")))
     assert out.finish_reason == "error" and "rejected token 97" in (out.error or "")
 
@@ -328,7 +328,7 @@ def test_evicted_constrained_answers_resume_where_their_matcher_was(make_engine:
 def _guided(eng: Engine, grammars: Grammars, guide: Guide, i: int, sampling: dict[str, Any]) -> tuple[Request, Sink]:
     req = Request(request_id=f"r{i}", prompt_token_ids=tokens(30 + 7 * i, seed=10 + i), sampling=SamplingParams(
         max_tokens=70, ignore_eos=True, guide=guide, **{"temperature": 0.0, **sampling}))  # type: ignore[arg-type]
-    req.grammar = grammars.matcher(guide)
+    req.constraint = GuidedAnswer(grammars.matcher(guide))
     req.sink = sink = Sink(req)
     eng.add_request(req)
     return req, sink
@@ -350,7 +350,7 @@ def test_the_request_span_says_what_the_answer_was_held_to(make_engine: EngineFa
     for i, guide in enumerate([Guide.json({"type": "object"}), Guide.choice(["a", "b"]), None]):
         req = Request(request_id=f"s{i}", prompt_token_ids=tokens(20, seed=i),
                       sampling=SamplingParams(max_tokens=4, temperature=0.0, guide=guide))
-        req.grammar = guide and grammars.matcher(guide)
+        req.constraint = guide and GuidedAnswer(grammars.matcher(guide))
         req.sink = sink = Sink(req)
         tracer.start(req, "chat")
         eng.add_request(req)

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 from helpers import EngineFactory
 
-from engine.openai_api import ChatCompletionRequest, ChatMessage, StreamOptions, Unsupported
+from engine.protocol.openai import ChatCompletionRequest, ChatMessage, StreamOptions, Unsupported
 from engine.request import Request, TokenOutput
 from engine.responses import Choices, sse
 from engine.tool_calls import ToolCallParser

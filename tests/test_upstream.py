@@ -10,10 +10,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from processes import answers, free_port, start, stop, wait_healthy
+from processes import answers, free_port, needs_engine, start, stop, wait_healthy
 
-from engine.slo import DEFAULT_CLASSES
+from engine.protocol.slo import DEFAULT_CLASSES
 from gateway.config import GatewayConfig, Upstream
+
+pytestmark = pytest.mark.gateway_only
 
 
 def test_priority_mapping() -> None:
@@ -45,6 +47,7 @@ def gated() -> Iterator[str]:
         stop(upstream)
 
 
+@needs_engine
 def test_urgent_request_overtakes_queue(gated: str) -> None:
     async def main() -> dict[str, float]:
         done: dict[str, float] = {}
@@ -111,6 +114,7 @@ def test_edf_gate_order_bound_and_cancel() -> None:
     asyncio.run(main())
 
 
+@needs_engine
 def test_other_endpoints_are_forwarded_as_they_are(gated: str) -> None:
     """In front of a plain OpenAI server (vLLM has them all): the Responses API queued and classed
     like chat, tokenize and detokenize as they are, one model found in the server's list."""

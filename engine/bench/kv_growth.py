@@ -33,8 +33,8 @@ from engine.bench.report import command, save_figure
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.observer import EngineObserver
+from engine.protocol.slo import DEFAULT_CLASSES
 from engine.request import Request, SamplingParams, TokenOutput
-from engine.slo import DEFAULT_CLASSES
 from engine.worker import CHAT_DEFAULT_MAX_TOKENS
 from loadtest.workload import ClassRule, head, load_trace, scale_to_rate, synthesize_prompt, traces_dir
 

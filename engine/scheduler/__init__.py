@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from engine.config import POLICIES, parse_policy  # noqa: F401 (the names, also read from here)
 from engine.kv_cache import BlockPool
 from engine.model.plan import OpCost, SeqSpan
 from engine.prefill import PrefillBatch
@@ -171,25 +172,17 @@ class Scheduler:
         return chunks
 
 
-POLICIES = ("flowprefill", "fcfs", "chunked:N", "chunked:N:fcfs", "edf", "priority")
-
-
 def make_policy(name: str) -> Policy:
-    """flowprefill | fcfs | chunked:N[:fcfs] | edf | priority"""
+    """flowprefill | fcfs | chunked:N[:fcfs] | edf | priority (POLICIES; ValueError for another name)"""
     from engine.scheduler.chunked import Chunked
     from engine.scheduler.edf import EDF
     from engine.scheduler.fcfs import FCFS
     from engine.scheduler.flowprefill import FlowPrefill
     from engine.scheduler.priority import Priority
 
-    kind, _, arg = name.partition(":")
+    kind, chunk_tokens, order = parse_policy(name)
     if kind == "chunked":
-        size, _, order = arg.partition(":")
-        if not size.isdigit():
-            raise ValueError(f"policy {name!r}: expected chunked:N with N tokens, e.g. chunked:2048")
-        return Chunked(int(size), order or "edf")
+        return Chunked(chunk_tokens, order)
     policies: dict[str, Callable[[], Policy]] = {"fcfs": FCFS, "flowprefill": FlowPrefill, "edf": EDF,
                                                  "priority": Priority}
-    if name not in policies:
-        raise ValueError(f"unknown policy {name!r}: choose from {', '.join(POLICIES)}")
-    return policies[name]()
+    return policies[kind]()

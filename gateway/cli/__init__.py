@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from types import ModuleType
 
-from gateway.cli.common import CommandLineError, Parser
+from gateway.cli.common import CommandLineError, Parser, require_extras
 
 
 @dataclass(frozen=True)
@@ -22,27 +22,33 @@ class Command:
 
     module: str
     help: str
+    extras: tuple[str, ...] = ()  # the install's extras it needs (pyproject.toml): checked before it runs
 
     def load(self) -> ModuleType:
         return importlib.import_module(self.module)
 
 
+ENGINE, BENCH = ("engine",), ("engine", "loadtest")  # the benchmarks start engines and plot
 SERVERS = {
-    "serve": Command("gateway.cli.serve", "gateway + engine worker(s) on this machine (embedded model by default)"),
+    "serve": Command("gateway.cli.serve", "gateway + engine worker(s) on this machine (embedded model by default)",
+                     ENGINE),
     "gateway": Command("gateway.cli.gateway", "the SLO gateway alone, in front of running workers"),
-    "worker": Command("gateway.cli.worker", "one engine worker (OpenAI API + /load, /health, /metrics)"),
+    "worker": Command("gateway.cli.worker", "one engine worker (OpenAI API + /load, /health, /metrics)", ENGINE),
 }
 # `flowprefill bench NAME ARGS`: adding a benchmark is one line here.
 BENCHES = {
-    "prefill": Command("engine.bench.prefill", "prefill throughput, checkpoint overhead, preemption stop latency"),
-    "goodput": Command("loadtest.goodput", "max goodput per policy vs rate and SLO scale (real engine or sim)"),
-    "gateway": Command("gateway.bench", "latency the gateway adds and its requests/s on one core"),
+    "prefill": Command("engine.bench.prefill", "prefill throughput, checkpoint overhead, preemption stop latency",
+                       BENCH),
+    "goodput": Command("loadtest.goodput", "max goodput per policy vs rate and SLO scale (real engine or sim)",
+                       BENCH),
+    "gateway": Command("gateway.bench", "latency the gateway adds and its requests/s on one core", BENCH),
     "prefix": Command("engine.bench.prefix_cache",
-                      "prefix caching on a multi-turn chat workload: TTFT per turn, on vs off"),
+                      "prefix caching on a multi-turn chat workload: TTFT per turn, on vs off", BENCH),
     "kv": Command("engine.bench.kv_growth",
-                  "KV taken as answers grow vs reserved up front, on chat requests of a trace"),
+                  "KV taken as answers grow vs reserved up front, on chat requests of a trace", BENCH),
 }
-LOADTEST = Command("loadtest.run", "a Locust profile, headless, against a gateway: per-class goodput report")
+LOADTEST = Command("loadtest.run", "a Locust profile, headless, against a gateway: per-class goodput report",
+                   ("loadtest",))
 
 
 def version() -> str:
@@ -89,8 +95,11 @@ def main(argv: list[str] | None = None) -> int:
             if rest:
                 parser.error(f"unrecognized arguments to {args.command}: {' '.join(rest)} "
                              f"(see flowprefill {args.command} --help)")
+            require_extras(SERVERS[args.command].extras)
             return SERVERS[args.command].load().run(args)
-        return (BENCHES[args.bench] if args.command == "bench" else LOADTEST).load().main(rest)
+        tool = BENCHES[args.bench] if args.command == "bench" else LOADTEST
+        require_extras(tool.extras)
+        return tool.load().main(rest)
     except CommandLineError as exc:
         print(f"flowprefill {args.command}: error: {exc}", file=sys.stderr, flush=True)
         return exc.code

@@ -1,9 +1,10 @@
 """What every `flowprefill` subcommand shares: its argument parser (defaults shown, one-line errors),
-the error a user's mistake raises, and serving an ASGI app on a socket bound beforehand."""
+the error a user's mistake raises, the address options, and serving an ASGI app on a socket bound beforehand."""
 
 from __future__ import annotations
 
 import argparse
+import re
 import socket
 import sys
 from typing import Any, NoReturn
@@ -39,6 +40,52 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         hint = f" (see {self.prog} --help)" if message.startswith("the following arguments are required") else ""
         self.exit(2, f"{self.prog}: error: {message}{hint}\n")
+
+
+def port_number(value: str) -> int:
+    port = int(value)
+    if not 1 <= port <= MAX_PORT:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (1 to {MAX_PORT})")
+    return port
+
+
+MAX_PORT = 65535
+port_number.__name__ = "port"  # argparse names the type in its error: "invalid port value: 'x'"
+
+
+def add_address(parser: argparse.ArgumentParser, host_help: str = "address to listen on",
+                port_help: str = "port to listen on") -> None:
+    parser.add_argument("--host", default="127.0.0.1", help=host_help)
+    parser.add_argument("--port", type=port_number, default=8000, metavar="PORT", help=port_help)
+
+
+def missing_extra(extra: str) -> list[str]:
+    """The packages of the install's `extra` (pyproject.toml's optional dependencies) not installed:
+    a base install is the gateway alone, and `serve` without the engine would fail deep in an import."""
+    from importlib.metadata import PackageNotFoundError, requires, version
+
+    try:
+        wanted = [r for r in requires("flowprefill") or [] if f'extra == "{extra}"' in r]
+    except PackageNotFoundError:  # run from a source tree that is not installed: nothing to compare
+        return []
+    missing = []
+    for requirement in wanted:
+        name = re.match(r"[A-Za-z0-9._-]+", requirement).group()  # type: ignore[union-attr]
+        try:
+            version(name)
+        except PackageNotFoundError:
+            missing.append(name)
+    return missing
+
+
+def require_extras(extras: tuple[str, ...]) -> None:
+    """CommandLineError naming the extra to install when a command needs one that is not there."""
+    for extra in extras:
+        if missing := missing_extra(extra):
+            hint = " (install torch first: the CPU or the CUDA build, docs/deploy.md)" if "torch" in missing else ""
+            raise CommandLineError(f"this command needs the {extra} extra, whose {', '.join(missing)} "
+                                   f"{'is' if len(missing) == 1 else 'are'} not installed: "
+                                   f"pip install 'flowprefill[{extra}]'{hint}")
 
 
 def bind(host: str, port: int, what: str) -> socket.socket:

@@ -10,8 +10,7 @@ import socket
 import typing
 from typing import TYPE_CHECKING, Any
 
-from gateway.cli.common import CommandLineError, bind, serve_app
-from gateway.cli.options import add_address
+from gateway.cli.common import CommandLineError, add_address, bind, serve_app
 from gateway.config import GatewayConfig, Upstream
 
 if TYPE_CHECKING:

@@ -2,9 +2,10 @@
 EngineConfig's fields (engine/config.py: the option's type, choices, default and help), and the
 server's (the policy, the output parsers). `serve` hands them to its workers with `to_argv`.
 
-Importing this module loads no torch: `flowprefill gateway` uses `add_address`. The server options'
-names come from their registries (engine.scheduler, engine.tool_calls, engine.reasoning), which do
-load it; they are imported only by `add_server_options`."""
+Nothing here loads torch, so neither does parsing `serve`'s command line (the engine runs only in its
+workers' processes): the policies' names come from engine/config.py, the output parsers' from
+engine.tool_calls and engine.reasoning (torch-free, imported only by `add_server_options`). The
+address options, which `flowprefill gateway` shares, are in common.py."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import POLICIES, EngineConfig, ModelConfig, parse_policy
 from gateway.cli.common import CommandLineError
 
 
@@ -67,12 +68,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def add_server_options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     """What an engine worker's server does with requests: the prefill policy, the output parsers."""
-    from engine import reasoning, tool_calls
-    from engine.scheduler import POLICIES, make_policy
+    from engine import reasoning, tool_calls  # torch-free: the parsers' names
 
     def policy(name: str) -> str:
         try:
-            make_policy(name)
+            parse_policy(name)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
         return name
@@ -89,23 +89,6 @@ def add_server_options(parser: argparse.ArgumentParser) -> list[argparse.Action]
                            help="a reasoning model's: its <think> reasoning comes back apart from the content "
                                 "(reasoning_content), and a structured output applies after it"),
     ]
-
-
-def port_number(value: str) -> int:
-    port = int(value)
-    if not 1 <= port <= MAX_PORT:
-        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (1 to {MAX_PORT})")
-    return port
-
-
-MAX_PORT = 65535
-port_number.__name__ = "port"  # argparse names the type in its error: "invalid port value: 'x'"
-
-
-def add_address(parser: argparse.ArgumentParser, host_help: str = "address to listen on",
-                port_help: str = "port to listen on") -> None:
-    parser.add_argument("--host", default="127.0.0.1", help=host_help)
-    parser.add_argument("--port", type=port_number, default=8000, metavar="PORT", help=port_help)
 
 
 def worker_options() -> list[argparse.Action]:

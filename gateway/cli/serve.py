@@ -13,10 +13,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from gateway.cli.common import CommandLineError, bind, exit_on_sigterm
+from gateway.cli.common import MAX_PORT, CommandLineError, add_address, bind, exit_on_sigterm
 from gateway.cli.options import (
-    MAX_PORT,
-    add_address,
     add_engine_options,
     add_server_options,
     check_model,

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import argparse
 
-from gateway.cli.common import CommandLineError, bind, serve_app
-from gateway.cli.options import add_address, add_engine_options, add_server_options, check_model, engine_config
+from gateway.cli.common import CommandLineError, add_address, bind, serve_app
+from gateway.cli.options import add_engine_options, add_server_options, check_model, engine_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from engine.worker import ROLES
+    from engine.protocol.worker import ROLES
 
     add_address(parser)
     parser.add_argument("--role", choices=ROLES, default="colocated",

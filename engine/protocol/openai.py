@@ -1,25 +1,17 @@
-"""OpenAI-compatible request and response bodies (msgspec), shared by worker and gateway."""
+"""OpenAI's chat and completions request bodies (msgspec), with what they ask of sampling and structured
+output; error bodies and request ids. Shared by the worker, which decodes them, and the gateway, whose
+OpenAPI document is written from them (the answers' bodies: engine/responses.py)."""
 
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
-from engine.request import SamplingParams
-from engine.structured_output import Guide
-
-# Prefill/decode disaggregation (engine/handoff.py): the gateway sends a request's prefill half with
-# KV_TO (where the KV goes) and its decode half with KV_ID (which handed-off KV to decode from).
-KV_TO_HEADER = "x-flowprefill-kv-to"
-KV_ID_HEADER = "x-flowprefill-kv-id"
-# On the prefill half's answer, and from the gateway on the decode half: the prompt tokens the
-# prefill worker found in its prefix cache (the decode worker reports them in usage).
-CACHED_TOKENS_HEADER = "x-flowprefill-cached-tokens"
+from engine.protocol.sampling import Guide, SamplingParams
 
 
 class StreamOptions(msgspec.Struct, omit_defaults=True):
@@ -47,7 +39,7 @@ class _Common(msgspec.Struct, kw_only=True, omit_defaults=True):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's extension
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias added to its logit
-    min_p: float | None = None  # vLLM's extensions (engine/request.py SamplingParams)
+    min_p: float | None = None  # vLLM's extensions (engine/protocol/sampling.py SamplingParams)
     min_tokens: int | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
@@ -348,50 +340,3 @@ def http_error_body(status: int, detail: str) -> dict[str, Any]:
             429: "rate_limit_exceeded"}.get(status, "invalid_request_error" if status < 500 else "server_error")
     code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(status)
     return error_body(detail, kind, code=code)
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}  # OpenAI's: prompt tokens found cached
-
-
-def completion_chunk(rid: str, model: str, text: str, finish: str | None, chat: bool, first: bool = False,
-                     logprobs: dict[str, Any] | None = None, index: int = 0,
-                     tool_calls: list[dict[str, Any]] | None = None, reasoning: str = "") -> dict[str, Any]:
-    if chat:
-        delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
-        if tool_calls or reasoning:  # calls streamed as OpenAI's: each whole, with its index among them
-            delta = ({"role": "assistant"} if first else {}) | _reasoning(reasoning) | (
-                {"content": text} if text else {}) | ({"tool_calls": [{"index": i} | call for i, call in
-                                                                       enumerate(tool_calls)]} if tool_calls else {})
-        choice = {"index": index, "delta": delta if text or first or tool_calls or reasoning else {},
-                  "logprobs": logprobs, "finish_reason": finish}
-        obj = "chat.completion.chunk"
-    else:
-        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        obj = "text_completion"
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
-
-
-Choice = tuple[str | None, str | None, dict[str, Any] | None, list[dict[str, Any]], str | None]
-
-
-def _reasoning(text: str | None) -> dict[str, str]:
-    """A reasoning model's reasoning under both names clients read: `reasoning_content` (DeepSeek's,
-    SGLang's, vLLM's before 0.11) and `reasoning` (vLLM's since)."""
-    return {} if not text else {"reasoning_content": text, "reasoning": text}
-
-
-def completion_body(rid: str, model: str, choices: list[Choice], chat: bool, usage_: dict[str, Any]) -> dict[str, Any]:
-    """`choices`: each one's text, finish reason, logprobs, tool calls and reasoning, in index order."""
-    if chat:
-        body = [{"index": i, "message": {"role": "assistant", "content": text} | _reasoning(reasoning)
-                 | ({"tool_calls": calls} if calls else {}), "logprobs": lp, "finish_reason": f}
-                for i, (text, f, lp, calls, reasoning) in enumerate(choices)]
-        obj = "chat.completion"
-    else:
-        body = [{"index": i, "text": text, "logprobs": lp, "finish_reason": f}
-                for i, (text, f, lp, _, _) in enumerate(choices)]
-        obj = "text_completion"
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": body, "usage": usage_}

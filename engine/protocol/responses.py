@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from engine.openai_api import ChatCompletionRequest, ChatMessage, StructuredOutputs, Unsupported
+from engine.protocol.openai import ChatCompletionRequest, ChatMessage, StructuredOutputs, Unsupported
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the one `include` served: the answer's logprobs
 # vLLM's sampling extensions on the Responses API, passed to the chat request as they are

@@ -1,11 +1,13 @@
 """SLO classes: a TTFT/TBT target and a priority per class (docs/reference.md: Default SLO classes), and
-the request headers that choose them."""
+how the request headers choose them (their names: engine/protocol/headers.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
 import msgspec
+
+from engine.protocol.headers import OBJECTIVE_HEADERS, SLO_CLASS_HEADER, TPOT_HEADERS, TTFT_HEADERS
 
 
 class SLOClass(msgspec.Struct, frozen=True):
@@ -27,13 +29,6 @@ DEFAULT_CLASSES: dict[str, SLOClass] = {
 }
 DEFAULT_CLASS = "standard"
 
-# The request headers that choose a request's SLO class or its targets. Where llm-d's router (home of
-# the Gateway API Inference Extension's endpoint picker) has its own name, both are read, llm-d's
-# first: a request sending both names is served by llm-d's.
-CLASS_HEADER = "x-slo-class"
-OBJECTIVE_HEADERS = ("x-llm-d-inference-objective", "x-gateway-inference-objective")
-TTFT_HEADERS = ("x-llm-d-slo-ttft-ms", "x-slo-ttft-ms")
-TPOT_HEADERS = ("x-llm-d-slo-tpot-ms", "x-slo-tpot-ms")  # time per output token: the TBT target
 MAX_TARGET_MS = 3_600_000  # an explicit target of an hour or more is a mistake, not an SLO
 
 
@@ -69,7 +64,7 @@ def target_ms(headers: Mapping[str, str], names: tuple[str, ...]) -> float | Non
 
 def named_class(headers: Mapping[str, str], classes: dict[str, SLOClass]) -> SLOClass | None:
     """The class a header names: `x-slo-class`, else the inference objective; None if neither is sent."""
-    if (found := first_header(headers, (CLASS_HEADER, *OBJECTIVE_HEADERS))) is None:
+    if (found := first_header(headers, (SLO_CLASS_HEADER, *OBJECTIVE_HEADERS))) is None:
         return None
     header, name = found
     if name not in classes:

@@ -1,0 +1,190 @@
+"""The layers point down: protocol ← engine core ← serving ← gateway and the command line.
+
+- `engine/protocol/` imports nothing but the standard library and msgspec;
+- the engine core (KV cache, prefill, decode, sampling, scheduler and policies, model, predictor,
+  simulator) imports nothing of the serving layer (the worker's HTTP server, the OpenAI answers, tool
+  calls, reasoning, structured output, the KV hand-off's transport);
+- the gateway imports no torch, numpy, tokenizers, locust or matplotlib, and of the engine only its
+  protocol; telemetry, which the gateway uses too, only the engine's torch-free observer interface.
+
+A static check of every import statement (`forbidden_imports`, also run on an older tree to count what
+there was), and the same seen from a running process: what importing the gateway or parsing `serve`'s
+command line loads, and what the `flowprefill serve` process itself maps while its workers run."""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from processes import HEAVY, free_port, mapped_heavy, needs_engine, start, stop, wait_healthy
+
+pytestmark = pytest.mark.gateway_only
+
+ROOT = Path(__file__).resolve().parents[1]
+HTTP = ("httpx", "httpcore", "litestar", "uvicorn")  # the serving layer's, and the gateway's
+PROTOCOL = ("engine/protocol/*.py",)
+CORE = ("engine/config.py", "engine/request.py", "engine/kv_cache.py", "engine/prefix_cache.py", "engine/prefill.py",
+        "engine/decode.py", "engine/sampling.py", "engine/engine.py", "engine/predictor.py", "engine/observer.py",
+        "engine/tokenizer.py", "engine/text.py", "engine/handoff.py", "engine/scheduler/*.py", "engine/model/*.py",
+        "engine/attention/*.py", "engine/sim/*.py")
+SERVING = ("engine/worker.py", "engine/serving.py", "engine/endpoint.py", "engine/responses.py",
+           "engine/responses_endpoint.py", "engine/tokenize_api.py", "engine/tool_calls.py", "engine/reasoning.py",
+           "engine/structured_output.py", "engine/kv_transport.py")
+BENCH = ("engine/bench/*.py", "engine/__init__.py", "gateway/bench.py")  # benchmarks: the top, like the CLI
+SERVING_MODULES = tuple(p.removesuffix(".py").replace("/", ".") for p in SERVING)
+# What the gateway's processes may load of the engine: its protocol, and through telemetry the observer
+# interface (engine/observer.py: no imports at run time); `serve` also reads the engine's options and
+# the output parsers' names, all torch-free.
+GATEWAY_ENGINE = ("engine", "engine.protocol", "engine.protocol.*", "engine.observer")
+SERVE_ENGINE = (*GATEWAY_ENGINE, "engine.config", "engine.reasoning", "engine.tool_calls", "engine.text")
+
+
+def _matches(name: str, patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatch(name, p) for p in patterns)
+
+
+def _imports(tree: ast.Module) -> list[tuple[int, str, bool]]:
+    """Every module imported: (line, name, at module level), `if TYPE_CHECKING:` blocks left out."""
+    out: list[tuple[int, str, bool]] = []
+
+    def visit(node: ast.AST, top: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                for other in child.orelse:
+                    visit(other, top)
+                continue
+            if isinstance(child, ast.Import):
+                out.extend((child.lineno, a.name, top) for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
+                out.append((child.lineno, child.module, top))
+                out.extend((child.lineno, f"{child.module}.{a.name}", top) for a in child.names)
+            visit(child, top and not isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda))
+
+    visit(tree, True)
+    return out
+
+
+def _rule(path: str, module: str, top: bool) -> str | None:
+    """Why `path` may not import `module` (None: it may)."""
+    root = module.split(".")[0]
+    if _matches(path, PROTOCOL):
+        if root not in sys.stdlib_module_names and root != "msgspec" and not module.startswith("engine.protocol"):
+            return "the protocol imports only the standard library and msgspec"
+    elif _matches(path, CORE):
+        if any(module == m or module.startswith(f"{m}.") for m in SERVING_MODULES) or root in HTTP:
+            return "the engine core imports nothing of the serving layer (nor HTTP)"
+    elif path.startswith("gateway/cli/"):  # the dispatcher imports a subcommand's engine only when it runs
+        if top and (root in HEAVY or (root == "engine" and not _matches(module, (*SERVE_ENGINE, "engine.config.*")))):
+            return "the command line loads no engine (torch) before a subcommand runs one"
+    elif path.startswith("gateway/") and not _matches(path, BENCH):
+        if root in HEAVY or (root == "engine" and not module.startswith("engine.protocol")):
+            return "the gateway imports no torch, numpy, tokenizers, locust or matplotlib, and only engine.protocol"
+    elif path.startswith("telemetry/") and top and (
+            root in HEAVY or (root == "engine" and not module.startswith(("engine.observer", "engine.protocol")))):
+            return "telemetry, which the gateway loads, imports only the engine's observer interface"
+    return None
+
+
+def forbidden_imports(root: Path) -> list[str]:
+    """Each import that breaks a layer rule, as `path:line: module (the rule)`. An engine module that
+    is in no layer is one too: a new module has to say where it belongs."""
+    found = []
+    for file in sorted([*root.glob("engine/**/*.py"), *root.glob("gateway/**/*.py"), *root.glob("telemetry/*.py")]):
+        path = file.relative_to(root).as_posix()
+        if path.startswith("engine/") and not _matches(path, PROTOCOL + CORE + SERVING + BENCH):
+            found.append(f"{path}: in no layer (add it to tests/test_layers.py)")
+            continue
+        lines = set()  # one finding per import statement
+        for line, module, top in _imports(ast.parse(file.read_text(encoding="utf-8"))):
+            if line not in lines and (why := _rule(path, module, top)) is not None:
+                lines.add(line)
+                found.append(f"{path}:{line}: {module} ({why})")
+    return found
+
+
+def test_no_import_breaks_a_layer() -> None:
+    found = forbidden_imports(ROOT)
+    assert not found, f"{len(found)} forbidden import(s):\n" + "\n".join(found)
+
+
+def test_the_check_finds_a_forbidden_import(tmp_path: Path) -> None:
+    """The rules catch what they are for (a check that cannot fail guards nothing)."""
+    for path, line in (("engine/decode.py", "from engine.reasoning import CLOSE"), ("gateway/app.py", "import torch"),
+                       ("gateway/routing.py", "from engine.request import Request"),
+                       ("engine/protocol/slo.py", "import numpy"), ("engine/newcore.py", "import os")):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(f"def f():\n    {line}\n")
+    found = forbidden_imports(tmp_path)
+    assert len(found) == 5 and "engine/newcore.py: in no layer (add it to tests/test_layers.py)" in found, found
+
+
+def _loaded(code: str) -> list[str]:
+    """The modules a fresh interpreter has loaded after running `code`."""
+    out = subprocess.run([sys.executable, "-c", f"{code}\nimport sys, json; print(json.dumps(sorted(sys.modules)))"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def _offenders(modules: list[str], engine_allowed: tuple[str, ...]) -> list[str]:
+    return [m for m in modules if m.split(".")[0] in HEAVY or (m.split(".")[0] == "engine"
+                                                                and not _matches(m, engine_allowed))]
+
+
+def test_the_gateway_loads_no_engine() -> None:
+    """What `flowprefill gateway` imports, its app built with tracing and metrics."""
+    modules = _loaded("from gateway.cli import build_parser\n"
+                      "args = build_parser(only='gateway').parse_args(['gateway', '--workers', 'http://127.0.0.1:9'])\n"
+                      "import gateway.cli.gateway, telemetry.tracing\n"
+                      "from gateway.app import create_gateway_app\n"
+                      "from gateway.config import GatewayConfig\n"
+                      "create_gateway_app(GatewayConfig(workers=['http://127.0.0.1:9']))")
+    assert "gateway.app" in modules and "telemetry.metrics" in modules
+    assert not _offenders(modules, GATEWAY_ENGINE)
+
+
+@pytest.mark.parametrize("command", ["serve", "worker"])
+def test_parsing_serve_and_worker_loads_no_engine(command: str) -> None:
+    """`serve` runs the gateway in its own process and the engine only in its workers' (child
+    processes): its command line, the workers' options it passes on, its fleet's plan, load no torch;
+    nor does `worker --help`."""
+    modules = _loaded("from gateway.cli import build_parser\n"
+                      f"args = build_parser(only={command!r}).parse_args([{command!r}, '--policy', 'chunked:512:fcfs',"
+                      " '--tool-call-parser', 'hermes', '--reasoning-parser', 'qwen3'])\n"
+                      "from gateway.cli.options import to_argv, worker_options\n"
+                      "to_argv(args, worker_options())\n"
+                      "import gateway.cli.serve, gateway.cli.gateway, gateway.app\n")
+    assert "gateway.cli.options" in modules and not _offenders(modules, SERVE_ENGINE)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line)
+        except OSError:  # it ended meanwhile
+            continue
+        if fields.get("PPid", "").strip() == str(pid):
+            found.append(int(status.parent.name))
+    return found
+
+
+@needs_engine
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/PID/maps (Linux)")
+def test_the_serve_process_maps_no_torch() -> None:
+    """A running `flowprefill serve`: its workers map torch, the serve process itself (the gateway) not."""
+    port = free_port(span=2)
+    proc = start("serve", "--port", str(port), "--kv-capacity-tokens", "8192", "--threads", "1")
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", proc)
+        (worker,) = _children(proc.pid)
+        heavy, _ = mapped_heavy(proc.pid)
+        assert not heavy, heavy
+        assert any("/torch/" in lib for lib in mapped_heavy(worker)[0])  # the check sees what it looks for
+    finally:
+        stop(proc)
