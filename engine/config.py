@@ -120,5 +120,11 @@ class EngineConfig:
     # Automatic prefix caching: a prompt whose leading KV blocks another request computed starts
     # after them (engine/kv_cache.py); blocks are reused at the granularity of kv_block_size.
     prefix_caching: bool = True
+    # The scheduler's late tier (engine/scheduler/slack.py): while requests that can no longer meet
+    # their TTFT target and requests that still can both wait, the late ones get this share of the
+    # engine, so none waits without bound behind a stream of on-time ones. 0: the paper's S-EDF.
+    late_share: float = field(default=0.5, metadata={
+        "help": "share of the engine that late requests (past hope of their TTFT target) get while "
+                "on-time ones also wait, so none waits without bound; 0 = serve them only when idle"})
     num_threads: int | None = None
     seed: int = 0

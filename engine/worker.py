@@ -35,7 +35,7 @@ from engine.reasoning import CLOSE, OPEN, ReasoningParser, ReasoningStream
 from engine.request import Request as EngineRequest
 from engine.request import Sampled, TokenOutput
 from engine.responses import Choices, LogprobFormatter, sse
-from engine.slo import DEFAULT_CLASS, DEFAULT_CLASSES, SLOClass
+from engine.slo import DEFAULT_CLASS, DEFAULT_CLASSES, SLOClass, shed_reason
 from engine.structured_output import Grammars, failed_by_constraint
 from engine.tool_calls import ForcedCall, ToolCallParser
 from telemetry.metrics import EngineMetrics
@@ -291,6 +291,9 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
             return EventStream(sse(choices, rid, model, chat, options), media_type="text/event-stream",
                                headers=headers)
         await choices.gather()
+        if reason := shed_reason(choices.error):  # turned hopeless while queued (a late = "shed" class)
+            return Response(error_body(choices.error or "", "rate_limit_exceeded", code=reason), status_code=429,
+                            headers=headers | {"retry-after": "1", "x-flowprefill-dropped-reason": reason})
         if choices.error is not None:
             client = failed_by_constraint(choices.error)
             return Response(error_body(choices.error, "invalid_request_error" if client else "server_error"),

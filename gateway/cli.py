@@ -64,7 +64,12 @@ def _run_worker(args: argparse.Namespace) -> int:
     with console.status("loading model and profiling operators…"):
         engine = Engine(cfg, policy=args.policy).start()
     name = engine.model.cfg.name
-    app = create_worker_app(engine, name, tracing=setup_tracing("flowprefill-worker"), role=args.role,
+    classes = None
+    if args.config:  # the classes of the gateway's TOML: their targets and what becomes of late requests
+        from gateway.config import GatewayConfig
+
+        classes = GatewayConfig.load(args.config).classes
+    app = create_worker_app(engine, name, classes, tracing=setup_tracing("flowprefill-worker"), role=args.role,
                             tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     url = f"http://{args.host}:{args.port}"
     console.print(f"[bold green]FlowPrefill[/] {args.role} worker serving [bold]{name}[/] (policy {args.policy}, "
@@ -92,6 +97,8 @@ def _worker_argv(args: argparse.Namespace, port: int, threads: int | None, role:
         argv += ["--reasoning-parser", args.reasoning_parser]
     if threads:
         argv += ["--threads", str(threads)]
+    if args.config:
+        argv += ["--config", args.config]
     return argv
 
 
@@ -197,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(worker)
     worker.add_argument("--role", choices=["colocated", "prefill", "decode"], default="colocated",
                         help="colocated: prefill and decode; prefill or decode: one half of PD disaggregation")
+    worker.add_argument("--config", default=None, help="gateway TOML whose SLO classes this worker serves")
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     bench_sub.add_parser("prefill", help="prefill throughput, checkpoint overhead, preemption stop latency",
