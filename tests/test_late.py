@@ -75,3 +75,22 @@ def test_a_request_of_a_serve_class_is_served_late(make_engine: EngineFactory) -
     r = queued_then_late(make_engine, SLOW)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] is not None
+
+
+def test_late_policies_in_the_gateway_toml(tmp_path) -> None:
+    from gateway.config import GatewayConfig
+
+    good = tmp_path / "good.toml"
+    good.write_text('[classes.batch]\nlate = "shed"\n\n[classes.interactive]\nlate_ms = 300\n')
+    cfg = GatewayConfig.load(good)
+    assert cfg.classes["batch"].late == "shed" and cfg.classes["batch"].sheddable
+    assert cfg.classes["interactive"].late_bound_ms == 300 and cfg.classes["standard"].late_bound_ms == 1000
+    r = Request.for_class(cfg.classes["batch"], request_id="b", prompt_token_ids=[1])
+    assert r.shed_late and r.bound == pytest.approx(r.deadline + 12.0)
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[classes.interactive]\nlate = "shed"\n')  # not sheddable
+    with pytest.raises(ValueError, match="sheddable"):
+        GatewayConfig.load(bad)
+    bad.write_text('[classes.standard]\nlate = "drop"\n')
+    with pytest.raises(ValueError, match="late"):
+        GatewayConfig.load(bad)
