@@ -120,6 +120,8 @@ class Runner:
         for r in reqs:
             if not remaining.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 engine.cancel(r.request_id)  # counted as a miss: nothing is dropped silently
+        while any(engine.has_request(r.request_id) for r in reqs) and time.monotonic() < deadline + 30:
+            time.sleep(0.01)  # the cancels are the engine thread's to carry out: the next point reuses the ids
         pt = report.point(w.rate, outcomes(reqs), engine.preemptions - start_preemptions)
         # The simulator's twins of this very point: with the cost model as the engine began it, and
         # with the costs each batch measured (what is left is the simulator's mechanics: the same
