@@ -167,5 +167,11 @@ class EngineConfig:
     # Automatic prefix caching: a prompt whose leading KV blocks another request computed starts
     # after them (engine/kv_cache.py); blocks are reused at the granularity of kv_block_size.
     prefix_caching: bool = setting(True, "reuse the KV of prompt prefixes other requests computed, by KV block")
+    # The scheduler's late tier (engine/scheduler/slack.py): while requests that can no longer meet
+    # their TTFT target and requests that still can both wait, the late ones get this share of the
+    # engine, so none waits without bound behind a stream of on-time ones. 0: the paper's S-EDF.
+    late_share: float = setting(
+        0.5, "share of the engine that late requests (past hope of their TTFT target) get while on-time ones "
+             "also wait, so none waits without bound; 0 = serve them only when idle")
     num_threads: int | None = setting(None, "torch intra-op threads (default: torch's choice)", flag="--threads")
     seed: int = setting(0, "seed of the embedded default model's weights", flag=None)

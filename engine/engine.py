@@ -21,6 +21,7 @@ from engine.observer import EngineObserver
 from engine.predictor import load_cost
 from engine.prefill import PrefillBatch
 from engine.prefix_cache import PrefixCache
+from engine.protocol.slo import SHED_ERROR
 from engine.protocol.worker import WorkerLoad
 from engine.request import Request, RequestState, Sampled, SamplingParams, TokenOutput
 from engine.sampling import sample
@@ -50,7 +51,7 @@ class Engine:
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.clock = clock
         self.scheduler = Scheduler(self.policy, self._new_batch, self.cost, self.kv, cfg.max_batch_tokens, clock,
-                                   self._reserve_tokens, self._headroom_blocks)
+                                   self._reserve_tokens, self._headroom_blocks, cfg.late_share)
         self.observers: list[EngineObserver] = []
         self.preemptions = 0
         self._cv = threading.Condition()
@@ -170,10 +171,11 @@ class Engine:
     def _loop(self) -> None:
         use_device(self.model.device)  # this thread's kernels, events and graph replays
         while True:
-            if not (self._cancels or self._imports_ready() or self.scheduler.chosen or self.answers.running):
+            if not (self._cancels or self._imports_ready() or self.scheduler.chosen or self.answers.running
+                    or self.scheduler.shed):
                 with self._cv:
                     while not (self._stop or self._cancels or self._imports_ready() or self.scheduler.chosen
-                               or self.answers.running):
+                               or self.answers.running or self.scheduler.shed):
                         self._cv.wait()
             if self._stop:
                 break
@@ -195,6 +197,11 @@ class Engine:
             self._process_cancels()
         if self._imports_ready():
             self._process_imports()
+        if self.scheduler.shed:
+            self._process_shed()
+        if self.scheduler.wake_at <= self.clock():  # the late tier's turn begins or ends
+            with self._cv:
+                self.scheduler.on_timer()
         batch = self.scheduler.chosen  # read before the clock: a later decision never looks negative
         now = self.clock()
         if self.answers.running and (batch is None or now >= self.answers.next_step_at):
@@ -218,6 +225,8 @@ class Engine:
             return
         if finished:
             self._complete(batch)
+        elif batch.exec_s - batch.observed[1] >= self.scheduler.progress_every_s:
+            self.scheduler.on_progress(batch)  # the correction learns from the running batch too
 
     def _switch(self, batch: PrefillBatch, now: float) -> None:
         prev = self._current
@@ -257,7 +266,7 @@ class Engine:
         now = self.clock()
         batch.end_segment(now)
         self._notify("on_segment_end", batch, now)
-        self.cost.observe(batch.num_tokens, batch.steps.base_cost, batch.exec_s)
+        self.scheduler.on_progress(batch)
         for r, scored in batch.score_prompts(self.model.logits_of):  # first: one that fails is skipped below
             if isinstance(scored, Exception):
                 log.error("prompt logprobs of %s failed", r.request_id, exc_info=scored)
@@ -419,6 +428,14 @@ class Engine:
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         self._emit(TokenOutput(req.request_id, [], "", reason, error))
+
+    def _process_shed(self) -> None:
+        """Queued requests the scheduler shed (late, of a `late = "shed"` class): each ends with the
+        error the worker answers as a refusal (429, Retry-After; engine/protocol/slo.py)."""
+        with self._cv:
+            shed, self.scheduler.shed = self.scheduler.shed, []
+        for req in shed:
+            self._finish(req, "error", SHED_ERROR)
 
     def _process_cancels(self) -> None:
         while self._cancels:

@@ -85,6 +85,8 @@ class PrefillBatch:
         self.next_step = 0
         self.finished = False
         self.exec_s = 0.0  # measured time spent in its steps
+        # What the cost model's correction has already learned from: (calibrated seconds, measured seconds)
+        self.observed: tuple[float, float] = (0.0, 0.0)
         self.logits: torch.Tensor | None = None
         # Prompt logprobs: per asking request (its index, first position, rows), and the final
         # hidden states of those rows, in that order, once the batch is done.
@@ -154,6 +156,19 @@ class PrefillBatch:
     def remaining_s(self) -> float:
         """Predicted time to finish from where it stands (what a suspended batch still owes)."""
         return self.total_cost - self._cost_done
+
+    @property
+    def remaining_base_s(self) -> float:
+        """What it still owes in the calibrated model's units (before the online correction)."""
+        return (self.total_cost - self._cost_done) / self.steps.scale
+
+    def take_progress(self) -> tuple[float, float]:
+        """The steps run since the last call: their predicted seconds in the calibrated model's units
+        and the seconds they measured (what the correction learns from, mid-way and at the end)."""
+        base, measured = self._cost_done / self.steps.scale, self.exec_s
+        done = (base - self.observed[0], measured - self.observed[1])
+        self.observed = (base, measured)
+        return done
 
     @property
     def started(self) -> bool:

@@ -83,6 +83,10 @@ class Request(msgspec.Struct, kw_only=True):
     priority: int = DEFAULT_CLASSES["standard"].priority
     arrival_time: float = msgspec.field(default_factory=time.monotonic)
     deadline: float = 0.0  # absolute monotonic time the first token is due
+    # Once it is late (it can no longer meet its deadline): served by deadline + late_s at the latest
+    # (the scheduler's late tier, engine/scheduler/slack.py), or, shed_late, ended while still queued.
+    late_s: float = 2 * DEFAULT_CLASSES["standard"].ttft_ms / 1000
+    shed_late: bool = False
 
     # Engine-side state: owned by the engine thread once the request is added.
     state: RequestState = RequestState.WAITING
@@ -130,6 +134,8 @@ class Request(msgspec.Struct, kw_only=True):
             ttft_target_s=slo.ttft_ms / 1000,
             tbt_target_s=slo.tbt_ms / 1000,
             priority=slo.priority,
+            late_s=slo.late_bound_ms / 1000,
+            shed_late=slo.late == "shed",
             **kw,
         )
 
@@ -149,6 +155,11 @@ class Request(msgspec.Struct, kw_only=True):
                 raise ValueError(f"{name}token ids must be in [0, {vocab_size})")
         if self.max_total_tokens > kv_tokens:
             raise ValueError(f"request needs {self.max_total_tokens} tokens of KV cache, the worker has {kv_tokens}")
+
+    @property
+    def bound(self) -> float:
+        """When its first token is due at the latest once it is late: its deadline + its class's late_ms."""
+        return self.deadline + self.late_s
 
     @property
     def num_prompt_tokens(self) -> int:

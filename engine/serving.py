@@ -44,7 +44,7 @@ from engine.protocol.openai import (
     error_body,
     new_id,
 )
-from engine.protocol.slo import SLOClass, requested_slo
+from engine.protocol.slo import SHED_REASON, SLOClass, requested_slo, shed_reason
 from engine.reasoning import CLOSE, OPEN, ReasoningParser, ReasoningStream
 from engine.request import Request as EngineRequest
 from engine.request import Sampled, SamplingParams, TokenOutput
@@ -328,12 +328,9 @@ class Generation:
                operation: str) -> Response | None:
         """Queues the engine requests; the answer when they are shed instead."""
         if reason := self.engine.admission(reqs, slo.sheddable):
-            status = 429 if reason == "predicted_slo_miss" else 503
-            message = ("the request cannot meet its TTFT target here (predicted); retry later or with a looser class"
-                       if status == 429 else "the worker's queue is full")
-            return Response(error_body(message, "rate_limit_exceeded" if status == 429 else "server_error",
-                                       code=reason), status_code=status,
-                            headers=headers | {"retry-after": "1", DROPPED_REASON_HEADER: reason})
+            if reason == SHED_REASON:
+                return _shed(ADMISSION_SHED_MESSAGE, reason, 429, headers)
+            return _shed("the worker's queue is full", reason, 503, headers)
         for added, r in enumerate(reqs):
             if self.tracer is not None:
                 self.tracer.start(r, operation)
@@ -353,6 +350,8 @@ class Generation:
         prefill half of a disaggregated request then hands its KV on (its headers say how)."""
         choices, headers = started.choices, started.headers
         await choices.gather()
+        if reason := shed_reason(choices.error):  # turned hopeless while queued (a late = "shed" class)
+            return _shed(choices.error or "", reason, 429, headers)
         if choices.error is not None:
             client = failed_by_constraint(choices.error)
             return Response(error_body(choices.error, "invalid_request_error" if client else "server_error"),
@@ -383,3 +382,14 @@ class Generation:
 def _choice_ids(rid: str, n: int) -> list[str]:
     """The engine request ids of a request's n choices: its own id for the first."""
     return [rid, *(f"{rid}-{i}" for i in range(1, n))]
+
+
+ADMISSION_SHED_MESSAGE = ("the request cannot meet its TTFT target here (predicted); retry later or with a looser "
+                          "class")
+
+
+def _shed(message: str, reason: str, status: int, headers: dict[str, str]) -> Response:
+    """A request refused (at admission, or while queued): 429 or 503, Retry-After and the reason."""
+    kind = "rate_limit_exceeded" if status == 429 else "server_error"
+    return Response(error_body(message, kind, code=reason), status_code=status,
+                    headers=headers | {"retry-after": "1", DROPPED_REASON_HEADER: reason})

@@ -33,6 +33,7 @@ from engine.protocol.slo import DEFAULT_CLASSES, SLOClass
 from engine.request import Request, SamplingParams
 from engine.scheduler import make_policy
 from engine.sim import SimConfig, simulate
+from engine.sim.errors import DEFAULT_LEVELS, PredictionError
 from engine.sim.oracle import BatchCostRecorder, ExactCosts
 from loadtest import report
 from loadtest.workload import ClassRule, Workload, azure_mix, head, load_trace, scale_to_rate, synthesize_prompt
@@ -52,6 +53,7 @@ def make_requests(w: Workload, classes: dict[str, SLOClass], slo_scale: float, t
         r = Request.for_class(c, request_id=f"w{i}", prompt_token_ids=ids, sampling=SamplingParams(max_tokens=1),
                               arrival_time=t0 + tr.arrival_s)
         r.ttft_target_s *= slo_scale
+        r.late_s *= slo_scale
         r.deadline = r.arrival_time + r.ttft_target_s
         out.append(r)
     return out
@@ -83,12 +85,14 @@ class Runner:
             self.model_name, self.vocab = f"{model} on {gpu} (analytical)", None
 
     def sim(self, policy: str, w: Workload, classes: dict[str, SLOClass], scale: float,
-            cost: OpCost | None = None, exact: ExactCosts | None = None) -> dict[str, Any]:
+            cost: OpCost | None = None, exact: ExactCosts | None = None,
+            error: PredictionError | None = None) -> dict[str, Any]:
         reqs = make_requests(w, classes, scale, 0.0, None)
         name = "flowprefill" if policy == IDEAL else policy
         budget = self.engine_cfg.step_budget_ms / 1000 if self.engine_cfg.preemptible else None
         cfg = SimConfig(step_budget_s=budget, max_batch_tokens=self.engine_cfg.max_batch_tokens,
-                        kv_capacity_tokens=self.engine_cfg.kv_capacity_tokens, ideal=policy == IDEAL)
+                        kv_capacity_tokens=self.engine_cfg.kv_capacity_tokens, ideal=policy == IDEAL,
+                        late_share=self.engine_cfg.late_share, error=error or PredictionError())
         pre = simulate(reqs, make_policy(name), cost or self.cost, cfg, exact=exact)
         return report.point(w.rate, outcomes(reqs), pre)
 
@@ -104,6 +108,9 @@ class Runner:
         measured = next(o for o in engine.observers if isinstance(o, BatchCostRecorder))
         measured.batches.clear()
         start_preemptions = engine.preemptions
+        # The simulator's twin of this point starts from the cost model as the engine starts it, and
+        # corrects it online as the engine does (the engine thread goes on correcting its own).
+        snapshot = copy.deepcopy(self.cost)
         t0 = time.monotonic() + 0.5
         reqs = make_requests(w, classes, scale, t0, self.vocab)
         remaining = threading.Semaphore(0)
@@ -118,11 +125,12 @@ class Runner:
         for r in reqs:
             if not remaining.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 engine.cancel(r.request_id)  # counted as a miss: nothing is dropped silently
+        while any(engine.has_request(r.request_id) for r in reqs) and time.monotonic() < deadline + 30:
+            time.sleep(0.01)  # the cancels are the engine thread's to carry out: the next point reuses the ids
         pt = report.point(w.rate, outcomes(reqs), engine.preemptions - start_preemptions)
-        # The simulator's twins of this very point: with the cost model as the engine left it (its
-        # online refinement tracks the machine's speed during the run), and with the costs each
-        # batch measured (what is left is the simulator's mechanics: the same decisions, or not).
-        snapshot = copy.deepcopy(self.cost)  # the engine thread goes on correcting its own
+        # The simulator's twins of this very point: with the cost model as the engine began it, and
+        # with the costs each batch measured (what is left is the simulator's mechanics: the same
+        # decisions, or not).
         pt["sim_attainment"] = self.sim(policy, w, classes, scale, snapshot)["attainment"]
         exact = ExactCosts.from_batches(self.cost, measured.batches)
         pt["sim_exact_attainment"] = self.sim(policy, w, classes, scale, exact=exact)["attainment"]
@@ -169,13 +177,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cost", default="cpu", help="sim cost model: cpu (profile this machine) or MODEL@GPU, "
                    "e.g. llama-3.1-8b@h100")
     p.add_argument("--no-ideal", action="store_true", help="skip the ideal-preemption bound")
+    p.add_argument("--errors", nargs="?", const=DEFAULT_LEVELS, default=None, metavar="LEVELS",
+                   help="sim: sweep the rates once per injected prediction error instead (comma-separated: "
+                        f"none, noise:SIGMA, bias:FACTOR, slowdown:FACTOR[@FRACTION]; alone: {DEFAULT_LEVELS})")
     p.add_argument("--out", default="bench-results",
                    help="directory for goodput-ENGINE.json and .png (default: bench-results)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
 
     console = results_console()
     real = args.engine == "real"
@@ -185,6 +197,14 @@ def main(argv: list[str] | None = None) -> int:
     policies = [x for x in args.policies.split(",") if x]
     for name in policies:
         make_policy(name)  # reject bad names before any work
+    if args.errors is not None:
+        from loadtest.goodput_errors import levels_of, sweep_errors
+
+        try:
+            levels = levels_of(args)
+        except ValueError as exc:
+            parser.error(str(exc))  # one line, exit 2
+        return sweep_errors(args, console, levels, policies, rates, n, argv)
     if not args.no_ideal and "flowprefill" in policies:
         policies.append(IDEAL)
     rule = ClassRule()

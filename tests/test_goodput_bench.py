@@ -85,3 +85,25 @@ def test_goodput_bench_below_every_rate_and_its_files(tmp_path: Path, monkeypatc
     row = next(line for line in reference.splitlines() if line.startswith("| `flowprefill bench goodput"))
     assert "`<out>/goodput-<engine>.json`" in row and "`<out>/goodput-<engine>.png`" in row
     assert re.search(r"^\| `flowprefill loadtest` .*`<out>/goodput\.json`", reference, re.M)
+
+
+def test_goodput_bench_under_prediction_error(tmp_path: Path) -> None:
+    """`--errors`: every policy swept under each injected error, FlowPrefill against the best baseline."""
+    import pytest
+
+    out = tmp_path / "out"
+    assert main(["bench", "goodput", "--engine", "sim", "--cost", "llama-3.1-8b@h100", "--requests", "200",
+                 "--rates", "10,40", "--policies", "flowprefill,fcfs", "--errors", "none,bias:0.2,slowdown:3",
+                 "--out", str(out)]) == 0
+    doc = json.loads((out / "goodput-sim-errors.json").read_text())
+    assert set(doc["levels"]) == {"none", "bias:0.2", "slowdown:3"}
+    for level in doc["levels"].values():
+        assert set(level["policies"]) == {"flowprefill", "fcfs"}
+        assert level["flowprefill/best"]["best"] == "fcfs" and "flowprefill/best, every class" in level
+        fp = level["policies"]["flowprefill"]
+        assert {"max_goodput_rps", "max_goodput_per_class_rps", "p99_over_target_at_knee", "points"} <= set(fp)
+    assert (out / "goodput-sim-errors.png").stat().st_size > 10_000
+    for bad in (["--errors", "bogus:1"], ["--engine", "real", "--errors"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(["bench", "goodput", *bad])
+        assert exit_.value.code == 2

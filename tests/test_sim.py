@@ -3,6 +3,7 @@ real engine on the same small workload."""
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from dataclasses import replace
@@ -94,6 +95,9 @@ def test_simulator_agrees_with_real_engine() -> None:
         long_s = engine.cost.prefill_s([SeqSpan(0, 3000)])
         spec = [(0.0, 3000, "batch"), (0.1 * long_s, 200, "interactive"), (0.25 * long_s, 150, "interactive"),
                 (0.5 * long_s, 600, "relaxed")]
+        # The simulator's scheduler corrects its cost model online as the engine's does: both start
+        # from the model as it stands before these arrivals.
+        cost = copy.deepcopy(engine.cost)
         t0 = time.monotonic() + 0.2
         real = requests(spec, t0, tokens=True)
         done = threading.Semaphore(0)
@@ -104,7 +108,6 @@ def test_simulator_agrees_with_real_engine() -> None:
             engine.add_request(r)
         for _ in real:
             assert done.acquire(timeout=120)
-        cost = engine.cost
     finally:
         engine.shutdown()
     sim = requests(spec)
@@ -157,3 +160,59 @@ def test_exact_costs_from_batches_sum_a_chunked_request() -> None:
     exact = ExactCosts.from_batches(COST, [(["a", "b"], 0.1, 0.2), (["a"], 0.1, 0.1)])
     assert exact.factors == pytest.approx({"a": 1.5, "b": 2.0})
     assert exact.default == pytest.approx(1.75)
+
+
+def test_prediction_error_levels_parse() -> None:
+    from engine.sim.errors import DEFAULT_LEVELS, PredictionError
+
+    assert PredictionError.parse("noise:0.5").noise == 0.5
+    assert PredictionError.parse("bias:0.2").bias == 0.2
+    step = PredictionError.parse("slowdown:3@0.25")
+    assert (step.slowdown, step.slowdown_at) == (3.0, 0.25)
+    assert PredictionError.parse("none") == PredictionError()
+    assert len([PredictionError.parse(x) for x in DEFAULT_LEVELS.split(",")]) == 7
+    for bad in ("noise", "bias:0", "slowdown:-2", "slowdown:2@1.5", "jitter:1", "none:1", "noise:x"):
+        with pytest.raises(ValueError, match="prediction error"):
+            PredictionError.parse(bad)
+
+
+def test_a_biased_predictor_is_corrected_from_the_first_batch() -> None:
+    """Five times optimistic: the first batch of a size is predicted five times short, the ones after
+    within a few percent; the caller's cost model is left as it was."""
+    from engine.sim.errors import PredictionError
+    from engine.sim.simulator import BatchRecord
+
+    given = replace(COST)
+    log: list[BatchRecord] = []
+    reqs = requests(trace(2.0, 100))
+    simulate(reqs, make_policy("flowprefill"), given, SimConfig(error=PredictionError.parse("bias:0.2")), batches=log)
+    assert log[0].measured_s == pytest.approx(5 * log[0].predicted_s, rel=0.01)
+    assert all(abs(b.measured_s / b.predicted_s - 1) < 0.05 for b in log[len(log) // 2:])
+    assert given == COST and given.machine == 1.0
+
+
+def test_after_a_slowdown_step_predictions_follow_within_a_few_batches() -> None:
+    from engine.sim.errors import PredictionError
+    from engine.sim.simulator import BatchRecord
+
+    log: list[BatchRecord] = []
+    reqs = requests(trace(2.0, 200))
+    error = PredictionError.parse("slowdown:3@0.5")
+    simulate(reqs, make_policy("flowprefill"), COST, SimConfig(error=error), batches=log)
+    step_at = 0.5 * max(r.arrival_time for r in reqs)
+    after = [b for b in log if b.start >= step_at]
+    # (a long batch that ran across the step reported it on its way: the first after are close already)
+    assert len(after) > 20 and all(abs(b.measured_s / b.predicted_s - 1) < 0.1 for b in after[2:]), [
+        round(b.measured_s / b.predicted_s, 2) for b in after[:10]]
+    slowed = sum(b.measured_s for b in after) / sum(b.predicted_s for b in after)
+    assert slowed == pytest.approx(1.0, abs=0.1)  # predicted at 3x: without the correction this is 3
+
+
+def test_noise_is_the_same_for_a_seed_and_mean_one() -> None:
+    from engine.sim.errors import PredictionError
+
+    speed = PredictionError.parse("noise:0.5").machine(10.0, seed=3)
+    draws = [speed.batch_factor() for _ in range(20000)]
+    assert sum(draws) / len(draws) == pytest.approx(1.0, abs=0.02)
+    again = PredictionError.parse("noise:0.5").machine(10.0, seed=3)
+    assert [again.batch_factor() for _ in range(5)] == draws[:5]

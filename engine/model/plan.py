@@ -57,9 +57,11 @@ class OpCost:
     row_step_floor_s: float = 0.0  # a row-wise step reads its weights once, however few its rows
     scale: float = 1.0  # a multiplier on every prediction (for_batch sets it to the batch's correction)
     budget_s: float | None = None  # the step budget plans use (prefill_s counts the steps it makes)
-    # Online correction per size class: observed / predicted execution time (see `observe`, `factor`).
+    # Online correction (see `observe`, `factor`): how much slower than calibrated the machine runs now
+    # (`machine`, shared by every batch size), and how each size class runs apart from that (`class_scale`).
     class_scale: list[float] = field(default_factory=lambda: [1.0] * (len(SIZE_CLASSES) + 1))
     class_observations: list[int] = field(default_factory=lambda: [0] * (len(SIZE_CLASSES) + 1))
+    machine: float = 1.0
     # Measured seconds of one row-wise step of a given number of rows, per op: [(rows, s)] by rows
     # (CUDA calibration). A GPU runs a matmul in whole waves of output tiles over its SMs, so its time
     # is a staircase in rows, not a line: 3,104 rows can cost as many waves as 4,096. It decides where
@@ -114,36 +116,50 @@ class OpCost:
         return calibrate(model)  # type: ignore[arg-type]
 
     def factor(self, tokens: int) -> float:
-        """The correction for a batch of `tokens` prompt tokens. A class no batch has measured yet
-        borrows its nearest measured class's, but only to slow down: running faster than calibration
-        is what one size does (short batches replay CUDA graphs), running slower is what the device
-        does (load, clocks, a calibration that kept its fastest run)."""
+        """The correction for a batch of `tokens` prompt tokens: the machine's times its size class's.
+        A class no batch has measured yet borrows its nearest measured class's, but only to slow down:
+        running faster than calibration is what one size does (short batches replay CUDA graphs),
+        running slower is what the device does (load, clocks, a calibration that kept its fastest run)."""
         k = size_class(tokens)
         if self.class_observations[k]:
-            return self.class_scale[k]
-        seen = [j for j, n in enumerate(self.class_observations) if n]
-        if not seen:
-            return 1.0
-        nearest = min(seen, key=lambda j: (abs(j - k), -j))
-        return max(1.0, self.class_scale[nearest])
+            shape = self.class_scale[k]
+        elif seen := [j for j, n in enumerate(self.class_observations) if n]:
+            shape = max(1.0, self.class_scale[min(seen, key=lambda j: (abs(j - k), -j))])
+        else:
+            shape = 1.0
+        return min(MAX_FACTOR, max(1 / MAX_FACTOR, self.machine * shape))
 
     def for_batch(self, tokens: int) -> OpCost:
         """This cost model as it predicts a batch of `tokens` prompt tokens: its class's correction
         folded into `scale`, on a copy that learns nothing and shares nothing with this one."""
         n = len(self.class_scale)
-        return replace(self, scale=self.scale * self.factor(tokens), class_scale=[1.0] * n, class_observations=[0] * n)
+        return replace(self, scale=self.scale * self.factor(tokens), class_scale=[1.0] * n,
+                       class_observations=[0] * n, machine=1.0)
 
-    def observe(self, tokens: int, base_s: float, measured_s: float, weight: float = 0.2) -> None:
-        """Refine online from an executed batch of `tokens` prompt tokens that the calibrated model
-        (no correction: `Plan.base_cost`) predicted at `base_s`: the device may be slower or faster
-        than at calibration (other load, clocks, CUDA graphs). Per size class, a running mean at
-        first, then an exponential average."""
-        if base_s > 0 and measured_s > 0:
-            k = size_class(tokens)
-            self.class_observations[k] += 1
-            w = max(weight, 1 / self.class_observations[k])
-            target = measured_s / (base_s * self.scale)
-            self.class_scale[k] = min(20.0, max(0.05, (1 - w) * self.class_scale[k] + w * target))
+    def observe(self, tokens: int, base_s: float, measured_s: float) -> None:
+        """Refine online from steps of a batch of `tokens` prompt tokens (a running batch's progress, or
+        the rest of it when it completes) that the calibrated model (no correction: `Plan.base_cost`)
+        predicted at `base_s`: the device may be slower or faster than at calibration (other load,
+        clocks, CUDA graphs).
+
+        Two speeds. A class's first measurements say how that size runs (`class_scale`, a running
+        mean). After that, what surprises the prediction is mostly the machine, common to every size:
+        half of each surprise goes to `machine`, so a 3x slowdown seen by short batches slows the
+        long ones' predictions too, within a few batches of any size (see docs/benchmarks.md); the
+        class keeps a slow average of what the machine does not explain."""
+        if not (base_s > 0 and measured_s > 0):
+            return
+        k = size_class(tokens)
+        target = measured_s / (base_s * self.scale)
+        seen = self.class_observations[k]
+        self.class_observations[k] += 1
+        if seen:
+            surprise = target / (self.machine * self.class_scale[k])
+            self.machine = _clamp(self.machine * (1 + _weight(measured_s, MACHINE_HALF_LIFE_S, 0.2) * (surprise - 1)))
+            w = 1 / (seen + 1) if seen < 3 else _weight(measured_s, CLASS_HALF_LIFE_S, 0.0)
+        else:
+            w = 1.0  # its first measurement: the class's own way, whatever the machine does
+        self.class_scale[k] = _clamp((1 - w) * self.class_scale[k] + w * target / self.machine)
 
     def step_s(self, step: Step) -> float:
         """What this cost model says one planned step takes."""
@@ -167,6 +183,25 @@ class OpCost:
             step_s = self.scale * factor * self.step_overhead_s
             total += max(0.0, total / max(self.budget_s - step_s, self.budget_s / 2)) * step_s
         return total
+
+
+MAX_FACTOR = 20.0  # a correction stays within 1/20 .. 20x of calibration
+# The machine's factor is an exponential average over measured execution time with this half-life
+# (half of a 50 ms progress report's surprise), and takes at least a fifth of any batch's surprise:
+# after a 3x slowdown its predictions are within 10 % in 3 batches (docs/benchmarks.md).
+MACHINE_HALF_LIFE_S = 0.05
+# A size class's own way, after a running mean of its first three measurements: an exponential
+# average over its measured time with this half-life, slow, so that a slowdown goes to the machine.
+CLASS_HALF_LIFE_S = 2.0
+
+
+def _clamp(x: float) -> float:
+    return min(MAX_FACTOR, max(1 / MAX_FACTOR, x))
+
+
+def _weight(measured_s: float, half_life_s: float, floor: float) -> float:
+    """The weight of a measurement of `measured_s` in an average over time with this half-life."""
+    return max(floor, 1 - 0.5 ** (measured_s / half_life_s))
 
 
 def _blocks(total: int, size: int) -> list[tuple[int, int]]:

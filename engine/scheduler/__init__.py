@@ -1,13 +1,15 @@
 """Event-driven prefill scheduling (the paper's second idea).
 
-The scheduler runs only on events: a request arrives, a batch completes, a request is cancelled.
-Each event asks the policy for the batch that should run now and publishes it as `chosen`. The
-engine loop compares `chosen` with the batch it is executing at every operator boundary (an O(1)
-identity check) and switches when they differ: that is a preemption.
+The scheduler runs only on events: a request arrives, a batch completes, a request is cancelled, or
+the late tier's turn begins or ends (`wake_at`, see slack.py). Each event asks the policy for the
+batch that should run now and publishes it as `chosen`. The engine loop compares `chosen` with the
+batch it is executing at every operator boundary (an O(1) identity check, and one compare with
+`wake_at`) and switches when they differ: that is a preemption.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -17,6 +19,7 @@ from engine.kv_cache import BlockPool
 from engine.model.plan import OpCost, SeqSpan
 from engine.prefill import PrefillBatch
 from engine.request import Request
+from engine.scheduler.slack import SHARED, LateShare, remaining_of, slack, standing, standings
 
 # A new batch is given as requests (each prefills the rest of its prompt) or as
 # (request, tokens) chunks; an existing batch (running or suspended) is given as itself.
@@ -37,9 +40,10 @@ class Scheduler:
                  cost: OpCost, kv: BlockPool, max_batch_tokens: int,
                  clock: Callable[[], float] = time.monotonic,
                  reserve_tokens: Callable[[Request], int] = lambda r: r.max_total_tokens,
-                 headroom_blocks: Callable[[], int] = lambda: 0) -> None:
+                 headroom_blocks: Callable[[], int] = lambda: 0, late_share: float = 0.5) -> None:
         """`reserve_tokens`: the KV a request's batch takes when it forms (the engine's reservation
-        policy); `headroom_blocks`: free blocks a new batch must leave (for the answers growing)."""
+        policy); `headroom_blocks`: free blocks a new batch must leave (for the answers growing);
+        `late_share`: the late tier's guaranteed share of the engine (slack.py)."""
         self.policy, self.cost, self.kv = policy, cost, kv
         self.reserve_tokens, self.headroom_blocks = reserve_tokens, headroom_blocks
         self.max_batch_tokens = max_batch_tokens
@@ -51,6 +55,11 @@ class Scheduler:
         self.chosen_at = 0.0
         self.now = 0.0
         self.invocations = 0
+        self.late = LateShare(late_share)
+        self.wake_at = math.inf  # the next decision no event would make (the late tier's turn)
+        self.shed: list[Request] = []  # late requests of `late = "shed"` classes, for the engine to end
+        self._standing: dict[int, int] = {}  # this decision's standings of what waits, by id (slack.py)
+        self._turns_at = math.inf
 
     # -- events --------------------------------------------------------------------------------
     def on_arrival(self, req: Request) -> None:
@@ -91,10 +100,28 @@ class Scheduler:
         """A request finished decoding or was cancelled: queued requests may now fit."""
         self._decide()
 
+    def on_timer(self) -> None:
+        """`wake_at` has come: the late tier's turn begins or ends."""
+        self._decide()
+
+    # How often the engine tells the cost model what the running batch measured (`on_progress`): a
+    # 2 s prefill corrects its size class 40 times on its way, 25 steps of 2 ms each time.
+    progress_every_s = 0.05
+
+    def on_progress(self, batch: PrefillBatch) -> None:
+        """The batch ran more steps (every `progress_every_s` of measured time, and when it completes):
+        the cost model's correction learns what they measured against what it predicted."""
+        base_s, measured_s = batch.take_progress()
+        self.cost.observe(batch.num_tokens, base_s, measured_s)
+
     # -- the decision --------------------------------------------------------------------------
     def _decide(self) -> None:
         self.invocations += 1
         self.now = self.clock()
+        self.late.account(self.now)
+        self._shed_late()
+        self._standing, self._turns_at = (standings(self, [*self.pool, *self.waiting], self.late.share)
+                                          if getattr(self.policy, "ranks_by_slack", False) else ({}, math.inf))
         choice = self.policy.choose(self)
         if not choice and self.pool:
             # Work-conserving: a policy whose first pick waits for KV blocks picks nothing, yet a formed
@@ -108,14 +135,47 @@ class Scheduler:
                 self.waiting.remove(r)
             choice = self._make_batch([r for r, _ in chunks],
                                       [SeqSpan(r.num_computed_tokens, n) for r, n in chunks])
+            if self._standing:
+                self._standing[id(choice)] = self.standing(choice.head)  # it is its head's choice
             self.pool.append(choice)
         if choice is not self.chosen:
             self.chosen, self.chosen_at = choice, self.now
+        self._turns()
+
+    def _turns(self) -> None:
+        """The late tier's accounting (slack.py), and when to decide again without an event: when its
+        turn begins or ends, or when late work turns critical."""
+        if not self._standing:
+            self.wake_at = self.late.decided(self.now, False, False, False)
+            return
+        shared = [self.standing(item) in SHARED for item in [*self.pool, *self.waiting]]
+        late_runs = self.chosen is not None and self.standing(self.chosen) in SHARED
+        self.wake_at = min(self.late.decided(self.now, any(shared), not all(shared), late_runs), self._turns_at)
+
+    def _shed_late(self) -> None:
+        """Queued requests of `late = "shed"` classes that can no longer meet their deadline leave
+        (the engine ends them; the worker answers 429). Work begun, or an answer begun, is kept."""
+        for r in [r for r in self.waiting if r.shed_late and r.prefill_start is None and not r.output_token_ids]:
+            if slack(self, r) < 0:
+                self.waiting.remove(r)
+                self.shed.append(r)
+
+    def standing(self, item: Request | PrefillBatch) -> int:
+        """ON_TIME, LATE, CRITICAL or LOST (slack.py), as judged at this decision."""
+        if (state := self._standing.get(id(item))) is None:
+            state = self._standing[id(item)] = standing(self, item, remaining_of(self, item))
+        return state
 
     # -- helpers for policies ------------------------------------------------------------------
     def cost_for(self, reqs: Sequence[Request]) -> OpCost:
         """The cost model that predicts these requests (the simulator's exact-cost oracle overrides it)."""
         return self.cost
+
+    def remaining_s(self, batch: PrefillBatch) -> float:
+        """Predicted time to finish a formed batch from where it stands, with the correction as it is
+        now (not as it was when the batch was planned: a batch suspended before a slowdown owes more)."""
+        cost = self.cost_for(batch.requests)
+        return batch.remaining_base_s * cost.scale * cost.factor(batch.num_tokens)
 
     def predict_s(self, req: Request) -> float:
         """Predicted time to prefill the rest of a queued request's prompt."""

@@ -22,6 +22,7 @@ class Chunked:
         if order not in ("edf", "fcfs"):
             raise ValueError("chunk order must be edf or fcfs")
         self.chunk_tokens, self.order = chunk_tokens, order
+        self.ranks_by_slack = order == "edf"
         self.name = f"chunked:{chunk_tokens}" + ("" if order == "edf" else ":fcfs")
 
     def choose(self, s: Scheduler) -> Choice:

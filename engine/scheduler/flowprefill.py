@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from engine.prefill import PrefillBatch
 from engine.request import Request
-from engine.scheduler.slack import sedf_key
+from engine.scheduler.slack import due, sedf_key
 
 if TYPE_CHECKING:
     from engine.scheduler import Choice, Scheduler
@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
 class FlowPrefill:
     name = "flowprefill"
-    guard = 0.1  # batching stops when the batch would eat the head's slack minus guard x its TTFT target
+    ranks_by_slack = True  # the scheduler judges every candidate's standing for it (slack.py)
+    guard = 0.1  # batching stops when the batch would eat the head's slack (to its due time) minus guard x its target
 
     def choose(self, s: Scheduler) -> Choice:
         candidates: list[Request | PrefillBatch] = [*s.pool, *s.waiting]
@@ -25,6 +26,6 @@ class FlowPrefill:
         if isinstance(head, PrefillBatch):
             return head  # resume (or keep running) the most urgent batch
         ordered = sorted(s.waiting, key=lambda r: sedf_key(s, r))
-        budget = head.deadline - s.now - self.guard * head.ttft_target_s
+        budget = due(s, head) - s.now - self.guard * head.ttft_target_s
 
         return s.fill(ordered, lambda batch: s.predict_batch_s(batch) <= budget) or None

@@ -34,7 +34,8 @@ class BatchCostRecorder(EngineObserver):
 
 class ExactCosts:
     def __init__(self, base: OpCost, factors: dict[str, float]) -> None:
-        self.base = replace(base, scale=1.0, class_scale=[1.0] * len(base.class_scale))  # the calibration
+        n = len(base.class_scale)  # the calibration, without any online correction:
+        self.base = replace(base, scale=1.0, class_scale=[1.0] * n, class_observations=[0] * n, machine=1.0)
         self.factors = factors
         self.default = statistics.median(factors.values()) if factors else 1.0
 
@@ -69,3 +70,6 @@ class OracleScheduler(Scheduler):
 
     def cost_for(self, reqs: Sequence[Request]) -> OpCost:
         return self.exact.for_requests(reqs)
+
+    def on_progress(self, batch: PrefillBatch) -> None:
+        """Exact costs need no correction."""

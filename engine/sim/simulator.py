@@ -1,23 +1,31 @@
 """Discrete-event simulation of one prefill instance.
 
 The real `Scheduler` and policy objects run unmodified on a virtual clock; batches are real
-`PrefillBatch`es with real step plans, whose steps take the time a cost model says instead of
-running a model. Events (arrivals, completions) happen at their virtual times; a running step
-always finishes before a switch, as on the real engine, unless `ideal` is set (preemption with
-zero stop latency: the bound that perfect preemption could reach).
+`PrefillBatch`es with real step plans, whose steps take the time a cost model says instead of running
+a model. Events (arrivals, the scheduler's own wake-ups) happen at their virtual times; a running step
+always finishes before a switch, as on the real engine, unless `ideal` is set (preemption with zero
+stop latency: the bound that perfect preemption could reach).
+
+The truth is the cost model as given, frozen, times the injected prediction error
+(`SimConfig.error`, engine/sim/errors.py); the scheduler predicts with its own copy, which learns
+online from the true times of the steps it ran, at the engine's cadence (`Scheduler.on_progress`).
 """
 
 from __future__ import annotations
 
+import copy
+import math
 import random
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from engine.kv_cache import BlockPool
 from engine.model.plan import OpCost, SeqSpan, plan_prefill
 from engine.prefill import PrefillBatch
 from engine.request import Request, RequestState
 from engine.scheduler import Policy, Scheduler
+from engine.sim.errors import PredictionError
 from engine.sim.oracle import ExactCosts, OracleScheduler
 
 
@@ -30,6 +38,8 @@ class SimConfig:
     ideal: bool = False  # zero stop latency
     noise: float = 0.0  # lognormal sigma of true step durations around the cost model
     seed: int = 0
+    error: PredictionError = field(default_factory=PredictionError)  # true costs against predictions
+    late_share: float = 0.5  # the scheduler's (EngineConfig.late_share)
 
 
 class _Clock:
@@ -63,102 +73,171 @@ class VirtualRun:
 
 
 def simulate(requests: list[Request], policy: Policy, cost: OpCost, cfg: SimConfig | None = None,
-             true_cost: OpCost | None = None, exact: ExactCosts | None = None) -> int:
+             exact: ExactCosts | None = None, batches: list[BatchRecord] | None = None) -> int:
     """Run `requests` (arrival_time and deadline set, in seconds of virtual time) to their first
     token; fills in their timings like the engine does. Returns the number of preemptions.
-    `true_cost`: what steps really take when it differs from the scheduler's `cost` model;
-    `exact`: measured per-request costs that both predict and time every batch (the bound)."""
-    cfg = cfg or SimConfig()
-    true_cost = true_cost or cost
-    rng = random.Random(cfg.seed)
-    clock = _Clock()
-    pool = BlockPool(cfg.kv_block_size, cfg.kv_capacity_tokens)
+    `cost` is left as given; `exact`: measured per-request costs that both predict and time every
+    batch (the bound; no prediction error, no online correction); `batches`: a list that gets a
+    record of every completed batch (the correction's error, batch by batch)."""
+    sim = Simulation(requests, policy, cost, cfg or SimConfig(), exact)
+    if batches is not None:
+        sim.batches = batches
+    return sim.run()
 
-    def make_batch(reqs: list[Request], spans: list[SeqSpan]) -> PrefillBatch:
+
+class BatchRecord(NamedTuple):
+    """A completed batch: when it began, its prompt tokens, the time predicted for it when it formed
+    (the correction as it was then) and the time it took."""
+
+    start: float
+    tokens: int
+    predicted_s: float
+    measured_s: float
+
+
+class Simulation:
+    def __init__(self, requests: list[Request], policy: Policy, cost: OpCost, cfg: SimConfig,
+                 exact: ExactCosts | None) -> None:
+        self.cfg, self.exact = cfg, exact
+        self.rng = random.Random(cfg.seed)
+        self.clock = _Clock()
+        self.kv = BlockPool(cfg.kv_block_size, cfg.kv_capacity_tokens)
+        self.arrivals = deque(sorted(requests, key=lambda r: r.arrival_time))
+        first, last = (self.arrivals[0].arrival_time, self.arrivals[-1].arrival_time) if requests else (0.0, 0.0)
+        machine = cfg.error.machine(last - first, cfg.seed + 1)
+        machine.slowdown_from_s += first
+        self.machine = machine
+        self.truth = copy.deepcopy(cost)  # what the machine does (times the error); never learns
+        self.own_factor: dict[int, float] = {}  # batch id -> its own draw of the noise
+        if exact is None:
+            model = copy.deepcopy(cost)  # the scheduler's: biased as asked, it learns from what steps take
+            model.scale *= cfg.error.bias
+            self.sched = Scheduler(policy, self._make_batch, model, self.kv, cfg.max_batch_tokens,
+                                   self.clock, late_share=cfg.late_share)
+        else:
+            self.sched = OracleScheduler(policy, self._make_batch, exact.base, self.kv, cfg.max_batch_tokens,
+                                         self.clock, late_share=cfg.late_share)
+            self.sched.exact = exact
+        self.preemptions = 0
+        self.batches: list[BatchRecord] = []
+        self.began: dict[int, float] = {}  # batch id -> when it first ran
+        self.step_left: dict[int, float] = {}  # ideal: batch id -> seconds left of its cut step
+
+    def _make_batch(self, reqs: list[Request], spans: list[SeqSpan]) -> PrefillBatch:
         for r in reqs:
             if not r.block_table:
-                r.block_table = pool.allocate(r.max_total_tokens)
-        steps = plan_prefill(sched.cost_for(reqs), spans, cfg.step_budget_s, last_token_only=True)
-        return PrefillBatch(reqs, spans, steps, VirtualRun(len(steps)))  # type: ignore[arg-type]
+                r.block_table = self.kv.allocate(r.max_total_tokens)
+        steps = plan_prefill(self.sched.cost_for(reqs), spans, self.cfg.step_budget_s, last_token_only=True)
+        batch = PrefillBatch(reqs, spans, steps, VirtualRun(len(steps)))  # type: ignore[arg-type]
+        self.own_factor[batch.batch_id] = self.machine.batch_factor()
+        return batch
 
-    if exact is None:
-        sched = Scheduler(policy, make_batch, cost, pool, cfg.max_batch_tokens, clock)
-    else:
-        sched = OracleScheduler(policy, make_batch, exact.base, pool, cfg.max_batch_tokens, clock)
-        sched.exact = exact
-    arrivals = deque(sorted(requests, key=lambda r: r.arrival_time))
-    current: PrefillBatch | None = None
-    step_left: dict[int, float] = {}  # batch id -> seconds left of its current step
-    preemptions = 0
+    def true_rate(self, batch: PrefillBatch) -> float:
+        """True seconds per second of the batch's plan, now."""
+        if self.exact is not None:
+            return 1.0  # the plan's costs are the measured ones
+        truth = self.truth.scale * self.truth.factor(batch.num_tokens)
+        return truth * self.machine.at(self.clock.t) * self.own_factor[batch.batch_id] / batch.steps.scale
 
-    def step_duration(batch: PrefillBatch) -> float:
+    def next_event(self) -> float:
+        return min(self.arrivals[0].arrival_time if self.arrivals else math.inf, self.sched.wake_at)
+
+    def fire(self, t: float) -> None:
+        """The event due at t: the next arrival, or the scheduler's wake-up."""
+        self.clock.t = max(self.clock.t, t)
+        if self.arrivals and self.arrivals[0].arrival_time <= t:
+            self.sched.on_arrival(self.arrivals.popleft())
+        else:
+            self.sched.on_timer()
+
+    def run(self) -> int:
+        current: PrefillBatch | None = None
+        while True:
+            batch = self.sched.chosen
+            if batch is None:
+                if not self.arrivals:
+                    break
+                self.fire(self.arrivals[0].arrival_time)
+                continue
+            if batch is not current:
+                if current is not None and current in self.sched.pool:
+                    current.suspend(self.clock.t, self.sched.chosen_at, batch)
+                    self.preemptions += 1
+                batch.begin_segment(self.clock.t)
+                self.began.setdefault(batch.batch_id, self.clock.t)
+                current = batch
+            if self.step(batch):
+                current = None
+        for r in self.sched.shed:
+            r.state, r.finish_reason = RequestState.FAILED, "error"
+        return self.preemptions
+
+    def step(self, batch: PrefillBatch) -> bool:
+        """Run the chosen batch's next step, deciding at their times the events during it. True when
+        the batch completed."""
+        start = self.clock.t
+        left = self.step_left.pop(batch.batch_id, None)
+        if left is None and not self.cfg.ideal:
+            self._fast_forward(batch)
+            start = self.clock.t
+        end = start + (self._step_s(batch) if left is None else left)
+        if self.cfg.ideal and self.next_event() < end:
+            t = self.next_event()  # ideal preemption: the step stops mid-way, its progress kept
+            self.step_left[batch.batch_id] = end - t
+            batch.exec_s += t - start
+            self.fire(t)
+            return False
+        while self.next_event() <= end:  # events during a step are decided at their own time and
+            self.fire(self.next_event())  # acted on at the next boundary
+        self.clock.t = end
+        measured = batch.exec_s + end - start
+        finished = batch.advance()
+        batch.exec_s = measured  # virtual time, not the instant advance() took
+        if finished:
+            self._complete(batch)
+        elif batch.exec_s - batch.observed[1] >= self.sched.progress_every_s:
+            self.sched.on_progress(batch)
+        return finished
+
+    def _step_s(self, batch: PrefillBatch) -> float:
         if batch.next_step >= len(batch.steps):
             return 0.0  # the final next() only returns (logits cost nothing here)
-        i = batch.next_step
-        d = batch.steps.cost(i) if true_cost is cost else true_cost.step_s(batch.steps[i])
-        return d * rng.lognormvariate(0, cfg.noise) if cfg.noise else d
+        d = batch.steps.cost(batch.next_step) * self.true_rate(batch)
+        return d * self.rng.lognormvariate(0, self.cfg.noise) if self.cfg.noise else d
 
-    while True:
-        batch = sched.chosen
-        if batch is None:
-            if not arrivals:
-                break
-            r = arrivals.popleft()
-            clock.t = max(clock.t, r.arrival_time)
-            sched.on_arrival(r)
-            continue
-        if batch is not current:
-            if current is not None and current in sched.pool:
-                current.suspend(clock.t, sched.chosen_at, batch)
-                preemptions += 1
-            batch.begin_segment(clock.t)
-            current = batch
-        left = step_left.pop(batch.batch_id, None)
-        if left is None and true_cost is cost and not cfg.ideal:
-            _fast_forward(batch, clock, arrivals[0].arrival_time if arrivals else float("inf"), rng, cfg.noise)
-        end = clock.t + (step_duration(batch) if left is None else left)
-        if cfg.ideal and arrivals and arrivals[0].arrival_time < end:
-            r = arrivals.popleft()  # ideal preemption: the step stops mid-way, its progress kept
-            step_left[batch.batch_id] = end - r.arrival_time
-            clock.t = r.arrival_time
-            sched.on_arrival(r)
-            continue
-        while arrivals and arrivals[0].arrival_time <= end:  # events during a step are decided at
-            r = arrivals.popleft()  # their own time and acted on at the next boundary
-            clock.t = r.arrival_time
-            sched.on_arrival(r)
-        clock.t = end
-        if batch.advance():
-            _complete(batch, clock.t, pool, sched)
-            current = None
-    return preemptions
+    def _fast_forward(self, batch: PrefillBatch) -> None:
+        """Jump over the steps that end before the next event, the next correction or the machine's next
+        change: nothing can happen at their boundaries, so stepping through them one by one is waste."""
+        plan, i = batch.steps, batch.next_step
+        if i >= len(plan):
+            return
+        t = self.clock.t
+        observe_in = self.sched.progress_every_s - (batch.exec_s - batch.observed[1])
+        until = min(self.next_event(), self.machine.next_change_after(t), t + max(observe_in, 0.0))
+        rate = self.true_rate(batch) * (self.rng.lognormvariate(0, self.cfg.noise) if self.cfg.noise else 1.0)
+        base = plan.cost_before(i)
+        j = min(len(plan), plan.first_step_ending_after(base + (until - t) / rate))
+        if j > i:
+            elapsed = (plan.cost_before(j) - base) * rate
+            self.clock.t += elapsed
+            batch.exec_s += elapsed
+            batch.skip_to(j)
 
-
-def _fast_forward(batch: PrefillBatch, clock: _Clock, until: float, rng: random.Random, noise: float) -> None:
-    """Jump over the steps that end before the next event: nothing can happen at their boundaries
-    (only an event changes the scheduler's choice), so stepping through them one by one is waste."""
-    plan, i = batch.steps, batch.next_step
-    if i >= len(plan):
-        return
-    factor = rng.lognormvariate(0, noise) if noise else 1.0
-    base = plan.cost_before(i)
-    j = min(len(plan), plan.first_step_ending_after(base + (until - clock.t) / factor))
-    if j > i:
-        clock.t += (plan.cost_before(j) - base) * factor
-        batch.skip_to(j)
-
-
-def _complete(batch: PrefillBatch, now: float, pool: BlockPool, sched: Scheduler) -> None:
-    batch.end_segment(now)
-    unfinished = []
-    for r, span, whole in zip(batch.requests, batch.spans, batch.completes_prefills, strict=True):
-        r.num_computed_tokens = span.start + span.length
-        if whole:
-            r.first_token_time = r.finish_time = now
-            r.state = RequestState.FINISHED
-            r.finish_reason = "length"
-            pool.free(r.block_table)
-        else:
-            r.state = RequestState.WAITING
-            unfinished.append(r)
-    sched.on_completion(batch, unfinished)
+    def _complete(self, batch: PrefillBatch) -> None:
+        now = self.clock.t
+        self.batches.append(BatchRecord(self.began.pop(batch.batch_id), batch.num_tokens, batch.total_cost,
+                                        batch.exec_s))
+        batch.end_segment(now)
+        self.sched.on_progress(batch)
+        unfinished = []
+        for r, span, whole in zip(batch.requests, batch.spans, batch.completes_prefills, strict=True):
+            r.num_computed_tokens = span.start + span.length
+            if whole:
+                r.first_token_time = r.finish_time = now
+                r.state = RequestState.FINISHED
+                r.finish_reason = "length"
+                self.kv.free(r.block_table)
+            else:
+                r.state = RequestState.WAITING
+                unfinished.append(r)
+        self.sched.on_completion(batch, unfinished)

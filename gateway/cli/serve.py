@@ -77,8 +77,9 @@ def running(fleet: Fleet, args: argparse.Namespace) -> Iterator[None]:
     from gateway.processes import Relayed, wait_healthy
 
     options = to_argv(argparse.Namespace(**{**vars(args), "num_threads": _threads(args)}), worker_options())
+    config = ["--config", args.config] if args.config else []  # the classes' targets and late policies
     children = [Relayed([sys.executable, "-m", "gateway.cli", "worker", "--role", role, "--host", WORKER_HOST,
-                         "--port", str(port), *options], error_prefix="flowprefill worker: error: ")
+                         "--port", str(port), *options, *config], error_prefix="flowprefill worker: error: ")
                 for port, role in zip(fleet.ports, fleet.roles, strict=True)]
     try:
         with Console(stderr=True).status(f"starting {len(children)} engine worker(s)…"):

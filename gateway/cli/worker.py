@@ -16,6 +16,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_address(parser)
     parser.add_argument("--role", choices=ROLES, default="colocated",
                         help="colocated: prefill and decode; prefill or decode: one half of PD disaggregation")
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="gateway TOML whose SLO classes this worker serves: their targets and what becomes "
+                             "of their late requests (serve passes its own --config on)")
     add_server_options(parser)
     add_engine_options(parser)
 
@@ -40,9 +43,11 @@ def run(args: argparse.Namespace) -> int:
 
     from engine.engine import Engine
     from engine.worker import create_worker_app
+    from gateway.cli.gateway import load_config
     from telemetry.tracing import setup_tracing
 
     check_model(args.model)
+    classes = load_config(args.config, []).classes if args.config else None
     sock = bind(args.host, args.port, "the worker")
     check_device(args.device)
     console = Console(stderr=True)
@@ -50,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         with console.status("loading model and profiling operators…"):
             engine = Engine(engine_config(args), policy=args.policy).start()
         name = engine.model.cfg.name
-        app = create_worker_app(engine, name, tracing=setup_tracing("flowprefill-worker"), role=args.role,
+        app = create_worker_app(engine, name, classes, tracing=setup_tracing("flowprefill-worker"), role=args.role,
                                 tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     except (OSError, ValueError) as exc:  # the checkpoint or a setting: the loader's messages (docs/engine.md)
         raise CommandLineError(str(exc)) from None

@@ -1,0 +1,147 @@
+"""`flowprefill bench goodput --engine sim --errors`: every policy under injected prediction error.
+
+For each level (engine/sim/errors.py: per-batch noise, a mid-run slowdown step, a biased predictor)
+the offered rate is swept per policy as in the plain benchmark; the scheduler predicts with the cost
+model, the simulated machine takes the true costs, and the scheduler's online correction sees only
+those. Reported per level: max goodput (overall and every class >= 90 %), FlowPrefill over the best
+baseline, and each class's p99 TTFT over its target at FlowPrefill's last rate with >= 90 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from engine.bench.machine import machine_info
+from engine.config import EngineConfig
+from engine.protocol.slo import DEFAULT_CLASSES, SLOClass
+from engine.sim.errors import PredictionError
+from loadtest import report
+from loadtest.workload import ClassRule, azure_mix, head, load_trace, scale_to_rate
+
+
+def levels_of(args: argparse.Namespace) -> list[PredictionError]:
+    """The levels `--errors` asks for. Raises ValueError for a bad one, or with the real engine."""
+    if args.engine != "sim":
+        raise ValueError("--errors injects prediction error into the simulator: use it with --engine sim")
+    levels = [PredictionError.parse(x) for x in args.errors.split(",") if x.strip()]
+    if not levels:
+        raise ValueError("--errors: no level given")
+    return levels
+
+
+def sweep_errors(args: argparse.Namespace, console: Console, levels: list[PredictionError], policies: list[str],
+                 rates: list[float], n: int, argv: list[str] | None) -> int:
+    from loadtest.goodput import Runner, _collapsed
+
+    rule = ClassRule()
+    base = head(azure_mix(rule) if args.workload == "azure-mix" else load_trace(args.workload, rule), n)
+    classes = DEFAULT_CLASSES
+    runner = Runner("sim", EngineConfig(prefix_caching=False), args.cost)
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    with Progress(console=console) as progress:
+        task = progress.add_task("prediction-error sweep", total=len(levels) * len(policies) * len(rates))
+        for level in levels:
+            results[level.label] = {}
+            for pol in policies:
+                pts = results[level.label][pol] = []
+                for rate in rates:
+                    progress.advance(task)
+                    if _collapsed(pts):
+                        continue
+                    progress.update(task, description=f"{level.label}: {pol} @ {rate:g} req/s")
+                    pts.append(runner.sim(pol, scale_to_rate(base, rate), classes, 1.0, error=level))
+    doc = {"workload": {"name": base.name, "source": base.source, "requests": len(base.requests),
+                        "class_rule": base.class_rule},
+           "engine": "sim", "model": runner.model_name, "cost_model": args.cost,
+           "attainment_target": report.ATTAINMENT_TARGET,
+           "classes": {k: {"ttft_ms": c.ttft_ms, "late_ms": c.late_bound_ms} for k, c in classes.items()},
+           "late_share": runner.engine_cfg.late_share,
+           "levels": {label: summarize(pols, classes) for label, pols in results.items()},
+           "machine": machine_info(), "command": "flowprefill bench goodput " + " ".join(argv or [])}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "goodput-sim-errors"
+    (out / f"{stem}.json").write_text(json.dumps(doc, indent=2))
+    console.print(table(doc))
+    plot(doc, out / f"{stem}.png")
+    console.print(f"wrote {out / (stem + '.json')} and {out / (stem + '.png')}")
+    return 0
+
+
+def summarize(policies: dict[str, list[dict[str, Any]]], classes: dict[str, SLOClass]) -> dict[str, Any]:
+    """One level: each policy's max goodput, FlowPrefill over the best baseline, its p99s at its knee."""
+    out: dict[str, Any] = {"policies": {}}
+    for name, pts in policies.items():
+        knee = [p for p in pts if p["attainment"] >= report.ATTAINMENT_TARGET]
+        at = knee[-1] if knee else None
+        out["policies"][name] = {
+            "max_goodput_rps": report.max_goodput(pts),
+            "max_goodput_per_class_rps": report.max_goodput(pts, per_class=True),
+            # each class's p99 TTFT over its target, at the last rate whose overall attainment is >= 90 %
+            "p99_over_target_at_knee": None if at is None else {
+                "rate": at["rate"], **{c: (v["ttft_p99_ms"] or 0.0) / classes[c].ttft_ms
+                                       for c, v in at["per_class"].items()}},
+            "points": sorted(pts, key=lambda p: p["rate"])}
+    ours = out["policies"].get("flowprefill")
+    baselines = {k: v for k, v in out["policies"].items() if k != "flowprefill"}
+    if ours and baselines:
+        for key, ratio in (("max_goodput_rps", "flowprefill/best"),
+                           ("max_goodput_per_class_rps", "flowprefill/best, every class")):
+            best = max(baselines, key=lambda k: baselines[k][key])
+            den = baselines[best][key]
+            out[ratio] = {"best": best, "ratio": ours[key] / den if den else float("inf")}
+    return out
+
+
+def table(doc: dict[str, Any]) -> Table:
+    t = Table(title=f"max goodput under prediction error ({doc['workload']['name']}, "
+                    f"{doc['workload']['requests']} requests, simulator, {doc['cost_model']})")
+    for col in ("error", "policy", "max goodput req/s", "every class >= 90 %", "worst p99 / target at knee"):
+        t.add_column(col, justify="right")
+    for label, level in doc["levels"].items():
+        for name, pol in level["policies"].items():
+            knee = pol["p99_over_target_at_knee"]
+            worst = "-" if knee is None else (f"{max(v for k, v in knee.items() if k != 'rate'):.1f}x "
+                                              f"@ {knee['rate']:g}")
+            t.add_row(label, name, f"{pol['max_goodput_rps']:.2f}", f"{pol['max_goodput_per_class_rps']:.2f}", worst)
+        overall, every = level.get("flowprefill/best"), level.get("flowprefill/best, every class")
+        if overall and every:
+            t.add_row(label, "flowprefill / best baseline", f"{overall['ratio']:.2f}x ({overall['best']})",
+                      f"{every['ratio']:.2f}x ({every['best']})", "", end_section=True)
+    return t
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = list(doc["levels"].items())
+    cols = min(4, len(levels))
+    rows = (len(levels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.4 * rows), squeeze=False)
+    for ax, (label, level) in zip(axes.flat, levels, strict=False):
+        for name, pol in level["policies"].items():
+            pts = pol["points"]
+            ax.plot([p["rate"] for p in pts], [p["attainment"] * 100 for p in pts], marker="o", ms=3, label=name)
+        ax.axhline(90, color="grey", lw=0.8, ls=":")
+        ax.set_title(label, fontsize=10)
+        ax.set_ylim(0, 102)
+        ax.set_xlabel("offered rate (req/s)")
+        ax.set_ylabel("TTFT attainment (%)")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(levels):]:
+        ax.set_visible(False)
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(f"{doc['workload']['name']} under injected prediction error ({doc['cost_model']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
