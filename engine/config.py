@@ -98,7 +98,7 @@ class EngineConfig:
     model: str | None = None  # a local HF checkpoint dir; None = the embedded default model
     dtype: str = "float32"
     device: str = "cpu"
-    attention_backend: str = "auto"  # auto | sdpa | flashinfer
+    attention_backend: str = "auto"  # auto | cpu | sdpa | flashinfer (engine/attention)
     row_kernels: str = "auto"  # auto | torch | flashinfer: RMSNorm, SiLU-and-mul, RoPE (engine/model/kernels.py)
     kv_block_size: int = 256
     kv_capacity_tokens: int = 262_144

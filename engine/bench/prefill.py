@@ -250,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=EngineConfig().dtype, choices=["float32", "bfloat16", "float16"],
                    help="weights, activations and KV cache (default float32)")
     p.add_argument("--attention-backend", default=EngineConfig().attention_backend,
-                   choices=["auto", "sdpa", "flashinfer"], help="as `flowprefill serve` (default auto)")
+                   choices=["auto", "cpu", "sdpa", "flashinfer"], help="as `flowprefill serve` (default auto)")
     p.add_argument("--row-kernels", default=EngineConfig().row_kernels, choices=["auto", "torch", "flashinfer"],
                    help="as `flowprefill serve` (default auto)")
     p.add_argument("--step-budget-ms", type=float, default=EngineConfig().step_budget_ms,
