@@ -120,5 +120,9 @@ class EngineConfig:
     # Automatic prefix caching: a prompt whose leading KV blocks another request computed starts
     # after them (engine/kv_cache.py); blocks are reused at the granularity of kv_block_size.
     prefix_caching: bool = True
-    num_threads: int | None = None
+    num_threads: int | None = None  # torch intra-op threads; None: one per cpu_cores core, else torch's default
+    # Cores the engine's compute runs on, e.g. "1" or "2-3" (Linux): the engine thread and torch's intra-op
+    # threads are bound to them and the worker's HTTP thread moves to the process's other cores (vLLM's
+    # VLLM_CPU_OMP_THREADS_BIND; engine/cpu_affinity.py). None: unpinned.
+    cpu_cores: str | None = None
     seed: int = 0

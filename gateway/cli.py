@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from engine.config import EngineConfig
@@ -41,7 +42,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"], default=None,
                    help="a reasoning model's: its <think> reasoning comes back apart from the content "
                         "(reasoning_content), and a structured output applies after it")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: one per --cpu-cores core, else torch's choice)")
+    p.add_argument("--cpu-cores", default=None,
+                   help="cores the engine computes on, e.g. 1 or 2-3 (Linux): its thread and torch's are bound to "
+                        "them, the HTTP thread moves to the others (default: unpinned; serve assigns each worker "
+                        "its own)")
 
 
 def _run_worker(args: argparse.Namespace) -> int:
@@ -59,7 +65,8 @@ def _run_worker(args: argparse.Namespace) -> int:
                        max_batch_tokens=args.max_batch_tokens,
                        max_waiting=args.max_waiting,
                        step_budget_ms=args.step_budget_ms, cuda_graph_tokens=args.cuda_graph_tokens,
-                       prefix_caching=args.prefix_caching, num_threads=args.threads)
+                       prefix_caching=args.prefix_caching, num_threads=args.threads,
+                       cpu_cores=args.cpu_cores)
     console = Console(stderr=True)
     with console.status("loading model and profiling operators…"):
         engine = Engine(cfg, policy=args.policy).start()
@@ -74,7 +81,33 @@ def _run_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _worker_argv(args: argparse.Namespace, port: int, threads: int | None, role: str) -> list[str]:
+def _serve_cores(args: argparse.Namespace, threads: int) -> tuple[set[int], list[set[int]]] | None:
+    """serve on a CPU: the gateway's cores and each worker's compute cores, disjoint. --cpu-cores is
+    split among the workers; without it each worker takes `threads` cores after the first available,
+    which the gateway keeps (with any left over), or nothing is pinned when they do not fit. Each
+    worker may also use the gateway's cores, where its HTTP thread moves (engine/cpu_affinity.py)."""
+    from engine.cpu_affinity import allowed_cores, parse_cores
+
+    if args.device != "cpu" or not hasattr(os, "sched_setaffinity"):
+        return None
+    allowed = sorted(allowed_cores())
+    pool = parse_cores(args.cpu_cores) if args.cpu_cores else allowed[1:]
+    per = len(pool) // args.workers if args.cpu_cores else threads
+    if per < 1 or len(pool) < args.workers * per:
+        if args.cpu_cores:
+            raise SystemExit(f"--cpu-cores {args.cpu_cores}: fewer cores than --workers {args.workers}")
+        return None
+    own = [set(pool[i * per : (i + 1) * per]) for i in range(args.workers)]
+    shared = set(allowed) - set().union(*own)
+    return (shared or set(allowed)), own
+
+
+def _cores_arg(cores: set[int]) -> str:
+    return ",".join(map(str, sorted(cores)))
+
+
+def _worker_argv(args: argparse.Namespace, port: int, threads: int | None, role: str,
+                 cores: set[int] | None = None) -> list[str]:
     argv = [sys.executable, "-m", "gateway.cli", "worker", "--role", role, "--host", "127.0.0.1",
             "--port", str(port), "--policy", args.policy, "--device", args.device, "--dtype", args.dtype,
             "--attention-backend", args.attention_backend, "--row-kernels", args.row_kernels,
@@ -92,6 +125,8 @@ def _worker_argv(args: argparse.Namespace, port: int, threads: int | None, role:
         argv += ["--reasoning-parser", args.reasoning_parser]
     if threads:
         argv += ["--threads", str(threads)]
+    if cores:
+        argv += ["--cpu-cores", _cores_arg(cores)]
     return argv
 
 
@@ -105,7 +140,6 @@ def _exit_on_sigterm() -> None:
 
 def _run_serve(args: argparse.Namespace) -> int:
     """Gateway in this process, engine workers as child processes on the next ports."""
-    import os
     import subprocess
 
     from rich.console import Console
@@ -124,7 +158,14 @@ def _run_serve(args: argparse.Namespace) -> int:
     ports = [args.port + 1 + i for i in range(args.workers)]
     n_prefill = args.workers // 2 if args.disaggregate else 0
     roles = ["prefill"] * n_prefill + ["decode" if args.disaggregate else "colocated"] * (args.workers - n_prefill)
-    children = [subprocess.Popen(_worker_argv(args, p, threads, role)) for p, role in zip(ports, roles, strict=True)]
+    # Workers compute on cores of their own; the gateway and the workers' HTTP threads share the rest.
+    layout = _serve_cores(args, threads)
+    shared, own = layout if layout else (set(), [set()] * args.workers)
+    children = [subprocess.Popen(_worker_argv(args, p, args.threads or len(cores) or threads, role, cores),
+                                 preexec_fn=(lambda c=cores: os.sched_setaffinity(0, shared | c)) if cores else None)
+                for p, role, cores in zip(ports, roles, own, strict=True)]
+    if shared:
+        os.sched_setaffinity(0, shared)
     try:
         with console.status(f"starting {args.workers} engine worker(s)…"):
             for child, port in zip(children, ports, strict=True):
