@@ -99,7 +99,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     attention_backend: str = "auto"  # auto | cpu | sdpa | flashinfer (engine/attention)
-    row_kernels: str = "auto"  # auto | torch | flashinfer: RMSNorm, SiLU-and-mul, RoPE (engine/model/kernels.py)
+    row_kernels: str = "auto"  # auto | torch | flashinfer | cpu: RMSNorm, SiLU-and-mul, RoPE (engine/model/kernels.py)
     kv_block_size: int = 256
     kv_capacity_tokens: int = 262_144
     # When a request's KV blocks are taken. grow: its prompt's (and the first answer token's) when its

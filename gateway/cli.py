@@ -20,8 +20,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=d.device)
     p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "cpu", "sdpa", "flashinfer"])
-    p.add_argument("--row-kernels", default=d.row_kernels, choices=["auto", "torch", "flashinfer"],
-                   help="RMSNorm, SiLU-and-mul and RoPE: FlashInfer's fused kernels (auto: on CUDA when they load)")
+    p.add_argument("--row-kernels", default=d.row_kernels, choices=["auto", "torch", "flashinfer", "cpu"],
+                   help="RMSNorm, SiLU-and-mul and RoPE: fused kernels (auto: FlashInfer's on CUDA when they load; "
+                        "cpu: FlowPrefill's, on a CPU)")
     p.add_argument("--kv-capacity-tokens", type=int, default=d.kv_capacity_tokens)
     p.add_argument("--kv-block-size", type=int, default=d.kv_block_size)
     p.add_argument("--kv-reservation", default=d.kv_reservation, choices=["grow", "full"],

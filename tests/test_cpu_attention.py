@@ -88,9 +88,24 @@ def test_split_tiles_merge_to_the_whole(dtype: torch.dtype) -> None:
     whole, _ = cpu.attention(q, k, v, True)
     tiles = [cpu.attention(q, k[a:b], v[a:b], False) for a, b in ((0, 128), (128, 233))]
     tiles.append(cpu.attention(q, k[233:], v[233:], True))
-    merged = merge_lse([t[0] for t in tiles], [t[1] for t in tiles])
+    merged = cpu.merge([t[0] for t in tiles], [t[1] for t in tiles])
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert _rel(merged, whole.double()) < tol
+    assert _rel(merged, merge_lse([t[0] for t in tiles], [t[1] for t in tiles]).double()) < tol
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_merge_is_the_shared_lse_merge(dtype: torch.dtype) -> None:
+    """Tiles of random partial results, one with no visible key (lse -inf, as an empty tile gives)."""
+    _skip_unless_built(dtype)
+    gen = torch.Generator().manual_seed(5)
+    outs = [torch.randn(37, 6, 64, generator=gen).to(dtype) for _ in range(5)]
+    lses = [4 * torch.randn(37, 6, generator=gen) for _ in range(5)]
+    lses[2][:5] = float("-inf")
+    want = merge_lse([o.double() for o in outs], [x.double() for x in lses])
+    got = cpu.merge(outs, lses)
+    assert got.dtype == dtype and _rel(got, want) < (1e-6 if dtype == torch.float32 else 8e-3)
+    assert cpu.merge(outs[:1], lses[:1]) is outs[0]
 
 
 def test_empty_inputs_and_refusals() -> None:

@@ -1,4 +1,5 @@
-"""FlowPrefill's own CPU attention kernel (engine/attention/cpu_flash.cpp), built on first use.
+"""FlowPrefill's own CPU kernels (engine/attention/cpu_flash.cpp): attention, and the fused row kernels
+(RMSNorm, SiLU-and-mul, RoPE; engine/model/kernels.py), built on first use.
 
 Why our own: torch's CPU flash kernel (`_scaled_dot_product_flash_attention_for_cpu`) runs this
 engine's default model (head size 32, 4:1 grouped-query heads) at about 50 GFLOP/s on one AVX-512
@@ -18,12 +19,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from engine.attention import merge_lse
 from engine.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
@@ -68,6 +70,11 @@ def unsupported(dtype: torch.dtype, head_dim: int) -> str:
     """Why the kernel cannot run this model here ('' if it can); builds it on first call."""
     if head_dim not in HEAD_DIMS:
         return f"head size {head_dim} is not one it is built for {HEAD_DIMS}"
+    return runs(dtype)
+
+
+def runs(dtype: torch.dtype) -> str:
+    """Why the kernels cannot run `dtype` here ('' if they can); builds them on first call."""
     dtypes, reason = build()
     if reason:
         return reason
@@ -77,16 +84,54 @@ def unsupported(dtype: torch.dtype, head_dim: int) -> str:
     return ""
 
 
+class _Ops:
+    """The extension's operators, looked up once: `torch.ops.flowprefill.attention(...)` resolves its
+    overload on every call, some 10 us each, and a long prefill calls it a thousand times."""
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        op = getattr(torch.ops.flowprefill, name).default
+        setattr(self, name, op)
+        return op
+
+
+_ops = _Ops()
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """q [n, q_heads, d] against k/v [m, kv_heads, d] (causal: bottom-right) -> out, lse [n, q_heads]."""
-    return torch.ops.flowprefill.attention(q, k, v, causal)
+    return _ops.attention(q, k, v, causal)
+
+
+def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
+    """The exact LSE merge of tiles (`engine.attention.merge_lse`'s arithmetic) in one pass."""
+    return outs[0] if len(outs) == 1 else _ops.merge(outs, lses)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm of x [rows, hidden] in one pass (its roundings: TorchKernels.rms_norm)."""
+    return _ops.rms_norm(x, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of [rows, 2 x width] in one pass (torch's roundings)."""
+    return _ops.silu_and_mul(gate_up)
+
+
+def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_dim: int, cos_sin: torch.Tensor,
+         is_neox: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE of q [n, heads x d] and k [n, kv_heads x d] at `positions` from a fp32 cos|sin
+    table per position: FlashInfer's `apply_rope_with_cos_sin_cache` (its signature, layout and
+    fp32 arithmetic), so `Rotary.use_fused` takes either."""
+    if not is_neox:
+        raise ValueError("only rotate-half (neox) RoPE")
+    return _ops.rope(positions, q, k, head_dim, cos_sin)
 
 
 class CPUBackend:
-    """Prefill tiles and decode on the kernel; the merge of tiles is the shared exact LSE merge."""
+    """Prefill tiles, their merge and decode on the kernel."""
 
     name = "cpu"
-    merge = staticmethod(merge_lse)
+    merge = staticmethod(merge)
 
     def tile(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
              ) -> tuple[torch.Tensor, torch.Tensor]:

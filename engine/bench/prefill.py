@@ -251,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights, activations and KV cache (default float32)")
     p.add_argument("--attention-backend", default=EngineConfig().attention_backend,
                    choices=["auto", "cpu", "sdpa", "flashinfer"], help="as `flowprefill serve` (default auto)")
-    p.add_argument("--row-kernels", default=EngineConfig().row_kernels, choices=["auto", "torch", "flashinfer"],
+    p.add_argument("--row-kernels", default=EngineConfig().row_kernels, choices=["auto", "torch", "flashinfer", "cpu"],
                    help="as `flowprefill serve` (default auto)")
     p.add_argument("--step-budget-ms", type=float, default=EngineConfig().step_budget_ms,
                    help="the engine's step budget for the split (default: EngineConfig's)")
