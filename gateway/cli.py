@@ -68,6 +68,10 @@ def _run_worker(args: argparse.Namespace) -> int:
                        step_budget_ms=args.step_budget_ms, cuda_graph_tokens=args.cuda_graph_tokens,
                        prefix_caching=args.prefix_caching, num_threads=args.threads,
                        cpu_cores=args.cpu_cores)
+    # The engine thread takes the GIL back after every operator; while the HTTP thread runs Python it
+    # waits up to the switch interval (5 ms by default) each time. With a Python thread busy beside it an
+    # 8K prefill took 11 s instead of 1.4 (2.8 s at 1 ms, 1.9 s at 0.2 ms; docs/benchmarks.md, issue 24).
+    sys.setswitchinterval(0.0002)
     console = Console(stderr=True)
     with console.status("loading model and profiling operators…"):
         engine = Engine(cfg, policy=args.policy).start()
