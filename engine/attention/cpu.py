@@ -17,6 +17,7 @@ used, `load` says why and the engine keeps torch's SDPA backend.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from collections.abc import Callable
@@ -30,7 +31,8 @@ from engine.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_flash.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_flash.cpp", "cpu_rows.cpp")]
+HEADER = Path(__file__).with_name("cpu_simd.h")
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # the head sizes the kernel is instantiated for
 _BASE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"]
 _lock = threading.Lock()
@@ -44,6 +46,13 @@ def cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
+
+
+def _header_version() -> str:
+    """torch rebuilds an extension when its sources or flags change, not its headers: a flag naming
+    the header's content makes a changed header a changed build."""
+    digest = hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]
+    return f"-DFLOWPREFILL_SIMD_H={digest}"
 
 
 @cache
@@ -60,7 +69,8 @@ def build() -> tuple[frozenset[torch.dtype], str]:
         from torch.utils.cpp_extension import load
 
         with _lock:
-            load(name=name, sources=[str(SOURCE)], extra_cflags=cflags, is_python_module=False, verbose=False)
+            load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=[*cflags, _header_version()],
+                 is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, a read-only cache: torch's SDPA serves instead
         return frozenset(), f"could not be built ({type(e).__name__}: {str(e).strip().splitlines()[-1][:300]})"
     return frozenset({torch.float32, torch.bfloat16} if bf16 else {torch.float32}), ""
