@@ -137,10 +137,12 @@ class EngineConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = setting(
         "float32", "dtype of the weights, activations and KV cache")
     device: str = setting("cpu", "torch device, e.g. cpu, cuda, cuda:1")
-    attention_backend: Literal["auto", "sdpa", "flashinfer"] = setting(
-        "auto", "attention kernels (auto: FlashInfer on CUDA when installed, else SDPA)")
-    row_kernels: Literal["auto", "torch", "flashinfer"] = setting(
-        "auto", "RMSNorm, SiLU-and-mul and RoPE: FlashInfer's fused kernels (auto: on CUDA when they load)")
+    attention_backend: Literal["auto", "cpu", "sdpa", "flashinfer"] = setting(
+        "auto", "attention kernels (auto: FlashInfer on CUDA when installed; on a CPU FlowPrefill's own where it "
+                "builds, else SDPA)")
+    row_kernels: Literal["auto", "torch", "flashinfer", "cpu"] = setting(
+        "auto", "RMSNorm, SiLU-and-mul and RoPE: fused kernels (auto: FlashInfer's on CUDA when they load; cpu: "
+                "FlowPrefill's, on a CPU)")
     kv_block_size: int = setting(256, "tokens per KV-cache block, the unit of allocation and of prefix reuse")
     kv_capacity_tokens: int = setting(
         262_144, "KV-cache size in tokens, allocated at start-up (rounded down to whole blocks)")
@@ -173,5 +175,12 @@ class EngineConfig:
     late_share: float = setting(
         0.5, "share of the engine that late requests (past hope of their TTFT target) get while on-time ones "
              "also wait, so none waits without bound; 0 = serve them only when idle")
-    num_threads: int | None = setting(None, "torch intra-op threads (default: torch's choice)", flag="--threads")
+    num_threads: int | None = setting(
+        None, "torch intra-op threads (default: one per --cpu-cores core, else torch's choice)", flag="--threads")
+    # Cores the engine's compute runs on, e.g. "1" or "2-3" (Linux): the engine thread and torch's intra-op
+    # threads are bound to them and the worker's HTTP thread moves to the process's other cores (vLLM's
+    # VLLM_CPU_OMP_THREADS_BIND; engine/cpu_affinity.py). None: unpinned.
+    cpu_cores: str | None = setting(
+        None, "cores the engine computes on, e.g. 1 or 2-3 (Linux): its thread and torch's are bound to them, the "
+              "HTTP thread moves to the others (default: unpinned; serve assigns each worker its own)")
     seed: int = setting(0, "seed of the embedded default model's weights", flag=None)

@@ -13,6 +13,7 @@ import torch
 
 from engine import handoff
 from engine.config import EngineConfig
+from engine.cpu_affinity import CorePinning
 from engine.decode import Answers
 from engine.kv_cache import KVCache, OutOfBlocks
 from engine.model import load_model, use_device
@@ -34,8 +35,12 @@ class Engine:
     def __init__(self, cfg: EngineConfig | None = None, policy: str | Policy = "flowprefill",
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg = cfg or EngineConfig()
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
+        self.pinning = CorePinning(cfg.cpu_cores) if cfg.cpu_cores else None
+        if self.pinning is not None:  # before calibration and before the engine thread starts (it inherits)
+            self.pinning.pin_compute()
+        threads = cfg.num_threads or (len(self.pinning.cores) if self.pinning else None)
+        if threads:
+            torch.set_num_threads(threads)
         self.model, self.tokenizer = load_model(cfg)
         dtype, device = getattr(torch, cfg.dtype), torch.device(cfg.device)
         self.kv = KVCache(self.model.cfg, cfg.kv_block_size, cfg.kv_capacity_tokens, dtype, device)
@@ -66,6 +71,8 @@ class Engine:
     # -- public API (any thread) ---------------------------------------------------------------
     def start(self) -> Engine:
         self._thread.start()
+        if self.pinning is not None:  # the caller goes on serving: off the compute cores
+            self.pinning.release_caller()
         return self
 
     def shutdown(self) -> None:

@@ -104,8 +104,10 @@ class Relayed:
     `error`, for the parent to report in its own words. `last_line` is the last line passed on (a
     traceback's exception, when it died another way)."""
 
-    def __init__(self, argv: list[str], error_prefix: str) -> None:
-        self.proc = subprocess.Popen(argv, stderr=subprocess.PIPE)
+    def __init__(self, argv: list[str], error_prefix: str, cores: set[int] | None = None) -> None:
+        """`cores`: the CPU cores the child may run on (Linux), set before it starts."""
+        pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
+        self.proc = subprocess.Popen(argv, stderr=subprocess.PIPE, preexec_fn=pin)
         self.error_prefix = error_prefix.encode()
         self.error: str | None = None
         self.last_line = ""

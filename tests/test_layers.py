@@ -30,7 +30,8 @@ HTTP = ("httpx", "httpcore", "litestar", "uvicorn")  # the serving layer's, and 
 PROTOCOL = ("engine/protocol/*.py",)
 CORE = ("engine/config.py", "engine/request.py", "engine/kv_cache.py", "engine/prefix_cache.py", "engine/prefill.py",
         "engine/decode.py", "engine/sampling.py", "engine/engine.py", "engine/predictor.py", "engine/observer.py",
-        "engine/tokenizer.py", "engine/text.py", "engine/handoff.py", "engine/scheduler/*.py", "engine/model/*.py",
+        "engine/tokenizer.py", "engine/text.py", "engine/handoff.py", "engine/cpu_affinity.py", "engine/scheduler/*.py",
+        "engine/model/*.py",
         "engine/attention/*.py", "engine/sim/*.py")
 SERVING = ("engine/worker.py", "engine/serving.py", "engine/endpoint.py", "engine/responses.py",
            "engine/responses_endpoint.py", "engine/tokenize_api.py", "engine/tool_calls.py", "engine/reasoning.py",
@@ -41,7 +42,8 @@ SERVING_MODULES = tuple(p.removesuffix(".py").replace("/", ".") for p in SERVING
 # interface (engine/observer.py: no imports at run time); `serve` also reads the engine's options and
 # the output parsers' names, all torch-free.
 GATEWAY_ENGINE = ("engine", "engine.protocol", "engine.protocol.*", "engine.observer")
-SERVE_ENGINE = (*GATEWAY_ENGINE, "engine.config", "engine.reasoning", "engine.tool_calls", "engine.text")
+SERVE_ENGINE = (*GATEWAY_ENGINE, "engine.config", "engine.reasoning", "engine.tool_calls", "engine.text",
+                "engine.cpu_affinity")
 
 
 def _matches(name: str, patterns: tuple[str, ...]) -> bool:

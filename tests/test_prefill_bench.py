@@ -15,6 +15,8 @@ def test_prefill_bench_smoke(tmp_path: Path) -> None:
     tput = doc["throughput"]
     assert set(tput["contenders"]) == {"ours unsplit", "ours preemptible", "transformers"}
     assert all(v > 0 for per in tput["tokens_per_s"].values() for v in per.values())
+    # GFLOP/s of each contender beside the machine's measured matmul peak
+    assert tput["matmul_peak_gflops"] > 0 and tput["gflops"]["ours preemptible"]["256"] > 0
     # Same weights, same answer: the three forwards agree on the last-token logits.
     assert all(v < 1e-4 for k, v in tput["agreement"].items() if k.startswith("max_abs_logit_diff"))
     assert doc["overhead"]["per_size"]["512"]
@@ -58,3 +60,24 @@ def test_overhead_section_compares_staircase_blocks_with_a_line(tmp_path: Path, 
     per = doc["overhead"]["per_size"]["512"]
     assert len(per["linear_blocks_s"]) == 1 and per["steps_linear_blocks"] > per["steps_off"]
     assert [rows for rows, _ in doc["config"]["calibration"]["row_block_s"]["ffn"]] == [32, 64, 96, 128]
+
+
+def test_prefill_flops_count_a_full_forward() -> None:
+    """Against torch's own FLOP counter on transformers' eager forward of the embedded model's shape,
+    whose attention computes every query-key pair: the count takes the causal half (n(n+1)/2 pairs)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from engine.bench.flops import prefill_flops
+    from engine.config import ModelConfig
+
+    cfg, n = ModelConfig(), 64
+    hf = Qwen2ForCausalLM(Qwen2Config(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                                      intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
+                                      num_attention_heads=cfg.num_attention_heads,
+                                      num_key_value_heads=cfg.num_key_value_heads, attn_implementation="eager"))
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        hf(torch.zeros(1, n, dtype=torch.long), logits_to_keep=1)
+    per_pair = 4 * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
+    assert prefill_flops(cfg, n) == counter.get_total_flops() - per_pair * (n * n - n * (n + 1) / 2)

@@ -8,11 +8,14 @@ merge the partial results exactly (the sub-operator split of the preemption desi
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 import torch
 
 from engine.kv_cache import KVCache
+
+log = logging.getLogger(__name__)
 
 
 class AttentionBackend(Protocol):
@@ -46,13 +49,28 @@ def merge_lse(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tenso
 
 def select_backend(name: str, device: torch.device, dtype: torch.dtype = torch.float32,
                    head_dim: int = 128) -> AttentionBackend:
-    from engine.attention import flashinfer, sdpa
+    from engine.attention import cpu, flashinfer, sdpa
 
     if name == "auto":
-        fits = device.type == "cuda" and flashinfer.supports(head_dim, dtype) and flashinfer.available()
-        name = "flashinfer" if fits else "sdpa"
+        if device.type == "cuda":
+            fits = flashinfer.supports(head_dim, dtype) and flashinfer.available()
+            name = "flashinfer" if fits else "sdpa"
+        elif device.type == "cpu":
+            reason = cpu.unsupported(dtype, head_dim)
+            if reason:
+                log.warning("FlowPrefill's CPU attention kernel is not used (%s); torch's SDPA runs instead", reason)
+            name = "sdpa" if reason else "cpu"
+        else:
+            name = "sdpa"
     if name == "sdpa":
         return sdpa.SDPABackend()
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError("the cpu attention backend runs on the CPU (--device cpu)")
+        reason = cpu.unsupported(dtype, head_dim)
+        if reason:
+            raise ValueError(f"the cpu attention backend {reason}")
+        return cpu.CPUBackend()
     if name == "flashinfer":
         if device.type != "cuda":
             raise ValueError("the flashinfer attention backend needs a CUDA device")
@@ -62,4 +80,4 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype = torch.f
             raise ValueError(f"the flashinfer attention backend needs --dtype bfloat16 or float16 and a head "
                              f"size in {flashinfer.HEAD_DIMS} (this model: {dtype}, head size {head_dim})")
         return flashinfer.FlashInferBackend()
-    raise ValueError(f"unknown attention backend {name!r} (auto, sdpa, flashinfer)")
+    raise ValueError(f"unknown attention backend {name!r} (auto, cpu, sdpa, flashinfer)")

@@ -41,6 +41,7 @@ from rich.table import Table
 
 from engine.bench.console import results_console
 from engine.bench.contenders import HFPrefill, OurPrefill, device_sync, interleaved, load_transformers
+from engine.bench.flops import matmul_peak, prefill_flops
 from engine.bench.machine import cpu_count, machine_info
 from engine.bench.overhead import OverheadSection, median
 from engine.bench.prefill_markdown import markdown
@@ -168,9 +169,15 @@ class Bench(OverheadSection, StopLatencySection):
                  if HF in tok_s else {})
         # The TTFT predictor's closed form against what was measured (engine/predictor.py).
         predicted_s = {str(n): cost.prefill_s([SeqSpan(0, n)]) for n in sizes}
+        # Achieved GFLOP/s (a full forward's FLOPs, engine/bench/flops.py) beside a large matmul's, timed now.
+        peak = matmul_peak(model.embed.dtype, self.cfg.device)
+        gflops = {name: {k: prefill_flops(model.cfg, int(k)) / s / 1e9 for k, s in per.items()}
+                  for name, per in median_s.items()}
         result = {"sizes": list(sizes), "contenders": list(runners), "transformers_note": note,
                   "raw_s": raw, "median_s": median_s, "tokens_per_s": tok_s, "predicted_s": predicted_s,
                   "ratio_vs_transformers": ratio, "steps": steps, "agreement": check,
+                  "gflops": gflops, "matmul_peak_gflops": peak,
+                  "flops": {str(n): prefill_flops(model.cfg, n) for n in sizes},
                   "transformers_setup": {"dtype": self.cfg.dtype, "device": self.cfg.device,
                                          "attn_implementation": "sdpa",
                                          "inference_mode": True, "logits_to_keep": 1, "use_cache": True},
@@ -197,6 +204,7 @@ class Bench(OverheadSection, StopLatencySection):
         for name in r["ratio_vs_transformers"]:
             t.add_column(f"{name.removeprefix('ours ')}\n/ transformers", justify="right")
         t.add_column("predicted ms\n(error vs unsplit)", justify="right")
+        t.add_column(f"preemptible GFLOP/s\n(of {r['matmul_peak_gflops']:,.0f} peak)", justify="right")
         for n in r["sizes"]:
             k = str(n)
             row = [size_label(n)]
@@ -207,6 +215,8 @@ class Bench(OverheadSection, StopLatencySection):
                 row.append(f"[{'green' if x >= 1 else 'red'}]{x:.2f}x[/]")
             pred, meas = r["predicted_s"][k], r["median_s"][UNSPLIT][k]
             row.append(f"{pred * 1e3:,.1f} ({(pred - meas) / meas:+.0%})")
+            rate = r["gflops"][PREEMPTIBLE][k]
+            row.append(f"{rate:,.0f} ({rate / r['matmul_peak_gflops']:.0%})")
             t.add_row(*row)
         self.console.print(t)
         if r["agreement"]:
@@ -251,8 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=EngineConfig().dtype, choices=["float32", "bfloat16", "float16"],
                    help="weights, activations and KV cache (default float32)")
     p.add_argument("--attention-backend", default=EngineConfig().attention_backend,
-                   choices=["auto", "sdpa", "flashinfer"], help="as `flowprefill serve` (default auto)")
-    p.add_argument("--row-kernels", default=EngineConfig().row_kernels, choices=["auto", "torch", "flashinfer"],
+                   choices=["auto", "cpu", "sdpa", "flashinfer"], help="as `flowprefill serve` (default auto)")
+    p.add_argument("--row-kernels", default=EngineConfig().row_kernels, choices=["auto", "torch", "flashinfer", "cpu"],
                    help="as `flowprefill serve` (default auto)")
     p.add_argument("--step-budget-ms", type=float, default=EngineConfig().step_budget_ms,
                    help="the engine's step budget for the split (default: EngineConfig's)")

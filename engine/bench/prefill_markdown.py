@@ -22,6 +22,9 @@ def throughput_table(r: dict[str, Any]) -> str:
     header = ["prompt", *(f"{n} tok/s (ms)" for n in names)]
     header += [f"{n.removeprefix('ours ')} / transformers" for n in r["ratio_vs_transformers"]]
     header += ["predicted ms (error)", "steps unsplit / split"]
+    peak = r.get("matmul_peak_gflops")
+    if peak:  # results files from before the GFLOP/s column have none
+        header.append(f"preemptible GFLOP/s (of {peak:,.0f} matmul peak)")
     rows = []
     for n in r["sizes"]:
         k = str(n)
@@ -31,6 +34,9 @@ def throughput_table(r: dict[str, Any]) -> str:
         pred, meas = r["predicted_s"][k], r["median_s"][UNSPLIT][k]
         row.append(f"{pred * 1e3:,.1f} ({_pct(100 * (pred - meas) / meas, 0)})")
         row.append(f"{r['steps'][UNSPLIT][k]} / {r['steps'][PREEMPTIBLE][k]}")
+        if peak:
+            rate = r["gflops"][PREEMPTIBLE][k]
+            row.append(f"{rate:,.0f} ({100 * rate / peak:.0f} %)")
         rows.append(row)
     return _table(header, rows)
 

@@ -65,10 +65,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--step-budget-ms", type=float, default=EngineConfig().step_budget_ms)
+    p.add_argument("--attention-backend", default=EngineConfig().attention_backend,
+                   choices=["auto", "cpu", "sdpa", "flashinfer"])
+    p.add_argument("--row-kernels", default=EngineConfig().row_kernels, choices=["auto", "torch", "flashinfer", "cpu"])
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--rows", type=int, default=12, help="operators listed per contender")
     p.add_argument("--no-transformers", action="store_true")
     args = p.parse_args(argv)
-    cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, step_budget_ms=args.step_budget_ms)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, step_budget_ms=args.step_budget_ms,
+                       attention_backend=args.attention_backend, row_kernels=args.row_kernels)
     model, _ = load_model(cfg)
     cost = load_cost(model)
     kv = KVCache(model.cfg, cfg.kv_block_size, args.tokens + cfg.kv_block_size, getattr(torch, cfg.dtype), cfg.device)

@@ -28,9 +28,9 @@ def load_model(cfg: EngineConfig) -> tuple[LlamaModel, ByteTokenizer | HFTokeniz
     backend = select_backend(cfg.attention_backend, device, dtype, model_cfg.head_dim)
     model = LlamaModel(model_cfg, weights, backend, dtype, device)
     model.kernels = select_kernels(cfg.row_kernels, device, dtype, model_cfg.hidden_size, model_cfg.intermediate_size)
-    if model.kernels.name == "flashinfer":
+    if model.kernels.name in ("flashinfer", "cpu"):
         fuse_rope(model.rotary, model_cfg.num_attention_heads, model_cfg.num_key_value_heads,
-                  required=cfg.row_kernels == "flashinfer")
+                  required=cfg.row_kernels == model.kernels.name, kernels=model.kernels.name)
     if device.type == "cuda" and cfg.cuda_graph_tokens:
         model.graphs = StepGraphs(model, cfg.cuda_graph_tokens)
     tokenizer = load_tokenizer(Path(cfg.model) if cfg.model else None, model_cfg.eos_token_id,

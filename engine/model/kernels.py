@@ -71,14 +71,51 @@ class FlashInferKernels:
         return self._silu_and_mul(gate_up, enable_pdl=False)
 
 
+class CPUKernels:
+    """FlowPrefill's own, on the CPU (engine/attention/cpu_flash.cpp, built with the attention kernel):
+    each one pass over its rows where torch's are seven and two, with torch's roundings. On the
+    default model at 8K tokens the row operators were about 6 % of a bf16 prefill in torch, and each
+    eager torch operator costs some microseconds of dispatch in every one of a split prefill's steps."""
+
+    name = "cpu"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        from engine.attention.cpu import rms_norm
+
+        return rms_norm(x, weight, eps)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        from engine.attention.cpu import silu_and_mul
+
+        return silu_and_mul(gate_up)
+
+
+def _cpu_kernels(device: torch.device, dtype: torch.dtype, hidden: int, intermediate: int) -> RowKernels:
+    from engine.attention.cpu import runs
+
+    reason = runs(dtype)
+    if not reason:
+        try:
+            _probe(CPUKernels(), device, dtype, hidden, intermediate)
+            return CPUKernels()
+        except Exception as e:
+            reason = f"{type(e).__name__}: {e}"
+    raise ValueError(f"--row-kernels cpu: {reason}")
+
+
 def select_kernels(name: str, device: torch.device, dtype: torch.dtype, hidden: int, intermediate: int
                    ) -> RowKernels:
     """name: auto (FlashInfer's on CUDA in 16-bit when they load and agree with torch's), torch,
-    or flashinfer (the same, but a failure is an error). hidden, intermediate: the model's widths."""
+    flashinfer (the same, but a failure is an error) or cpu (FlowPrefill's; a failure is an error).
+    hidden, intermediate: the model's widths."""
     if name == "torch":
         return TorchKernels()
-    if name not in ("auto", "flashinfer"):
-        raise ValueError(f"unknown row kernels {name!r} (auto, torch, flashinfer)")
+    if name not in ("auto", "flashinfer", "cpu"):
+        raise ValueError(f"unknown row kernels {name!r} (auto, torch, flashinfer, cpu)")
+    if name == "cpu":  # asked for only: auto keeps torch's on a CPU, where they gain 0-7 % (docs/benchmarks.md)
+        if device.type != "cpu":
+            raise ValueError("--row-kernels cpu: runs on the CPU (--device cpu)")
+        return _cpu_kernels(device, dtype, hidden, intermediate)
     reason = ("needs a CUDA device" if device.type != "cuda"
               else "needs bfloat16 or float16" if dtype not in (torch.bfloat16, torch.float16)
               # the kernels load 16 bytes at a time, from the start of each row and of its second half
@@ -111,20 +148,24 @@ def _probe(kernels: RowKernels, device: torch.device, dtype: torch.dtype, hidden
             raise RuntimeError(f"disagrees with torch (shape {tuple(got.shape)}, max relative error {err:.2g})")
 
 
-def fuse_rope(rotary: Rotary, heads: int, kv_heads: int, required: bool) -> None:
-    """Rotate with FlashInfer's kernel if it loads and agrees with the exact rotation at positions up
-    to the model's context; otherwise keep torch's (required: the failure is an error)."""
+def fuse_rope(rotary: Rotary, heads: int, kv_heads: int, required: bool, kernels: str = "flashinfer") -> None:
+    """Rotate with the fused kernel of `kernels` (flashinfer: FlashInfer's; cpu: FlowPrefill's, of the
+    same signature and arithmetic) if it loads and agrees with the exact rotation at positions up to
+    the model's context; otherwise keep torch's (required: the failure is an error)."""
     try:
-        from flashinfer.rope import apply_rope_with_cos_sin_cache
+        if kernels == "cpu":
+            from engine.attention.cpu import rope as kernel
+        else:
+            from flashinfer.rope import apply_rope_with_cos_sin_cache as kernel
 
-        rotary.use_fused(apply_rope_with_cos_sin_cache)
+        rotary.use_fused(kernel)
         _probe_rope(rotary, heads, kv_heads)
     except Exception as e:  # any failure means: rotate with torch
         rotary.use_fused(None)
         if required:
-            raise ValueError(f"--row-kernels flashinfer: RoPE: {type(e).__name__}: {e}") from e
-        log.warning("FlashInfer's RoPE kernel is not used (%s: %s); torch's rotation runs instead",
-                    type(e).__name__, e)
+            raise ValueError(f"--row-kernels {kernels}: RoPE: {type(e).__name__}: {e}") from e
+        log.warning("%s RoPE kernel is not used (%s: %s); torch's rotation runs instead",
+                    "FlowPrefill's CPU" if kernels == "cpu" else "FlashInfer's", type(e).__name__, e)
 
 
 def _probe_rope(rotary: Rotary, heads: int, kv_heads: int) -> None:

@@ -61,9 +61,9 @@ class LlamaModel:
     def _attn_in(self, layer: LayerWeights, x: torch.Tensor, rope: Rows
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """rope: what the rotation reads for x's rows (`Rotary.rows`)."""
-        qkv = self._rms(x, layer.input_norm) @ layer.qkv
-        if layer.qkv_bias is not None:
-            qkv += layer.qkv_bias
+        xn = self._rms(x, layer.input_norm)
+        # The bias is added by the matmul itself (one operator less per step: each costs microseconds).
+        qkv = xn @ layer.qkv if layer.qkv_bias is None else torch.addmm(layer.qkv_bias, xn, layer.qkv)
         c = self.cfg
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if layer.q_norm is not None:  # Qwen3: each head's q and k RMS-normalised, then rotated
@@ -73,10 +73,11 @@ class LlamaModel:
         return q, k, v.reshape(-1, c.num_key_value_heads, c.head_dim)
 
     def _ffn(self, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        x = x + attn.flatten(1) @ layer.o
+        # Residual adds inside the matmuls (addmm), as vLLM's and SGLang's fused GEMM epilogues do.
+        x = torch.addmm(x, attn.flatten(1), layer.o)
         if layer.o_bias is not None:
             x += layer.o_bias
-        return x + self.kernels.silu_and_mul(self._rms(x, layer.post_norm) @ layer.gate_up) @ layer.down
+        return torch.addmm(x, self.kernels.silu_and_mul(self._rms(x, layer.post_norm) @ layer.gate_up), layer.down)
 
     def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [rows, vocab] of final hidden states (a prefill's `keep_rows`)."""

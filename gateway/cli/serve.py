@@ -69,6 +69,48 @@ def _threads(args: argparse.Namespace) -> int:
     return args.num_threads or max(1, ((os.cpu_count() or 1) - 1) // args.workers)
 
 
+@dataclass(frozen=True)
+class Cores:
+    """serve on a CPU: the cores the gateway (and the workers' HTTP threads) keep, and each worker's
+    compute cores, disjoint, so that no worker's prefill waits for another's or for the gateway's Python
+    (vLLM pins its compute thread likewise). A worker's process may also use `shared`, where its HTTP
+    thread moves (engine/cpu_affinity.py)."""
+
+    shared: set[int]
+    own: list[set[int]]
+
+    @classmethod
+    def plan(cls, args: argparse.Namespace, threads: int) -> Cores | None:
+        """--cpu-cores split among the workers; without it each worker takes `threads` cores after the
+        first one allowed, which the gateway keeps (with any left over). None: nothing is pinned (not a
+        CPU, no affinity on this OS, or the workers do not fit)."""
+        from engine.cpu_affinity import allowed_cores, parse_cores
+
+        if args.device != "cpu" or not hasattr(os, "sched_setaffinity"):
+            return None
+        allowed = sorted(allowed_cores())
+        try:
+            pool = parse_cores(args.cpu_cores) if args.cpu_cores else allowed[1:]
+        except ValueError as exc:
+            raise CommandLineError(f"--cpu-cores {args.cpu_cores}: {exc}") from None
+        per = len(pool) // args.workers if args.cpu_cores else threads
+        if per < 1 or len(pool) < args.workers * per:
+            if args.cpu_cores:
+                raise CommandLineError(f"--cpu-cores {args.cpu_cores}: fewer cores than --workers {args.workers}")
+            return None
+        own = [set(pool[i * per:(i + 1) * per]) for i in range(args.workers)]
+        return cls(set(allowed) - set().union(*own) or set(allowed), own)
+
+
+def _worker_argv(args: argparse.Namespace, port: int, role: str, cores: set[int] | None) -> list[str]:
+    threads = args.num_threads or (len(cores) if cores else _threads(args))
+    own = {"num_threads": threads, "cpu_cores": ",".join(map(str, sorted(cores))) if cores else args.cpu_cores}
+    options = to_argv(argparse.Namespace(**{**vars(args), **own}), worker_options())
+    config = ["--config", args.config] if args.config else []  # the classes' targets and late policies
+    return [sys.executable, "-m", "gateway.cli", "worker", "--role", role, "--host", WORKER_HOST, "--port",
+            str(port), *options, *config]
+
+
 @contextmanager
 def running(fleet: Fleet, args: argparse.Namespace) -> Iterator[None]:
     """The fleet's workers, each healthy, for the `with` block; stopped after it (or on failure)."""
@@ -76,11 +118,13 @@ def running(fleet: Fleet, args: argparse.Namespace) -> Iterator[None]:
 
     from gateway.processes import Relayed, wait_healthy
 
-    options = to_argv(argparse.Namespace(**{**vars(args), "num_threads": _threads(args)}), worker_options())
-    config = ["--config", args.config] if args.config else []  # the classes' targets and late policies
-    children = [Relayed([sys.executable, "-m", "gateway.cli", "worker", "--role", role, "--host", WORKER_HOST,
-                         "--port", str(port), *options, *config], error_prefix="flowprefill worker: error: ")
-                for port, role in zip(fleet.ports, fleet.roles, strict=True)]
+    cores = Cores.plan(args, _threads(args))
+    own = cores.own if cores else [None] * len(fleet.ports)
+    children = [Relayed(_worker_argv(args, port, role, mine), error_prefix="flowprefill worker: error: ",
+                        cores=(cores.shared | mine) if cores and mine else None)
+                for port, role, mine in zip(fleet.ports, fleet.roles, own, strict=True)]
+    if cores:
+        os.sched_setaffinity(0, cores.shared)  # the gateway's Python stays off the workers' compute cores
     try:
         with Console(stderr=True).status(f"starting {len(children)} engine worker(s)…"):
             for child, port in zip(children, fleet.ports, strict=True):

@@ -5,6 +5,7 @@ the model loads; a checkpoint or setting it cannot run stops it with one line sa
 from __future__ import annotations
 
 import argparse
+import sys
 
 from gateway.cli.common import CommandLineError, add_address, bind, serve_app
 from gateway.cli.options import add_engine_options, add_server_options, check_model, engine_config
@@ -50,6 +51,10 @@ def run(args: argparse.Namespace) -> int:
     classes = load_config(args.config, []).classes if args.config else None
     sock = bind(args.host, args.port, "the worker")
     check_device(args.device)
+    # The engine thread takes the GIL back after every operator; while the HTTP thread runs Python it
+    # waits up to the switch interval (5 ms by default) each time. With a Python thread busy beside it an
+    # 8K prefill took 11 s instead of 1.4 (2.8 s at 1 ms, 1.9 s at 0.2 ms; docs/benchmarks.md, issue 24).
+    sys.setswitchinterval(0.0002)
     console = Console(stderr=True)
     try:
         with console.status("loading model and profiling operators…"):

@@ -1,0 +1,157 @@
+"""FlowPrefill's own CPU kernels (engine/attention/cpu_flash.cpp): attention, and the fused row kernels
+(RMSNorm, SiLU-and-mul, RoPE; engine/model/kernels.py), built on first use.
+
+Why our own: torch's CPU flash kernel (`_scaled_dot_product_flash_attention_for_cpu`) runs this
+engine's default model (head size 32, 4:1 grouped-query heads) at about 50 GFLOP/s on one AVX-512
+core in bf16 and 58 in fp32 (8K-token causal tile), vLLM's CPU kernel at 57-67 and 68; this one at
+106-130 and 78, by computing bf16 scores and P.V with AVX-512 BF16's dot-product instruction, reading
+the keys of each KV head once for all the query heads that share it and skipping the causal
+triangle's masked blocks (docs/benchmarks.md, issue 24). inductor's CPU flex attention was timed too:
+17 GFLOP/s in bf16, and it cannot return the log-sum-exp the split's tiles need.
+
+The kernel is compiled once per machine by torch's extension builder (g++ and ninja; about 25 s) into
+torch's extension cache (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR) and loaded from there
+afterwards. It needs AVX-512 (and AVX-512 BF16 for bfloat16 models); where it cannot be built or
+used, `load` says why and the engine keeps torch's SDPA backend.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.kv_cache import KVCache
+
+log = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_flash.cpp", "cpu_rows.cpp")]
+HEADER = Path(__file__).with_name("cpu_simd.h")
+HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # the head sizes the kernel is instantiated for
+_BASE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"]
+_lock = threading.Lock()
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _header_version() -> str:
+    """torch rebuilds an extension when its sources or flags change, not its headers: a flag naming
+    the header's content makes a changed header a changed build."""
+    digest = hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]
+    return f"-DFLOWPREFILL_SIMD_H={digest}"
+
+
+@cache
+def build() -> tuple[frozenset[torch.dtype], str]:
+    """Build (or load the cached build of) the kernel for this CPU: the dtypes it runs, and why
+    none if it cannot be used here."""
+    flags = cpu_flags()
+    if not {"avx512f", "avx512bw", "avx512dq", "avx512vl", "fma"} <= flags:
+        return frozenset(), "needs a CPU with AVX-512 (avx512f/bw/dq/vl)"
+    bf16 = "avx512_bf16" in flags
+    name = "flowprefill_attention_" + ("avx512bf16" if bf16 else "avx512")
+    cflags = _BASE_FLAGS + (["-mavx512bf16", "-DFLOWPREFILL_BF16=1"] if bf16 else [])
+    try:
+        from torch.utils.cpp_extension import load
+
+        with _lock:
+            load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=[*cflags, _header_version()],
+                 is_python_module=False, verbose=False)
+    except Exception as e:  # no compiler, no ninja, a read-only cache: torch's SDPA serves instead
+        return frozenset(), f"could not be built ({type(e).__name__}: {str(e).strip().splitlines()[-1][:300]})"
+    return frozenset({torch.float32, torch.bfloat16} if bf16 else {torch.float32}), ""
+
+
+def unsupported(dtype: torch.dtype, head_dim: int) -> str:
+    """Why the kernel cannot run this model here ('' if it can); builds it on first call."""
+    if head_dim not in HEAD_DIMS:
+        return f"head size {head_dim} is not one it is built for {HEAD_DIMS}"
+    return runs(dtype)
+
+
+def runs(dtype: torch.dtype) -> str:
+    """Why the kernels cannot run `dtype` here ('' if they can); builds them on first call."""
+    dtypes, reason = build()
+    if reason:
+        return reason
+    if dtype not in dtypes:
+        kinds = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+        return f"runs {kinds} on this CPU, not {str(dtype).removeprefix('torch.')}"
+    return ""
+
+
+class _Ops:
+    """The extension's operators, looked up once: `torch.ops.flowprefill.attention(...)` resolves its
+    overload on every call, some 10 us each, and a long prefill calls it a thousand times."""
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        op = getattr(torch.ops.flowprefill, name).default
+        setattr(self, name, op)
+        return op
+
+
+_ops = _Ops()
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [n, q_heads, d] against k/v [m, kv_heads, d] (causal: bottom-right) -> out, lse [n, q_heads]."""
+    return _ops.attention(q, k, v, causal)
+
+
+def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
+    """The exact LSE merge of tiles (`engine.attention.merge_lse`'s arithmetic) in one pass."""
+    return outs[0] if len(outs) == 1 else _ops.merge(outs, lses)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm of x [rows, hidden] in one pass (its roundings: TorchKernels.rms_norm)."""
+    return _ops.rms_norm(x, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of [rows, 2 x width] in one pass (torch's roundings)."""
+    return _ops.silu_and_mul(gate_up)
+
+
+def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_dim: int, cos_sin: torch.Tensor,
+         is_neox: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE of q [n, heads x d] and k [n, kv_heads x d] at `positions` from a fp32 cos|sin
+    table per position: FlashInfer's `apply_rope_with_cos_sin_cache` (its signature, layout and
+    fp32 arithmetic), so `Rotary.use_fused` takes either."""
+    if not is_neox:
+        raise ValueError("only rotate-half (neox) RoPE")
+    return _ops.rope(positions, q, k, head_dim, cos_sin)
+
+
+class CPUBackend:
+    """Prefill tiles, their merge and decode on the kernel."""
+
+    name = "cpu"
+    merge = staticmethod(merge)
+
+    def tile(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        return attention(q, k, v, causal)
+
+    def decode(self, q: torch.Tensor, layer: int, kv: KVCache, block_tables: list[list[int]],
+               lengths: list[int]) -> torch.Tensor:
+        out = torch.empty_like(q)
+        for i, (table, length) in enumerate(zip(block_tables, lengths, strict=True)):
+            k, v = kv.gather(layer, table, length)
+            out[i] = attention(q[i : i + 1], k, v, False)[0][0]
+        return out
+

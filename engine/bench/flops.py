@@ -1,0 +1,43 @@
+"""How much arithmetic a prefill is, and how much the machine can do: GFLOP/s beside a measured peak.
+
+`prefill_flops` counts a plain forward's work, the way a vLLM-style engine runs it: every layer for
+every token (projections, MLP, causal attention over n(n+1)/2 query-key pairs), logits for the last
+token. FlowPrefill's serving plan skips the last layer's attention and MLP for all but the last token,
+so its achieved rate on this count is what a user compares ("this prompt in this time"), not the rate
+its kernels ran at. `matmul_peak` times one large matmul in the run's dtype, on its threads: the
+machine's practical peak (a GEMM is the best-tuned kernel torch has).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.config import ModelConfig
+
+
+def prefill_flops(cfg: ModelConfig, tokens: int) -> float:
+    """Multiply-adds x 2 of a full forward of one `tokens`-token prompt (last token's logits only)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    per_token_layer = 2 * h * (q + 2 * kv) + 2 * q * h + 2 * 3 * h * cfg.intermediate_size
+    pairs = tokens * (tokens + 1) / 2
+    attention_layer = 2 * 2 * cfg.num_attention_heads * d * pairs  # scores and P.V
+    return cfg.num_hidden_layers * (tokens * per_token_layer + attention_layer) + 2 * h * cfg.vocab_size
+
+
+def matmul_peak(dtype: torch.dtype, device: str = "cpu", size: int = 2048, repeats: int = 5) -> float:
+    """GFLOP/s of the fastest of `repeats` [size x size] @ [size x size] matmuls (after one warm-up)."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    a @ b
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * size**3 / best / 1e9

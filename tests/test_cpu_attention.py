@@ -1,0 +1,134 @@
+"""FlowPrefill's CPU attention kernel (engine/attention/cpu_flash.cpp) against the plain math in
+float64, on random shapes: ragged lengths that are no multiple of the kernel's blocks, one query,
+grouped-query heads of every ratio, each head size it is built for, causal and not, views of a fused
+projection. The model-level checks (ragged batches, chunked prefill, split tiles, decode against
+transformers) are tests/test_reference.py's, which run on this kernel wherever it is built."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.attention import cpu, merge_lse, select_backend
+from engine.attention.sdpa import SDPABackend
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _skip_unless_built(dtype: torch.dtype, head_dim: int = 32) -> None:
+    reason = cpu.unsupported(dtype, head_dim)
+    if reason:
+        pytest.skip(f"the CPU attention kernel {reason}")
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    n, hq, d = q.shape
+    group = hq // k.shape[1]
+    qd = q.double().transpose(0, 1)
+    kd, vd = (x.double().repeat_interleave(group, 1).transpose(0, 1) for x in (k, v))
+    scores = qd @ kd.transpose(-1, -2) * d**-0.5
+    if causal:  # bottom-right: query i of n sees keys up to len(k) - n + i
+        scores = scores.masked_fill(~torch.ones(n, k.shape[0], dtype=torch.bool).tril(k.shape[0] - n), float("-inf"))
+    return (torch.softmax(scores, -1) @ vd).transpose(0, 1), torch.logsumexp(scores, -1).transpose(0, 1)
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want).abs().max() / want.abs().max())
+
+
+def _shapes(count: int, seed: int) -> list[tuple[int, int, int, int, int, bool]]:
+    """(queries, keys, q heads, kv heads, head size, causal), random."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        kv_heads, group = rng.choice([1, 2, 4]), rng.choice([1, 2, 4, 7])
+        causal = rng.random() < 0.6
+        nq = rng.choice([1, 2, rng.randrange(3, 300)])
+        nk = nq + rng.choice([0, 0, rng.randrange(1, 400)]) if causal else rng.randrange(1, 700)
+        out.append((nq, nk, kv_heads * group, kv_heads, rng.choice(cpu.HEAD_DIMS), causal))
+    return out
+
+
+def _shape_id(s: tuple[int, int, int, int, int, bool]) -> str:
+    return "q{}-k{}-h{}:{}-d{}{}".format(*s[:5], "-causal" * s[5])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", _shapes(24, seed=0), ids=_shape_id)
+def test_kernel_matches_the_math_on_random_shapes(shape: tuple[int, int, int, int, int, bool],
+                                                  dtype: torch.dtype) -> None:
+    nq, nk, hq, hkv, d, causal = shape
+    _skip_unless_built(dtype, d)
+    gen = torch.Generator().manual_seed(nq * 1000 + nk)
+    # q, k, v as the model makes them: column slices of one fused projection's rows (strided views)
+    qkv = torch.randn(max(nq, nk), (hq + 2 * hkv) * d, generator=gen).to(dtype)
+    q = qkv[:nq, : hq * d].view(nq, hq, d)
+    k = qkv[:nk, hq * d : (hq + hkv) * d].view(nk, hkv, d)
+    v = qkv[:nk, (hq + hkv) * d :].reshape(nk, hkv, d)  # and one contiguous copy
+    out, lse = cpu.attention(q, k, v, causal)
+    want_out, want_lse = _reference(q, k, v, causal)
+    assert out.dtype == dtype and out.shape == q.shape and lse.shape == (nq, hq) and lse.dtype == torch.float32
+    if dtype == torch.float32:
+        assert _rel(out, want_out) < 2e-6 and _rel(lse, want_lse) < 2e-6
+    else:  # bf16: no worse than torch's own bf16 kernel on the same inputs (plus a rounding's slack)
+        torch_out, torch_lse = SDPABackend().tile(q, k, v, causal)
+        assert _rel(out, want_out) <= 2 * _rel(torch_out, want_out) + 8e-3
+        assert _rel(lse, want_lse) <= 2 * _rel(torch_lse, want_lse) + 2e-3
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_split_tiles_merge_to_the_whole(dtype: torch.dtype) -> None:
+    """The split's pieces: a query block's key tiles and its causal diagonal, merged by LSE."""
+    _skip_unless_built(dtype)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(100, 8, 32, generator=gen).to(dtype)
+    k, v = (torch.randn(333, 2, 32, generator=gen).to(dtype) for _ in range(2))
+    whole, _ = cpu.attention(q, k, v, True)
+    tiles = [cpu.attention(q, k[a:b], v[a:b], False) for a, b in ((0, 128), (128, 233))]
+    tiles.append(cpu.attention(q, k[233:], v[233:], True))
+    merged = cpu.merge([t[0] for t in tiles], [t[1] for t in tiles])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert _rel(merged, whole.double()) < tol
+    assert _rel(merged, merge_lse([t[0] for t in tiles], [t[1] for t in tiles]).double()) < tol
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_merge_is_the_shared_lse_merge(dtype: torch.dtype) -> None:
+    """Tiles of random partial results, one with no visible key (lse -inf, as an empty tile gives)."""
+    _skip_unless_built(dtype)
+    gen = torch.Generator().manual_seed(5)
+    outs = [torch.randn(37, 6, 64, generator=gen).to(dtype) for _ in range(5)]
+    lses = [4 * torch.randn(37, 6, generator=gen) for _ in range(5)]
+    lses[2][:5] = float("-inf")
+    want = merge_lse([o.double() for o in outs], [x.double() for x in lses])
+    got = cpu.merge(outs, lses)
+    assert got.dtype == dtype and _rel(got, want) < (1e-6 if dtype == torch.float32 else 8e-3)
+    assert cpu.merge(outs[:1], lses[:1]) is outs[0]
+
+
+def test_empty_inputs_and_refusals() -> None:
+    _skip_unless_built(torch.float32)
+    q, k = torch.randn(0, 4, 32), torch.randn(5, 2, 32)
+    assert cpu.attention(q, k, k, False)[0].shape == (0, 4, 32)
+    out, lse = cpu.attention(torch.randn(3, 4, 32), torch.randn(0, 2, 32), torch.randn(0, 2, 32), False)
+    assert not out.any() and torch.isneginf(lse).all()
+    with pytest.raises(RuntimeError, match="head size 48 is not built"):
+        cpu.attention(torch.randn(3, 4, 48), torch.randn(3, 2, 48), torch.randn(3, 2, 48), False)
+    with pytest.raises(RuntimeError, match="multiple of KV heads"):
+        cpu.attention(torch.randn(3, 3, 32), torch.randn(3, 2, 32), torch.randn(3, 2, 32), False)
+    with pytest.raises(RuntimeError, match="at least as many keys"):
+        cpu.attention(torch.randn(4, 4, 32), torch.randn(3, 2, 32), torch.randn(3, 2, 32), True)
+    with pytest.raises(RuntimeError, match="float16"):
+        h = torch.randn(3, 2, 32, dtype=torch.float16)
+        cpu.attention(h, h, h, False)
+
+
+def test_the_backend_is_chosen_on_a_cpu_where_it_runs() -> None:
+    _skip_unless_built(torch.float32)
+    assert select_backend("auto", torch.device("cpu"), torch.float32, 32).name == "cpu"
+    assert select_backend("auto", torch.device("cpu"), torch.float32, 48).name == "sdpa"  # not built for 48
+    assert select_backend("sdpa", torch.device("cpu"), torch.float32, 32).name == "sdpa"
+    with pytest.raises(ValueError, match="cpu attention backend head size 48"):
+        select_backend("cpu", torch.device("cpu"), torch.float32, 48)
