@@ -209,6 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
                          add_help=False)
     bench_sub.add_parser("kv", help="KV taken as answers grow vs reserved up front, on chat requests of a trace",
                          add_help=False)
+    bench_sub.add_parser("peer", help="FlowPrefill next to vLLM / SGLang on this machine: goodput sweep or raw TTFT",
+                         add_help=False)
     sub.add_parser("loadtest", help="a Locust profile, headless, against a gateway: per-class goodput report",
                    add_help=False)
     return parser
@@ -236,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
             from engine.bench import prefix_cache
 
             return prefix_cache.main(rest)
+        if args.bench == "peer":
+            from loadtest.peer import cli as peer
+
+            return peer.main(rest)
         if args.bench == "kv":
             from engine.bench import kv_growth
 
