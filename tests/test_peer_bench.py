@@ -326,6 +326,25 @@ def test_command_end_to_end_with_flowprefill(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_raw_mode_with_flowprefill(tmp_path: Path) -> None:
+    """One request alone on FlowPrefill: TTFT per size, GFLOP/s and the matmul peak of the same cores,
+    and again beside a busy process on a core of its own where the machine has one."""
+    done = _peer("--mode", "raw", "--contenders", "flowprefill", "--raw-prompts", "64,256", "--raw-dtypes",
+                 "float32", "--raw-threads", "1", "--raw-repeats", "2", "--out", str(tmp_path), timeout=280)
+    assert done.returncode == 0, done.stdout + done.stderr
+    doc = json.loads((tmp_path / "peer-raw.json").read_text())
+    two_cores = len(os.sched_getaffinity(0)) > 1
+    assert [(r["prompt_tokens"], r["busy_other_core"]) for r in doc["rows"]] == \
+        [(64, False), (256, False)] + ([(64, True), (256, True)] if two_cores else [])
+    for r in doc["rows"]:
+        c = r["contenders"]["flowprefill"]
+        assert len(c["ttft_ms"]) == 2 and all(t is not None and t > 0 for t in c["ttft_ms"])
+        assert r["peak_gflops"] > 0 and c["gflops"] == pytest.approx(r["prefill_gflop"] / c["median_ms"] * 1000,
+                                                                     rel=0.02)
+    assert (tmp_path / "peer-raw.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("FLOWPREFILL_VLLM_PYTHON"),
                     reason="set FLOWPREFILL_VLLM_PYTHON to the python of a vLLM install")
 def test_against_real_vllm(tmp_path: Path) -> None:

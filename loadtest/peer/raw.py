@@ -73,13 +73,17 @@ class RawRun:
         self.progress, self.task = progress, task
         self.prompts = _ints(args.raw_prompts, "--raw-prompts")
         self.timeout_s = max(args.drain_s, 300.0)  # one 8K-token prefill may take tens of seconds
+        self.all_cores = set(os.sched_getaffinity(0))
 
     def run(self, dtype: str, threads: int) -> list[dict[str, Any]]:
+        os.sched_setaffinity(0, self.all_cores)  # the last configuration pinned this process elsewhere
         where = placement(self.args, threads)
         launch = Launch(self.model, dtype, where, {c.server.kind: getattr(self.args, f"{c.server.kind}_python")
                                                    for c in self.chosen if c.server.kind != "flowprefill"},
                         self.args.out / "logs", max_model_len=self.args.max_model_len)
-        others = tuple(sorted(set(os.sched_getaffinity(0)) - set(where.cores)))
+        others = tuple(sorted(self.all_cores - set(where.cores)))
+        if others and where.device == "cpu":
+            os.sched_setaffinity(0, set(others))  # the client beside the servers, not on their cores
         rows = []
         with ExitStack() as stack:
             self.progress.update(self.task, description=f"{dtype}, {threads} thread(s): starting servers")

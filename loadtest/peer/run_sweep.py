@@ -120,6 +120,8 @@ def _sweep(args: argparse.Namespace, base: Workload, chosen: list[Contender], ta
 
             def show(what: str, done: int, task: TaskID = task) -> None:
                 progress.update(task, description=what, advance=done)
+                if done and not console.is_terminal:  # a log file: a line per run instead of a live bar
+                    console.print(f"done: {what}", highlight=False)
 
             points = sweep.run(rates, scenario, show)
         doc = scenario_doc(args, base, chosen, scenario, points, context)

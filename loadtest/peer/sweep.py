@@ -6,6 +6,7 @@ always first after a quiet pause, or always last), under the scenario's competin
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ def run_point(target: Target, schedule: list[Arrival], rate: float, scenario: Sc
     finally:
         load = busy.stop() if busy else None
     pt = point(rate, records)
+    pt["loadavg_1m"] = round(os.getloadavg()[0], 2)  # how busy the machine was, whatever else runs on it
     if load:
         pt["busy"] = load
     return pt
