@@ -240,6 +240,15 @@ def test_comparison_ratios_and_targets() -> None:
     assert not any(t["name"].startswith("flowprefill interactive") for t in quiet["targets"])
 
 
+def test_a_peer_that_never_reaches_90_percent() -> None:
+    """No ratio to give (its max goodput is 0): the target counts as met if ours is above 0, and says why."""
+    cs = parse_contenders("vllm:priority:512,flowprefill")
+    doc = report.report({}, "http", "m", 1.0, {}, {"vllm-priority-512": _pts({4: (0.5, 0.5), 8: (0.2, 0.2)}),
+                                                   "flowprefill": _pts({4: (1.0, 1.0), 8: (0.5, 0.5)})})
+    first = summary.comparison(doc, cs, "quiet")["targets"][0]
+    assert (first["value"], first["met"], first["bound"]) == (None, True, "peer below 90 % at every rate")
+
+
 def test_busy_load_takes_cpu_and_stops() -> None:
     """The contended scenario's load: a pinned busy process, paused until switched on, gone after."""
     core = sorted(os.sched_getaffinity(0))[-1]

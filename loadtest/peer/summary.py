@@ -45,7 +45,8 @@ def comparison(doc: dict[str, Any], contenders: list[Contender], scenario: str) 
         ratios[f"every class {name}" if every else name] = value = _ratio(pol[a][key], pol[b][key])
         met = value >= goal if value is not None else pol[a][key] > 0
         # a contender still >= 90 % at the highest rate has a max goodput of at least that rate
-        bound = "unknown" if b in unresolved[every] else "lower" if a in unresolved[every] else "exact"
+        bound = ("unknown" if b in unresolved[every] else "lower" if a in unresolved[every]
+                 else "peer below 90 % at every rate" if value is None else "exact")
         what = "every-class max goodput" if every else "max goodput"
         targets.append({"name": f"{what} {name}", "value": value, "target": goal, "met": met, "bound": bound})
 
@@ -112,6 +113,8 @@ def targets_table(doc: dict[str, Any]) -> Table:
     for tg in doc["peer"]["targets"]:
         value = "-" if tg["value"] is None else f"{tg['value']:.2f}"
         value = {"lower": f">= {value}", "unknown": f"{value}?"}.get(tg.get("bound", "exact"), value)
+        if tg.get("bound", "").startswith("peer below"):
+            value = "peer < 90 % at every rate"
         t.add_row(tg["name"], value, f"{tg['target']:g}", "yes" if tg["met"] else "no")
     return t
 
