@@ -242,10 +242,13 @@ def test_comparison_ratios_and_targets() -> None:
 
 def test_a_peer_that_never_reaches_90_percent() -> None:
     """No ratio to give (its max goodput is 0): the target counts as met if ours is above 0, and says why."""
-    cs = parse_contenders("vllm:priority:512,flowprefill")
+    cs = parse_contenders("vllm:priority:512,vllm:fcfs:2048,flowprefill")
     doc = report.report({}, "http", "m", 1.0, {}, {"vllm-priority-512": _pts({4: (0.5, 0.5), 8: (0.2, 0.2)}),
+                                                   "vllm-fcfs-2048": _pts({4: (0.8, 0.8), 8: (0.2, 0.2)}),
                                                    "flowprefill": _pts({4: (1.0, 1.0), 8: (0.5, 0.5)})})
-    first = summary.comparison(doc, cs, "quiet")["targets"][0]
+    c = summary.comparison(doc, cs, "quiet")
+    assert c["best_peer"] == "vllm-fcfs-2048"  # both 0: the one with more goodput over the sweep
+    first = c["targets"][0]
     assert (first["value"], first["met"], first["bound"]) == (None, True, "peer below 90 % at every rate")
 
 

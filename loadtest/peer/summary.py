@@ -26,7 +26,9 @@ def _ratio(a: float, b: float) -> float | None:
 
 
 def _best(policies: dict[str, Any], names: list[str], key: str) -> str | None:
-    return max(names, key=lambda n: policies[n][key]) if names else None
+    """The highest `key`; among equals (all 0: none kept 90 % anywhere) the most goodput summed over rates."""
+    return max(names, key=lambda n: (policies[n][key], sum(p["goodput_rps"] for p in policies[n]["points"]))
+               ) if names else None
 
 
 def comparison(doc: dict[str, Any], contenders: list[Contender], scenario: str) -> dict[str, Any]:
