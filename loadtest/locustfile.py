@@ -32,6 +32,7 @@ from locust.runners import MasterRunner, WorkerRunner
 
 from engine.protocol.headers import REQUEST_ID_HEADER, SLO_CLASS_HEADER
 from loadtest import results
+from loadtest.priority import ORDERS, class_priorities
 from loadtest.profiles import Profile, ProfileError, Schedule, load_profile
 from loadtest.server import PreemptionCounter
 from loadtest.workload import synthesize_prompt
@@ -97,6 +98,7 @@ class Run:
         self.pacer = Pacer(self.schedule)
         self.records, self.pending = {}, []
         self.is_worker = isinstance(env.runner, WorkerRunner)
+        self.priorities = class_priorities(opts.send_priority) if opts.send_priority else {}
         # Prompts differ from run to run: a server with prefix caching must not find the last run's
         # prompts (the traces give token counts only; no request shares a prefix with another).
         self.nonce = os.urandom(8).hex()
@@ -126,6 +128,8 @@ def _arguments(parser: Any) -> None:
                         help="after the last arrival, how long to wait for answers before stopping")
     parser.add_argument("--flowprefill-out", default="", help="write goodput.json, requests.csv and a PNG here")
     parser.add_argument("--label", default="http", help="the name this run gets in goodput.json's policies")
+    parser.add_argument("--send-priority", default="", choices=["", *ORDERS],
+                        help="a plain OpenAI server: each class also as the body's `priority` (lower_first: vLLM's)")
 
 
 @events.init.add_listener
@@ -236,7 +240,7 @@ class OpenAIUser(HttpUser):
                                        seed=f"{RUN.nonce}-shared-{i % p.shared_prefixes}")
         prompt_ids = shared + synthesize_prompt(n_in - len(shared), 256, seed=f"{RUN.nonce}-{i}")
         body: dict[str, Any] = {"model": RUN.model or None, "max_tokens": n_out, "stream": True,
-                                "temperature": 0, "ignore_eos": True}
+                                "temperature": 0, "ignore_eos": True, "priority": RUN.priorities.get(cls)}
         if RUN.profile.endpoint == "chat":
             path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": bytes(prompt_ids).decode()}]
         else:

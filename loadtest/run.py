@@ -31,6 +31,7 @@ from engine.bench.console import results_console
 from gateway.processes import free_port, start, stop, wait_healthy
 from loadtest import report
 from loadtest.goodput import RATIO_PAIRS
+from loadtest.priority import ORDERS
 from loadtest.profiles import Profile, ProfileError, load_profile
 from loadtest.results import percent
 
@@ -51,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-in-flight", type=int, default=128, help="users per load-generating process")
     p.add_argument("--drain-s", type=float, default=120.0, help="wait this long for answers after the last arrival")
     p.add_argument("--label", default="http", help="name of this run in goodput.json (e.g. the server's policy)")
+    p.add_argument("--send-priority", nargs="?", const="lower_first", choices=ORDERS, default=None,
+                   help="the host is a plain OpenAI server (vLLM, SGLang): send each class as the body's "
+                        "`priority` too, as the gateway does (lower_first, the default: vLLM's convention, "
+                        "interactive 0 .. batch 3; higher_first: SGLang's default)")
     p.add_argument("--serve-policies", default=None,
                    help="comma-separated policies: start `flowprefill serve --policy P` for each (instead of "
                         "--host) and report them side by side")
@@ -114,6 +119,8 @@ def _locust(profile: Profile, host: str, label: str, out: Path, args: argparse.N
     resolved.write_bytes(msgspec.json.encode(profile))
     common = ["-f", str(LOCUSTFILE), "--load-profile", str(resolved), "--max-in-flight", str(args.max_in_flight),
               "--drain-s", str(args.drain_s), "--label", label, "--flowprefill-out", str(out)]
+    if args.send_priority:
+        common += ["--send-priority", args.send_priority]
     master = [sys.executable, "-m", "locust", *common, "--headless", "--host", host, "--loglevel", "WARNING",
               "--csv", str(out / "locust")]
     workers: list[list[str]] = []

@@ -36,16 +36,16 @@ def preemptions(urls: list[str]) -> dict[str, float] | None:
     seen = False
     for url in urls:
         try:
-            text = httpx.get(f"{url}/metrics", timeout=TIMEOUT_S).text
-        except httpx.HTTPError:
+            answer = httpx.get(f"{url}/metrics", timeout=TIMEOUT_S)
+            samples = [s for family in text_string_to_metric_families(answer.text) for s in family.samples]
+        except (httpx.HTTPError, ValueError):  # unreachable, or no Prometheus text (a 404 page): none to read
             continue
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name == PREEMPTIONS:
-                    key = f"{s.labels.get('victim_class', '')}<-{s.labels.get('by_class', '')}"
-                    counts[key] = counts.get(key, 0.0) + s.value
-                elif s.name.startswith("flowprefill_"):
-                    seen = True
+        for s in samples:
+            if s.name == PREEMPTIONS:
+                key = f"{s.labels.get('victim_class', '')}<-{s.labels.get('by_class', '')}"
+                counts[key] = counts.get(key, 0.0) + s.value
+            elif s.name.startswith("flowprefill_"):
+                seen = True
     return counts if seen or counts else None
 
 

@@ -262,6 +262,7 @@ def test_every_documented_command_parses() -> None:
     from gateway.cli import build_parser
     from loadtest import goodput as bench_goodput
     from loadtest import run as loadtest_run
+    from loadtest.peer import cli as bench_peer
     from loadtest.profiles import BUILTIN
 
     commands = _documented_commands()
@@ -272,7 +273,7 @@ def test_every_documented_command_parses() -> None:
         seen.add(head)
         sub = {("bench", "prefill"): bench_prefill.build_parser, ("bench", "goodput"): bench_goodput.build_parser,
                ("bench", "gateway"): bench_gateway.build_parser, ("bench", "prefix"): bench_prefix.build_parser,
-               ("bench", "kv"): bench_kv.build_parser,
+               ("bench", "kv"): bench_kv.build_parser, ("bench", "peer"): bench_peer.build_parser,
                ("loadtest",): loadtest_run.build_parser}.get(head)
         try:
             if sub is None:

@@ -46,6 +46,8 @@ BENCHES = {
                       "prefix caching on a multi-turn chat workload: TTFT per turn, on vs off", BENCH),
     "kv": Command("engine.bench.kv_growth",
                   "KV taken as answers grow vs reserved up front, on chat requests of a trace", BENCH),
+    "peer": Command("loadtest.peer.cli", "FlowPrefill next to vLLM / SGLang on this machine: goodput sweep or raw "
+                    "TTFT", BENCH),
 }
 LOADTEST = Command("loadtest.run", "a Locust profile, headless, against a gateway: per-class goodput report",
                    ("loadtest",))

