@@ -39,10 +39,13 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
     # Disaggregated: `workers` decode; these prefill and hand the KV to the decode worker chosen.
     pool = WorkerPool(cfg.workers, upstreams.client, upstream=cfg.upstream,
                       affinity_slack_s=cfg.prefix_affinity_slack_s,
-                      roles=frozenset({"decode", "colocated"} if cfg.prefill_workers else {"colocated"}))
+                      roles=frozenset({"decode", "colocated"} if cfg.prefill_workers else {"colocated"}),
+                      discovery=cfg.discovery)
     metrics.track_queue(lambda: pool.queued)
     prefill_pool = (WorkerPool(cfg.prefill_workers, upstreams.client, roles=frozenset({"prefill", "colocated"}),
-                               affinity_slack_s=cfg.prefix_affinity_slack_s) if cfg.prefill_workers else None)
+                               affinity_slack_s=cfg.prefix_affinity_slack_s, discovery=cfg.discovery)
+                    if cfg.prefill_workers else None)
+    metrics.track_pools({"workers": pool, "prefill_workers": prefill_pool})
     pools = [p for p in (pool, prefill_pool) if p is not None]
     authorize = _authorizer(cfg)
     forward = Forwarder(cfg, pool, PrefillFirst(prefill_pool, upstreams, metrics) if prefill_pool else None,

@@ -42,6 +42,21 @@ class Upstream(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             raise ValueError("upstream: max_concurrency must be >= 1 and max_queue >= 0")
 
 
+class Discovery(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How `dns:NAME:PORT` workers are found (gateway/discovery.py): NAME's A and AAAA records (a
+    headless Service's ready pods), looked up every `interval_s` with `nameservers` (none: the
+    system's resolver, /etc/resolv.conf and its search domains) on `port`."""
+
+    interval_s: float = 5.0  # CoreDNS answers for Kubernetes Services with a 5 s TTL
+    nameservers: list[str] = []
+    port: int = 53
+    timeout_s: float = 2.0  # one lookup's limit; a failed one keeps the members already known
+
+    def check(self) -> None:
+        if self.interval_s <= 0 or self.timeout_s <= 0 or not 1 <= self.port <= 65535:
+            raise ValueError("discovery: interval_s and timeout_s must be > 0 and port a TCP port")
+
+
 class GatewayConfig(msgspec.Struct, kw_only=True):
     classes: dict[str, SLOClass] = msgspec.field(default_factory=lambda: dict(DEFAULT_CLASSES))
     default_class: str = DEFAULT_CLASS
@@ -57,9 +72,15 @@ class GatewayConfig(msgspec.Struct, kw_only=True):
     # that worker's backlog is past the least loaded one's by more than the slack.
     prefix_affinity_chars: int = 1024
     prefix_affinity_slack_s: float = 0.25
+    discovery: Discovery = Discovery()
 
     def check(self) -> None:
+        from gateway.discovery import parse_target
+
         self.upstream.check()
+        self.discovery.check()
+        for source in (*self.workers, *self.prefill_workers):
+            parse_target(source)  # a malformed dns: entry is the user's to fix, before anything starts
         if self.prefix_affinity_chars < 0 or self.prefix_affinity_slack_s < 0:
             raise ValueError("prefix_affinity_chars and prefix_affinity_slack_s must be >= 0")
         names = set(self.classes)

@@ -9,11 +9,15 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Collection
+from urllib.parse import urlsplit
 
 import httpx
 
 from gateway.affinity import Prefix, PrefixTable
+from gateway.config import Discovery as DiscoverySettings
 from gateway.config import Upstream
+from gateway.discovery import Discovery, split_sources
 
 log = logging.getLogger("flowprefill.gateway")
 
@@ -21,12 +25,15 @@ log = logging.getLogger("flowprefill.gateway")
 class Worker:
     def __init__(self, url: str) -> None:
         self.url = url.rstrip("/")
+        self.address = urlsplit(self.url).netloc  # host:port ([v6]:port), as an endpoint picker names it
         self.healthy = True
+        self.checked = True  # a health check passed once (False for a member that joined: traffic only then)
         self.in_flight = 0
         self.backlog_s = 0.0  # predicted prefill work queued there (its /load)
         self.down_until = 0.0
         self.errors = 0  # consecutive 5xx answers (`WorkerPool.record_error`)
         self.role = ""  # what the worker says it does (its /load): colocated, prefill or decode
+        self.backlog_by_class: dict[str, float] = {}  # its waiting requests' predicted prefill s, per class
         self.problem: str | None = None  # why its last health check failed (logged when it changes)
 
     def __repr__(self) -> str:
@@ -48,13 +55,21 @@ class WorkerPool:
 
     def __init__(self, urls: list[str], client: httpx.AsyncClient, poll_s: float = 1.0,
                  per_request_s: float = 0.05, upstream: Upstream | None = None,
-                 roles: frozenset[str] = frozenset({"colocated"}), affinity_slack_s: float = 0.25) -> None:
-        """`roles`: the worker roles this pool's job needs; a worker declaring another stays out.
+                 roles: frozenset[str] = frozenset({"colocated"}), affinity_slack_s: float = 0.25,
+                 discovery: DiscoverySettings | None = None) -> None:
+        """`urls`: worker base URLs, and `dns:NAME:PORT` sources whose addresses are the workers
+        (gateway/discovery.py, looked up as `discovery` says).
+        `roles`: the worker roles this pool's job needs; a worker declaring another stays out.
         `affinity_slack_s`: how much more predicted backlog than the least loaded worker a request's
         prefix worker may have and still get it (gateway/affinity.py)."""
         if not urls:
             raise ValueError("the gateway needs at least one worker URL")
-        self.workers = [Worker(u) for u in urls]
+        static, targets = split_sources(urls)
+        self.workers = [Worker(u) for u in static]
+        # Members that left (their DNS record went) with requests still in flight: they finish, get no more.
+        self.draining: dict[str, Worker] = {}
+        self.joined = self.left = 0  # members added and removed since start (metrics)
+        self.discovery = Discovery(static, targets, discovery or DiscoverySettings()) if targets else None
         self.client, self.poll_s, self.per_request_s = client, poll_s, per_request_s
         self.upstream = upstream or Upstream()
         self.gated = self.upstream.kind == "openai"
@@ -66,7 +81,7 @@ class WorkerPool:
         self._rr = itertools.count()
         self._seq = itertools.count()
         self._waiting: list[tuple[float, int, frozenset[str], Prefix | None, asyncio.Future[Worker]]] = []
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     @property
     def queued(self) -> int:
@@ -102,6 +117,45 @@ class WorkerPool:
 
     def release(self, w: Worker) -> None:
         w.in_flight -= 1
+        if w.in_flight == 0 and self.draining.get(w.url) is w:
+            del self.draining[w.url]
+            log.info("worker %s drained: its last request in flight is done", w.url)
+        if self.gated:
+            self._dispatch()
+
+    def set_members(self, wanted: dict[str, str]) -> list[Worker]:
+        """The pool's workers become `wanted` ({URL: where it comes from, for the log}). A new one
+        takes traffic once a health check passes; one that left gets no new request and finishes
+        those in flight (`draining` until then). Returns the new members, to be checked now."""
+        keep = [w for w in self.workers if w.url in wanted]
+        for w in self.workers:
+            if w.url not in wanted:
+                if w.in_flight:
+                    self.draining[w.url] = w
+                log.info("worker %s left the pool: %s", w.url, f"finishing its {w.in_flight} request(s) in flight, "
+                         "no new ones" if w.in_flight else "nothing in flight")
+        self.left += len(self.workers) - len(keep)
+        present = {w.url for w in keep}
+        joined = []
+        for url, source in wanted.items():
+            if url in present:
+                continue
+            w = self.draining.pop(url, None)  # back before it drained: its requests in flight still count
+            if w is None:
+                w = Worker(url)
+                w.healthy, w.checked, w.problem = False, False, "not checked yet"
+            log.info("worker %s joined the pool (%s)", url, source)
+            joined.append(w)
+        self.joined += len(joined)
+        self.workers = keep + joined
+        return joined
+
+    async def discover(self) -> None:
+        """Look the DNS sources up again and take the changes in; new members are checked at once."""
+        if self.discovery is None:
+            return
+        joined = self.set_members(await self.discovery.members())
+        await asyncio.gather(*(self._check(w) for w in joined))
         if self.gated:
             self._dispatch()
 
@@ -137,18 +191,30 @@ class WorkerPool:
             heapq.heappush(self._waiting, item)
 
     def pick(self, exclude: frozenset[str] | set[str] = frozenset(), key: Prefix | None = None) -> Worker | None:
+        ranked = self.ranked(exclude, key)
+        return ranked[0] if ranked else None
+
+    def ranked(self, exclude: Collection[str] = frozenset(), key: Prefix | None = None,
+               among: Collection[str] | None = None) -> list[Worker]:
+        """The live workers (only those whose address is in `among`, if given) in the order this pool
+        would try them: the request's choice first (its prefix's worker, unless load wins), then the
+        others by predicted backlog, round robin among equals."""
         now = time.monotonic()
-        live = [w for w in self.workers if w.url not in exclude and w.healthy and w.down_until <= now]
+        live = [w for w in self.workers if w.url not in exclude and w.healthy and w.down_until <= now
+                and (among is None or w.address in among)]
         if not live:
-            return None
+            return []
         start = next(self._rr)
-        ranked = sorted(range(len(live)), key=lambda i: (self._score(live[i]), (i - start) % len(live)))
-        best = live[ranked[0]]
+        order = sorted(range(len(live)), key=lambda i: (self._score(live[i]), (i - start) % len(live)))
+        ranked = [live[i] for i in order]
         if key is not None:
-            if self._score(home := self.prefixes.home(key, live)) <= self._score(best) + self.affinity_slack_s:
-                return home
-            key.matched_chars = 0  # load wins: what was found is not where it goes
-        return best
+            home = self.prefixes.home(key, live)
+            if home is not ranked[0] and self._score(home) <= self._score(ranked[0]) + self.affinity_slack_s:
+                ranked.remove(home)
+                ranked.insert(0, home)
+            elif home is not ranked[0]:
+                key.matched_chars = 0  # load wins: what was found is not where it goes
+        return ranked
 
     def _score(self, w: Worker) -> float:
         return w.backlog_s + w.in_flight * self.per_request_s
@@ -172,6 +238,8 @@ class WorkerPool:
         w.errors = 0
 
     async def poll_once(self) -> None:
+        if self.discovery is not None and not self.discovery.resolved:
+            await self.discover()  # the first time: find the members before checking them
         await asyncio.gather(*(self._check(w) for w in self.workers))
         if self.gated:
             self._dispatch()  # a worker back in rotation has free slots
@@ -191,8 +259,9 @@ class WorkerPool:
             w.healthy, w.problem = False, problem
             return
         if not w.healthy and time.monotonic() >= w.down_until:
-            log.info("worker %s healthy again", w.url)
+            log.info("worker %s %s", w.url, "healthy again" if w.checked else "healthy: in rotation")
         w.healthy, w.problem = time.monotonic() >= w.down_until, None
+        w.checked = True
 
     async def _probe_server(self, w: Worker) -> str | None:
         """A plain OpenAI server: alive or not."""
@@ -209,6 +278,8 @@ class WorkerPool:
             return f"GET /load answered {r.status_code}"
         load = r.json()
         w.backlog_s = float(load.get("predicted_backlog_s", 0.0))
+        by_class = load.get("predicted_backlog_by_class_s")
+        w.backlog_by_class = {str(k): float(v) for k, v in by_class.items()} if isinstance(by_class, dict) else {}
         w.role = str(load.get("role", "colocated"))
         if w.role not in self.roles:
             return (f"it has role {w.role!r}, but it is listed where {' or '.join(sorted(self.roles))} is needed: "
@@ -220,14 +291,25 @@ class WorkerPool:
             await self.poll_once()
             await asyncio.sleep(self.poll_s)
 
+    async def _resolve_loop(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.discover()
+            except Exception:  # a bug here must not stop discovery for good: say it, try again later
+                log.exception("worker discovery failed")
+
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop())
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._loop())]
+        if self.discovery is not None:
+            self._tasks.append(loop.create_task(self._resolve_loop(self.discovery.interval_s)))
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
 
 
 def _unreachable(exc: httpx.HTTPError) -> str:

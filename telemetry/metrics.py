@@ -11,6 +11,8 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from engine.observer import EngineObserver
 
@@ -18,6 +20,7 @@ if TYPE_CHECKING:
     from engine.engine import Engine
     from engine.prefill import PrefillBatch
     from engine.request import Request
+    from gateway.routing import WorkerPool
 
 GOODPUT_WINDOW_S = 60.0
 
@@ -194,6 +197,11 @@ class GatewayMetrics:
     def track_queue(self, depth: Callable[[], int]) -> None:
         self.queued.set_function(depth)
 
+    def track_pools(self, pools: dict[str, WorkerPool | None]) -> None:
+        """The pools' sizes and membership changes, read at each scrape (`pools`: by the option that
+        lists them: workers, prefill_workers)."""
+        self.registry.register(_PoolCollector({name: p for name, p in pools.items() if p is not None}))
+
     def answered(self, slo_class: str, code: int, shed_reason: str | None = None) -> None:
         self.requests.labels(slo_class, str(code)).inc()
         if shed_reason:
@@ -201,3 +209,40 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class EppMetrics(GatewayMetrics):
+    """The endpoint picker's (`flowprefill epp`): the gateway's, and how long each pick takes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pick = Histogram("flowprefill_gateway_pick_duration_seconds",
+                              "The endpoint picker's decision for one request (classification, ranking)",
+                              buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1),
+                              registry=self.registry)
+
+    def observe_pick(self, seconds: float) -> None:
+        self.pick.observe(seconds)
+
+
+class _PoolCollector(Collector):
+    """Workers per pool and state (healthy: in rotation; unhealthy: out until a check passes;
+    draining: gone from discovery, finishing its requests), and members joined and left."""
+
+    def __init__(self, pools: dict[str, WorkerPool]) -> None:
+        self.pools = pools
+
+    def collect(self) -> Any:
+        size = GaugeMetricFamily("flowprefill_gateway_workers", "Workers in each pool, by state",
+                                 labels=["pool", "state"])
+        changes = CounterMetricFamily("flowprefill_gateway_worker_changes",
+                                      "Workers that joined or left a pool (DNS discovery)", labels=["pool", "change"])
+        for name, pool in self.pools.items():
+            healthy = sum(w.healthy for w in pool.workers)
+            size.add_metric([name, "healthy"], healthy)
+            size.add_metric([name, "unhealthy"], len(pool.workers) - healthy)
+            size.add_metric([name, "draining"], len(pool.draining))
+            changes.add_metric([name, "joined"], pool.joined)
+            changes.add_metric([name, "left"], pool.left)
+        yield size
+        yield changes

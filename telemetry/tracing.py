@@ -11,6 +11,7 @@ request's arrival to its last prefill segment; decode starts at the first token,
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
     from engine.prefill import PrefillBatch
     from engine.request import Request
 from telemetry.metrics import flowprefill_version
+
+log = logging.getLogger(__name__)
 
 TRACER_NAME = "flowprefill"
 _ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
@@ -61,6 +64,11 @@ def setup_tracing(service: str) -> TracerProvider | None:
     """Install a global tracer provider exporting over OTLP, or return None when tracing is off.
     The sampler comes from OTEL_TRACES_SAMPLER(_ARG); batching from OTEL_BSP_*."""
     if not tracing_enabled():
+        return None
+    from telemetry.protos import advice, replaced
+
+    if damaged := replaced():  # the OTLP exporters would fail to import: say why, serve untraced
+        log.error("tracing is off: %s", advice(damaged))
         return None
     attrs: dict[str, Any] = {SERVICE_VERSION: flowprefill_version()}
     if not os.environ.get("OTEL_SERVICE_NAME"):

@@ -71,10 +71,10 @@ def test_kubernetes_manifests(tmp_path: Path) -> None:
     wargs = parser.parse_args(workers["spec"]["template"]["spec"]["containers"][0]["args"])
     assert wargs.command == "worker" and wargs.host == "0.0.0.0" and wargs.device == "cuda"
     assert workers["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
-    # the gateway routes to exactly the StatefulSet's pods, by their headless-service names
+    # the gateway routes to exactly the StatefulSet's pods: every address of their headless Service
     gargs = parser.parse_args(gateway["spec"]["template"]["spec"]["containers"][0]["args"])
-    name, svc, n = workers["metadata"]["name"], workers["spec"]["serviceName"], workers["spec"]["replicas"]
-    assert gargs.workers_urls == [f"http://{name}-{i}.{svc}:{wargs.port}" for i in range(n)]
+    svc = workers["spec"]["serviceName"]
+    assert gargs.workers_urls == [f"dns:{svc}:{wargs.port}"]
     headless = next(s for s in by_kind["Service"] if s["metadata"]["name"] == svc)
     assert headless["spec"]["clusterIP"] == "None"
     assert headless["spec"]["selector"] == workers["spec"]["selector"]["matchLabels"]
@@ -104,8 +104,9 @@ def test_dockerfile_copies_the_packages() -> None:
 
 
 def test_the_gateway_runs_on_a_slim_image_of_the_base_install() -> None:
-    """The gateway's image is the install without extras on a Python image with no CUDA, the workers'
-    the CUDA one with the gpu extra; each container runs the image built for it."""
+    """The gateway's image is the install without the engine (the base, with the endpoint picker's
+    `epp` extra at most) on a Python image with no CUDA, the workers' the CUDA one with the gpu extra;
+    each container runs the image built for it."""
     def image(name: str) -> tuple[str, str, str]:
         text = (K8S / name).read_text()
         (base,) = [line.split()[1] for line in text.splitlines() if line.startswith("FROM ")]
@@ -114,7 +115,8 @@ def test_the_gateway_runs_on_a_slim_image_of_the_base_install() -> None:
 
     gateway_base, gateway_install, gateway_tag = image("Dockerfile.gateway")
     worker_base, worker_install, worker_tag = image("Dockerfile")
-    assert "cuda" not in gateway_base and "slim" in gateway_base and "[" not in gateway_install
+    assert "cuda" not in gateway_base and "slim" in gateway_base
+    assert re.search(r"'\.(\[epp\])?'", gateway_install), gateway_install
     assert "cuda" in worker_base and "[gpu]" in worker_install
     containers = {d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0]
                   for d in yaml.safe_load_all((K8S / "flowprefill.yaml").read_text()) if d["kind"] != "Service"

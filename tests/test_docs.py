@@ -212,12 +212,13 @@ def test_documented_policies_exist() -> None:
 def test_gateway_config_reference_matches_code(tmp_path: Path) -> None:
     import msgspec
 
-    from gateway.config import GatewayConfig, Upstream
+    from gateway.config import Discovery, GatewayConfig, Upstream
 
     rows = {_code(r[0]): r for r in _table(_section("engine.md", "### Gateway configuration file"))}
     fields = {f.name: f for f in msgspec.structs.fields(GatewayConfig)}
-    fields |= {f"upstream.{f.name}": f for f in msgspec.structs.fields(Upstream)}
-    fields.pop("upstream")
+    for table, struct in (("upstream", Upstream), ("discovery", Discovery)):
+        fields |= {f"{table}.{f.name}": f for f in msgspec.structs.fields(struct)}
+        fields.pop(table)
     assert set(rows) == set(fields)
     for name, f in fields.items():
         default = f.default if f.default is not msgspec.NODEFAULT else None
@@ -260,6 +261,7 @@ def test_every_documented_command_parses() -> None:
     from engine.bench import prefix_cache as bench_prefix
     from gateway import bench as bench_gateway
     from gateway.cli import build_parser
+    from gateway.epp import bench as bench_epp
     from loadtest import goodput as bench_goodput
     from loadtest import run as loadtest_run
     from loadtest.peer import cli as bench_peer
@@ -274,6 +276,7 @@ def test_every_documented_command_parses() -> None:
         sub = {("bench", "prefill"): bench_prefill.build_parser, ("bench", "goodput"): bench_goodput.build_parser,
                ("bench", "gateway"): bench_gateway.build_parser, ("bench", "prefix"): bench_prefix.build_parser,
                ("bench", "kv"): bench_kv.build_parser, ("bench", "peer"): bench_peer.build_parser,
+               ("bench", "epp"): bench_epp.build_parser,
                ("loadtest",): loadtest_run.build_parser}.get(head)
         try:
             if sub is None:
@@ -323,12 +326,15 @@ def _metrics_in_code() -> dict[str, tuple[str, str, tuple[str, ...]]]:
     """Exposition name -> (type, process, labels) of every metric telemetry/metrics.py defines."""
     import ast
 
-    kinds = {"Counter": "counter", "Gauge": "gauge", "Histogram": "histogram", "Info": "info"}
+    kinds = {"Counter": "counter", "Gauge": "gauge", "Histogram": "histogram", "Info": "info",
+             "CounterMetricFamily": "counter", "GaugeMetricFamily": "gauge"}  # the last two: collectors'
+    processes = {"EngineMetrics": "worker", "GatewayMetrics": "gateway", "EppMetrics": "epp",
+                 "_PoolCollector": "gateway"}
     suffix = {"counter": "_total", "info": "_info"}  # what prometheus_client exposes them as
     tree = ast.parse((ROOT / "telemetry" / "metrics.py").read_text(encoding="utf-8"))
     found = {}
     for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
-        process = {"EngineMetrics": "worker", "GatewayMetrics": "gateway"}[cls.name]
+        process = processes[cls.name]
         info_labels = {id(c.func.value): tuple(k.value for k in c.args[0].keys)  # Info(...).info({...})
                        for c in ast.walk(cls) if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
                        and c.func.attr == "info" and isinstance(c.args[0], ast.Dict)}
@@ -337,7 +343,7 @@ def _metrics_in_code() -> dict[str, tuple[str, str, tuple[str, ...]]]:
                 continue
             kind = kinds[call.func.id]
             labels = next((a for a in call.args[2:3]), None) or next(
-                (k.value for k in call.keywords if k.arg == "labelnames"), None)
+                (k.value for k in call.keywords if k.arg in ("labelnames", "labels")), None)
             names = tuple(e.value for e in labels.elts) if isinstance(labels, ast.List) else ()
             found[call.args[0].value + suffix.get(kind, "")] = (kind, process, info_labels.get(id(call), names))
     return found

@@ -36,7 +36,8 @@ CORE = ("engine/config.py", "engine/request.py", "engine/kv_cache.py", "engine/p
 SERVING = ("engine/worker.py", "engine/serving.py", "engine/endpoint.py", "engine/responses.py",
            "engine/responses_endpoint.py", "engine/tokenize_api.py", "engine/tool_calls.py", "engine/reasoning.py",
            "engine/structured_output.py", "engine/kv_transport.py")
-BENCH = ("engine/bench/*.py", "engine/__init__.py", "gateway/bench.py")  # benchmarks: the top, like the CLI
+# Benchmarks: the top, like the CLI.
+BENCH = ("engine/bench/*.py", "engine/__init__.py", "gateway/bench.py", "gateway/epp/bench*.py")
 SERVING_MODULES = tuple(p.removesuffix(".py").replace("/", ".") for p in SERVING)
 # What the gateway's processes may load of the engine: its protocol, and through telemetry the observer
 # interface (engine/observer.py: no imports at run time); `serve` also reads the engine's options and

@@ -34,6 +34,8 @@ SERVERS = {
                      ENGINE),
     "gateway": Command("gateway.cli.gateway", "the SLO gateway alone, in front of running workers"),
     "worker": Command("gateway.cli.worker", "one engine worker (OpenAI API + /load, /health, /metrics)", ENGINE),
+    "epp": Command("gateway.cli.epp", "the SLO routing as an endpoint picker for Envoy-based gateways (Kubernetes "
+                   "Gateway API Inference Extension; the epp extra)", ("epp",)),
 }
 # `flowprefill bench NAME ARGS`: adding a benchmark is one line here.
 BENCHES = {
@@ -42,6 +44,8 @@ BENCHES = {
     "goodput": Command("loadtest.goodput", "max goodput per policy vs rate and SLO scale (real engine or sim)",
                        BENCH),
     "gateway": Command("gateway.bench", "latency the gateway adds and its requests/s on one core", BENCH),
+    "epp": Command("gateway.epp.bench", "latency the endpoint picker adds, its picks/s on one core, DNS join/leave",
+                   ("epp",)),
     "prefix": Command("engine.bench.prefix_cache",
                       "prefix caching on a multi-turn chat workload: TTFT per turn, on vs off", BENCH),
     "kv": Command("engine.bench.kv_growth",

@@ -54,9 +54,9 @@ port_number.__name__ = "port"  # argparse names the type in its error: "invalid 
 
 
 def add_address(parser: argparse.ArgumentParser, host_help: str = "address to listen on",
-                port_help: str = "port to listen on") -> None:
+                port_help: str = "port to listen on", port: int = 8000) -> None:
     parser.add_argument("--host", default="127.0.0.1", help=host_help)
-    parser.add_argument("--port", type=port_number, default=8000, metavar="PORT", help=port_help)
+    parser.add_argument("--port", type=port_number, default=port, metavar="PORT", help=port_help)
 
 
 def missing_extra(extra: str) -> list[str]:

@@ -17,15 +17,19 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 
-def _urls(value: str) -> list[str]:
+def worker_urls(value: str) -> list[str]:
+    """A --workers value: comma-separated URLs and dns:NAME:PORT sources."""
     return [u for u in value.split(",") if u]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", dest="workers_urls", required=True, type=_urls, metavar="URLS",
-                        help="comma-separated worker base URLs (flowprefill workers or any OpenAI server)")
-    parser.add_argument("--prefill-workers", dest="prefill_urls", default=None, type=_urls, metavar="URLS",
-                        help="comma-separated prefill worker URLs: disaggregated, --workers then decode")
+    parser.add_argument("--workers", dest="workers_urls", required=True, type=worker_urls, metavar="URLS",
+                        help="comma-separated worker base URLs (flowprefill workers or any OpenAI server), or "
+                             "dns:NAME:PORT for every address of NAME (a headless Service), looked up again every "
+                             "discovery.interval_s of the --config")
+    parser.add_argument("--prefill-workers", dest="prefill_urls", default=None, type=worker_urls, metavar="URLS",
+                        help="comma-separated prefill worker URLs (or dns: sources): disaggregated, --workers then "
+                             "decode")
     parser.add_argument("--config", default=None, metavar="FILE",
                         help="gateway TOML: SLO classes, API keys, rules, [upstream]")
     add_address(parser)

@@ -1,0 +1,143 @@
+"""Workers found by DNS: `dns:NAME:PORT` stands for every address NAME resolves to.
+
+On Kubernetes, NAME is a headless Service (`clusterIP: None`): its A/AAAA records are the addresses
+of its ready pods, so a scaled StatefulSet or Deployment needs no hand-kept worker list. Each
+`dns:` source is looked up every `discovery.interval_s` (gateway/config.py) with dnspython's
+asynchronous resolver (the system's by default, or the configured nameservers); the pool
+(gateway/routing.py `WorkerPool.set_members`) takes in the addresses that appeared, health-checks
+them before they get traffic, and lets the ones that disappeared finish what they have.
+
+A lookup that fails (timeout, SERVFAIL, no nameserver answering) changes nothing: the members
+already known stay, and the failure is logged once. A name that does not exist, or has no
+records, is an empty source (a Service scaled to zero).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gateway.config import Discovery as DiscoverySettings
+
+log = logging.getLogger("flowprefill.gateway")
+
+PREFIX = "dns:"
+
+
+@dataclass(frozen=True)
+class DnsTarget:
+    """`dns:NAME:PORT`: workers at each address of NAME, on PORT, spoken to over http."""
+
+    name: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{PREFIX}{self.name}:{self.port}"
+
+    def url(self, address: str) -> str:
+        host = f"[{address}]" if ":" in address else address  # an IPv6 address in a URL
+        return f"http://{host}:{self.port}"
+
+
+def parse_target(source: str) -> DnsTarget | None:
+    """The DNS target a worker source names, None for a plain URL; ValueError if it is malformed."""
+    if not source.startswith(PREFIX):
+        return None
+    name, _, port = source[len(PREFIX):].rpartition(":")
+    if not name or not port.isdecimal() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{source!r}: a DNS worker source is dns:NAME:PORT (e.g. dns:flowprefill-worker:8001)")
+    return DnsTarget(name.strip("/"), int(port))
+
+
+def split_sources(sources: Iterable[str]) -> tuple[list[str], list[DnsTarget]]:
+    """(plain URLs, DNS targets) of a worker list."""
+    urls, targets = [], []
+    for source in sources:
+        if (target := parse_target(source)) is None:
+            urls.append(source.rstrip("/"))
+        else:
+            targets.append(target)
+    return urls, targets
+
+
+class LookupFailed(Exception):
+    """No answer to rely on (the members already known stay)."""
+
+
+class Resolver:
+    """A and AAAA lookups with dnspython's asyncio resolver, configured once."""
+
+    def __init__(self, settings: DiscoverySettings) -> None:
+        import dns.asyncresolver
+
+        self._resolver = dns.asyncresolver.Resolver(configure=not settings.nameservers)
+        if settings.nameservers:
+            self._resolver.nameservers = list(settings.nameservers)
+            self._resolver.port = settings.port
+        self._resolver.lifetime = settings.timeout_s
+
+    async def addresses(self, name: str) -> set[str]:
+        """Every IPv4 and IPv6 address of `name` (none when it does not exist); LookupFailed when
+        the resolver could not find out."""
+        try:
+            return {str(ipaddress.ip_address(name))}  # an address already: nothing to look up
+        except ValueError:
+            pass
+        found = await asyncio.gather(self._lookup(name, "A"), self._lookup(name, "AAAA"))
+        return found[0] | found[1]
+
+    async def _lookup(self, name: str, rdtype: str) -> set[str]:
+        import dns.exception
+        import dns.resolver
+
+        try:
+            answer = await self._resolver.resolve(name, rdtype, search=True)
+        except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
+            return set()
+        except dns.exception.DNSException as exc:
+            raise LookupFailed(f"{rdtype} lookup failed: {exc}") from None
+        return {rr.address for rr in answer}
+
+
+class Discovery:
+    """The worker URLs a pool's sources stand for now: its plain URLs, and each DNS target's
+    addresses at its last successful lookup."""
+
+    def __init__(self, urls: list[str], targets: list[DnsTarget], settings: DiscoverySettings) -> None:
+        self.urls, self.targets, self.interval_s = urls, targets, settings.interval_s
+        self.resolver = Resolver(settings)
+        self.resolved = False  # a first round of lookups has run
+        self._known: dict[DnsTarget, set[str]] = {t: set() for t in targets}
+        self._problem: dict[DnsTarget, str | None] = dict.fromkeys(targets)
+
+    async def members(self) -> dict[str, str]:
+        """Look every target up again: {worker URL: the source it comes from}."""
+        await asyncio.gather(*(self._refresh(t) for t in self.targets))
+        self.resolved = True
+        found = {url: "listed" for url in self.urls}
+        for target, addresses in self._known.items():
+            found.update({target.url(a): str(target) for a in sorted(addresses)})
+        return found
+
+    async def _refresh(self, target: DnsTarget) -> None:
+        try:
+            addresses = await self.resolver.addresses(target.name)
+        except LookupFailed as exc:
+            problem = str(exc)
+            if problem != self._problem[target]:
+                log.warning("%s: %s; keeping its %d known worker(s)", target, problem, len(self._known[target]))
+            self._problem[target] = problem
+            return
+        problem = None if addresses else "no A or AAAA records"
+        if problem != self._problem[target]:
+            if problem:
+                log.warning("%s: %s (no worker there)", target, problem)
+            elif self._problem[target]:
+                log.info("%s resolves again (%d addresses)", target, len(addresses))
+        self._problem[target] = problem
+        self._known[target] = addresses
