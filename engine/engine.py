@@ -109,7 +109,8 @@ class Engine:
             return "queue_full"  # counted: every request whose prefill is not done
         if sheddable:  # requests queued together each compute what is not cached now
             spans = [SeqSpan(c, r.num_prompt_tokens - c) for r in reqs for c in [self.prefixes.cached_tokens(r)]]
-            if reqs[0].deadline - self.clock() - s.cost_for(reqs).prefill_s(spans) < 0:
+            tokens = sum(span.length for span in spans)
+            if s.cannot_meet(reqs, s.cost_for(reqs).prefill_s(spans), tokens, self.clock()):
                 return "predicted_slo_miss"
         return None
 

@@ -530,6 +530,33 @@ def test_admission_sheds_only_sheddable_predicted_misses_and_bounds_the_queue() 
         eng.shutdown()
 
 
+def test_a_miss_only_calibration_predicts_is_admitted_until_a_batch_of_its_size_confirms_it() -> None:
+    """A calibration taken on a shared core reads slow (4x measured), and a request refused on it never
+    runs to correct it: unconfirmed, a predicted miss within UNCONFIRMED_SPEEDUP is admitted; once a
+    batch of that size has run, the same prediction refuses it."""
+    from engine.engine import Engine as _Engine
+    from engine.model.plan import SeqSpan
+    from engine.request import Request as _Request
+    from engine.scheduler import UNCONFIRMED_SPEEDUP
+
+    eng = _Engine(EngineConfig())  # not started
+    try:
+        n = 3000
+        cost = eng.scheduler.cost
+        predicted = cost.prefill_s([SeqSpan(0, n)])
+        def late() -> _Request:  # due in half its predicted time
+            return _Request(request_id="l", prompt_token_ids=[65] * n, ttft_target_s=predicted / 2)
+        assert not cost.confirmed(n)
+        assert eng.admission([late()], sheddable=True) is None
+        far = _Request(request_id="f", prompt_token_ids=[65] * n, ttft_target_s=predicted / (2 * UNCONFIRMED_SPEEDUP))
+        assert eng.admission([far], sheddable=True) == "predicted_slo_miss"
+        cost.observe(n, predicted, predicted)  # a batch of this size ran as predicted
+        assert cost.confirmed(n)
+        assert eng.admission([late()], sheddable=True) == "predicted_slo_miss"
+    finally:
+        eng.shutdown()
+
+
 def test_the_model_device_becomes_the_threads_current_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """CUDA events, synchronize and graph capture act on the current device: a model on cuda:1 makes
     cuda:1 current for the thread that loads it and for the engine thread (no GPU needed to check)."""

@@ -129,6 +129,10 @@ class OpCost:
             shape = 1.0
         return min(MAX_FACTOR, max(1 / MAX_FACTOR, self.machine * shape))
 
+    def confirmed(self, tokens: int) -> bool:
+        """Whether batches of this size class have run: its predictions are measured, not calibration alone."""
+        return bool(self.class_observations[size_class(tokens)])
+
     def for_batch(self, tokens: int) -> OpCost:
         """This cost model as it predicts a batch of `tokens` prompt tokens: its class's correction
         folded into `scale`, on a copy that learns nothing and shares nothing with this one."""

@@ -21,6 +21,15 @@ from engine.prefill import PrefillBatch
 from engine.request import Request
 from engine.scheduler.slack import SHARED, LateShare, remaining_of, slack, standing, standings
 
+# A request is refused (shed) for a predicted miss on its own prediction alone. Where no batch of its
+# size has run, that prediction is calibration alone, and calibration taken while another process shared
+# the cores reads slow: 4x here (FFN 4.6e-5 s/row against 1.2e-5 on the quiet core, timed while vLLM
+# started on the same core). Refused on it, every long request of a sheddable class would be refused for
+# good (a refused request never runs, so nothing corrects the prediction). Unconfirmed, a request is
+# refused only when it would miss even this much faster than predicted; once admitted, its run teaches
+# the correction (OpCost.observe).
+UNCONFIRMED_SPEEDUP = 4.0
+
 # A new batch is given as requests (each prefills the rest of its prompt) or as
 # (request, tokens) chunks; an existing batch (running or suspended) is given as itself.
 Chunk = tuple[Request, int]
@@ -156,7 +165,7 @@ class Scheduler:
         """Queued requests of `late = "shed"` classes that can no longer meet their deadline leave
         (the engine ends them; the worker answers 429). Work begun, or an answer begun, is kept."""
         for r in [r for r in self.waiting if r.shed_late and r.prefill_start is None and not r.output_token_ids]:
-            if slack(self, r) < 0:
+            if slack(self, r) < 0 and self.cannot_meet([r], self.predict_s(r), r.remaining_prefill_tokens, self.now):
                 self.waiting.remove(r)
                 self.shed.append(r)
 
@@ -176,6 +185,14 @@ class Scheduler:
         now (not as it was when the batch was planned: a batch suspended before a slowdown owes more)."""
         cost = self.cost_for(batch.requests)
         return batch.remaining_base_s * cost.scale * cost.factor(batch.num_tokens)
+
+    def cannot_meet(self, reqs: Sequence[Request], predicted_s: float, tokens: int, now: float) -> bool:
+        """Whether requests predicted to take `predicted_s` (alone, `tokens` prompt tokens to compute)
+        miss the first one's deadline on a prediction strong enough to refuse them on
+        (UNCONFIRMED_SPEEDUP)."""
+        if not self.cost_for(reqs).confirmed(tokens):
+            predicted_s /= UNCONFIRMED_SPEEDUP
+        return reqs[0].deadline - now - predicted_s < 0
 
     def predict_s(self, req: Request) -> float:
         """Predicted time to prefill the rest of a queued request's prompt."""

@@ -71,5 +71,9 @@ class OracleScheduler(Scheduler):
     def cost_for(self, reqs: Sequence[Request]) -> OpCost:
         return self.exact.for_requests(reqs)
 
+    def cannot_meet(self, reqs: Sequence[Request], predicted_s: float, tokens: int, now: float) -> bool:
+        """Exact costs are measured ones: no margin for an unconfirmed calibration."""
+        return reqs[0].deadline - now - predicted_s < 0
+
     def on_progress(self, batch: PrefillBatch) -> None:
         """Exact costs need no correction."""

@@ -75,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw-dtypes", default="bfloat16,float32", help="raw: dtypes")
     p.add_argument("--raw-threads", default="1,2", help="raw: thread counts (each pinned to as many cores)")
     p.add_argument("--raw-repeats", type=int, default=5, help="raw: requests per contender and size (median)")
+    # Measured: with none, FlowPrefill's 2K-token prefill took 607 ms right after one of vLLM's and 330 ms
+    # after its own (vLLM's idle threads keep the shared core busy for a while after each request).
+    p.add_argument("--raw-settle-s", type=float, default=2.0,
+                   help="raw: pause before each timed request, for the previous server's threads to go idle")
     p.add_argument("--out", type=Path, default=Path("bench-results/peer"))
     return p
 

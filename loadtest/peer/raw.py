@@ -13,6 +13,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,7 @@ class RawRun:
         times: dict[str, list[float | None]] = {name: [] for name in names}
         for rep in range(self.args.raw_repeats):
             for name in rotation(names, rep):  # alternating: A B, B A, ...
+                time.sleep(self.args.raw_settle_s)  # the last one's threads stop spinning on the shared cores
                 times[name].append(ttft_s(targets[name], n, f"raw-{n}-{rep}", self.timeout_s))
         self.progress.advance(self.task)
         flops = prefill_flops(self.cfg, n)
