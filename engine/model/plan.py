@@ -7,6 +7,7 @@ preemption request never waits longer than one step, whatever the prompt length.
 
 from __future__ import annotations
 
+import statistics
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -61,6 +62,7 @@ class OpCost:
     # (`machine`, shared by every batch size), and how each size class runs apart from that (`class_scale`).
     class_scale: list[float] = field(default_factory=lambda: [1.0] * (len(SIZE_CLASSES) + 1))
     class_observations: list[int] = field(default_factory=lambda: [0] * (len(SIZE_CLASSES) + 1))
+    class_first: list[list[float]] = field(default_factory=lambda: [[] for _ in range(len(SIZE_CLASSES) + 1)])
     machine: float = 1.0
     # Measured seconds of one row-wise step of a given number of rows, per op: [(rows, s)] by rows
     # (CUDA calibration). A GPU runs a matmul in whole waves of output tiles over its SMs, so its time
@@ -138,31 +140,36 @@ class OpCost:
         folded into `scale`, on a copy that learns nothing and shares nothing with this one."""
         n = len(self.class_scale)
         return replace(self, scale=self.scale * self.factor(tokens), class_scale=[1.0] * n,
-                       class_observations=[0] * n, machine=1.0)
+                       class_observations=[0] * n, class_first=[[] for _ in range(n)], machine=1.0)
 
-    def observe(self, tokens: int, base_s: float, measured_s: float) -> None:
+    def observe(self, tokens: int, base_s: float, measured_s: float, whole: bool = True) -> None:
         """Refine online from steps of a batch of `tokens` prompt tokens (a running batch's progress, or
         the rest of it when it completes) that the calibrated model (no correction: `Plan.base_cost`)
         predicted at `base_s`: the device may be slower or faster than at calibration (other load,
         clocks, CUDA graphs).
 
-        Two speeds. A class's first measurements say how that size runs (`class_scale`, a running
-        mean). After that, what surprises the prediction is mostly the machine, common to every size:
-        half of each surprise goes to `machine`, so a 3x slowdown seen by short batches slows the
-        long ones' predictions too, within a few batches of any size (see docs/benchmarks.md); the
-        class keeps a slow average of what the machine does not explain."""
+        Two speeds. A class's first three measurements say how that size runs (`class_scale`, their
+        median: the first steps of a new shape also pay for its first allocations, 3.2x the prediction
+        for the first 50 ms of the first 8K prefill here, 1.2-1.4x after). After that, what surprises
+        the prediction is mostly the machine, common to every size: half of each surprise goes to
+        `machine`, so a 3x slowdown seen by short batches slows the long ones' predictions too, within
+        a few batches of any size (see docs/benchmarks.md); the class keeps a slow average of what the
+        machine does not explain. `whole`: the measurement is a whole batch (or its first part), which
+        weighs at least a fifth however short; the last few milliseconds of a long batch weigh their time."""
         if not (base_s > 0 and measured_s > 0):
             return
         k = size_class(tokens)
         target = measured_s / (base_s * self.scale)
-        seen = self.class_observations[k]
         self.class_observations[k] += 1
-        if seen:
-            surprise = target / (self.machine * self.class_scale[k])
-            self.machine = _clamp(self.machine * (1 + _weight(measured_s, MACHINE_HALF_LIFE_S, 0.2) * (surprise - 1)))
-            w = 1 / (seen + 1) if seen < 3 else _weight(measured_s, CLASS_HALF_LIFE_S, 0.0)
-        else:
-            w = 1.0  # its first measurement: the class's own way, whatever the machine does
+        first = self.class_first[k]
+        if len(first) < 3:  # the class's own way, whatever the machine does
+            first.append(target / self.machine)
+            self.class_scale[k] = _clamp(statistics.median(first))
+            return
+        surprise = target / (self.machine * self.class_scale[k])
+        floor = 0.2 if whole else 0.0
+        self.machine = _clamp(self.machine * (1 + _weight(measured_s, MACHINE_HALF_LIFE_S, floor) * (surprise - 1)))
+        w = _weight(measured_s, CLASS_HALF_LIFE_S, 0.0)
         self.class_scale[k] = _clamp((1 - w) * self.class_scale[k] + w * target / self.machine)
 
     def step_s(self, step: Step) -> float:

@@ -120,8 +120,9 @@ class Scheduler:
     def on_progress(self, batch: PrefillBatch) -> None:
         """The batch ran more steps (every `progress_every_s` of measured time, and when it completes):
         the cost model's correction learns what they measured against what it predicted."""
+        whole = batch.observed == (0.0, 0.0)  # nothing of it reported yet
         base_s, measured_s = batch.take_progress()
-        self.cost.observe(batch.num_tokens, base_s, measured_s)
+        self.cost.observe(batch.num_tokens, base_s, measured_s, whole)
 
     # -- the decision --------------------------------------------------------------------------
     def _decide(self) -> None:

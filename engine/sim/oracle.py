@@ -35,7 +35,8 @@ class BatchCostRecorder(EngineObserver):
 class ExactCosts:
     def __init__(self, base: OpCost, factors: dict[str, float]) -> None:
         n = len(base.class_scale)  # the calibration, without any online correction:
-        self.base = replace(base, scale=1.0, class_scale=[1.0] * n, class_observations=[0] * n, machine=1.0)
+        self.base = replace(base, scale=1.0, class_scale=[1.0] * n, class_observations=[0] * n,
+                            class_first=[[] for _ in range(n)], machine=1.0)
         self.factors = factors
         self.default = statistics.median(factors.values()) if factors else 1.0
 
