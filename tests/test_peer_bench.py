@@ -342,7 +342,8 @@ def test_raw_mode_with_flowprefill(tmp_path: Path) -> None:
     """One request alone on FlowPrefill: TTFT per size, GFLOP/s and the matmul peak of the same cores,
     and again beside a busy process on a core of its own where the machine has one."""
     done = _peer("--mode", "raw", "--contenders", "flowprefill", "--raw-prompts", "64,256", "--raw-dtypes",
-                 "float32", "--raw-threads", "1", "--raw-repeats", "2", "--raw-settle-s", "0", "--out", str(tmp_path), timeout=280)
+                 "float32", "--raw-threads", "1", "--raw-repeats", "2", "--raw-settle-s", "0", "--out", str(tmp_path),
+                 timeout=280)
     assert done.returncode == 0, done.stdout + done.stderr
     doc = json.loads((tmp_path / "peer-raw.json").read_text())
     two_cores = len(os.sched_getaffinity(0)) > 1

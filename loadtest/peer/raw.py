@@ -59,10 +59,13 @@ def peak_gflops(dtype: str, where: Placement) -> float:
     return float(json.loads(done.stdout)["gflops"])
 
 
-def ttft_s(target: Target, n: int, seed: str, timeout_s: float) -> float | None:
+def ttft_s(target: Target, n: int, seed: str, timeout_s: float) -> float | str:
+    """The TTFT of one request alone, or why it failed (its status and error)."""
     prompt = synthesize_prompt(n, PROMPT_VOCAB, seed=seed)
     rec = asyncio.run(replay(target, [Arrival(0, 0.0, "batch", n, prompt)], drain_s=timeout_s))[0]
-    return rec.ttft_s if rec.ok else None
+    if rec.ok and rec.ttft_s is not None:
+        return rec.ttft_s
+    return f"HTTP {rec.status}: {rec.error}"
 
 
 class RawRun:
@@ -107,7 +110,7 @@ class RawRun:
         names = list(targets)
         for name in names:  # one untimed request each at this size: allocations of its shapes
             ttft_s(targets[name], n, f"raw-warm-{n}", self.timeout_s)
-        times: dict[str, list[float | None]] = {name: [] for name in names}
+        times: dict[str, list[float | str]] = {name: [] for name in names}
         for rep in range(self.args.raw_repeats):
             for name in rotation(names, rep):  # alternating: A B, B A, ...
                 time.sleep(self.args.raw_settle_s)  # the last one's threads stop spinning on the shared cores
@@ -116,9 +119,10 @@ class RawRun:
         flops = prefill_flops(self.cfg, n)
         out = {}
         for name, ts in times.items():
-            ok = [t for t in ts if t is not None]
+            ok = [t for t in ts if not isinstance(t, str)]
             med = statistics.median(ok) if ok else None
-            out[name] = {"ttft_ms": [None if t is None else round(t * 1000, 2) for t in ts],
+            out[name] = {"ttft_ms": [None if isinstance(t, str) else round(t * 1000, 2) for t in ts],
+                         "errors": sorted({t for t in ts if isinstance(t, str)}),
                          "median_ms": None if med is None else round(med * 1000, 2),
                          "gflops": None if med is None else round(flops / med / 1e9, 2),
                          "share_of_peak": None if med is None else round(flops / med / 1e9 / peak, 4)}
@@ -167,7 +171,7 @@ def table(doc: dict[str, Any]) -> Table:
         cells = []
         for name in doc["contenders"]:
             c = r["contenders"][name]
-            cells.append("failed" if c["median_ms"] is None else
+            cells.append(f"failed ({'; '.join(c.get('errors', []))[:60]})" if c["median_ms"] is None else
                          f"{c['median_ms']:.0f} ms ({c['gflops']:.1f}, {c['share_of_peak']:.0%})")
         t.add_row(r["dtype"], str(r["threads"]), "busy" if r["busy_other_core"] else "idle", str(r["prompt_tokens"]),
                   f"{r['peak_gflops']:.0f}", *cells)
