@@ -133,6 +133,16 @@ def cost_per_million(n: int | None, price: float, w: Workload) -> float | None:
     return n * price * w.duration_s / 3600 / len(w.requests) * 1e6
 
 
+def workers_of(spec: str) -> list[int]:
+    try:
+        ns = [int(x) for x in spec.split(",") if x]
+    except ValueError:
+        raise ValueError(f"--against-serve {spec!r}: expected worker counts, e.g. 1,2") from None
+    if not ns or min(ns) < 1:
+        raise ValueError(f"--against-serve {spec!r}: expected worker counts >= 1, e.g. 1,2")
+    return ns
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="flowprefill plan", description=__doc__)
     p.add_argument("--workload", default="azure-mix", help="azure-mix or a trace file (Azure/BurstGPT CSV, JSONL)")
@@ -175,8 +185,13 @@ def check_args(args: argparse.Namespace) -> str | None:
         return "--requests must be >= 2 (a rate needs two arrivals)"
     if args.price < 0 or args.poll_s <= 0 or args.prefix_affinity_chars < 0:
         return "--price, --prefix-affinity-chars must be >= 0 and --poll-s > 0"
-    if args.against_serve is not None and args.cost != "cpu":
-        return "--against-serve compares with this machine's engine: use it with --cost cpu"
+    if args.against_serve is not None:
+        if args.cost != "cpu":
+            return "--against-serve compares with this machine's engine: use it with --cost cpu"
+        try:
+            workers_of(args.against_serve)
+        except ValueError as exc:
+            return str(exc)
     for name in [x for x in args.policies.split(",") if x]:
         try:
             make_policy(name)

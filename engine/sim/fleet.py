@@ -70,6 +70,7 @@ class Fleet:
                                 span) for i in range(n)]
         self.router, self.sheddable, self.max_waiting = router, sheddable, max_waiting
         self.refused: list[Request] = []  # shed by every instance tried
+        self.placed: dict[str, int] = {}  # request id -> the instance that admitted it
         self._shed_seen = [0] * n  # late requests each scheduler shed while queued, taken back so far
         self.misses: dict[str, int] = {}  # certain misses so far, by class (`run`'s `hopeless`)
         self._by_deadline = sorted(requests, key=lambda r: r.deadline)
@@ -143,6 +144,7 @@ class Fleet:
                 self.router.shed(req, i)
                 continue
             self.router.admitted(req, i)
+            self.placed[req.request_id] = i
             if s.cfg.ideal and s.step_end is not None and t < s.step_end:
                 s.cut(t)  # ideal preemption: the running step stops at the arrival
             s.arrive(req, t)
