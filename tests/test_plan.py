@@ -4,20 +4,24 @@ the gateway's own pool (its scoring and its prefix affinity)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from test_sim import COST, requests, trace
 
-from engine.bench.plan import Planner, smallest
-from engine.bench.plan_routing import GatewayRouter, distinct_key, prompt_key
+from engine.bench.plan import Planner, smallest, with_prefixes
+from engine.bench.plan_routing import GatewayRouter, distinct_key, prompt_key, trace_key
 from engine.config import EngineConfig
 from engine.model.plan import SeqSpan
+from engine.protocol.slo import DEFAULT_CLASSES
 from engine.scheduler import make_policy
 from engine.sim import SimConfig, simulate
 from engine.sim.fleet import Fleet
 from gateway.routing import WorkerPool
-from loadtest.workload import TraceRequest, Workload
+from loadtest.goodput import make_requests
+from loadtest.workload import PREFIX_BLOCK_TOKENS, TraceRequest, Workload, load_trace
 
 
 def test_smallest_is_the_first_n_that_meets() -> None:
@@ -119,3 +123,23 @@ def test_prefix_affinity_sends_a_shared_prefix_to_its_worker() -> None:
         assert fleet.run()
         assert fleet.placed["r1"] == fleet.placed["r0"], n
         assert router.matched_chars >= 1024  # the second turn's match; the others found none
+
+
+def test_a_traces_prefixes_are_routed_to_their_cache(tmp_path: Path) -> None:
+    """Mooncake JSONL names each prompt's 512-token blocks: a prompt sharing blocks with an earlier one
+    goes where that one ran (the gateway's prefix table) and computes only what is not cached there."""
+    rows = [{"timestamp": 1000 * i, "input_length": 2048 + 100 * i, "output_length": 1,
+             "hash_ids": [1, 2, 3, 10 + i] if i % 2 == 0 else [50 + i, 60 + i, 70 + i, 80 + i]} for i in range(8)]
+    trace_file = tmp_path / "mooncake.jsonl"
+    trace_file.write_text("\n".join(json.dumps(r) for r in rows))
+    w = load_trace(trace_file)
+    assert w.requests[2].prefix == (1, 2, 3, 12)
+    for n in (2, 3, 4):
+        reqs = with_prefixes(w, make_requests(w, DEFAULT_CLASSES, 1.0, 0.0, None))
+        router = GatewayRouter(n, trace_key(1024, PREFIX_BLOCK_TOKENS))
+        fleet = Fleet(reqs, n, "flowprefill", COST, SimConfig(), router, prefix_block_tokens=PREFIX_BLOCK_TOKENS)
+        assert fleet.run()
+        shared = [r for r in reqs if int(r.request_id[1:]) % 2 == 0]
+        assert len({fleet.placed[r.request_id] for r in shared}) == 1, n
+        assert [r.cached_tokens for r in shared] == [0, 3 * 512, 3 * 512, 3 * 512]
+        assert all(r.cached_tokens == 0 for r in reqs if r not in shared)

@@ -26,7 +26,7 @@ from rich.progress import Progress
 
 from engine.bench.console import results_console
 from engine.bench.machine import machine_info
-from engine.bench.plan_routing import DEFAULTS, GatewayRouter, KeyOf, distinct_key
+from engine.bench.plan_routing import DEFAULTS, GatewayRouter, KeyOf, trace_key
 from engine.config import EngineConfig
 from engine.model.plan import OpCost
 from engine.protocol.slo import DEFAULT_CLASSES, SLOClass
@@ -36,7 +36,16 @@ from engine.sim.fleet import Fleet
 from gateway.cli.common import Parser
 from loadtest import report
 from loadtest.goodput import DEFAULT_POLICIES, Runner, make_requests, outcomes, sim_config
-from loadtest.workload import ClassRule, TraceError, Workload, azure_mix, head, load_trace, scale_to_rate
+from loadtest.workload import (
+    PREFIX_BLOCK_TOKENS,
+    ClassRule,
+    TraceError,
+    Workload,
+    azure_mix,
+    head,
+    load_trace,
+    scale_to_rate,
+)
 
 # A run is stopped once its certain misses put it this far below the target: it fails either way, and
 # an overloaded fleet (a queue of thousands, at the policy's cost per decision) is the slowest to finish.
@@ -55,7 +64,8 @@ class Planner:
         self.w, self.cost, self.engine_cfg, self.classes = w, cost, engine_cfg, classes
         self.target, self.every_class = target, every_class
         self.key_of, self.poll_s, self.urls = key_of, poll_s, urls
-        self.requests = requests or (lambda: make_requests(w, classes, 1.0, 0.0, None))
+        self.requests = requests or (lambda: with_prefixes(w, make_requests(w, classes, 1.0, 0.0, None)))
+        self.prefix_blocks = PREFIX_BLOCK_TOKENS if any(r.prefix for r in w.requests) else None
         self.sheddable = frozenset(name for name, c in classes.items() if c.sheddable)
         self.sims = 0
 
@@ -65,7 +75,7 @@ class Planner:
         reqs = self.requests()
         router = GatewayRouter(n, self.key_of, self.poll_s, urls=self.urls(n) if self.urls else None)
         fleet = Fleet(reqs, n, policy, self.cost, sim_config(self.engine_cfg), router, sheddable=self.sheddable,
-                      max_waiting=self.engine_cfg.max_waiting)
+                      max_waiting=self.engine_cfg.max_waiting, prefix_block_tokens=self.prefix_blocks)
         self.sims += 1
         counts = {c: sum(r.slo_class == c for r in reqs) for c in {r.slo_class for r in reqs}}
         floor = self.target - STOP_BELOW
@@ -93,6 +103,14 @@ class Planner:
         if self.every_class:
             return min(c["attainment"] for c in pt["per_class"].values()) >= self.target
         return bool(pt["attainment"] >= self.target)
+
+
+def with_prefixes(w: Workload, reqs: list[Request]) -> list[Request]:
+    """The trace's prompt blocks (Mooncake's hash ids) as the requests' block hashes."""
+    for r, tr in zip(reqs, w.requests, strict=True):
+        if tr.prefix:
+            r.block_hashes = [h.to_bytes(8, "little", signed=True) for h in tr.prefix]
+    return reqs
 
 
 def smallest(meets: Callable[[int], bool], max_n: int) -> int | None:
@@ -228,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         runner = Runner("sim", engine_cfg, args.cost)  # the cost model (cpu: this machine profiled)
     except ValueError as exc:
         parser.error(f"--cost {args.cost}: {exc}")
-    key_of = distinct_key(args.prefix_affinity_chars) if args.prefix_affinity_chars else None
+    key_of = trace_key(args.prefix_affinity_chars, PREFIX_BLOCK_TOKENS) if args.prefix_affinity_chars else None
     planner = Planner(w, runner.cost, engine_cfg, args.target, args.every_class, key_of=key_of, poll_s=args.poll_s)
     policies = [x for x in args.policies.split(",") if x]
     started = time.perf_counter()

@@ -44,6 +44,27 @@ def distinct_key(chars: int = DEFAULTS.prefix_affinity_chars) -> KeyOf:
     return key
 
 
+def trace_key(chars: int = DEFAULTS.prefix_affinity_chars, block_tokens: int = 512) -> KeyOf:
+    """A trace that names its prompts' blocks (`Request.block_hashes`, Mooncake's hash ids, each a hash
+    of its block and all before it): they are the prefix's chunks, as the gateway's chained hashes of
+    its text are, in blocks of `block_tokens` instead of CHUNK_CHARS characters; a request without
+    them is a distinct prompt."""
+    distinct = distinct_key(chars)
+    need_tokens = -(-chars // CHARS_PER_TOKEN)
+    need_blocks = max(1, -(-need_tokens // block_tokens))
+
+    def key(r: Request) -> Prefix | None:
+        hashes = r.block_hashes
+        if not hashes:
+            return distinct(r)
+        if chars <= 0 or r.num_prompt_tokens < need_tokens or len(hashes) < need_blocks:
+            return None
+        return Prefix(hashlib.blake2b(b"".join(hashes[:need_blocks]), digest_size=16).digest(), list(hashes),
+                      need_blocks)
+
+    return key
+
+
 def _at_once(step: Coroutine[Any, Any, Worker | None]) -> Worker | None:
     """Run a coroutine that never waits (a pool in front of flowprefill workers does not queue)."""
     try:
