@@ -143,3 +143,24 @@ def test_a_traces_prefixes_are_routed_to_their_cache(tmp_path: Path) -> None:
         assert len({fleet.placed[r.request_id] for r in shared}) == 1, n
         assert [r.cached_tokens for r in shared] == [0, 3 * 512, 3 * 512, 3 * 512]
         assert all(r.cached_tokens == 0 for r in reqs if r not in shared)
+
+
+def test_the_command_writes_its_table_json_and_plot(tmp_path: Path) -> None:
+    """`flowprefill plan` end to end on a GPU cost model: each policy's smallest fleet meets the target
+    and the one below it (when tried) does not; the saving and the price follow from them."""
+    from gateway.cli import main
+
+    argv = ["plan", "--requests", "300", "--cost", "llama-3.1-8b@h100", "--rate", "120", "--policies",
+            "flowprefill,fcfs", "--price", "2", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    assert (tmp_path / "plan.png").stat().st_size > 10_000
+    for name, pol in doc["policies"].items():
+        n = pol["instances"]
+        assert n is not None and pol["at_instances"]["attainment"] >= 0.9, name
+        below = [p for p in pol["points"] if p["instances"] == n - 1]
+        assert n == 1 or (below and (below[0]["stopped_early"] or below[0]["attainment"] < 0.9)), name
+        hours = doc["workload"]["duration_s"] / 3600
+        assert pol["cost_per_million_requests"] == pytest.approx(n * 2 * hours / 300 * 1e6)
+    fleets = {name: pol["instances"] for name, pol in doc["policies"].items()}
+    assert doc["instances_saved_by_flowprefill"] == {"fcfs": fleets["fcfs"] - fleets["flowprefill"]}
