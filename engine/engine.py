@@ -166,10 +166,7 @@ class Engine:
         change to the scheduler's state holds, so waiting and pool are of one moment (any thread)."""
         with self._cv:
             s = self.scheduler
-            backlog: dict[str, float] = {}
-            for r in s.waiting:
-                backlog[r.slo_class] = backlog.get(r.slo_class, 0.0) + s.predict_s(r)
-            formed = sum(b.remaining_s for b in s.pool)
+            formed, backlog = s.backlog()
             return WorkerLoad(waiting=len(s.waiting), decoding=self.num_decoding,
                               suspended_batches=max(0, len(s.pool) - 1),
                               predicted_backlog_s=formed + sum(backlog.values()),

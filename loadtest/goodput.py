@@ -47,9 +47,11 @@ IDEAL = "flowprefill-ideal"  # simulator: zero stop latency, exact costs
 def make_requests(w: Workload, classes: dict[str, SLOClass], slo_scale: float, t0: float,
                   vocab: int | None) -> list[Request]:
     out = []
+    zeros: dict[int, list[int]] = {}  # simulated prompts: only their length counts, and they are never changed
     for i, tr in enumerate(w.requests):
         c = classes[tr.slo_class]
-        ids = synthesize_prompt(tr.input_tokens, vocab, seed=i) if vocab else [0] * tr.input_tokens
+        n = tr.input_tokens
+        ids = synthesize_prompt(n, vocab, seed=i) if vocab else zeros.get(n) or zeros.setdefault(n, [0] * n)
         r = Request.for_class(c, request_id=f"w{i}", prompt_token_ids=ids, sampling=SamplingParams(max_tokens=1),
                               arrival_time=t0 + tr.arrival_s)
         r.ttft_target_s *= slo_scale
@@ -57,6 +59,14 @@ def make_requests(w: Workload, classes: dict[str, SLOClass], slo_scale: float, t
         r.deadline = r.arrival_time + r.ttft_target_s
         out.append(r)
     return out
+
+
+def sim_config(engine_cfg: EngineConfig, ideal: bool = False, error: PredictionError | None = None) -> SimConfig:
+    """The simulator set up as the engine `engine_cfg` describes (its step budget, batch bound, KV, late share)."""
+    budget = engine_cfg.step_budget_ms / 1000 if engine_cfg.preemptible else None
+    return SimConfig(step_budget_s=budget, max_batch_tokens=engine_cfg.max_batch_tokens,
+                     kv_capacity_tokens=engine_cfg.kv_capacity_tokens, ideal=ideal,
+                     late_share=engine_cfg.late_share, error=error or PredictionError())
 
 
 def outcomes(reqs: list[Request]) -> list[report.Outcome]:
@@ -89,10 +99,7 @@ class Runner:
             error: PredictionError | None = None) -> dict[str, Any]:
         reqs = make_requests(w, classes, scale, 0.0, None)
         name = "flowprefill" if policy == IDEAL else policy
-        budget = self.engine_cfg.step_budget_ms / 1000 if self.engine_cfg.preemptible else None
-        cfg = SimConfig(step_budget_s=budget, max_batch_tokens=self.engine_cfg.max_batch_tokens,
-                        kv_capacity_tokens=self.engine_cfg.kv_capacity_tokens, ideal=policy == IDEAL,
-                        late_share=self.engine_cfg.late_share, error=error or PredictionError())
+        cfg = sim_config(self.engine_cfg, ideal=policy == IDEAL, error=error)
         pre = simulate(reqs, make_policy(name), cost or self.cost, cfg, exact=exact)
         return report.point(w.rate, outcomes(reqs), pre)
 

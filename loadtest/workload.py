@@ -21,6 +21,9 @@ class TraceRequest(msgspec.Struct, frozen=True):
     output_tokens: int
     slo_class: str
     type: str | None = None
+    # Mooncake's `hash_ids`: the prompt's blocks of PREFIX_BLOCK_TOKENS tokens, each named by a hash of it
+    # and all before it, so two prompts share a prefix exactly as far as their ids agree (empty: unknown)
+    prefix: tuple[int, ...] = ()
 
 
 class Workload(msgspec.Struct):
@@ -73,6 +76,9 @@ class TraceError(ValueError):
     pass
 
 
+PREFIX_BLOCK_TOKENS = 512  # tokens per hash id in Mooncake's traces
+
+
 # -- loaders -----------------------------------------------------------------------------------
 def load_trace(path: str | Path, rule: ClassRule | None = None, fmt: str = "auto") -> Workload:
     """Azure LLM CSV, BurstGPT CSV, or Mooncake / Qwen-Bailian JSONL (format sniffed by default)."""
@@ -89,7 +95,7 @@ def load_trace(path: str | Path, rule: ClassRule | None = None, fmt: str = "auto
     if not raw:
         raise TraceError(f"{path}: no requests in trace")
     t0 = raw[0][0]
-    reqs = [TraceRequest(t - t0, n_in, n_out, rule(n_in, typ), typ) for t, n_in, n_out, typ in raw]
+    reqs = [TraceRequest(t - t0, n_in, n_out, rule(n_in, typ), typ, *prefix) for t, n_in, n_out, typ, *prefix in raw]
     return Workload(path.stem, str(path), rule.describe(), reqs)
 
 
@@ -140,7 +146,7 @@ def _burstgpt_rows(path: Path) -> Iterable[tuple[float, int, int, str | None]]:
                 yield t, n_in, max(1, _int(row["Response tokens"], "Response tokens", where)), None
 
 
-def _jsonl_rows(path: Path) -> Iterable[tuple[float, int, int, str | None]]:
+def _jsonl_rows(path: Path) -> Iterable[tuple[float, int, int, str | None, tuple[int, ...]]]:
     rows = []
     for i, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
@@ -149,14 +155,15 @@ def _jsonl_rows(path: Path) -> Iterable[tuple[float, int, int, str | None]]:
         try:
             obj = json.loads(line)
             rows.append((float(obj["timestamp"]), _int(obj["input_length"], "input_length", where),
-                         max(1, _int(obj["output_length"], "output_length", where)), obj.get("type")))
+                         max(1, _int(obj["output_length"], "output_length", where)), obj.get("type"),
+                         tuple(_int(h, "hash id", where) for h in obj.get("hash_ids") or ())))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, TraceError):
                 raise
             raise TraceError(f"{where}: expected JSON with timestamp, input_length, output_length: {exc}") from None
     # Mooncake stamps arrivals in milliseconds, Qwen-Bailian in seconds: tell them apart by span.
     if rows and (max(r[0] for r in rows) - min(r[0] for r in rows)) > 1e5:
-        rows = [(t / 1000, a, b, c) for t, a, b, c in rows]
+        rows = [(t / 1000, *rest) for t, *rest in rows]  # type: ignore[misc]
     return rows
 
 

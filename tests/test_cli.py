@@ -68,12 +68,28 @@ def test_every_option_has_help_and_shows_its_default(command: str) -> None:
     assert f"(default: {9002 if command == 'epp' else 8000})" in text  # --port
 
 
-def test_loadtest_and_goodput_options_have_help() -> None:
+def test_loadtest_goodput_and_plan_options_have_help() -> None:
+    from engine.bench import plan
     from loadtest import goodput, run
 
-    for parser in (run.build_parser(), goodput.build_parser()):
+    for parser in (run.build_parser(), goodput.build_parser(), plan.build_parser()):
         undocumented = [a.option_strings for a in parser._actions if not a.help]
         assert not undocumented, f"`{parser.prog}` options without help: {undocumented}"
+    text = plan.build_parser().format_help()
+    assert "(default: 0.9)" in text and "(default: 64)" in text and "(default: cpu)" in text
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--target", "1.5"], "--target 1.5: a share of requests in (0, 1]"),
+    (["--policies", "fastest"], "unknown policy 'fastest'"),
+    (["--rate", "5", "--native-rate"], "not allowed with argument"),
+    (["--cost", "gpt-5@h100"], "unknown model 'gpt-5'"),
+    (["--workload", "/nonexistent.csv"], "trace file /nonexistent.csv does not exist"),
+    (["--against-serve", "1,x"], "expected worker counts"),
+])
+def test_a_plan_mistake_is_one_line_and_exit_2(argv: list[str], message: str) -> None:
+    line = one_line_error(flowprefill("plan", *argv))
+    assert line.startswith("flowprefill plan: error: ") and message in line, line
 
 
 def test_help_and_gateway_load_no_torch() -> None:

@@ -257,6 +257,7 @@ def test_every_documented_command_parses() -> None:
     """Every `flowprefill …` command in the docs is one the CLI accepts (options and values), so a
     renamed or removed option fails here; the long-running ones are not run, only parsed."""
     from engine.bench import kv_growth as bench_kv
+    from engine.bench import plan
     from engine.bench import prefill as bench_prefill
     from engine.bench import prefix_cache as bench_prefix
     from gateway import bench as bench_gateway
@@ -277,7 +278,7 @@ def test_every_documented_command_parses() -> None:
                ("bench", "gateway"): bench_gateway.build_parser, ("bench", "prefix"): bench_prefix.build_parser,
                ("bench", "kv"): bench_kv.build_parser, ("bench", "peer"): bench_peer.build_parser,
                ("bench", "epp"): bench_epp.build_parser,
-               ("loadtest",): loadtest_run.build_parser}.get(head)
+               ("loadtest",): loadtest_run.build_parser, ("plan",): plan.build_parser}.get(head)
         try:
             if sub is None:
                 build_parser().parse_args(argv)

@@ -176,6 +176,15 @@ class Scheduler:
             state = self._standing[id(item)] = standing(self, item, remaining_of(self, item))
         return state
 
+    def backlog(self) -> tuple[float, dict[str, float]]:
+        """The predicted prefill work queued here, as a worker's GET /load reports it for routing: what
+        the formed batches (running and suspended) still owe, and the waiting requests' predictions by
+        SLO class (the simulator's fleet routes on the same numbers)."""
+        by_class: dict[str, float] = {}
+        for r in self.waiting:
+            by_class[r.slo_class] = by_class.get(r.slo_class, 0.0) + self.predict_s(r)
+        return sum(b.remaining_s for b in self.pool), by_class
+
     # -- helpers for policies ------------------------------------------------------------------
     def cost_for(self, reqs: Sequence[Request]) -> OpCost:
         """The cost model that predicts these requests (the simulator's exact-cost oracle overrides it)."""

@@ -96,14 +96,20 @@ class BatchRecord(NamedTuple):
 
 
 class Simulation:
+    """One instance. `requests`: its own arrivals (none for a fleet's instance, whose router sends
+    them with `arrive`); `span`: the first and last arrival of the whole run (the machine's slowdown
+    step is placed in it), by default those of `requests`."""
+
     def __init__(self, requests: list[Request], policy: Policy, cost: OpCost, cfg: SimConfig,
-                 exact: ExactCosts | None) -> None:
+                 exact: ExactCosts | None, span: tuple[float, float] | None = None) -> None:
         self.cfg, self.exact = cfg, exact
         self.rng = random.Random(cfg.seed)
         self.clock = _Clock()
         self.kv = BlockPool(cfg.kv_block_size, cfg.kv_capacity_tokens)
         self.arrivals = deque(sorted(requests, key=lambda r: r.arrival_time))
-        first, last = (self.arrivals[0].arrival_time, self.arrivals[-1].arrival_time) if requests else (0.0, 0.0)
+        if span is None:
+            span = (self.arrivals[0].arrival_time, self.arrivals[-1].arrival_time) if requests else (0.0, 0.0)
+        first, last = span
         machine = cfg.error.machine(last - first, cfg.seed + 1)
         machine.slowdown_from_s += first
         self.machine = machine
@@ -122,6 +128,11 @@ class Simulation:
         self.batches: list[BatchRecord] = []
         self.began: dict[int, float] = {}  # batch id -> when it first ran
         self.step_left: dict[int, float] = {}  # ideal: batch id -> seconds left of its cut step
+        self.current: PrefillBatch | None = None  # the batch whose steps run (None: none since the last completed)
+        self.step_start: float = 0.0
+        self.step_end: float | None = None  # the running step's (step_end None: no step running)
+        self.lookahead = math.inf  # a fleet's next arrival: a fast-forward stops there too
+        self.done: list[Request] = []  # first tokens out since the caller last emptied it (a fleet's router reads it)
 
     def _make_batch(self, reqs: list[Request], spans: list[SeqSpan]) -> PrefillBatch:
         for r in reqs:
@@ -140,64 +151,86 @@ class Simulation:
         return truth * self.machine.at(self.clock.t) * self.own_factor[batch.batch_id] / batch.steps.scale
 
     def next_event(self) -> float:
+        """When this instance's next own event is due: its next arrival or its scheduler's wake-up."""
         return min(self.arrivals[0].arrival_time if self.arrivals else math.inf, self.sched.wake_at)
 
     def fire(self, t: float) -> None:
         """The event due at t: the next arrival, or the scheduler's wake-up."""
-        self.clock.t = max(self.clock.t, t)
         if self.arrivals and self.arrivals[0].arrival_time <= t:
-            self.sched.on_arrival(self.arrivals.popleft())
+            self.arrive(self.arrivals.popleft(), t)
         else:
+            self.clock.t = max(self.clock.t, t)
             self.sched.on_timer()
 
+    def arrive(self, req: Request, t: float) -> None:
+        """`req` arrives here at t (its own arrival, or a fleet's router sending it here)."""
+        self.clock.t = max(self.clock.t, t)
+        self.sched.on_arrival(req)
+
     def run(self) -> int:
-        current: PrefillBatch | None = None
-        while True:
-            batch = self.sched.chosen
-            if batch is None:
-                if not self.arrivals:
-                    break
+        while self.sched.chosen is not None or self.arrivals:
+            if self.sched.chosen is None:
                 self.fire(self.arrivals[0].arrival_time)
                 continue
-            if batch is not current:
-                if current is not None and current in self.sched.pool:
-                    current.suspend(self.clock.t, self.sched.chosen_at, batch)
-                    self.preemptions += 1
-                batch.begin_segment(self.clock.t)
-                self.began.setdefault(batch.batch_id, self.clock.t)
-                current = batch
-            if self.step(batch):
-                current = None
-        for r in self.sched.shed:
-            r.state, r.finish_reason = RequestState.FAILED, "error"
+            end = self.begin_step()
+            if self.cfg.ideal and self.next_event() < end:
+                t = self.next_event()  # ideal preemption: the step stops mid-way, its progress kept
+                self.cut(t)
+                self.fire(t)
+                continue
+            while self.next_event() <= end:  # events during a step are decided at their own time and
+                self.fire(self.next_event())  # acted on at the next boundary
+            self.end_step()
+        self.finish()
         return self.preemptions
 
-    def step(self, batch: PrefillBatch) -> bool:
-        """Run the chosen batch's next step, deciding at their times the events during it. True when
-        the batch completed."""
+    def finish(self) -> None:
+        for r in self.sched.shed:
+            r.state, r.finish_reason = RequestState.FAILED, "error"
+
+    def begin_step(self) -> float:
+        """Switch to the scheduler's chosen batch if it is not the one running (a preemption when that
+        one is unfinished) and start its next step (or what is left of a cut one); returns when the
+        step ends. `lookahead`: events the instance cannot see (a fleet's next arrival) also stop a
+        fast-forward."""
+        batch = self.sched.chosen
+        assert batch is not None
+        if batch is not self.current:
+            if self.current is not None and self.current in self.sched.pool:
+                self.current.suspend(self.clock.t, self.sched.chosen_at, batch)
+                self.preemptions += 1
+            batch.begin_segment(self.clock.t)
+            self.began.setdefault(batch.batch_id, self.clock.t)
+            self.current = batch
         start = self.clock.t
         left = self.step_left.pop(batch.batch_id, None)
         if left is None and not self.cfg.ideal:
             self._fast_forward(batch)
             start = self.clock.t
-        end = start + (self._step_s(batch) if left is None else left)
-        if self.cfg.ideal and self.next_event() < end:
-            t = self.next_event()  # ideal preemption: the step stops mid-way, its progress kept
-            self.step_left[batch.batch_id] = end - t
-            batch.exec_s += t - start
-            self.fire(t)
-            return False
-        while self.next_event() <= end:  # events during a step are decided at their own time and
-            self.fire(self.next_event())  # acted on at the next boundary
-        self.clock.t = end
-        measured = batch.exec_s + end - start
+        self.step_start, self.step_end = start, start + (self._step_s(batch) if left is None else left)
+        return self.step_end
+
+    def cut(self, t: float) -> None:
+        """Ideal preemption: the running step stops at t, before its end, its progress kept."""
+        assert self.current is not None and self.step_end is not None
+        self.step_left[self.current.batch_id] = self.step_end - t
+        self.current.exec_s += t - self.step_start
+        self.step_end = None
+
+    def end_step(self) -> None:
+        """The running step ends (`begin_step`'s time): the batch advances, completing or reporting
+        progress at the engine's cadence."""
+        batch, end = self.current, self.step_end
+        assert batch is not None and end is not None
+        self.clock.t, self.step_end = end, None
+        measured = batch.exec_s + end - self.step_start
         finished = batch.advance()
         batch.exec_s = measured  # virtual time, not the instant advance() took
         if finished:
             self._complete(batch)
+            self.current = None
         elif batch.exec_s - batch.observed[1] >= self.sched.progress_every_s:
             self.sched.on_progress(batch)
-        return finished
 
     def _step_s(self, batch: PrefillBatch) -> float:
         if batch.next_step >= len(batch.steps):
@@ -213,7 +246,8 @@ class Simulation:
             return
         t = self.clock.t
         observe_in = self.sched.progress_every_s - (batch.exec_s - batch.observed[1])
-        until = min(self.next_event(), self.machine.next_change_after(t), t + max(observe_in, 0.0))
+        until = min(self.next_event(), self.lookahead, self.machine.next_change_after(t),
+                    t + max(observe_in, 0.0))
         rate = self.true_rate(batch) * (self.rng.lognormvariate(0, self.cfg.noise) if self.cfg.noise else 1.0)
         base = plan.cost_before(i)
         j = min(len(plan), plan.first_step_ending_after(base + (until - t) / rate))
@@ -237,6 +271,7 @@ class Simulation:
                 r.state = RequestState.FINISHED
                 r.finish_reason = "length"
                 self.kv.free(r.block_table)
+                self.done.append(r)
             else:
                 r.state = RequestState.WAITING
                 unfinished.append(r)

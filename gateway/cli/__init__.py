@@ -55,6 +55,12 @@ BENCHES = {
 }
 LOADTEST = Command("loadtest.run", "a Locust profile, headless, against a gateway: per-class goodput report",
                    ("loadtest",))
+# Top-level tools that parse their own arguments, as the benchmarks do.
+TOOLS = {
+    "loadtest": LOADTEST,
+    "plan": Command("engine.bench.plan", "capacity planner: the instances a workload needs per policy to meet an "
+                    "SLO attainment target (simulated behind the gateway's routing)", BENCH),
+}
 
 
 def version() -> str:
@@ -85,7 +91,8 @@ def build_parser(only: str | None = None) -> Parser:
     benches = bench.add_subparsers(dest="bench", required=True, metavar="NAME")
     for name, command in BENCHES.items():
         benches.add_parser(name, help=command.help, add_help=False)  # its own parser reads the rest
-    sub.add_parser("loadtest", help=LOADTEST.help, add_help=False)
+    for name, command in TOOLS.items():
+        sub.add_parser(name, help=command.help, add_help=False)
     return parser
 
 
@@ -103,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                              f"(see flowprefill {args.command} --help)")
             require_extras(SERVERS[args.command].extras)
             return SERVERS[args.command].load().run(args)
-        tool = BENCHES[args.bench] if args.command == "bench" else LOADTEST
+        tool = BENCHES[args.bench] if args.command == "bench" else TOOLS[args.command]
         require_extras(tool.extras)
         return tool.load().main(rest)
     except CommandLineError as exc:

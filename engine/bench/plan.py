@@ -1,0 +1,289 @@
+"""`flowprefill plan`: how many prefill instances a workload needs to meet an SLO attainment target,
+per policy.
+
+For each policy, N instances are simulated behind the gateway's own routing (least predicted backlog
+from each instance's GET /load, polled as the gateway polls it, plus its requests in flight; prefix
+affinity within its slack), each instance the real scheduler and policy on one shared virtual clock
+(engine/sim/fleet.py), with a cost model (`cpu`: this machine profiled, as `bench goodput` does;
+`MODEL@GPU`: roofline). The smallest N that meets the target is found by doubling, then bisection
+(attainment grows with N); a run whose certain misses already put it far below the target stops
+early. Reported at that N: attainment and goodput per class, the instances FlowPrefill saves
+against each other policy, and the cost per million requests at a price per instance-hour.
+
+Writes <out>/plan.json, <out>/plan.png (attainment vs N per policy) and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich.progress import Progress
+
+from engine.bench.console import results_console
+from engine.bench.machine import machine_info
+from engine.bench.plan_routing import DEFAULTS, GatewayRouter, KeyOf, trace_key
+from engine.config import EngineConfig
+from engine.model.plan import OpCost
+from engine.protocol.slo import DEFAULT_CLASSES, SLOClass
+from engine.request import Request
+from engine.scheduler import make_policy
+from engine.sim.fleet import Fleet
+from gateway.cli.common import Parser
+from loadtest import report
+from loadtest.goodput import DEFAULT_POLICIES, Runner, make_requests, outcomes, sim_config
+from loadtest.workload import (
+    PREFIX_BLOCK_TOKENS,
+    ClassRule,
+    TraceError,
+    Workload,
+    azure_mix,
+    head,
+    load_trace,
+    scale_to_rate,
+)
+
+# A run is stopped once its certain misses put it this far below the target: it fails either way, and
+# an overloaded fleet (a queue of thousands, at the policy's cost per decision) is the slowest to finish.
+STOP_BELOW = 0.25
+DEFAULT_PRICE = 3.0  # USD per instance-hour: about an on-demand H100's in 2026 (a placeholder: pass yours)
+
+
+class Planner:
+    """Simulates the workload on N instances of a policy. `cost`: the cost model; `key_of`: each
+    request's prefix key as the gateway would compute it; `urls`: the instances' names."""
+
+    def __init__(self, w: Workload, cost: OpCost, engine_cfg: EngineConfig, target: float, every_class: bool,
+                 classes: dict[str, SLOClass] = DEFAULT_CLASSES, key_of: KeyOf | None = None,
+                 poll_s: float = 1.0, requests: Callable[[], list[Request]] | None = None,
+                 urls: Callable[[int], list[str]] | None = None) -> None:
+        self.w, self.cost, self.engine_cfg, self.classes = w, cost, engine_cfg, classes
+        self.target, self.every_class = target, every_class
+        self.key_of, self.poll_s, self.urls = key_of, poll_s, urls
+        self.requests = requests or (lambda: with_prefixes(w, make_requests(w, classes, 1.0, 0.0, None)))
+        self.prefix_blocks = PREFIX_BLOCK_TOKENS if any(r.prefix for r in w.requests) else None
+        self.sheddable = frozenset(name for name, c in classes.items() if c.sheddable)
+        self.sims = 0
+
+    def evaluate(self, policy: str, n: int, stop_early: bool = True) -> dict[str, Any]:
+        """One fleet of n instances on the whole workload: the goodput point (bench goodput's, with
+        goodput per class), or, stopped early, the most attainment it could still have reached."""
+        reqs = self.requests()
+        router = GatewayRouter(n, self.key_of, self.poll_s, urls=self.urls(n) if self.urls else None)
+        fleet = Fleet(reqs, n, policy, self.cost, sim_config(self.engine_cfg), router, sheddable=self.sheddable,
+                      max_waiting=self.engine_cfg.max_waiting, prefix_block_tokens=self.prefix_blocks)
+        self.sims += 1
+        counts = {c: sum(r.slo_class == c for r in reqs) for c in {r.slo_class for r in reqs}}
+        floor = self.target - STOP_BELOW
+        if not fleet.run(self._hopeless(counts, floor) if stop_early else None):
+            at_most = {c: 1 - fleet.misses.get(c, 0) / k for c, k in counts.items()}
+            overall = 1 - sum(fleet.misses.values()) / len(reqs)
+            return {"instances": n, "stopped_early": True, "attainment_at_most": overall,
+                    "per_class_at_most": dict(sorted(at_most.items()))}
+        pt = report.point(self.w.rate, outcomes(reqs), fleet.preemptions)
+        for c in pt["per_class"].values():
+            c["goodput_rps"] = self.w.rate * c["n"] / len(reqs) * c["attainment"]
+        pt |= {"instances": n, "stopped_early": False, "refused": len(fleet.refused),
+               "prefix_matched_chars": router.matched_chars}
+        return pt
+
+    def _hopeless(self, counts: dict[str, int], floor: float) -> Callable[[dict[str, int]], bool]:
+        total = sum(counts.values())
+        if self.every_class:
+            return lambda misses: any(m > (1 - floor) * counts[c] for c, m in misses.items())
+        return lambda misses: sum(misses.values()) > (1 - floor) * total
+
+    def meets(self, pt: dict[str, Any]) -> bool:
+        if pt["stopped_early"]:
+            return False
+        if self.every_class:
+            return min(c["attainment"] for c in pt["per_class"].values()) >= self.target
+        return bool(pt["attainment"] >= self.target)
+
+
+def with_prefixes(w: Workload, reqs: list[Request]) -> list[Request]:
+    """The trace's prompt blocks (Mooncake's hash ids) as the requests' block hashes."""
+    for r, tr in zip(reqs, w.requests, strict=True):
+        if tr.prefix:
+            r.block_hashes = [h.to_bytes(8, "little", signed=True) for h in tr.prefix]
+    return reqs
+
+
+def smallest(meets: Callable[[int], bool], max_n: int) -> int | None:
+    """The smallest n in [1, max_n] for which `meets(n)`, for a `meets` that stays true once true:
+    doubling from 1 to the first n that meets it, then bisection below it. None: not even max_n."""
+    lo, hi = 0, 1  # lo: known to fail (no instance serves nothing)
+    while not meets(hi):
+        if hi >= max_n:
+            return None
+        lo, hi = hi, min(2 * hi, max_n)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if meets(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def plan_policy(planner: Planner, policy: str, max_n: int, on_point: Callable[[int], None]) -> dict[str, Any]:
+    """The smallest fleet for one policy, with every fleet size simulated on the way."""
+    points: dict[int, dict[str, Any]] = {}
+
+    def meets(n: int) -> bool:
+        on_point(n)
+        points[n] = planner.evaluate(policy, n)
+        return planner.meets(points[n])
+
+    n = smallest(meets, max_n)
+    return {"instances": n, "at_instances": points.get(n) if n else None,
+            "points": [points[k] for k in sorted(points)]}
+
+
+def cost_per_million(n: int | None, price: float, w: Workload) -> float | None:
+    """What serving the workload's requests costs per million: n instances for its duration."""
+    if n is None or not w.requests or w.duration_s <= 0:
+        return None
+    return n * price * w.duration_s / 3600 / len(w.requests) * 1e6
+
+
+def workers_of(spec: str) -> list[int]:
+    try:
+        ns = [int(x) for x in spec.split(",") if x]
+    except ValueError:
+        raise ValueError(f"--against-serve {spec!r}: expected worker counts, e.g. 1,2") from None
+    if not ns or min(ns) < 1:
+        raise ValueError(f"--against-serve {spec!r}: expected worker counts >= 1, e.g. 1,2")
+    return ns
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="flowprefill plan", description=__doc__)
+    p.add_argument("--workload", default="azure-mix", help="azure-mix or a trace file (Azure/BurstGPT CSV, JSONL)")
+    p.add_argument("--requests", type=int, default=None, metavar="N", help="first N requests of the workload "
+                   "(default: all)")
+    p.add_argument("--cost", default="cpu", help="cost model: cpu (profile this machine) or MODEL@GPU, e.g. "
+                   "llama-3.1-8b@h100")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="cpu: torch threads of the engine profiled (as `serve --threads`; default: torch's choice)")
+    p.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated policy names")
+    p.add_argument("--target", type=float, default=report.ATTAINMENT_TARGET,
+                   help="TTFT SLO attainment to meet, a share in (0, 1]")
+    p.add_argument("--every-class", action="store_true", help="the target holds for each SLO class, not overall")
+    rate = p.add_mutually_exclusive_group()
+    rate.add_argument("--rate", type=float, default=None, metavar="R",
+                      help="scale the arrivals to R requests/s (default: the trace's native rate)")
+    rate.add_argument("--native-rate", action="store_true", help="the trace's own arrival times (the default)")
+    p.add_argument("--max-instances", type=int, default=64, metavar="N", help="largest fleet to try")
+    p.add_argument("--price", type=float, default=DEFAULT_PRICE, metavar="USD",
+                   help="price of one instance-hour, for the cost per million requests")
+    p.add_argument("--poll-s", type=float, default=1.0, help="how often the gateway reads each worker's /load")
+    p.add_argument("--prefix-affinity-chars", type=int, default=DEFAULTS.prefix_affinity_chars,
+                   help="the gateway's prefix_affinity_chars (0: no affinity)")
+    p.add_argument("--against-serve", default=None, metavar="N,N",
+                   help="cpu: also run `flowprefill serve --workers N` on this machine for each N, on the same "
+                        "arrivals, and compare its per-class attainment with the simulated fleet's")
+    p.add_argument("--out", default="bench-results", help="directory for plan.json and plan.png")
+    return p
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """What is wrong with the command line (one line), or None."""
+    if not 0 < args.target <= 1:
+        return f"--target {args.target:g}: a share of requests in (0, 1], e.g. 0.9"
+    if args.max_instances < 1:
+        return "--max-instances must be >= 1"
+    if args.rate is not None and args.rate <= 0:
+        return "--rate must be > 0"
+    if args.requests is not None and args.requests < 2:
+        return "--requests must be >= 2 (a rate needs two arrivals)"
+    if args.price < 0 or args.poll_s <= 0 or args.prefix_affinity_chars < 0:
+        return "--price, --prefix-affinity-chars must be >= 0 and --poll-s > 0"
+    if args.against_serve is not None:
+        if args.cost != "cpu":
+            return "--against-serve compares with this machine's engine: use it with --cost cpu"
+        try:
+            workers_of(args.against_serve)
+        except ValueError as exc:
+            return str(exc)
+    for name in [x for x in args.policies.split(",") if x]:
+        try:
+            make_policy(name)
+        except ValueError as exc:
+            return str(exc)
+    if not [x for x in args.policies.split(",") if x]:
+        return "--policies names no policy"
+    return None
+
+
+def load_workload(args: argparse.Namespace) -> Workload:
+    base = azure_mix(ClassRule()) if args.workload == "azure-mix" else load_trace(args.workload, ClassRule())
+    if args.requests:
+        base = head(base, args.requests)
+    return scale_to_rate(base, args.rate) if args.rate else base
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engine.bench.plan_report import plot, print_tables
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if (problem := check_args(args)) is not None:
+        parser.error(problem)
+    try:
+        w = load_workload(args)
+    except (TraceError, ValueError) as exc:
+        parser.error(str(exc))
+    if len(w.requests) < 2:
+        parser.error("the workload has fewer than two requests")
+    console = results_console()
+    try:
+        engine_cfg = EngineConfig(prefix_caching=False, num_threads=args.threads)
+        runner = Runner("sim", engine_cfg, args.cost)  # the cost model (cpu: this machine profiled)
+    except ValueError as exc:
+        parser.error(f"--cost {args.cost}: {exc}")
+    key_of = trace_key(args.prefix_affinity_chars, PREFIX_BLOCK_TOKENS) if args.prefix_affinity_chars else None
+    planner = Planner(w, runner.cost, engine_cfg, args.target, args.every_class, key_of=key_of, poll_s=args.poll_s)
+    policies = [x for x in args.policies.split(",") if x]
+    started = time.perf_counter()
+    results: dict[str, dict[str, Any]] = {}
+    with Progress(console=console) as progress:
+        task = progress.add_task("planning", total=len(policies))
+        for pol in policies:
+            results[pol] = plan_policy(planner, pol, args.max_instances, lambda n, pol=pol: progress.update(
+                task, description=f"{pol}: {n} instance(s) ({planner.sims} fleets simulated)"))
+            results[pol]["cost_per_million_requests"] = cost_per_million(results[pol]["instances"], args.price, w)
+            progress.advance(task)
+    doc = document(args, argv, w, runner.model_name, results, time.perf_counter() - started, planner.sims)
+    if args.against_serve is not None:
+        from engine.bench.plan_real import against_serve
+
+        doc["against_serve"] = against_serve(args, w, runner.cost, engine_cfg, policies, console)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.json").write_text(json.dumps(doc, indent=2))
+    print_tables(console, doc)
+    plot(doc, out / "plan.png")
+    console.print(f"wrote {out / 'plan.json'} and {out / 'plan.png'}")
+    return 0
+
+
+def document(args: argparse.Namespace, argv: list[str] | None, w: Workload, model: str,
+             results: dict[str, dict[str, Any]], elapsed_s: float, sims: int) -> dict[str, Any]:
+    """plan.json: the workload, the question asked, and per policy its smallest fleet and every point."""
+    fp = results.get("flowprefill", {}).get("instances")
+    saved = {pol: r["instances"] - fp for pol, r in results.items()
+             if pol != "flowprefill" and fp is not None and r["instances"] is not None}
+    return {"workload": {"name": w.name, "source": w.source, "requests": len(w.requests), "class_rule": w.class_rule,
+                         "rate": w.rate, "duration_s": w.duration_s},
+            "cost_model": args.cost, "model": model, "target": args.target, "every_class": args.every_class,
+            "max_instances": args.max_instances, "price_per_instance_hour": args.price,
+            "routing": {"poll_s": args.poll_s, "prefix_affinity_chars": args.prefix_affinity_chars,
+                        "affinity_slack_s": DEFAULTS.prefix_affinity_slack_s},
+            "policies": results, "instances_saved_by_flowprefill": saved,
+            "planning_s": elapsed_s, "fleets_simulated": sims, "machine": machine_info(),
+            "command": "flowprefill plan " + " ".join(argv or [])}

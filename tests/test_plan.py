@@ -1,0 +1,166 @@
+"""The capacity planner (`flowprefill plan`): its search finds the smallest fleet on a case whose answer
+is known, one simulated instance is the single-instance simulator exactly, and the fleet is routed by
+the gateway's own pool (its scoring and its prefix affinity)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from test_sim import COST, requests, trace
+
+from engine.bench.plan import Planner, smallest, with_prefixes
+from engine.bench.plan_routing import GatewayRouter, distinct_key, prompt_key, trace_key
+from engine.config import EngineConfig
+from engine.model.plan import SeqSpan
+from engine.protocol.slo import DEFAULT_CLASSES
+from engine.scheduler import make_policy
+from engine.sim import SimConfig, simulate
+from engine.sim.fleet import Fleet
+from gateway.routing import WorkerPool
+from loadtest.goodput import make_requests
+from loadtest.workload import PREFIX_BLOCK_TOKENS, TraceRequest, Workload, load_trace
+
+
+def test_smallest_is_the_first_n_that_meets() -> None:
+    asked: list[int] = []
+
+    def meets(n: int) -> bool:
+        asked.append(n)
+        return n >= 37
+
+    assert smallest(meets, 64) == 37
+    assert len(asked) <= 13  # doubling to 64, then bisection of (32, 64]: not all 37 sizes
+    assert smallest(lambda n: n >= 1, 64) == 1
+    assert smallest(lambda n: False, 8) is None
+    assert smallest(lambda n: n >= 8, 8) == 8
+
+
+def bursts(k: int = 8, seconds: int = 10, tokens: int = 2048) -> Workload:
+    """k equal `standard` prompts at once, every 2 s (when the gateway's once-a-second poll has just
+    seen every instance drained)."""
+    reqs = [TraceRequest(2.0 * s, tokens, 1, "standard") for s in range(seconds) for _ in range(k)]
+    return Workload("bursts", "synthetic", "all standard", reqs)
+
+
+def test_bisection_finds_the_minimum_on_a_known_case() -> None:
+    """8 prompts at once, each 0.2 s alone (one per batch: 2048 tokens), 500 ms target, first come first
+    served: an instance meets the target for its first two of a burst (0.2, 0.4 s) and misses the
+    third (0.6 s). Spread evenly, N instances attain 2N of 8: 25, 50, 75 % for N = 1, 2, 3, all from
+    4 on, so 90 % needs exactly 4."""
+    cost = replace(COST, scale=0.2 / COST.prefill_s([SeqSpan(0, 2048)]))
+    planner = Planner(bursts(), cost, EngineConfig(prefix_caching=False), target=0.9, every_class=False)
+    seen: dict[int, float] = {}
+
+    def meets(n: int) -> bool:
+        pt = planner.evaluate("fcfs", n, stop_early=False)
+        seen[n] = pt["attainment"]
+        return planner.meets(pt)
+
+    assert smallest(meets, 16) == 4
+    assert seen == pytest.approx({1: 0.25, 2: 0.5, 3: 0.75, 4: 1.0})
+
+
+def test_a_run_far_below_the_target_stops_early() -> None:
+    cost = replace(COST, scale=0.2 / COST.prefill_s([SeqSpan(0, 2048)]))
+    planner = Planner(bursts(seconds=20), cost, EngineConfig(prefix_caching=False), target=0.9, every_class=False)
+    pt = planner.evaluate("fcfs", 1)
+    assert pt["stopped_early"] and pt["attainment_at_most"] < 0.65
+    assert not planner.meets(pt)
+    assert planner.evaluate("fcfs", 1, stop_early=False)["attainment"] == pytest.approx(0.25, abs=0.02)
+
+
+@pytest.mark.parametrize(("policy", "cfg"), [
+    ("flowprefill", SimConfig(noise=0.2, seed=7)), ("flowprefill", SimConfig(ideal=True)),
+    ("chunked:2048", SimConfig())])
+def test_one_instance_is_the_single_instance_simulation(policy: str, cfg: SimConfig) -> None:
+    """Bit for bit: the same first-token times, suspensions and preemptions."""
+    alone, fleet_reqs = requests(trace(3.0, 100)), requests(trace(3.0, 100))
+    pre = simulate(alone, make_policy(policy), COST, cfg)
+    fleet = Fleet(fleet_reqs, 1, policy, COST, cfg, GatewayRouter(1, distinct_key()))
+    assert fleet.run()
+    assert (fleet.preemptions == pre and pre > 0) or policy.startswith(("chunked", "fcfs"))
+    assert [r.first_token_time for r in fleet_reqs] == [r.first_token_time for r in alone]
+    assert [len(r.suspensions) for r in fleet_reqs] == [len(r.suspensions) for r in alone]
+
+
+def _long_then_short(router: GatewayRouter) -> Fleet:
+    """A 6000-token prompt at 0, a 100-token one at 1.5 s, after the poll at 1 s saw the first's backlog."""
+    reqs = requests([(0.0, 6000, "batch"), (1.5, 100, "interactive")])
+    fleet = Fleet(reqs, 2, "fcfs", COST, SimConfig(), router)
+    assert fleet.run()
+    return fleet
+
+
+def test_the_fleet_routes_by_the_gateways_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    router = GatewayRouter(2, None)
+    assert isinstance(router.pool, WorkerPool)
+    fleet = _long_then_short(router)
+    assert fleet.placed["r1"] != fleet.placed["r0"]  # least predicted backlog
+    assert all(w.in_flight == 0 for w in router.pool.workers)  # every request released
+    assert router.pool.workers[fleet.placed["r0"]].backlog_s > 0  # what the polls saw there
+    # The ranking is the pool's own: score workers the other way round, and the fleet follows.
+    monkeypatch.setattr(WorkerPool, "_score", lambda self, w: -(w.backlog_s + w.in_flight * self.per_request_s))
+    fleet = _long_then_short(GatewayRouter(2, None))
+    assert fleet.placed["r1"] == fleet.placed["r0"]
+
+
+def _conversation() -> list:  # type: ignore[type-arg]
+    """A prompt, its next turn (the same prompt and more) 3 s later, an unrelated prompt just after."""
+    reqs = requests([(0.0, 2000, "relaxed"), (3.0, 2500, "relaxed"), (3.1, 1500, "relaxed")], tokens=True)
+    reqs[1].prompt_token_ids = reqs[0].prompt_token_ids + reqs[1].prompt_token_ids[:500]
+    return reqs
+
+
+def test_prefix_affinity_sends_a_shared_prefix_to_its_worker() -> None:
+    """The gateway's prefix keys on the prompts' token ids: the next turn goes where the first went,
+    found in the pool's prefix table (not by chance: for 2, 3 and 5 instances)."""
+    for n in (2, 3, 5):
+        router = GatewayRouter(n, prompt_key(1024))
+        fleet = Fleet(_conversation(), n, "flowprefill", COST, SimConfig(), router)
+        assert fleet.run()
+        assert fleet.placed["r1"] == fleet.placed["r0"], n
+        assert router.matched_chars >= 1024  # the second turn's match; the others found none
+
+
+def test_a_traces_prefixes_are_routed_to_their_cache(tmp_path: Path) -> None:
+    """Mooncake JSONL names each prompt's 512-token blocks: a prompt sharing blocks with an earlier one
+    goes where that one ran (the gateway's prefix table) and computes only what is not cached there."""
+    rows = [{"timestamp": 1000 * i, "input_length": 2048 + 100 * i, "output_length": 1,
+             "hash_ids": [1, 2, 3, 10 + i] if i % 2 == 0 else [50 + i, 60 + i, 70 + i, 80 + i]} for i in range(8)]
+    trace_file = tmp_path / "mooncake.jsonl"
+    trace_file.write_text("\n".join(json.dumps(r) for r in rows))
+    w = load_trace(trace_file)
+    assert w.requests[2].prefix == (1, 2, 3, 12)
+    for n in (2, 3, 4):
+        reqs = with_prefixes(w, make_requests(w, DEFAULT_CLASSES, 1.0, 0.0, None))
+        router = GatewayRouter(n, trace_key(1024, PREFIX_BLOCK_TOKENS))
+        fleet = Fleet(reqs, n, "flowprefill", COST, SimConfig(), router, prefix_block_tokens=PREFIX_BLOCK_TOKENS)
+        assert fleet.run()
+        shared = [r for r in reqs if int(r.request_id[1:]) % 2 == 0]
+        assert len({fleet.placed[r.request_id] for r in shared}) == 1, n
+        assert [r.cached_tokens for r in shared] == [0, 3 * 512, 3 * 512, 3 * 512]
+        assert all(r.cached_tokens == 0 for r in reqs if r not in shared)
+
+
+def test_the_command_writes_its_table_json_and_plot(tmp_path: Path) -> None:
+    """`flowprefill plan` end to end on a GPU cost model: each policy's smallest fleet meets the target
+    and the one below it (when tried) does not; the saving and the price follow from them."""
+    from gateway.cli import main
+
+    argv = ["plan", "--requests", "300", "--cost", "llama-3.1-8b@h100", "--rate", "120", "--policies",
+            "flowprefill,fcfs", "--price", "2", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    assert (tmp_path / "plan.png").stat().st_size > 10_000
+    for name, pol in doc["policies"].items():
+        n = pol["instances"]
+        assert n is not None and pol["at_instances"]["attainment"] >= 0.9, name
+        below = [p for p in pol["points"] if p["instances"] == n - 1]
+        assert n == 1 or (below and (below[0]["stopped_early"] or below[0]["attainment"] < 0.9)), name
+        hours = doc["workload"]["duration_s"] / 3600
+        assert pol["cost_per_million_requests"] == pytest.approx(n * 2 * hours / 300 * 1e6)
+    fleets = {name: pol["instances"] for name, pol in doc["policies"].items()}
+    assert doc["instances_saved_by_flowprefill"] == {"fcfs": fleets["fcfs"] - fleets["flowprefill"]}
