@@ -191,7 +191,8 @@ class Fleet:
         if self.max_waiting is not None and (
                 len(sched.waiting) + sum(len(b.requests) for b in sched.pool) + 1 > self.max_waiting):
             return True
-        return req.slo_class in self.sheddable and req.deadline - t - sched.predict_s(req) < 0
+        return req.slo_class in self.sheddable and sched.cannot_meet([req], sched.predict_s(req),
+                                                                      req.remaining_prefill_tokens, t)
 
     def _count_misses(self, now: float) -> dict[str, int]:
         """Each request whose deadline is past now counts once, if its first token was not out by then."""
