@@ -19,7 +19,7 @@ from engine.kv_cache import BlockPool
 from engine.model.plan import OpCost, SeqSpan
 from engine.prefill import PrefillBatch
 from engine.request import Request
-from engine.scheduler.slack import SHARED, LateShare, remaining_of, slack, standing, standings
+from engine.scheduler.slack import SHARED, LateShare, remaining_of, standing, standings
 
 # A request is refused (shed) for a predicted miss on its own prediction alone. Where no batch of its
 # size has run, that prediction is calibration alone, and calibration taken while another process shared
@@ -166,7 +166,8 @@ class Scheduler:
         """Queued requests of `late = "shed"` classes that can no longer meet their deadline leave
         (the engine ends them; the worker answers 429). Work begun, or an answer begun, is kept."""
         for r in [r for r in self.waiting if r.shed_late and r.prefill_start is None and not r.output_token_ids]:
-            if slack(self, r) < 0 and self.cannot_meet([r], self.predict_s(r), r.remaining_prefill_tokens, self.now):
+            # (negative slack, on a prediction strong enough to refuse on: cannot_meet implies slack < 0)
+            if self.cannot_meet([r], self.predict_s(r), r.remaining_prefill_tokens, self.now):
                 self.waiting.remove(r)
                 self.shed.append(r)
 
