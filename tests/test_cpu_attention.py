@@ -132,3 +132,17 @@ def test_the_backend_is_chosen_on_a_cpu_where_it_runs() -> None:
     assert select_backend("sdpa", torch.device("cpu"), torch.float32, 32).name == "sdpa"
     with pytest.raises(ValueError, match="cpu attention backend head size 48"):
         select_backend("cpu", torch.device("cpu"), torch.float32, 48)
+
+
+def test_the_kernels_run_on_torchs_threads() -> None:
+    """at::parallel_for is an OpenMP pragma in ATen's headers: a build without -fopenmp ran every tile on
+    one thread whatever torch.set_num_threads said (the attention of a 2K-token prompt took as long on two
+    threads as on one). The kernels' loops must use exactly torch's thread count, and torch's own libgomp."""
+    _skip_unless_built(torch.float32)
+    before = torch.get_num_threads()
+    try:
+        for threads in {1, 2, before}:
+            torch.set_num_threads(threads)
+            assert cpu.parallel_width(64) == threads
+    finally:
+        torch.set_num_threads(before)

@@ -34,7 +34,11 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_flash.cpp", "cpu_rows.cpp")]
 HEADER = Path(__file__).with_name("cpu_simd.h")
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # the head sizes the kernel is instantiated for
-_BASE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"]
+# -fopenmp: at::parallel_for is a `#pragma omp parallel` in ATen's headers, which a build without it
+# compiles to one thread: the attention tile ran 34.7 ms at 2K tokens causal (fp32) on one thread and on
+# two. The symbols resolve to the libgomp torch itself loaded (same soname), so torch.set_num_threads and
+# the engine's core pinning govern these threads as they govern torch's own.
+_BASE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma"]
 _lock = threading.Lock()
 
 
@@ -70,7 +74,7 @@ def build() -> tuple[frozenset[torch.dtype], str]:
 
         with _lock:
             load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=[*cflags, _header_version()],
-                 is_python_module=False, verbose=False)
+                 extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, a read-only cache: torch's SDPA serves instead
         return frozenset(), f"could not be built ({type(e).__name__}: {str(e).strip().splitlines()[-1][:300]})"
     return frozenset({torch.float32, torch.bfloat16} if bf16 else {torch.float32}), ""
@@ -115,6 +119,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -
 def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
     """The exact LSE merge of tiles (`engine.attention.merge_lse`'s arithmetic) in one pass."""
     return outs[0] if len(outs) == 1 else _ops.merge(outs, lses)
+
+
+def parallel_width(items: int = 64) -> int:
+    """How many threads the kernels' parallel loops run on now (torch.get_num_threads(), if the build
+    has OpenMP; tests/test_cpu_attention.py checks it)."""
+    return int(_ops.parallel_width(items))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

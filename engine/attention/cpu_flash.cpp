@@ -451,6 +451,17 @@ at::Tensor merge(at::TensorList outs_in, at::TensorList lses_in) {
   return out;
 }
 
+// How many threads one at::parallel_for over `n` items runs on: what the build's OpenMP gives the kernels
+// (1 in a build without -fopenmp, whatever torch.set_num_threads says; engine/attention/cpu.py).
+int64_t parallel_width(int64_t n) {
+  std::vector<char> seen(static_cast<size_t>(std::max<int64_t>(1, at::get_num_threads())), 0);
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) {
+    const int t = at::get_thread_num();
+    if (t >= 0 && static_cast<size_t>(t) < seen.size()) seen[static_cast<size_t>(t)] = 1;
+  });
+  return std::count(seen.begin(), seen.end(), 1);
+}
+
 }  // namespace
 
 // Every operator of the extension; the row kernels' implementations are cpu_rows.cpp's.
@@ -460,6 +471,7 @@ TORCH_LIBRARY(flowprefill, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("rope(Tensor positions, Tensor q, Tensor k, int head_dim, Tensor cos_sin) -> (Tensor, Tensor)");
+  m.def("parallel_width(int n) -> int", &parallel_width);
 }
 
 TORCH_LIBRARY_IMPL(flowprefill, CPU, m) {
