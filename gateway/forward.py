@@ -30,12 +30,13 @@ from engine.protocol.headers import (
     SLO_TTFT_HEADER,
 )
 from engine.protocol.openai import error_body, new_id
-from engine.protocol.slo import SLOClass
+from engine.protocol.slo import SHED_REASON, SLOClass
 from gateway.affinity import Prefix, prefix_key
 from gateway.classify import ClassificationError, as_chat_view, classify
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, no_healthy_worker
 from gateway.http1 import Http1Response
+from gateway.late import Lateness, LateShed
 from gateway.netio import UpstreamResponse, UpstreamTransport
 from gateway.routing import QueueFull, Worker, WorkerPool
 from telemetry.metrics import GatewayMetrics
@@ -169,11 +170,17 @@ class Forwarder:
 
     async def _acquire(self, job: Job) -> Worker | None:
         """The next worker to try (in front of plain servers: once a slot is free, by deadline)."""
+        late = Lateness(job.slo.late_bound_ms / 1000, job.slo.late == "shed")
         try:
-            return await self.pool.acquire(job.deadline, job.tried, None if self.prefill is not None else job.key)
+            return await self.pool.acquire(job.deadline, job.tried, None if self.prefill is not None else job.key,
+                                           late)
         except QueueFull:
             raise GatewayError(503, "the gateway's queue is full", "server_error", headers=job.ours | {
                 "retry-after": "1", DROPPED_REASON_HEADER: "queue_full"}) from None
+        except LateShed:
+            raise GatewayError(429, f"the request's TTFT deadline ({job.slo.ttft_ms:g} ms, class "
+                               f"{job.slo.name!r}) passed while it waited at the gateway", "rate_limit_error",
+                               headers=job.ours | {"retry-after": "1", DROPPED_REASON_HEADER: SHED_REASON}) from None
 
     async def _try(self, job: Job, worker: Worker) -> Response | Stream | Next:
         """One worker's go at the request: its answer, or what to do next."""

@@ -18,6 +18,7 @@ from gateway.affinity import Prefix, PrefixTable
 from gateway.config import Discovery as DiscoverySettings
 from gateway.config import Upstream
 from gateway.discovery import Discovery, split_sources
+from gateway.late import LateGate, Lateness
 
 log = logging.getLogger("flowprefill.gateway")
 
@@ -42,6 +43,9 @@ class Worker:
 
 class QueueFull(Exception):
     pass
+
+
+Waiting = tuple[float, int, frozenset[str], "Prefix | None", "asyncio.Future[Worker]"]  # (order key, seq, ...)
 
 
 class WorkerPool:
@@ -80,7 +84,8 @@ class WorkerPool:
         self.prefixes = PrefixTable()
         self._rr = itertools.count()
         self._seq = itertools.count()
-        self._waiting: list[tuple[float, int, frozenset[str], Prefix | None, asyncio.Future[Worker]]] = []
+        self._waiting: list[Waiting] = []
+        self._late = LateGate()
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -88,9 +93,10 @@ class WorkerPool:
         return sum(not f.done() for *_, f in self._waiting)
 
     async def acquire(self, deadline: float, exclude: frozenset[str] | set[str] = frozenset(),
-                      key: Prefix | None = None) -> Worker | None:
+                      key: Prefix | None = None, late: Lateness | None = None) -> Worker | None:
         """A worker for this request, counted in flight there (give it back with `release`).
-        None when no healthy worker is left to try. Gated: waits its turn in deadline order.
+        None when no healthy worker is left to try. Gated: waits its turn in deadline order, and
+        once its deadline has passed while it waits, as its class's `late` says (`LateGate`).
         `key`: the request's prefix key (gateway/affinity.py), if it has one."""
         exclude = frozenset(exclude)
         if not self.gated:
@@ -106,6 +112,7 @@ class WorkerPool:
         if self.queued >= self.upstream.max_queue:
             raise QueueFull
         fut: asyncio.Future[Worker] = asyncio.get_running_loop().create_future()
+        self._late.track(fut, deadline, late)
         heapq.heappush(self._waiting, (deadline, next(self._seq), exclude, key, fut))
         try:
             return await fut
@@ -172,7 +179,9 @@ class WorkerPool:
         return min(free, key=lambda w: w.in_flight)
 
     def _dispatch(self) -> None:
-        """Hand free slots to waiters, earliest deadline first."""
+        """Hand free slots to waiters, earliest deadline first; a waiter whose deadline has passed
+        goes by its late bound instead, or is shed (`LateGate`)."""
+        self._waiting = self._late.rekey(self._waiting, time.monotonic())
         later = []
         while self._waiting:
             item = heapq.heappop(self._waiting)

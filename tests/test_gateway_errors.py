@@ -115,3 +115,36 @@ def test_api_keys_guard_every_route_with_openais_401(tmp_path: Path) -> None:
             assert hits[("a", "hi")] == 1  # refused requests never reached the worker
         finally:
             stop(gateway)
+
+
+def test_a_bug_of_the_gateways_is_an_openai_500_and_logged_with_its_cause(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug in the gateway (here a prepare that raises) answered a bare `{"status_code":500}` and logged
+    nothing; it is an OpenAI error body, with the traceback logged the first time and a line after."""
+    import logging
+
+    from litestar.testing import TestClient
+
+    from gateway.app import create_gateway_app
+    from gateway.config import GatewayConfig
+    from gateway.forward import Forwarder
+
+    def broken(*_: Any) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(Forwarder, "prepare", broken)
+    app = create_gateway_app(GatewayConfig(workers=[f"http://127.0.0.1:{free_port()}"]))
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("flowprefill.gateway").addHandler(handler)  # Litestar's logging config leaves caplog out
+    try:
+        with TestClient(app) as client:
+            answers = [client.post("/v1/completions", json={"prompt": "hi"}) for _ in range(2)]
+    finally:
+        logging.getLogger("flowprefill.gateway").removeHandler(handler)
+    for r in answers:
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert "RuntimeError" in r.json()["error"]["message"]
+    records = [r for r in records if "internal error on POST /v1/completions" in r.getMessage()]
+    assert len(records) == 2 and records[0].exc_info and not records[1].exc_info
+    assert "traceback logged before" in records[1].getMessage()

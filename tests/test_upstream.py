@@ -127,3 +127,86 @@ def test_other_endpoints_are_forwarded_as_they_are(gated: str) -> None:
     assert httpx.get(f"{gated}/v1/models/{listed['id']}").json() == listed
     missing = httpx.get(f"{gated}/v1/models/nope")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_late_waiters_go_by_their_bound_or_are_shed() -> None:
+    """Plain EDF would hand the slot to the waiter whose deadline already passed (and under overload
+    make every next one late too); the gate serves the one still on time first, the late one by its
+    late bound, and sheds a late waiter of a `late = "shed"` class (gateway/late.py)."""
+    from gateway.late import Lateness, LateShed
+    from gateway.routing import WorkerPool
+
+    async def main() -> None:
+        async with httpx.AsyncClient() as client:
+            pool = WorkerPool(["http://a"], client, upstream=Upstream(kind="openai", max_concurrency=1))
+            now = time.monotonic()
+            held = await pool.acquire(now + 10)
+            late = asyncio.ensure_future(pool.acquire(now - 0.1, late=Lateness(bound_s=1.0, shed=False)))
+            on_time = asyncio.ensure_future(pool.acquire(now + 0.5, late=Lateness(bound_s=1.0, shed=False)))
+            shed = asyncio.ensure_future(pool.acquire(now - 0.1, late=Lateness(bound_s=1.0, shed=True)))
+            overdue = asyncio.ensure_future(pool.acquire(now + 0.95, late=Lateness(bound_s=0.0, shed=False)))
+            await asyncio.sleep(0)
+            pool.release(held)
+            assert (await on_time).url == "http://a" and not late.done()  # on time first: 0.5 s < 0.9 s
+            with pytest.raises(LateShed):
+                await shed
+            pool.release(await on_time)
+            assert (await late).url == "http://a" and not overdue.done()  # its bound, 0.9 s, before 0.95 s
+            fresh = asyncio.ensure_future(pool.acquire(now + 1.5))  # on time throughout
+            await asyncio.sleep(max(0.0, now + 1.0 - time.monotonic()))
+            pool.release(await late)  # overdue is past its deadline with a bound of 0: before `fresh`
+            assert (await overdue).url == "http://a" and not fresh.done()
+            pool.release(await overdue)
+            assert (await fresh).url == "http://a"
+            assert pool._late.late == 2 and pool._late.shed == 1 and pool.queued == 0
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+
+
+class SlowOpenAI:
+    """A plain OpenAI server whose every completion takes `delay_s`."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+
+    async def __call__(self, scope: dict, receive: object, send: object) -> None:  # type: ignore[type-arg]
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/v1/completions":
+            await asyncio.sleep(self.delay_s)
+        await send({"type": "http.response.start", "status": 200,  # type: ignore[operator]
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": b'{"choices": [{"text": "a", "index": 0}]}'})  # type: ignore[operator]
+
+
+def test_a_sheddable_request_late_at_the_gateway_gets_429(tmp_path: Path) -> None:
+    """Through the real gateway: the only slot is busy for 0.6 s; a request of a class with a 100 ms
+    target and `late = "shed"` waits past its deadline and is refused with 429, Retry-After and the
+    reason, without reaching the server; one of the same target that is served late gets its answer."""
+    from processes import uvicorn_thread
+
+    cfg = tmp_path / "gw.toml"
+    cfg.write_text('[upstream]\nkind = "openai"\nmax_concurrency = 1\n'
+                   '[classes.hasty]\nttft_ms = 100\ntbt_ms = 100\npriority = 9\nsheddable = true\nlate = "shed"\n'
+                   '[classes.patient]\nttft_ms = 100\ntbt_ms = 100\npriority = 9\n')
+    with uvicorn_thread(SlowOpenAI(0.6)) as up_port:
+        port = free_port()
+        gw = start("gateway", "--workers", f"http://127.0.0.1:{up_port}", "--port", str(port), "--config", str(cfg))
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}", gw)
+
+            async def main() -> list[httpx.Response]:
+                async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+                    async def send(cls: str, delay: float) -> httpx.Response:
+                        await asyncio.sleep(delay)
+                        return await c.post("/v1/completions", headers={"x-slo-class": cls},
+                                            json={"prompt": "hi", "max_tokens": 1})
+                    return await asyncio.gather(send("batch", 0), send("hasty", 0.2), send("patient", 0.2))
+
+            first, hasty, patient = asyncio.run(main())
+        finally:
+            stop(gw)
+    assert first.status_code == 200 and patient.status_code == 200
+    assert hasty.status_code == 429, hasty.text
+    assert hasty.headers["x-flowprefill-dropped-reason"] == "predicted_slo_miss" and hasty.headers["retry-after"]
+    assert "passed while it waited at the gateway" in hasty.json()["error"]["message"]
