@@ -4,7 +4,6 @@ a deadline, route, forward, streaming or not) is gateway/forward.py's; the cheap
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING, Any
@@ -20,7 +19,7 @@ from litestar.types import Receive, Scope, Send  # at run time: Litestar reads t
 from engine.protocol.headers import DROPPED_REASON_HEADER, SLO_CLASS_HEADER
 from engine.protocol.openai import error_body, http_error_body
 from gateway.config import GatewayConfig
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, InternalErrors
 from gateway.forward import RESPONSES, Forwarder, PrefillFirst, Upstreams
 from gateway.lookups import Lookups
 from gateway.openapi import openapi_document
@@ -29,8 +28,6 @@ from telemetry.metrics import GatewayMetrics
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
-
-log = logging.getLogger("flowprefill.gateway")
 
 
 def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None) -> Litestar:
@@ -61,25 +58,6 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
         return Response(error_body(str(exc), exc.type, exc.param, exc.code), status_code=exc.status,
                         headers=exc.headers)
 
-    seen: set[tuple[str, str]] = set()
-
-    def _bug(request: Request, exc: Exception) -> Response:
-        """Anything else is a bug of ours: a 500 as an OpenAI error body, its traceback logged the first
-        time it happens (where it was raised), a line after that, never a bare 500 with nothing said."""
-        where = exc.__traceback__
-        while where is not None and where.tb_next is not None:
-            where = where.tb_next
-        key = (type(exc).__name__, f"{where.tb_frame.f_code.co_filename}:{where.tb_lineno}" if where else "")
-        if key in seen:
-            log.error("internal error on %s %s: %s: %s (traceback logged before)", request.method,
-                      request.url.path, type(exc).__name__, exc)
-        else:
-            seen.add(key)
-            log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
-        metrics.answered("unclassified", 500)
-        return Response(error_body(f"internal gateway error ({type(exc).__name__}); the gateway's log has its cause",
-                                   "server_error"), status_code=500)
-
     @get("/openapi.json", include_in_schema=False)
     async def openapi() -> dict[str, Any]:
         return document
@@ -108,7 +86,8 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
     return Litestar(route_handlers=[*(_proxied(p, forward, cfg.max_body_bytes) for p in GENERATING),
                                     *lookups.handlers(), openapi, _health(pool, prefill_pool), prometheus],
                     openapi_config=None,  # gateway/openapi.py serves the complete document
-                    exception_handlers={GatewayError: _error, HTTPException: _http_error, Exception: _bug},
+                    exception_handlers={GatewayError: _error, HTTPException: _http_error,
+                                        Exception: InternalErrors(metrics)},
                     on_startup=[startup], on_shutdown=on_shutdown,
                     request_max_body_size=cfg.max_body_bytes, plugins=plugins)
 

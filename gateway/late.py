@@ -42,9 +42,10 @@ class LateGate:
         self.shed = 0  # waiters shed, since start
 
     def track(self, fut: asyncio.Future[Any], deadline: float, late: Lateness | None) -> None:
+        """Watch a waiter until it is served, leaves, or turns late (then it needs watching no more)."""
         if late is not None:
             self._policy[fut] = (deadline, late)
-            fut.add_done_callback(self._policy.pop)
+            fut.add_done_callback(lambda done: self._policy.pop(done, None))
 
     def rekey(self, waiting: list[Any], now: float) -> list[Any]:
         """`waiting` (a heap of (key, seq, ..., fut)) with every waiter whose deadline has passed
@@ -55,9 +56,8 @@ class LateGate:
         out, changed = [], False
         for item in waiting:
             fut = item[-1]
-            policy = self._policy.get(fut)
-            if policy is None or fut.done() or item[0] > now or item[0] != policy[0]:
-                out.append(item)  # on time, untracked, or already on its late bound
+            if item[0] > now or fut.done() or (policy := self._policy.pop(fut, None)) is None:
+                out.append(item)  # on time, gone, untracked, or already on its late bound
                 continue
             changed = True
             deadline, late = policy
