@@ -256,8 +256,12 @@ class WorkerPool:
     async def _check(self, w: Worker) -> None:
         """One health check: in rotation when it passes (and a failure's cool-down is over); the
         reason it fails is logged once, when it changes, and so is the recovery."""
+        probe = self._probe_server if self.gated else self._probe_load
         try:
-            problem = await (self._probe_server(w) if self.gated else self._probe_load(w))
+            try:
+                problem = await probe(w)
+            except httpx.RemoteProtocolError:  # the server closed the pooled connection as it was reused
+                problem = await probe(w)  # (its keep-alive ran out with the poll): once more, on a new one
         except httpx.HTTPError as exc:
             problem = _unreachable(exc)
         except ValueError:
