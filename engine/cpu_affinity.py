@@ -9,12 +9,27 @@ binding, the engine loop thread and its OpenMP team included (libgomp gives each
 parallel region its own team, created on that thread's first one). `release_caller` then moves the
 calling thread, which goes on to serve HTTP, to the process's other cores, if it has any.
 
+Inheriting the set is not enough with two or more threads: each of them may still run on any of the cores,
+and every step of a long prefill (thousands per request) opens a parallel region that waits for its slowest
+thread. Served on 2 threads, a 2K prefill took 384 ms with the team free to move against 191 ms in-process
+(vLLM, which binds thread i to core i, 183 ms). So `bind_team` binds the calling thread's OpenMP team one
+thread per core, as vLLM's init_cpu_threads_env does, from Python: it runs one parallel region through
+libgomp's own entry point (GOMP_parallel, what `#pragma omp parallel` compiles to) with a callback in
+which each team thread binds itself. libgomp keeps a team per thread that opens regions and reuses its
+threads in order, so every region that thread opens later (torch's matmuls, our kernels) runs on the same
+bound threads. No compiler is needed, so it also works where our own kernels do not build.
+
 Linux only (os.sched_setaffinity); elsewhere cpu_cores is an error rather than silently ignored.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
+import threading
+
+log = logging.getLogger("flowprefill.engine")
 
 
 def parse_cores(spec: str) -> list[int]:
@@ -53,8 +68,50 @@ class CorePinning:
         """Bind the calling thread, and every thread it starts from now on, to the compute cores."""
         os.sched_setaffinity(0, self.cores)
 
+    def bind_threads(self, threads: int) -> None:
+        """Bind the calling thread and its OpenMP team of `threads`, one thread per compute core (bind_team)."""
+        bind_team(self.cores, threads)
+
     def release_caller(self) -> None:
-        """Move the calling thread to the process's other cores (none left: it stays where it is)."""
-        rest = self.before - set(self.cores)
-        if rest:
-            os.sched_setaffinity(0, rest)
+        """Move the calling thread to the process's other cores (none left: to all of its cores, which it
+        shares with the compute threads)."""
+        os.sched_setaffinity(0, (self.before - set(self.cores)) or self.before)
+
+
+_REGION = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+def _libgomp() -> ctypes.CDLL | None:
+    """The libgomp torch loaded, or None (torch built with another OpenMP or none: nothing to bind)."""
+    try:  # RTLD_NOLOAD: only the copy already in the process, never a second runtime
+        gomp = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except OSError:
+        return None
+    gomp.GOMP_parallel.argtypes = [_REGION, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+    gomp.omp_get_thread_num.restype = ctypes.c_int
+    return gomp
+
+
+def bind_team(cores: list[int], threads: int) -> dict[int, int]:
+    """Bind the calling thread's OpenMP team of `threads`: thread i (the caller is 0) to cores[i % len(cores)].
+    Returns {thread number: native thread id} of the threads bound; empty when torch runs no libgomp here."""
+    gomp = _libgomp()
+    if gomp is None or not cores:
+        return {}
+    bound: dict[int, int] = {}
+    errors: list[OSError] = []
+
+    def each(_: int | None) -> None:  # runs on every team thread, the GIL taken by ctypes
+        i = gomp.omp_get_thread_num()
+        try:
+            os.sched_setaffinity(0, {cores[i % len(cores)]})  # 0: the calling thread, not the process
+            bound[i] = threading.get_native_id()
+        except OSError as exc:
+            errors.append(exc)
+
+    region = _REGION(each)  # kept alive for the call
+    gomp.GOMP_parallel(region, None, threads, 0)
+    if errors:
+        log.warning("binding the compute threads to cores %s failed (%s): they may move between them", cores,
+                    errors[0])
+    return bound

@@ -41,6 +41,8 @@ class Engine:
         threads = cfg.num_threads or (len(self.pinning.cores) if self.pinning else None)
         if threads:
             torch.set_num_threads(threads)
+        if self.pinning is not None:  # calibration below runs on this thread's team
+            self.pinning.bind_threads(torch.get_num_threads())
         self.model, self.tokenizer = load_model(cfg)
         dtype, device = getattr(torch, cfg.dtype), torch.device(cfg.device)
         self.kv = KVCache(self.model.cfg, cfg.kv_block_size, cfg.kv_capacity_tokens, dtype, device)
@@ -175,6 +177,8 @@ class Engine:
     # -- the engine thread ---------------------------------------------------------------------
     def _loop(self) -> None:
         use_device(self.model.device)  # this thread's kernels, events and graph replays
+        if self.pinning is not None:  # the team this thread's parallel regions run on: one thread per core
+            self.pinning.bind_threads(torch.get_num_threads())
         while True:
             if not (self._cancels or self._imports_ready() or self.scheduler.chosen or self.answers.running
                     or self.scheduler.shed):

@@ -74,9 +74,55 @@ def test_serve_gives_each_worker_its_own_cores_and_the_gateway_the_rest(monkeypa
     assert Cores.plan(_args(workers=2), threads=2) == Cores({0}, [{1, 2}, {3, 4}])
     assert Cores.plan(_args(workers=1), threads=2) == Cores({0, 3, 4}, [{1, 2}])
     assert Cores.plan(_args(workers=3), threads=2) is None  # they do not fit: unpinned
+    assert Cores.plan(_args(workers=1), threads=5) == Cores({0, 1, 2, 3, 4}, [{0, 1, 2, 3, 4}])  # gateway shares
+    assert Cores.plan(_args(workers=2), threads=3) is None
     assert Cores.plan(_args(device="cuda"), threads=1) is None
     assert Cores.plan(_args(workers=2, cpu_cores="1-4"), threads=1) == Cores({0}, [{1, 2}, {3, 4}])
     with pytest.raises(CommandLineError, match="fewer cores than --workers 3"):
         Cores.plan(_args(workers=3, cpu_cores="1-2"), threads=1)
     with pytest.raises(CommandLineError, match="expected core ids"):
         Cores.plan(_args(cpu_cores="one"), threads=1)
+
+
+def _cpu_ticks(tid: int) -> int:
+    try:
+        fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:  # a thread that has ended since it was listed
+        return 0
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+@linux
+@pytest.mark.skipif(len(allowed_cores()) < 2, reason="needs two cores")
+def test_the_compute_team_is_bound_one_thread_per_core_and_torch_computes_on_it() -> None:
+    import threading
+
+    import torch
+
+    from engine.cpu_affinity import bind_team
+
+    cores = sorted(allowed_cores())[:2]
+    seen: dict[str, object] = {}
+
+    def compute() -> None:  # a thread of its own, as the engine loop: its team is its own
+        before = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            bound = bind_team(cores, 2)
+            tasks = [int(t) for t in os.listdir("/proc/self/task")]
+            ticks = {t: _cpu_ticks(t) for t in tasks}
+            a = torch.randn(768, 768)
+            for _ in range(150):
+                a @ a
+            seen["bound"] = bound
+            seen["busy"] = {t for t in tasks if _cpu_ticks(t) - ticks[t] > 5}  # clock ticks: 10 ms each
+        finally:
+            torch.set_num_threads(before)
+
+    worker = threading.Thread(target=compute)
+    worker.start()
+    worker.join()
+    bound = seen["bound"]
+    assert isinstance(bound, dict) and sorted(bound) == [0, 1], bound
+    assert {i: _allowed(os.getpid(), tid) for i, tid in bound.items()} == {0: {cores[0]}, 1: {cores[1]}}
+    assert seen["busy"] and seen["busy"] <= set(bound.values())  # the matmuls ran on the bound threads only

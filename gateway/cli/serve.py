@@ -82,8 +82,9 @@ class Cores:
     @classmethod
     def plan(cls, args: argparse.Namespace, threads: int) -> Cores | None:
         """--cpu-cores split among the workers; without it each worker takes `threads` cores after the
-        first one allowed, which the gateway keeps (with any left over). None: nothing is pinned (not a
-        CPU, no affinity on this OS, or the workers do not fit)."""
+        first one allowed, which the gateway keeps (with any left over), or, when that leaves too few,
+        from the first one on, the gateway sharing them. None: nothing is pinned (not a CPU, no affinity
+        on this OS, or the workers do not fit in the cores at all)."""
         from engine.cpu_affinity import allowed_cores, parse_cores
 
         if args.device != "cpu" or not hasattr(os, "sched_setaffinity"):
@@ -94,6 +95,8 @@ class Cores:
         except ValueError as exc:
             raise CommandLineError(f"--cpu-cores {args.cpu_cores}: {exc}") from None
         per = len(pool) // args.workers if args.cpu_cores else threads
+        if not args.cpu_cores and len(pool) < args.workers * per <= len(allowed):
+            pool = allowed  # no core left for the gateway: it shares theirs (as vLLM's API server does)
         if per < 1 or len(pool) < args.workers * per:
             if args.cpu_cores:
                 raise CommandLineError(f"--cpu-cores {args.cpu_cores}: fewer cores than --workers {args.workers}")
