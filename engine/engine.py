@@ -13,7 +13,7 @@ import torch
 
 from engine import handoff
 from engine.config import EngineConfig
-from engine.cpu_affinity import CorePinning
+from engine.cpu_affinity import CorePinning, on_passing_thread
 from engine.decode import Answers
 from engine.kv_cache import KVCache, OutOfBlocks
 from engine.model import load_model, use_device
@@ -41,18 +41,14 @@ class Engine:
         threads = cfg.num_threads or (len(self.pinning.cores) if self.pinning else None)
         if threads:
             torch.set_num_threads(threads)
-        if self.pinning is not None:  # calibration below runs on this thread's team
-            self.pinning.bind_threads(torch.get_num_threads())
-        self.model, self.tokenizer = load_model(cfg)
-        dtype, device = getattr(torch, cfg.dtype), torch.device(cfg.device)
-        self.kv = KVCache(self.model.cfg, cfg.kv_block_size, cfg.kv_capacity_tokens, dtype, device)
+        if cfg.device == "cpu":  # its OpenMP team must not outlive it (cpu_affinity.on_passing_thread)
+            on_passing_thread(self._build)
+        else:
+            self._build()
         self.prefixes = PrefixCache(self.kv, cfg.prefix_caching)
         if cfg.kv_reservation not in ("grow", "full"):
             raise ValueError(f"kv_reservation {cfg.kv_reservation!r}: choose grow or full")
         self.answers = Answers(self.kv, self.tokenizer)
-        self.cost = load_cost(self.model)
-        if self.model.graphs is not None:
-            self.model.graphs.capture_all()
         self.budget_s = cfg.step_budget_ms / 1000 if cfg.preemptible else None
         self.cost.budget_s = self.budget_s
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
@@ -69,6 +65,18 @@ class Engine:
         self._current: PrefillBatch | None = None
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="flowprefill-engine", daemon=True)
+
+    def _build(self) -> None:
+        """The model, its KV cache and its calibrated cost: everything the engine computes before it runs."""
+        cfg = self.cfg
+        if self.pinning is not None:  # calibration runs on this thread's team: bound as the engine's will be
+            self.pinning.bind_threads(torch.get_num_threads())
+        self.model, self.tokenizer = load_model(cfg)
+        self.kv = KVCache(self.model.cfg, cfg.kv_block_size, cfg.kv_capacity_tokens, getattr(torch, cfg.dtype),
+                          torch.device(cfg.device))
+        self.cost = load_cost(self.model)
+        if self.model.graphs is not None:
+            self.model.graphs.capture_all()
 
     # -- public API (any thread) ---------------------------------------------------------------
     def start(self) -> Engine:
