@@ -35,7 +35,7 @@ def profile_key(model: LlamaModel) -> str:
     # The kernels are part of the key: a fused kernel's faster timings must not become the torch ones'.
     key = (f"{c.name}-h{c.hidden_size}-l{c.num_hidden_layers}-q{c.num_attention_heads}-kv{c.num_key_value_heads}"
            f"-i{c.intermediate_size}-{model.embed.dtype}-{model.device}-t{torch.get_num_threads()}"
-           f"-torch{torch.__version__}-{model.backend.name}-{model.kernels.name}"
+           f"-torch{torch.__version__}-{model.backend.name}-{model.kernels.name}-{model.linear}"
            f"{'-fused_rope' if model.rotary.fused else ''}")
     return re.sub(r"[^A-Za-z0-9_.-]", "_", key)
 

@@ -10,6 +10,7 @@ from engine.attention import select_backend
 from engine.config import EngineConfig
 from engine.model.graphs import StepGraphs
 from engine.model.kernels import fuse_rope, select_kernels
+from engine.model.linear import select_linear
 from engine.model.llama import LlamaModel
 from engine.model.loader import default_model, load_checkpoint
 from engine.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
@@ -26,7 +27,7 @@ def load_model(cfg: EngineConfig) -> tuple[LlamaModel, ByteTokenizer | HFTokeniz
     use_device(device)
     dtype = getattr(torch, cfg.dtype)
     backend = select_backend(cfg.attention_backend, device, dtype, model_cfg.head_dim)
-    model = LlamaModel(model_cfg, weights, backend, dtype, device)
+    model = LlamaModel(model_cfg, weights, backend, dtype, device, select_linear(cfg.linear, device, dtype))
     model.kernels = select_kernels(cfg.row_kernels, device, dtype, model_cfg.hidden_size, model_cfg.intermediate_size)
     if model.kernels.name in ("flashinfer", "cpu"):
         fuse_rope(model.rotary, model_cfg.num_attention_heads, model_cfg.num_key_value_heads,

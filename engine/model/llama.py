@@ -16,37 +16,39 @@ from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.model.graphs import StepGraphs
 from engine.model.kernels import RowKernels, TorchKernels
+from engine.model.linear import OneDnnLinear, TorchLinear
 from engine.model.plan import ATTENTION, ATTN_IN, FFN, SeqSpan, Step
 from engine.model.rope import Rotary, Rows
 
 
 class LayerWeights:
-    def __init__(self, w: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig) -> None:
+    def __init__(self, w: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig,
+                 linear: type[TorchLinear] | type[OneDnnLinear] = TorchLinear) -> None:
         a, m = f"{prefix}.self_attn", f"{prefix}.mlp"
         self.input_norm = w[f"{prefix}.input_layernorm.weight"]
         self.post_norm = w[f"{prefix}.post_attention_layernorm.weight"]
         # Fused projections: one matmul for q/k/v and one for gate/up.
-        self.qkv = torch.cat([w[f"{a}.{p}_proj.weight"] for p in "qkv"]).t().contiguous()
-        self.qkv_bias = (torch.cat([w[f"{a}.{p}_proj.bias"] for p in "qkv"])
-                         if cfg.attention_bias else None)
-        self.o = w[f"{a}.o_proj.weight"].t().contiguous()
-        self.o_bias = w.get(f"{a}.o_proj.bias")  # Llama with attention_bias=true
+        self.qkv = linear(torch.cat([w[f"{a}.{p}_proj.weight"] for p in "qkv"]),
+                          torch.cat([w[f"{a}.{p}_proj.bias"] for p in "qkv"]) if cfg.attention_bias else None)
+        self.o = linear(w[f"{a}.o_proj.weight"], w.get(f"{a}.o_proj.bias"))  # a bias: Llama with attention_bias
         self.q_norm = w[f"{a}.q_norm.weight"] if cfg.qk_norm else None  # Qwen3
         self.k_norm = w[f"{a}.k_norm.weight"] if cfg.qk_norm else None
-        self.gate_up = torch.cat([w[f"{m}.gate_proj.weight"], w[f"{m}.up_proj.weight"]]).t().contiguous()
-        self.down = w[f"{m}.down_proj.weight"].t().contiguous()
+        self.gate_up = linear(torch.cat([w[f"{m}.gate_proj.weight"], w[f"{m}.up_proj.weight"]]), None)
+        self.down = linear(w[f"{m}.down_proj.weight"], None)
 
 
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], backend: AttentionBackend,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 linear: type[TorchLinear] | type[OneDnnLinear] = TorchLinear) -> None:
         self.cfg, self.backend = cfg, backend
         self.device = torch.device(device)
         w = {k: v.to(self.device, dtype) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
-        self.layers = [LayerWeights(w, f"model.layers.{i}", cfg) for i in range(cfg.num_hidden_layers)]
+        self.linear = linear.name  # the projections' kernels (engine/model/linear.py)
+        self.layers = [LayerWeights(w, f"model.layers.{i}", cfg, linear) for i in range(cfg.num_hidden_layers)]
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings,
                              dtype, self.device)
         self.q_size = cfg.num_attention_heads * cfg.head_dim
@@ -61,9 +63,8 @@ class LlamaModel:
     def _attn_in(self, layer: LayerWeights, x: torch.Tensor, rope: Rows
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """rope: what the rotation reads for x's rows (`Rotary.rows`)."""
-        xn = self._rms(x, layer.input_norm)
         # The bias is added by the matmul itself (one operator less per step: each costs microseconds).
-        qkv = xn @ layer.qkv if layer.qkv_bias is None else torch.addmm(layer.qkv_bias, xn, layer.qkv)
+        qkv = layer.qkv(self._rms(x, layer.input_norm))
         c = self.cfg
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if layer.q_norm is not None:  # Qwen3: each head's q and k RMS-normalised, then rotated
@@ -73,11 +74,9 @@ class LlamaModel:
         return q, k, v.reshape(-1, c.num_key_value_heads, c.head_dim)
 
     def _ffn(self, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        # Residual adds inside the matmuls (addmm), as vLLM's and SGLang's fused GEMM epilogues do.
-        x = torch.addmm(x, attn.flatten(1), layer.o)
-        if layer.o_bias is not None:
-            x += layer.o_bias
-        return torch.addmm(x, self.kernels.silu_and_mul(self._rms(x, layer.post_norm) @ layer.gate_up), layer.down)
+        # Residual adds inside the matmuls, as vLLM's and SGLang's fused GEMM epilogues do.
+        x = layer.o(attn.flatten(1), residual=x)
+        return layer.down(self.kernels.silu_and_mul(layer.gate_up(self._rms(x, layer.post_norm))), residual=x)
 
     def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [rows, vocab] of final hidden states (a prefill's `keep_rows`)."""

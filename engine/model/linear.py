@@ -1,0 +1,91 @@
+"""The model's projections (q/k/v, o, gate/up, down): y = x W^T + bias (+ a residual added in the same
+operator), with each weight stored in the layout its kernel reads.
+
+`TorchLinear` is torch's matmul on a transposed copy of the weight (addmm for the residual). On a CPU,
+torch sends fp32 matmuls to MKL's sgemm, and on an AMD EPYC with AVX-512 (Zen 5) MKL runs its AVX2
+path: 89-97 GFLOP/s on one core for this model's shapes (rows x 256 by 256 x 1408, 704 x 256, 256 x 384),
+where oneDNN's reaches 200-228 with the weights pre-packed (185-219 unpacked). bf16 matmuls already go
+to oneDNN; packing adds 3-20 % (most at 128 rows). So `OneDnnLinear` keeps the weight packed in oneDNN's
+blocked layout (torch.ops.mkldnn._reorder_linear_weight, what inductor's CPU backend packs with) and runs
+oneDNN's linear with the residual as a fused binary post-op, as vLLM's CPU linear runs oneDNN on
+pre-packed weights. Both agree with a float64 reference to 4e-7 relative in fp32.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import torch
+
+log = logging.getLogger("flowprefill.engine")
+
+# The batch size oneDNN packs for (its choice of blocking); any number of rows runs on the packed weight.
+PACK_ROWS = 512
+
+
+class Linear(Protocol):
+    name: str
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+class TorchLinear:
+    name = "torch"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight_t, self.bias = weight.t().contiguous(), bias
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if residual is None:
+            return x @ self.weight_t if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
+        out = torch.addmm(residual, x, self.weight_t)  # the residual added by the matmul itself
+        if self.bias is not None:
+            out += self.bias
+        return out
+
+
+class OneDnnLinear:
+    name = "onednn"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if residual is None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual.contiguous(), self.packed, self.bias, "add")
+
+
+def _onednn_fails(dtype: torch.dtype) -> str:
+    """Why oneDNN's linear cannot serve here ("" when it can): missing, or disagreeing with torch's."""
+    if not torch.backends.mkldnn.is_available():
+        return "torch was built without oneDNN"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"no oneDNN linear for {dtype}"
+    gen = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 64, generator=gen).to(dtype), torch.randn(96, generator=gen).to(dtype)
+    x, r = torch.randn(37, 64, generator=gen).to(dtype), torch.randn(37, 96, generator=gen).to(dtype)
+    try:
+        got, ref = OneDnnLinear(w, b)(x, r).double(), TorchLinear(w, b)(x, r).double()
+    except (RuntimeError, AttributeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    err = float((got - ref).abs().max() / ref.abs().max())
+    return "" if err < (1e-5 if dtype == torch.float32 else 2e-2) else f"disagrees with torch's (error {err:.2g})"
+
+
+def select_linear(name: str, device: torch.device, dtype: torch.dtype) -> type[TorchLinear] | type[OneDnnLinear]:
+    """name: auto (oneDNN's on a CPU in fp32/bf16 when it loads and agrees with torch's), torch, or onednn
+    (the same, a failure an error)."""
+    if name not in ("auto", "torch", "onednn"):
+        raise ValueError(f"unknown linear kernels {name!r} (auto, torch, onednn)")
+    if name == "torch" or (name == "auto" and (device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16))):
+        return TorchLinear
+    reason = "runs on the CPU (--device cpu)" if device.type != "cpu" else _onednn_fails(dtype)
+    if not reason:
+        return OneDnnLinear
+    if name == "onednn":
+        raise ValueError(f"--linear onednn: {reason}")
+    log.warning("oneDNN's linear is not used (%s); torch's matmuls run instead", reason)
+    return TorchLinear

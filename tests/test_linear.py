@@ -1,0 +1,53 @@
+"""The projections' kernels (engine/model/linear.py): oneDNN's linear on pre-packed weights against
+torch's matmul, with and without bias and residual, every row count the engine's steps use, fp32 and
+bf16; the selection and its refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model.linear import OneDnnLinear, TorchLinear, select_linear
+
+onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+@onednn
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("rows", [1, 7, 128, 513, 2048])
+@pytest.mark.parametrize("out_in", [(384, 256), (256, 704), (1408, 256)])
+def test_onednn_linear_matches_torchs(dtype: torch.dtype, tol: float, rows: int, out_in: tuple[int, int]) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    out, inp = out_in
+    w = (torch.randn(out, inp, generator=gen) / inp**0.5).to(dtype)
+    b = torch.randn(out, generator=gen).to(dtype)
+    x = torch.randn(rows, inp, generator=gen).to(dtype)
+    residual = torch.randn(rows, out, generator=gen).to(dtype)
+    for bias in (None, b):
+        ours, ref = OneDnnLinear(w, bias), TorchLinear(w, bias)
+        for r in (None, residual):
+            got, want = ours(x, r), ref(x, r)
+            assert got.shape == want.shape == (rows, out) and got.dtype == dtype
+            err = float((got.double() - want.double()).abs().max() / want.double().abs().max())
+            assert err < tol, (bias is not None, r is not None, err)
+
+
+@onednn
+def test_a_row_slice_of_a_batch_is_its_own_projection() -> None:
+    """The engine projects x[a:b] of a batch (a step's rows): the same rows as the whole batch's."""
+    w, x = torch.randn(96, 64), torch.randn(300, 64)
+    lin = OneDnnLinear(w, None)
+    assert torch.allclose(lin(x[100:137]), lin(x)[100:137], rtol=1e-5, atol=1e-5)
+
+
+def test_selection() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert select_linear("torch", cpu, torch.float32) is TorchLinear
+    assert select_linear("auto", cuda, torch.bfloat16) is TorchLinear  # CUDA keeps torch's (cuBLAS)
+    assert select_linear("auto", cpu, torch.float16) is TorchLinear
+    if torch.backends.mkldnn.is_available():
+        assert select_linear("auto", cpu, torch.float32) is OneDnnLinear
+    with pytest.raises(ValueError, match="--linear onednn: runs on the CPU"):
+        select_linear("onednn", cuda, torch.float32)
+    with pytest.raises(ValueError, match="unknown linear kernels 'mkl'"):
+        select_linear("mkl", cpu, torch.float32)
