@@ -5,7 +5,7 @@ every token (projections, MLP, causal attention over n(n+1)/2 query-key pairs), 
 token. FlowPrefill's serving plan skips the last layer's attention and MLP for all but the last token,
 so its achieved rate on this count is what a user compares ("this prompt in this time"), not the rate
 its kernels ran at. `matmul_peak` times one large matmul in the run's dtype, on its threads: the
-machine's practical peak (a GEMM is the best-tuned kernel torch has).
+machine's practical peak (a GEMM is the best-tuned kernel torch has; on a CPU also oneDNN's).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import time
 import torch
 
 from engine.config import ModelConfig
+from engine.model.linear import OneDnnLinear, TorchLinear, select_linear
 
 
 def prefill_flops(cfg: ModelConfig, tokens: int) -> float:
@@ -28,16 +29,24 @@ def prefill_flops(cfg: ModelConfig, tokens: int) -> float:
 
 
 def matmul_peak(dtype: torch.dtype, device: str = "cpu", size: int = 2048, repeats: int = 5) -> float:
-    """GFLOP/s of the fastest of `repeats` [size x size] @ [size x size] matmuls (after one warm-up)."""
+    """GFLOP/s of the fastest of `repeats` [size x size] @ [size x size] matmuls (after one warm-up): torch's
+    matmul and, on a CPU, oneDNN's linear on a packed weight, the faster of the two (on an AMD CPU with
+    AVX-512, torch's fp32 matmul is MKL's AVX2 path: 72 GFLOP/s on one core where oneDNN's runs 200+)."""
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    a @ b
-    sync()
+    kernels = [lambda: a @ b]
+    if torch.device(device).type == "cpu" and select_linear("auto", torch.device(device), dtype) is not TorchLinear:
+        packed = OneDnnLinear(b.t(), None)
+        kernels.append(lambda: packed(a))
     best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ b
-        sync()
-        best = min(best, time.perf_counter() - t0)
+    with torch.inference_mode():
+        for kernel in kernels:
+            kernel()
+            sync()
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                kernel()
+                sync()
+                best = min(best, time.perf_counter() - t0)
     return 2 * size**3 / best / 1e9

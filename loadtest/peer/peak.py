@@ -1,5 +1,5 @@
 """The machine's measured matmul peak, for the raw mode's "share of peak": a large square matmul in the
-given dtype on the given threads, median of several, in a process pinned where the servers run.
+given dtype on the given threads (engine/bench/flops.py's), in a process pinned where the servers run.
 
     python -m loadtest.peer.peak --dtype bfloat16 --threads 1 --size 2048
 """
@@ -8,25 +8,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 
 def matmul_gflops(dtype: str, threads: int, size: int = 2048, repeats: int = 5) -> float:
     import torch
 
+    from engine.bench.flops import matmul_peak
+
     torch.set_num_threads(threads)
-    gen = torch.Generator().manual_seed(0)
-    a, b = (torch.randn(size, size, generator=gen).to(getattr(torch, dtype)) for _ in range(2))
-    with torch.inference_mode():
-        a @ b  # first call: oneDNN's kernel choice and buffers
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            a @ b
-            times.append(time.perf_counter() - t0)
-    return 2 * size**3 / statistics.median(times) / 1e9
+    return matmul_peak(getattr(torch, dtype), "cpu", size, repeats)
 
 
 def main(argv: list[str] | None = None) -> int:
