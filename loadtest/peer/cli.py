@@ -65,7 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--busy-duty", type=float, default=0.5,
                    help="contended / step: the busy processes' duty cycle on the engines' cores")
     p.add_argument("--busy-period-ms", type=float, default=10.0)
-    p.add_argument("--gateway-concurrency", type=int, default=8,
+    # 2, not the gateway's own default of 8: on one CPU core vLLM behind the gateway reached 0.79x vLLM
+    # alone's max goodput with 8 in flight (its own queue decided the order) and >= 1.41x with 2
+    # (docs/benchmarks.md, "The gateway in front of vLLM: how many in flight").
+    p.add_argument("--gateway-concurrency", type=int, default=2,
                    help="the gateway contender's --max-concurrency (requests it lets run on the peer at once)")
     p.add_argument("--max-tokens", type=int, default=1, help="output tokens per request (1: prefill only)")
     p.add_argument("--drain-s", type=float, default=60.0, help="wait this long for answers after the last arrival")

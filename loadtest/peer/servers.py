@@ -131,7 +131,7 @@ class Launch:
     logs: Path
     max_model_len: int = 16384
     vllm_kv_gib: int = 1
-    gateway_concurrency: int = 8
+    gateway_concurrency: int = 2  # the peer benchmark's default (loadtest/peer/cli.py)
 
     def argv(self, spec: ServerSpec, port: int) -> list[str]:
         p = self.placement
