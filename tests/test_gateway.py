@@ -286,14 +286,19 @@ def test_sheddable_request_predicted_to_miss_is_shed_with_retry_after(served: st
     """A `relaxed` request (sheddable, 4 s) that cannot be prefilled in 4 s even if run next gets a
     429 with Retry-After and the reason; an `interactive` one (not sheddable) is served anyway."""
     long_prompt = [65 + i % 26 for i in range(30000)]
+    # A miss that no batch of its size (past 8K tokens) has confirmed refuses only when it misses even 4x
+    # faster (UNCONFIRMED_SPEEDUP), and 30K tokens predict about 6-13 s on a fast core: run one past 8K first.
+    confirm = httpx.post(f"{served}/v1/completions", json={"prompt": long_prompt[:8300], "max_tokens": 1},
+                         headers={"x-slo-class": "interactive"}, timeout=60)
+    assert confirm.status_code == 200, confirm.text
     r = httpx.post(f"{served}/v1/completions", json={"prompt": long_prompt, "max_tokens": 1},
                    headers={"x-slo-class": "relaxed"}, timeout=60)
     assert r.status_code == 429, r.text
     assert r.headers["retry-after"] == "1"
     assert r.headers["x-flowprefill-dropped-reason"] == "predicted_slo_miss"
     assert r.json()["error"]["code"] == "predicted_slo_miss"
-    ok = httpx.post(f"{served}/v1/completions", json={"prompt": [65] * 3000, "max_tokens": 1},
-                    headers={"x-slo-class": "interactive"}, timeout=60)
+    ok = httpx.post(f"{served}/v1/completions", json={"prompt": [66 + i % 20 for i in range(8300)], "max_tokens": 1},
+                    headers={"x-slo-class": "interactive"}, timeout=60)  # ~1 s of prefill, none cached: a miss
     assert ok.status_code == 200 and ok.headers["x-flowprefill-predicted-miss"] == "true"
     metrics = httpx.get(f"{served}/metrics").text
     assert 'flowprefill_gateway_shed_total{reason="predicted_slo_miss",slo_class="relaxed"} 1.0' in metrics
