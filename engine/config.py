@@ -145,7 +145,7 @@ class EngineConfig:
                 "FlowPrefill's, on a CPU)")
     linear: Literal["auto", "torch", "onednn"] = setting(
         "auto", "the projections' matmuls (auto: oneDNN's on pre-packed weights on a CPU in float32/bfloat16 "
-                "when it loads and agrees with torch's; on an AMD CPU 2.3x MKL's in fp32)")
+                "when it loads and agrees with torch's; on an AMD CPU about 2.2x MKL's in fp32)")
     kv_block_size: int = setting(256, "tokens per KV-cache block, the unit of allocation and of prefix reuse")
     kv_capacity_tokens: int = setting(
         262_144, "KV-cache size in tokens, allocated at start-up (rounded down to whole blocks)")

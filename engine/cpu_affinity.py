@@ -24,8 +24,8 @@ outnumber the cores it stops spinning between regions and puts each thread to sl
 count), so every region pays a wake-up. The engine's team alone is within the cores; the team of the
 thread that loaded and calibrated the model would stay docked beside it. Measured on 2 cores, 2 threads:
 an RMSNorm of 2048 x 256 took 105 us on the first team and 300 us on a second one while the first lived,
-and a served 2K prefill 140-157 ms against 100 ms. So `on_passing_thread` runs that work on a thread that
-ends with it, taking its team along.
+and a 2K prefill on a started Engine 141-157 ms against 100 ms run on the main thread. So
+`on_passing_thread` runs that work on a thread that ends with it, taking its team along.
 
 Linux only (os.sched_setaffinity); elsewhere cpu_cores is an error rather than silently ignored.
 """

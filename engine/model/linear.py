@@ -2,7 +2,7 @@
 operator), with each weight stored in the layout its kernel reads.
 
 `TorchLinear` is torch's matmul on a transposed copy of the weight (addmm for the residual). On a CPU,
-torch sends fp32 matmuls to MKL's sgemm, and on an AMD EPYC with AVX-512 (Zen 5) MKL runs its AVX2
+torch sends fp32 matmuls to MKL's sgemm, and on an AMD EPYC with AVX-512 MKL runs its AVX2
 path: 89-97 GFLOP/s on one core for this model's shapes (rows x 256 by 256 x 1408, 704 x 256, 256 x 384),
 where oneDNN's reaches 200-228 with the weights pre-packed (185-219 unpacked). bf16 matmuls already go
 to oneDNN; packing adds 3-20 % (most at 128 rows). So `OneDnnLinear` keeps the weight packed in oneDNN's
@@ -14,7 +14,6 @@ pre-packed weights. Both agree with a float64 reference to 4e-7 relative in fp32
 from __future__ import annotations
 
 import logging
-from typing import Protocol
 
 import torch
 
@@ -22,12 +21,6 @@ log = logging.getLogger("flowprefill.engine")
 
 # The batch size oneDNN packs for (its choice of blocking); any number of rows runs on the packed weight.
 PACK_ROWS = 512
-
-
-class Linear(Protocol):
-    name: str
-
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 class TorchLinear:
@@ -58,6 +51,9 @@ class OneDnnLinear:
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual.contiguous(), self.packed, self.bias, "add")
 
 
+LinearKind = type[TorchLinear] | type[OneDnnLinear]  # what LlamaModel builds its projections with
+
+
 def _onednn_fails(dtype: torch.dtype) -> str:
     """Why oneDNN's linear cannot serve here ("" when it can): missing, or disagreeing with torch's."""
     if not torch.backends.mkldnn.is_available():
@@ -75,7 +71,7 @@ def _onednn_fails(dtype: torch.dtype) -> str:
     return "" if err < (1e-5 if dtype == torch.float32 else 2e-2) else f"disagrees with torch's (error {err:.2g})"
 
 
-def select_linear(name: str, device: torch.device, dtype: torch.dtype) -> type[TorchLinear] | type[OneDnnLinear]:
+def select_linear(name: str, device: torch.device, dtype: torch.dtype) -> LinearKind:
     """name: auto (oneDNN's on a CPU in fp32/bf16 when it loads and agrees with torch's), torch, or onednn
     (the same, a failure an error)."""
     if name not in ("auto", "torch", "onednn"):

@@ -16,14 +16,14 @@ from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.model.graphs import StepGraphs
 from engine.model.kernels import RowKernels, TorchKernels
-from engine.model.linear import OneDnnLinear, TorchLinear
+from engine.model.linear import LinearKind, TorchLinear
 from engine.model.plan import ATTENTION, ATTN_IN, FFN, SeqSpan, Step
 from engine.model.rope import Rotary, Rows
 
 
 class LayerWeights:
     def __init__(self, w: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig,
-                 linear: type[TorchLinear] | type[OneDnnLinear] = TorchLinear) -> None:
+                 linear: LinearKind = TorchLinear) -> None:
         a, m = f"{prefix}.self_attn", f"{prefix}.mlp"
         self.input_norm = w[f"{prefix}.input_layernorm.weight"]
         self.post_norm = w[f"{prefix}.post_attention_layernorm.weight"]
@@ -40,7 +40,7 @@ class LayerWeights:
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], backend: AttentionBackend,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 linear: type[TorchLinear] | type[OneDnnLinear] = TorchLinear) -> None:
+                 linear: LinearKind = TorchLinear) -> None:
         self.cfg, self.backend = cfg, backend
         self.device = torch.device(device)
         w = {k: v.to(self.device, dtype) for k, v in weights.items()}
