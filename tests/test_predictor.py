@@ -173,3 +173,20 @@ def test_the_engine_learns_from_the_running_batch() -> None:
     if took < 0.15:
         pytest.skip(f"this machine prefilled 1500 tokens 3x slowed in {took:.3f} s: too fast to report mid-way")
     assert seen[1] - seen[0] >= 3 - 1  # reported while it ran, then once more at its end
+
+
+def test_one_stretched_short_batch_does_not_swing_every_prediction() -> None:
+    """A 13 ms batch stretched to 200 ms by a pause reads 15x; one such measurement moves the machine's
+    factor by at most MAX_SURPRISE's worth of its weight (here the whole-batch floor, 0.2), so the long
+    classes' predictions do not follow it to a refusal."""
+    from engine.model.plan import MAX_SURPRISE
+
+    cost = cost_model()
+    for n in (100, 100, 100, 6000, 6000, 6000):  # each class's own way first
+        plan = plan_prefill(cost, [SeqSpan(0, n)], BUDGET)
+        cost.observe(n, plan.base_cost, plan.base_cost)
+    before = cost.factor(6000)
+    plan = plan_prefill(cost, [SeqSpan(0, 100)], BUDGET)
+    cost.observe(100, plan.base_cost, 15 * plan.base_cost)
+    assert cost.factor(6000) == pytest.approx(before * (1 + 0.2 * (MAX_SURPRISE - 1)))
+    assert cost.factor(6000) < 1.7 * before  # unbounded: 1 + 0.2 * 14 = 3.8x

@@ -155,7 +155,9 @@ class OpCost:
         `machine`, so a 3x slowdown seen by short batches slows the long ones' predictions too, within
         a few batches of any size (see docs/benchmarks.md); the class keeps a slow average of what the
         machine does not explain. `whole`: the measurement is a whole batch (or its first part), which
-        weighs at least a fifth however short; the last few milliseconds of a long batch weigh their time."""
+        weighs at least a fifth however short; the last few milliseconds of a long batch weigh their time.
+        A measurement weighs the work it measured (its predicted time), not the time a pause stretched it
+        to, and its surprise counts up to MAX_SURPRISE."""
         if not (base_s > 0 and measured_s > 0):
             return
         k = size_class(tokens)
@@ -166,9 +168,11 @@ class OpCost:
             first.append(target / self.machine)
             self.class_scale[k] = _clamp(statistics.median(first))
             return
-        surprise = target / (self.machine * self.class_scale[k])
-        floor = 0.2 if whole else 0.0
-        self.machine = _clamp(self.machine * (1 + _weight(measured_s, MACHINE_HALF_LIFE_S, floor) * (surprise - 1)))
+        expected_s = measured_s / target * self.machine * self.class_scale[k]
+        surprise = min(MAX_SURPRISE, max(1 / MAX_SURPRISE, measured_s / expected_s))
+        floor = 0.2 if whole else 0.0  # weighed by the work it measured (its predicted time), not by its pauses
+        weight = _weight(expected_s, MACHINE_HALF_LIFE_S, floor)
+        self.machine = _clamp(self.machine * (1 + weight * (surprise - 1)))
         w = _weight(measured_s, CLASS_HALF_LIFE_S, 0.0)
         self.class_scale[k] = _clamp((1 - w) * self.class_scale[k] + w * target / self.machine)
 
@@ -197,6 +201,13 @@ class OpCost:
 
 
 MAX_FACTOR = 20.0  # a correction stays within 1/20 .. 20x of calibration
+# One measurement moves the machine's factor by at most this ratio's worth of its weight (which is its
+# predicted time's, see `observe`). A short batch that a pause (the collector, the OS, a process starting
+# beside it) stretches from 13 ms to 200 ms reads 15x: weighed by its 200 ms, as before, it multiplied
+# every prediction by 3.8 at once (a 6,000-token `batch` request that takes 0.9 s then predicts past its
+# 6 s target and is refused); now by 1.6. A real 3x slowdown is still followed within three batches
+# (tests/test_predictor.py).
+MAX_SURPRISE = 4.0
 # The machine's factor is an exponential average over measured execution time with this half-life
 # (half of a 50 ms progress report's surprise), and takes at least a fifth of any batch's surprise:
 # after a 3x slowdown its predictions are within 10 % in 3 batches (docs/benchmarks.md).
