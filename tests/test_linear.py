@@ -7,9 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.linear import OneDnnLinear, TorchLinear, select_linear
+from engine.model.linear import OneDnnLinear, TorchLinear, onednn_unavailable, select_linear
 
 onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+def _cpu_lacks(dtype: torch.dtype) -> str:
+    """oneDNN's refusal for this CPU ("" where it runs): its bf16 path needs AVX-512 (BW/VL/DQ) or
+    AVX-NE-CONVERT. Only that refusal skips; a disagreement with torch's fails."""
+    reason = onednn_unavailable(dtype)
+    return reason if "needs the cpu support" in reason else ""
 
 
 @onednn
@@ -17,6 +24,8 @@ onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="to
 @pytest.mark.parametrize("rows", [1, 7, 128, 513, 2048])
 @pytest.mark.parametrize("out_in", [(384, 256), (256, 704), (1408, 256)])
 def test_onednn_linear_matches_torchs(dtype: torch.dtype, tol: float, rows: int, out_in: tuple[int, int]) -> None:
+    if reason := _cpu_lacks(dtype):
+        pytest.skip(reason)
     gen = torch.Generator().manual_seed(rows)
     out, inp = out_in
     w = (torch.randn(out, inp, generator=gen) / inp**0.5).to(dtype)
@@ -51,3 +60,18 @@ def test_selection() -> None:
         select_linear("onednn", cuda, torch.float32)
     with pytest.raises(ValueError, match="unknown linear kernels 'mkl'"):
         select_linear("mkl", cpu, torch.float32)
+
+
+@onednn
+def test_where_the_cpu_refuses_onednn_torchs_runs_and_the_cause_is_said(caplog: pytest.LogCaptureFixture) -> None:
+    """Where this CPU cannot run oneDNN's bf16 path (no AVX-512), auto falls back to torch's matmuls
+    with a warning naming the cause, and an explicit --linear onednn is an error with it."""
+    reason = _cpu_lacks(torch.bfloat16)
+    if not reason:
+        assert select_linear("auto", torch.device("cpu"), torch.bfloat16) is OneDnnLinear
+        return
+    with caplog.at_level("WARNING"):
+        assert select_linear("auto", torch.device("cpu"), torch.bfloat16) is TorchLinear
+    assert "needs the cpu support" in caplog.text
+    with pytest.raises(ValueError, match=r"--linear onednn: RuntimeError: .*needs the cpu support"):
+        select_linear("onednn", torch.device("cpu"), torch.bfloat16)

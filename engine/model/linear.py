@@ -54,7 +54,7 @@ class OneDnnLinear:
 LinearKind = type[TorchLinear] | type[OneDnnLinear]  # what LlamaModel builds its projections with
 
 
-def _onednn_fails(dtype: torch.dtype) -> str:
+def onednn_unavailable(dtype: torch.dtype) -> str:
     """Why oneDNN's linear cannot serve here ("" when it can): missing, or disagreeing with torch's."""
     if not torch.backends.mkldnn.is_available():
         return "torch was built without oneDNN"
@@ -78,7 +78,7 @@ def select_linear(name: str, device: torch.device, dtype: torch.dtype) -> Linear
         raise ValueError(f"unknown linear kernels {name!r} (auto, torch, onednn)")
     if name == "torch" or (name == "auto" and (device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16))):
         return TorchLinear
-    reason = "runs on the CPU (--device cpu)" if device.type != "cpu" else _onednn_fails(dtype)
+    reason = "runs on the CPU (--device cpu)" if device.type != "cpu" else onednn_unavailable(dtype)
     if not reason:
         return OneDnnLinear
     if name == "onednn":
