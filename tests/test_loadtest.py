@@ -38,7 +38,7 @@ max_tokens = 4
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     # These tests check the load generator's accounting, so nothing of theirs is refused on a
-    # prediction: batch is not sheddable here (a busy CI machine's correction once refused both backlog
+    # prediction: batch is not sheddable here (in one CI run the correction refused both backlog
     # requests as predicted misses; shedding has its own tests in test_late.py and test_gateway.py).
     config = tmp_path_factory.mktemp("served") / "classes.toml"
     config.write_text("[classes.batch]\nsheddable = false\n")

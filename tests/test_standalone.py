@@ -1,4 +1,4 @@
-"""The project stands alone: nothing in it reads a folder beside the checkout (such as ../shared), so a
+"""The project stands alone: nothing in it reads a folder beside the checkout (such as the workplace's shared one), so a
 user's clone works as it is. `.ci/run` runs the suite in a copy with nothing beside it."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# `../shared`, or a path built from the checkout's parent: parents[2] / "shared" and the like.
+# A relative path up and into the shared folder, or one built from the checkout's parent (parents[2] and the like).
 OUTSIDE = re.compile(r"\.\./shared|parents\[\d\]\s*/\s*\"shared\"|parent\.parent\s*/\s*\"shared\"")
 
 

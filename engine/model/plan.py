@@ -168,10 +168,10 @@ class OpCost:
             first.append(target / self.machine)
             self.class_scale[k] = _clamp(statistics.median(first))
             return
-        expected_s = measured_s / target * self.machine * self.class_scale[k]
+        expected_s = base_s * self.scale * self.machine * self.class_scale[k]
         surprise = min(MAX_SURPRISE, max(1 / MAX_SURPRISE, measured_s / expected_s))
-        floor = 0.2 if whole else 0.0  # weighed by the work it measured (its predicted time), not by its pauses
-        weight = _weight(expected_s, MACHINE_HALF_LIFE_S, floor)
+        floor = 0.2 if whole else 0.0
+        weight = _weight(expected_s, MACHINE_HALF_LIFE_S, floor)  # the work it measured, not its pauses
         self.machine = _clamp(self.machine * (1 + weight * (surprise - 1)))
         w = _weight(measured_s, CLASS_HALF_LIFE_S, 0.0)
         self.class_scale[k] = _clamp((1 - w) * self.class_scale[k] + w * target / self.machine)
@@ -203,12 +203,11 @@ class OpCost:
 MAX_FACTOR = 20.0  # a correction stays within 1/20 .. 20x of calibration
 # One measurement moves the machine's factor by at most this ratio's worth of its weight (which is its
 # predicted time's, see `observe`). A short batch that a pause (the collector, the OS, a process starting
-# beside it) stretches from 13 ms to 200 ms reads 15x: weighed by its 200 ms, as before, it multiplied
-# every prediction by 3.8 at once (a 6,000-token `batch` request that takes 0.9 s then predicts past its
-# 6 s target and is refused); now by 1.6. A real 3x slowdown is still followed within three batches
-# (tests/test_predictor.py).
+# beside it) stretches from 13 ms to 200 ms reads 15x: weighed by its 200 ms, as before, it would multiply
+# every prediction by 14 at once (enough for a long `batch` request to predict past its 6 s target and
+# be refused); now by 1.6. A real 3x slowdown is still followed within three batches (tests/test_predictor.py).
 MAX_SURPRISE = 4.0
-# The machine's factor is an exponential average over measured execution time with this half-life
+# The machine's factor is an exponential average over the predicted time of what was measured, with this half-life
 # (half of a 50 ms progress report's surprise), and takes at least a fifth of any batch's surprise:
 # after a 3x slowdown its predictions are within 10 % in 3 batches (docs/benchmarks.md).
 MACHINE_HALF_LIFE_S = 0.05
