@@ -253,7 +253,7 @@ class OpenAIUser(HttpUser):
             rec.status = resp.status_code
             rec.applied_class = resp.headers.get(SLO_CLASS_HEADER, "")
             if resp.status_code != 200:
-                rec.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                rec.error = f"HTTP {resp.status_code}: {resp.text[:1000]}"  # an OpenAI error body whole
             else:
                 done = False
                 for line in resp.iter_lines():

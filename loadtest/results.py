@@ -128,12 +128,28 @@ def _ms(s: float | None) -> str:
 
 
 def _errors(records: list[Record]) -> dict[str, int]:
+    """Failures counted by cause: an HTTP error by its status and the OpenAI error body's `code`
+    (`HTTP 429 predicted_slo_miss`), any other by its first 80 characters."""
     counts: dict[str, int] = {}
     for r in records:
-        if r.error:
-            key = r.error.split(":")[0] if r.error.startswith(("HTTP", "interrupted")) else r.error[:80]
-            counts[key] = counts.get(key, 0) + 1
+        if not r.error:
+            continue
+        if r.error.startswith("HTTP"):
+            key = _http_cause(r.error)
+        else:
+            key = r.error.split(":")[0] if r.error.startswith("interrupted") else r.error[:80]
+        counts[key] = counts.get(key, 0) + 1
     return counts
+
+
+def _http_cause(error: str) -> str:
+    status, _, body = error.partition(": ")
+    try:
+        detail = json.loads(body).get("error") or {}
+    except (ValueError, AttributeError):  # not an OpenAI error body (a proxy's page), or cut short
+        detail = {}
+    code = detail.get("code") or detail.get("type") if isinstance(detail, dict) else None
+    return f"{status} {code}" if code else status
 
 
 def plot(records: list[Record], doc: dict[str, Any], path: Path) -> None:

@@ -257,6 +257,8 @@ def _summary(console: Console, doc: dict[str, Any]) -> None:
     a, lg = doc["accounting"], doc["loadgen"]
     console.print(f"accounting: scheduled {a['scheduled']} = sent {a['sent']} + missing {a['missing']}; "
                   f"sent = succeeded {a['succeeded']} + failed {a['failed']}")
+    if doc.get("errors"):
+        console.print("failed by cause: " + ", ".join(f"{n} {cause}" for cause, n in doc["errors"].items()))
     console.print(f"load generator: {lg['cores_used']:.2f} of {lg['machine_cores']} cores, send lag p99 "
                   f"{lg['lag_p99_ms']:.1f} ms, {lg['late_over_50ms']} requests sent > 50 ms late")
 

@@ -154,7 +154,7 @@ def test_distributed_two_workers(served: str, tmp_path: Path) -> None:
     assert doc["accounting"]["failed"] == 0 and doc["loadgen"]["processes"] == 3
 
 
-def test_dead_server_every_request_fails_explicitly(tmp_path: Path) -> None:
+def test_dead_server_every_request_fails_explicitly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "small.toml").write_text(SMALL)
     out = tmp_path / "out"
     assert flowprefill(["loadtest", "--profile", str(tmp_path / "small.toml"), "--host",
@@ -163,6 +163,22 @@ def test_dead_server_every_request_fails_explicitly(tmp_path: Path) -> None:
     assert doc["accounting"]["failed"] == doc["accounting"]["sent"] == 8
     assert doc["policies"]["http"]["points"][0]["attainment"] == 0.0
     assert sum(doc["errors"].values()) == 8
+    printed = capsys.readouterr().out
+    assert "failed by cause: " + ", ".join(f"{n} {cause}" for cause, n in doc["errors"].items()) in printed
+
+
+def test_failures_counted_by_cause() -> None:
+    """A shed request is counted by the OpenAI error body's code, so a run's summary says why it failed."""
+    from loadtest.results import Record, _errors
+
+    shed = ('HTTP 429: {"error": {"message": "predicted TTFT 7100 ms > 6000 ms", "type": '
+            '"rate_limit_error", "param": null, "code": "predicted_slo_miss"}}')
+    errors = [shed, shed, 'HTTP 400: {"error": {"message": "bad", "type": "invalid_request_error"}}',
+              "HTTP 502: <html>bad gateway</html>", "interrupted: stream ended without [DONE]", None]
+    records = [Record(index=i, slo_class="batch", input_tokens=8, scheduled_s=0.0, error=e)
+               for i, e in enumerate(errors)]
+    assert _errors(records) == {"HTTP 429 predicted_slo_miss": 2, "HTTP 400 invalid_request_error": 1,
+                                "HTTP 502": 1, "interrupted": 1}
 
 
 @pytest.mark.slow
