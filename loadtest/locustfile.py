@@ -234,15 +234,19 @@ class OpenAIUser(HttpUser):
 
     def _stream(self, cls: str, i: int, n_in: int, n_out: int, rec: results.Record) -> None:
         p = RUN.profile
+        # A chat message is text: printable ASCII (ids 32-126), one token a byte for the embedded model's
+        # byte tokenizer; random bytes up to 255 are not UTF-8 (a 3,000-byte prompt never decodes).
+        ids = 127 if p.endpoint == "chat" else 256
         shared = []  # the start of the prompt that other requests share (a system prompt, a document)
         if p.shared_prefix_tokens:
-            shared = synthesize_prompt(min(n_in, p.shared_prefix_tokens), 256,
+            shared = synthesize_prompt(min(n_in, p.shared_prefix_tokens), ids,
                                        seed=f"{RUN.nonce}-shared-{i % p.shared_prefixes}")
-        prompt_ids = shared + synthesize_prompt(n_in - len(shared), 256, seed=f"{RUN.nonce}-{i}")
+        prompt_ids = shared + synthesize_prompt(n_in - len(shared), ids, seed=f"{RUN.nonce}-{i}")
         body: dict[str, Any] = {"model": RUN.model or None, "max_tokens": n_out, "stream": True,
                                 "temperature": 0, "ignore_eos": True, "priority": RUN.priorities.get(cls)}
         if RUN.profile.endpoint == "chat":
-            path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": bytes(prompt_ids).decode()}]
+            text = bytes(prompt_ids).decode("ascii")
+            path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": text}]
         else:
             path, body["prompt"] = "/v1/completions", prompt_ids
         headers = {SLO_CLASS_HEADER: cls, REQUEST_ID_HEADER: f"lt-{int(RUN.started_at)}-{i}"}

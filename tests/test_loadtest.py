@@ -123,6 +123,18 @@ def test_headless_run_accounts_for_every_request(served: str, tmp_path: Path) ->
     assert all(r["applied_class"] == r["slo_class"] for r in rows)
 
 
+@pytest.mark.slow
+def test_chat_endpoint_profile(served: str, tmp_path: Path) -> None:
+    """`endpoint = "chat"` sends each prompt as a chat message's text (it used to be random bytes that
+    are not UTF-8: every request failed in the load generator before it was sent)."""
+    (tmp_path / "chat.toml").write_text(SMALL.replace("6000", "1000") + 'endpoint = "chat"\n')
+    out = tmp_path / "out"
+    assert flowprefill(["loadtest", "--profile", str(tmp_path / "chat.toml"), "--host", served,
+                        "--out", str(out)]) == 0
+    doc = _check_report(out, {"batch", "interactive"})
+    assert doc["accounting"]["failed"] == 0 and doc["accounting"]["succeeded"] == 8, doc["errors"]
+
+
 def _prefix_hits(served: str) -> float:
     worker = served.rsplit(":", 1)[0] + f":{int(served.rsplit(':', 1)[1]) + 1}"
     return sum(float(line.split()[-1]) for line in httpx.get(f"{worker}/metrics").text.splitlines()
