@@ -112,3 +112,26 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def test_a_cpu_calibration_times_the_fixed_cost_of_a_step_on_the_prefills_own_steps(tmp_path, monkeypatch) -> None:
+    """The step loop's cost and a row-wise step's weight read are measured, not assumed (a fixed 20 us
+    had been, and a 16-token prefill ran 3.7x its prediction); the profile cache keeps the faster, and a
+    profile of an older calibration (no step costs in it) is not merged."""
+    monkeypatch.setenv("FLOWPREFILL_CACHE", str(tmp_path))
+    model = LlamaModel(CFG, make_weights(CFG), SDPABackend())
+    cost = calibrate(model)
+    assert cost.step_overhead_s > 0 and cost.step_overhead_s != OpCost.step_overhead_s
+    assert cost.row_step_floor_s > 0, "a row-wise step reads its weights, which a one-pair attention step does not"
+    from engine import predictor
+
+    monkeypatch.setattr(predictor, "calibrate", lambda m: replace(cost))
+    load_cost(model)
+    (path,) = tmp_path.glob("opcost-*.json")
+    assert f"-v{predictor.PROFILE_VERSION}" in path.name
+    cached = json.loads(path.read_text())
+    path.write_text(json.dumps({**cached, "step_overhead_s": 1e-9}))
+    assert load_cost(model).step_overhead_s == 1e-9
+    del cached["step_overhead_s"]  # a profile without it: the fresh measurement
+    path.write_text(json.dumps(cached))
+    assert load_cost(model).step_overhead_s == cost.step_overhead_s
