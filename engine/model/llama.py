@@ -14,6 +14,7 @@ import torch
 from engine.attention import AttentionBackend
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
+from engine.model.activations import ActivationPool
 from engine.model.graphs import StepGraphs
 from engine.model.kernels import RowKernels, TorchKernels
 from engine.model.linear import LinearKind, TorchLinear
@@ -54,6 +55,7 @@ class LlamaModel:
         self.q_size = cfg.num_attention_heads * cfg.head_dim
         self.kv_size = cfg.num_key_value_heads * cfg.head_dim
         self.graphs: StepGraphs | None = None  # set by load_model on CUDA (EngineConfig.cuda_graph_tokens)
+        self.activations = ActivationPool(cfg, dtype, self.device) if self.device.type == "cpu" else None
         self.kernels: RowKernels = TorchKernels()  # load_model may choose FlashInfer's (EngineConfig.row_kernels)
 
     # -- operators (row-wise ones take any block of tokens) ------------------------------------
@@ -106,15 +108,21 @@ class LlamaModel:
         row0 = [0]
         for s in spans:
             row0.append(row0[-1] + s.length)
-        x = self.embed[torch.cat([torch.tensor(ids, dtype=torch.long) for ids in token_ids]).to(dev)]
-        n = x.shape[0]
+        ids = torch.cat([torch.tensor(seq, dtype=torch.long) for seq in token_ids]).to(dev)
+        n = ids.shape[0]
         # Short batches replay their row-wise steps as CUDA graphs (engine/model/graphs.py): then
-        # x, q, k, v and attn are views of the leased bucket's buffers, written in place.
+        # x, q, k, v and attn are views of the leased bucket's buffers, written in place. On a CPU they
+        # are views of buffers kept from an earlier prefill (engine/model/activations.py).
         lease = self.graphs.lease(n) if self.graphs is not None else None
+        kept = self.activations.lease(n) if self.activations is not None and lease is None else None
         try:
             if lease is not None:
-                x, q, k, v, attn = lease.load(x, rope)
+                x, q, k, v, attn = lease.load(self.embed[ids], rope)
+            elif kept is not None:
+                x, q, k, v, attn = kept.views(n)
+                torch.index_select(self.embed, 0, ids, out=x)
             else:
+                x = self.embed[ids]
                 q = x.new_empty(n, c.num_attention_heads, c.head_dim)
                 k = x.new_empty(n, c.num_key_value_heads, c.head_dim)
                 v = torch.empty_like(k)
@@ -163,6 +171,8 @@ class LlamaModel:
         finally:  # also when a cancelled batch's generator is closed while suspended
             if lease is not None:
                 StepGraphs.release(lease)
+            if kept is not None:
+                self.activations.release(kept)
 
     @staticmethod
     def _seq_keys(step: Step, spans: list[SeqSpan], row0: list[int], k: torch.Tensor, v: torch.Tensor,

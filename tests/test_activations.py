@@ -1,0 +1,76 @@
+"""A CPU prefill's activation buffers, kept between prefills (engine/model/activations.py): leased, so
+a suspended prefill keeps its own while another runs, and returned however a prefill ends."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+
+import pytest
+import torch
+from test_preemption import BUDGET, CFG, COST, EXACT, fresh_kv, make_weights, prompt
+
+from engine.attention.sdpa import SDPABackend
+from engine.model.activations import MAX_KEPT_ROWS, MIN_ROWS, ActivationPool
+from engine.model.llama import LlamaModel
+from engine.model.plan import SeqSpan, plan_prefill
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Generator[None, None, None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _run(model: LlamaModel, n: int, seed: int) -> Generator[int, None, torch.Tensor]:
+    kv = fresh_kv()
+    spans = [SeqSpan(0, n)]
+    return model.prefill([prompt(n, seed)], spans, [kv.allocate(n)], kv, plan_prefill(COST, spans, BUDGET))
+
+
+def _finish(run: Generator[int, None, torch.Tensor]) -> torch.Tensor:
+    while True:
+        try:
+            next(run)
+        except StopIteration as stop:
+            return stop.value
+
+
+def test_interleaved_prefills_keep_their_own_buffers_and_give_each_ones_logits() -> None:
+    model = LlamaModel(CFG, make_weights(CFG), SDPABackend())
+    alone = {n: _finish(_run(model, n, seed=n)) for n in (300, 200)}
+    assert model.activations.free_rows == [MIN_ROWS], "the finished prefills' lease is kept"
+    long, short = _run(model, 300, seed=300), _run(model, 200, seed=200)
+    for _ in range(7):  # the long one is suspended mid-way, the short one runs whole, then the long one resumes
+        next(long)
+    torch.testing.assert_close(_finish(short), alone[200], **EXACT)
+    torch.testing.assert_close(_finish(long), alone[300], **EXACT)
+    assert model.activations.free_rows == [MIN_ROWS, MIN_ROWS]
+
+
+def test_a_closed_prefill_returns_its_lease_and_the_next_one_writes_into_it() -> None:
+    model = LlamaModel(CFG, make_weights(CFG), SDPABackend())
+    run = _run(model, 1000, seed=1)
+    next(run)
+    assert model.activations.free_rows == []
+    run.close()  # a cancelled batch, suspended
+    assert model.activations.free_rows == [1024]
+    (kept,) = model.activations._free
+    again = _run(model, 700, seed=2)
+    next(again)
+    assert model.activations.free_rows == [], "a 700-token prefill fits the 1,024-row lease"
+    again.close()
+    assert model.activations._free == [kept]
+
+
+def test_the_pool_keeps_the_largest_few_leases_and_none_past_its_bound() -> None:
+    pool = ActivationPool(CFG, torch.float32, torch.device("cpu"), keep=2)
+    leases = [pool.lease(n) for n in (10, 600, 3000)]
+    assert [a.rows for a in leases] == [MIN_ROWS, 1024, 4096]
+    for a in leases:
+        pool.release(a)
+    assert pool.free_rows == [1024, 4096]
+    assert pool.lease(900) is leases[1] and pool.lease(900).rows == 4096 and pool.free_rows == []
+    pool.release(pool.lease(MAX_KEPT_ROWS + 1))
+    assert pool.free_rows == []
