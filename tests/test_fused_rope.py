@@ -71,6 +71,23 @@ def test_the_fused_table_rotates_as_torch_does(scaling: dict) -> None:
         fused.reserve(8193)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused"])
+def test_a_spans_rows_are_the_gathered_rows_without_a_copy(fused: bool) -> None:
+    """One sequence's rotary rows are views of the table (an 8K prompt's were a 4 MB gather in its
+    prefill's set-up, the stop-latency tail's first step), the same rotation as the gathered ones."""
+    rotary = Rotary(64, 500000.0, {}, 8192, torch.float32, torch.device("cpu"))
+    if fused:
+        rotary.use_fused(cos_sin_cache_rope)
+    rotary.reserve(8192)
+    qkv = torch.randn(300, 12 * 64)
+    q, k, _ = qkv.split([8 * 64, 2 * 64, 2 * 64], dim=-1)
+    span, gathered = rotary.span_rows(5000, 5300), rotary.rows(torch.arange(5000, 5300))
+    for got, want in zip(rotary.apply(q, k, span), rotary.apply(q, k, gathered), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    if not fused:
+        assert span[0].untyped_storage().data_ptr() == rotary._cos.untyped_storage().data_ptr()
+
+
 def test_a_kernel_that_disagrees_is_refused(caplog: pytest.LogCaptureFixture) -> None:
     rotary = Rotary(64, 10000.0, {}, 4096, torch.bfloat16, torch.device("cpu"))
     rotary.use_fused(swapped_halves)

@@ -102,7 +102,8 @@ class LlamaModel:
         self.rotary.reserve(max(s.start + s.length for s in spans))
         prefix_index = {i: kv.block_index(bt, s.start)
                         for i, (s, bt) in enumerate(zip(spans, block_tables, strict=True)) if s.start > 0}
-        rope = self.rotary.rows(torch.cat([torch.arange(s.start, s.start + s.length, device=dev) for s in spans]))
+        rope = (self.rotary.span_rows(spans[0].start, spans[0].start + spans[0].length) if len(spans) == 1 else
+                self.rotary.rows(torch.cat([torch.arange(s.start, s.start + s.length, device=dev) for s in spans])))
         slots = torch.cat([kv.slots(bt, s.start, s.start + s.length)
                            for s, bt in zip(spans, block_tables, strict=True)])
         row0 = [0]
