@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from engine.kv_cache import KVCache
 from engine.model.llama import LlamaModel
 from engine.model.plan import ATTENTION, ATTN_IN, FFN, OpCost, SeqSpan, plan_prefill
 
@@ -113,8 +114,6 @@ def _cpu_step_costs(model: LlamaModel, cost: OpCost, repeat: int = 7) -> tuple[f
     EPYC cores, one thread, the embedded model: 87-89 us and a further 144 us, where a fixed 20 us had
     been assumed; a 16-token prefill ran 3.7x its prediction, and its size class's correction, borrowed
     by sizes not run yet, predicted a first 400-token prefill 2.1x slow."""
-    from engine.kv_cache import KVCache  # the predictor times the model; the engine owns the cache
-
     kv = KVCache(model.cfg, 16, 16, model.embed.dtype, model.device)
     steps = plan_prefill(cost, [SeqSpan(0, 1)], None, last_token_only=True)
     best: dict[str, float] = {}

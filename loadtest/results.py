@@ -148,7 +148,7 @@ def _http_cause(error: str) -> str:
         detail = json.loads(body).get("error") or {}
     except (ValueError, AttributeError):  # not an OpenAI error body (a proxy's page), or cut short
         detail = {}
-    code = detail.get("code") or detail.get("type") if isinstance(detail, dict) else None
+    code = (detail.get("code") or detail.get("type")) if isinstance(detail, dict) else None
     return f"{status} {code}" if code else status
 
 

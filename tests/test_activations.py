@@ -7,6 +7,7 @@ from collections.abc import Generator
 
 import pytest
 import torch
+from helpers import drain
 from test_preemption import BUDGET, CFG, COST, EXACT, fresh_kv, make_weights, prompt
 
 from engine.attention.sdpa import SDPABackend
@@ -29,23 +30,15 @@ def _run(model: LlamaModel, n: int, seed: int) -> Generator[int, None, torch.Ten
     return model.prefill([prompt(n, seed)], spans, [kv.allocate(n)], kv, plan_prefill(COST, spans, BUDGET))
 
 
-def _finish(run: Generator[int, None, torch.Tensor]) -> torch.Tensor:
-    while True:
-        try:
-            next(run)
-        except StopIteration as stop:
-            return stop.value
-
-
 def test_interleaved_prefills_keep_their_own_buffers_and_give_each_ones_logits() -> None:
     model = LlamaModel(CFG, make_weights(CFG), SDPABackend())
-    alone = {n: _finish(_run(model, n, seed=n)) for n in (300, 200)}
+    alone = {n: drain(_run(model, n, seed=n)) for n in (300, 200)}
     assert model.activations.free_rows == [MIN_ROWS], "the finished prefills' lease is kept"
     long, short = _run(model, 300, seed=300), _run(model, 200, seed=200)
     for _ in range(7):  # the long one is suspended mid-way, the short one runs whole, then the long one resumes
         next(long)
-    torch.testing.assert_close(_finish(short), alone[200], **EXACT)
-    torch.testing.assert_close(_finish(long), alone[300], **EXACT)
+    torch.testing.assert_close(drain(short), alone[200], **EXACT)
+    torch.testing.assert_close(drain(long), alone[300], **EXACT)
     assert model.activations.free_rows == [MIN_ROWS, MIN_ROWS]
 
 
