@@ -162,6 +162,20 @@ def test_exact_costs_from_batches_sum_a_chunked_request() -> None:
     assert exact.default == pytest.approx(1.75)
 
 
+def test_the_bound_plans_as_the_engine_did_and_charges_what_it_measured() -> None:
+    """A request the engine planned at its correction (1.0) and measured 2x slow takes exactly what
+    it measured in the bound: replanned at 2x, its steps would halve and each adds an overhead."""
+    from engine.model.plan import SeqSpan, plan_prefill
+    from engine.sim.oracle import MeasuredBatch
+
+    cost = replace(COST, step_overhead_s=88e-6)
+    planned = plan_prefill(cost, [SeqSpan(0, 1500)], 0.002, last_token_only=True)
+    exact = ExactCosts.from_batches(cost, [MeasuredBatch(["r0"], planned.base_cost, 2 * planned.base_cost, 1.0)])
+    alone = requests([(0.0, 1500, "standard")])
+    simulate(alone, make_policy("flowprefill"), cost, SimConfig(ideal=True), exact=exact)
+    assert alone[0].ttft == pytest.approx(2 * planned.base_cost, rel=1e-9)
+
+
 def test_prediction_error_levels_parse() -> None:
     from engine.sim.errors import DEFAULT_LEVELS, PredictionError
 

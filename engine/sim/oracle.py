@@ -6,6 +6,11 @@ requests the engine saves. The bound instead replays the run's own measurements:
 batch says how much slower or faster than the calibrated model it ran, each of its requests
 inherits that factor, and the simulator both charges and predicts every batch with the
 cost-weighted factor of its requests (perfect prediction, the real machine's speed at the time).
+
+The bound plans each batch's steps as the engine did (with the correction the engine's plan was made
+with), not with the factor: a plan's step sizes follow its scale, and each step adds a fixed cost (88
+us on a 2-core EPYC), so a request measured 2x slow and replanned at 2x would be cut into twice the
+steps and charged ~15 more overheads (+3 ms on a 30 ms prefill) than it really paid.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
+from typing import NamedTuple
 
 from engine.model.plan import OpCost, SeqSpan
 from engine.observer import EngineObserver
@@ -21,38 +27,60 @@ from engine.request import Request
 from engine.scheduler import Scheduler
 
 
+class MeasuredBatch(NamedTuple):
+    """A batch the engine finished: its requests, what the calibrated model predicted for its plan,
+    what it took, and the correction its plan was made with (`Plan.scale`)."""
+
+    ids: Sequence[str]
+    base_s: float
+    exec_s: float
+    plan_scale: float | None = None  # None: not known (the plan is made at the measured factor)
+
+
 class BatchCostRecorder(EngineObserver):
     """Watches a real engine: what every finished batch cost against what the calibrated model predicted."""
 
     def __init__(self) -> None:
-        self.batches: list[tuple[list[str], float, float]] = []
+        self.batches: list[MeasuredBatch] = []
 
     def on_segment_end(self, batch: PrefillBatch, now: float) -> None:
         if batch.finished:
-            self.batches.append(([r.request_id for r in batch.requests], batch.steps.base_cost, batch.exec_s))
+            self.batches.append(MeasuredBatch([r.request_id for r in batch.requests], batch.steps.base_cost,
+                                              batch.exec_s, batch.steps.scale))
 
 
 class ExactCosts:
-    def __init__(self, base: OpCost, factors: dict[str, float]) -> None:
+    def __init__(self, base: OpCost, factors: dict[str, float], plan_scales: dict[str, float] | None = None) -> None:
         n = len(base.class_scale)  # the calibration, without any online correction:
         self.base = replace(base, scale=1.0, class_scale=[1.0] * n, class_observations=[0] * n,
                             class_first=[[] for _ in range(n)], machine=1.0)
         self.factors = factors
+        self.plan_scales = plan_scales or {}
         self.default = statistics.median(factors.values()) if factors else 1.0
 
     @classmethod
-    def from_batches(cls, base: OpCost, batches: Iterable[tuple[Sequence[str], float, float]]) -> ExactCosts:
-        """batches: (request ids, predicted seconds in the calibrated model's units, measured seconds)."""
+    def from_batches(cls, base: OpCost, batches: Iterable[MeasuredBatch]) -> ExactCosts:
         predicted: dict[str, float] = {}
         measured: dict[str, float] = {}
-        for ids, base_s, exec_s in batches:
-            for rid in ids:  # a chunked request sums over its chunks
-                predicted[rid] = predicted.get(rid, 0.0) + base_s
-                measured[rid] = measured.get(rid, 0.0) + exec_s
-        return cls(base, {rid: measured[rid] / p for rid, p in predicted.items() if p > 0})
+        plan_scales: dict[str, float] = {}
+        for b in (MeasuredBatch(*entry) for entry in batches):
+            for rid in b.ids:  # a chunked request sums over its chunks (and plans as its last did)
+                predicted[rid] = predicted.get(rid, 0.0) + b.base_s
+                measured[rid] = measured.get(rid, 0.0) + b.exec_s
+                if b.plan_scale is not None:
+                    plan_scales[rid] = b.plan_scale
+        return cls(base, {rid: measured[rid] / p for rid, p in predicted.items() if p > 0}, plan_scales)
 
     def factor(self, req: Request) -> float:
         return self.factors.get(req.request_id, self.default)
+
+    def plan_cost(self, reqs: Sequence[Request]) -> OpCost:
+        """The cost model a batch of these requests plans its steps with: the engine's correction when it
+        planned them (their mean), or where that is unknown the exact one."""
+        scales = [self.plan_scales.get(r.request_id) for r in reqs]
+        if None in scales:
+            return self.for_requests(reqs)
+        return replace(self.base, scale=statistics.fmean(scales))  # type: ignore[arg-type]
 
     def for_requests(self, reqs: Sequence[Request]) -> OpCost:
         """The cost model that is exact for this batch: the base model scaled by its requests'

@@ -114,7 +114,7 @@ class Simulation:
         machine.slowdown_from_s += first
         self.machine = machine
         self.truth = copy.deepcopy(cost)  # what the machine does (times the error); never learns
-        self.own_factor: dict[int, float] = {}  # batch id -> its own draw of the noise
+        self.own_factor: dict[int, float] = {}  # batch id -> its own draw of the noise (exact: true s per planned s)
         if exact is None:
             model = copy.deepcopy(cost)  # the scheduler's: biased as asked, it learns from what steps take
             model.scale *= cfg.error.bias
@@ -138,15 +138,19 @@ class Simulation:
         for r in reqs:
             if not r.block_table:
                 r.block_table = self.kv.allocate(r.max_total_tokens)
-        steps = plan_prefill(self.sched.cost_for(reqs), spans, self.cfg.step_budget_s, last_token_only=True)
+        planner = self.sched.cost_for(reqs) if self.exact is None else self.exact.plan_cost(reqs)
+        steps = plan_prefill(planner, spans, self.cfg.step_budget_s, last_token_only=True)
         batch = PrefillBatch(reqs, spans, steps, VirtualRun(len(steps)))  # type: ignore[arg-type]
-        self.own_factor[batch.batch_id] = self.machine.batch_factor()
+        if self.exact is None:
+            self.own_factor[batch.batch_id] = self.machine.batch_factor()
+        else:  # true seconds per planned second: the measured factor over the plan's own scale
+            self.own_factor[batch.batch_id] = self.exact.for_requests(reqs).scale / steps.scale
         return batch
 
     def true_rate(self, batch: PrefillBatch) -> float:
         """True seconds per second of the batch's plan, now."""
         if self.exact is not None:
-            return 1.0  # the plan's costs are the measured ones
+            return self.own_factor[batch.batch_id]  # the measured costs, whatever the plan's scale
         truth = self.truth.scale * self.truth.factor(batch.num_tokens)
         return truth * self.machine.at(self.clock.t) * self.own_factor[batch.batch_id] / batch.steps.scale
 
