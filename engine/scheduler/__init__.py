@@ -19,7 +19,7 @@ from engine.kv_cache import BlockPool
 from engine.model.plan import OpCost, SeqSpan
 from engine.prefill import PrefillBatch
 from engine.request import Request
-from engine.scheduler.slack import SHARED, LateShare, remaining_of, standing, standings
+from engine.scheduler.slack import SHARED, LateShare, judge, remaining_of, standings
 
 # A request is refused (shed) for a predicted miss on its own prediction alone. Where no batch of its
 # size has run, that prediction is calibration alone, and calibration taken while another process shared
@@ -67,7 +67,7 @@ class Scheduler:
         self.late = LateShare(late_share)
         self.wake_at = math.inf  # the next decision no event would make (the late tier's turn)
         self.shed: list[Request] = []  # late requests of `late = "shed"` classes, for the engine to end
-        self._standing: dict[int, int] = {}  # this decision's standings of what waits, by id (slack.py)
+        self._standing: dict[int, tuple[int, float]] = {}  # this decision's (standing, due), by id (slack.py)
         self._turns_at = math.inf
 
     # -- events --------------------------------------------------------------------------------
@@ -146,7 +146,7 @@ class Scheduler:
             choice = self._make_batch([r for r, _ in chunks],
                                       [SeqSpan(r.num_computed_tokens, n) for r, n in chunks])
             if self._standing:
-                self._standing[id(choice)] = self.standing(choice.head)  # it is its head's choice
+                self._standing[id(choice)] = self.judged(choice.head)  # it is its head's choice
             self.pool.append(choice)
         if choice is not self.chosen:
             self.chosen, self.chosen_at = choice, self.now
@@ -173,9 +173,13 @@ class Scheduler:
 
     def standing(self, item: Request | PrefillBatch) -> int:
         """ON_TIME, LATE, CRITICAL or LOST (slack.py), as judged at this decision."""
-        if (state := self._standing.get(id(item))) is None:
-            state = self._standing[id(item)] = standing(self, item, remaining_of(self, item))
-        return state
+        return self.judged(item)[0]
+
+    def judged(self, item: Request | PrefillBatch) -> tuple[int, float]:
+        """Its standing and when it is due (slack.py), as judged at this decision."""
+        if (judged := self._standing.get(id(item))) is None:
+            judged = self._standing[id(item)] = judge(self, item, remaining_of(self, item))
+        return judged
 
     def backlog(self) -> tuple[float, dict[str, float]]:
         """The predicted prefill work queued here, as a worker's GET /load reports it for routing: what
