@@ -172,7 +172,7 @@ class Scheduler:
                 self.shed.append(r)
 
     def standing(self, item: Request | PrefillBatch) -> int:
-        """ON_TIME, LATE, CRITICAL or LOST (slack.py), as judged at this decision."""
+        """ON_TIME, LATE, CRITICAL, LOST or BRIEF_LOST (slack.py), as judged at this decision."""
         return self.judged(item)[0]
 
     def judged(self, item: Request | PrefillBatch) -> tuple[int, float]:
