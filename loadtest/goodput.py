@@ -61,12 +61,13 @@ def make_requests(w: Workload, classes: dict[str, SLOClass], slo_scale: float, t
     return out
 
 
-def sim_config(engine_cfg: EngineConfig, ideal: bool = False, error: PredictionError | None = None) -> SimConfig:
+def sim_config(engine_cfg: EngineConfig, ideal: bool = False, error: PredictionError | None = None,
+               seed: int = 0) -> SimConfig:
     """The simulator set up as the engine `engine_cfg` describes (its step budget, batch bound, KV, late share)."""
     budget = engine_cfg.step_budget_ms / 1000 if engine_cfg.preemptible else None
     return SimConfig(step_budget_s=budget, max_batch_tokens=engine_cfg.max_batch_tokens,
                      kv_capacity_tokens=engine_cfg.kv_capacity_tokens, ideal=ideal,
-                     late_share=engine_cfg.late_share, error=error or PredictionError())
+                     late_share=engine_cfg.late_share, error=error or PredictionError(), seed=seed)
 
 
 def outcomes(reqs: list[Request]) -> list[report.Outcome]:
@@ -96,10 +97,10 @@ class Runner:
 
     def sim(self, policy: str, w: Workload, classes: dict[str, SLOClass], scale: float,
             cost: OpCost | None = None, exact: ExactCosts | None = None,
-            error: PredictionError | None = None) -> dict[str, Any]:
+            error: PredictionError | None = None, seed: int = 0) -> dict[str, Any]:
         reqs = make_requests(w, classes, scale, 0.0, None)
         name = "flowprefill" if policy == IDEAL else policy
-        cfg = sim_config(self.engine_cfg, ideal=policy == IDEAL, error=error)
+        cfg = sim_config(self.engine_cfg, ideal=policy == IDEAL, error=error, seed=seed)
         pre = simulate(reqs, make_policy(name), cost or self.cost, cfg, exact=exact)
         return report.point(w.rate, outcomes(reqs), pre)
 
@@ -187,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--errors", nargs="?", const=DEFAULT_LEVELS, default=None, metavar="LEVELS",
                    help="sim: sweep the rates once per injected prediction error instead (comma-separated: "
                         f"none, noise:SIGMA, bias:FACTOR, slowdown:FACTOR[@FRACTION]; alone: {DEFAULT_LEVELS})")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="--errors: simulate each point of a noisy level with this many seeds and report the "
+                        "median of each number (one run of one seed is one draw of the noise)")
     p.add_argument("--out", default="bench-results",
                    help="directory for goodput-ENGINE.json and .png (default: bench-results)")
     return p

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,8 @@ def levels_of(args: argparse.Namespace) -> list[PredictionError]:
     """The levels `--errors` asks for. Raises ValueError for a bad one, or with the real engine."""
     if args.engine != "sim":
         raise ValueError("--errors injects prediction error into the simulator: use it with --engine sim")
+    if args.seeds < 1:
+        raise ValueError(f"--seeds {args.seeds}: must be at least 1")
     levels = [PredictionError.parse(x) for x in args.errors.split(",") if x.strip()]
     if not levels:
         raise ValueError("--errors: no level given")
@@ -56,13 +59,15 @@ def sweep_errors(args: argparse.Namespace, console: Console, levels: list[Predic
                     if _collapsed(pts):
                         continue
                     progress.update(task, description=f"{level.label}: {pol} @ {rate:g} req/s")
-                    pts.append(runner.sim(pol, scale_to_rate(base, rate), classes, 1.0, error=level))
+                    seeds = range(args.seeds if level.noise else 1)  # only noise draws from the seed
+                    pts.append(median_point([runner.sim(pol, scale_to_rate(base, rate), classes, 1.0, error=level,
+                                                        seed=seed) for seed in seeds]))
     doc = {"workload": {"name": base.name, "source": base.source, "requests": len(base.requests),
                         "class_rule": base.class_rule},
            "engine": "sim", "model": runner.model_name, "cost_model": args.cost,
            "attainment_target": report.ATTAINMENT_TARGET,
            "classes": {k: {"ttft_ms": c.ttft_ms, "late_ms": c.late_bound_ms} for k, c in classes.items()},
-           "late_share": runner.engine_cfg.late_share,
+           "late_share": runner.engine_cfg.late_share, "seeds": args.seeds,
            "levels": {label: summarize(pols, classes) for label, pols in results.items()},
            "machine": machine_info(), "command": "flowprefill bench goodput " + " ".join(argv or [])}
     out = Path(args.out)
@@ -73,6 +78,23 @@ def sweep_errors(args: argparse.Namespace, console: Console, levels: list[Predic
     plot(doc, out / f"{stem}.png")
     console.print(f"wrote {out / (stem + '.json')} and {out / (stem + '.png')}")
     return 0
+
+
+def median_point(points: list[dict[str, Any]]) -> dict[str, Any]:
+    """One rate simulated with several seeds: the median of each of its numbers (the point itself for one)."""
+    if len(points) == 1:
+        return points[0]
+
+    def med(values: list[Any]) -> Any:
+        known = [v for v in values if v is not None]
+        return statistics.median(known) if known else None
+
+    first = points[0]
+    per_class = {c: {k: med([p["per_class"][c][k] for p in points]) for k in v}
+                 for c, v in first["per_class"].items()}
+    return {"rate": first["rate"], "attainment": med([p["attainment"] for p in points]),
+            "goodput_rps": med([p["goodput_rps"] for p in points]), "per_class": per_class,
+            "preemptions": med([p["preemptions"] for p in points]), "seeds": len(points)}
 
 
 def summarize(policies: dict[str, list[dict[str, Any]]], classes: dict[str, SLOClass]) -> dict[str, Any]:

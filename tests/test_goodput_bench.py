@@ -103,7 +103,33 @@ def test_goodput_bench_under_prediction_error(tmp_path: Path) -> None:
         fp = level["policies"]["flowprefill"]
         assert {"max_goodput_rps", "max_goodput_per_class_rps", "p99_over_target_at_knee", "points"} <= set(fp)
     assert (out / "goodput-sim-errors.png").stat().st_size > 10_000
-    for bad in (["--errors", "bogus:1"], ["--engine", "real", "--errors"]):
+    for bad in (["--errors", "bogus:1"], ["--engine", "real", "--errors"], ["--errors", "none", "--seeds", "0"]):
         with pytest.raises(SystemExit) as exit_:
             main(["bench", "goodput", *bad])
         assert exit_.value.code == 2
+
+
+def test_a_noisy_level_reports_the_median_over_seeds(tmp_path: Path) -> None:
+    """`--seeds N`: each point of a noisy level is N simulations, reported as their medians; a level
+    without noise does not depend on the seed and runs once."""
+    from engine.config import EngineConfig
+    from engine.protocol.slo import DEFAULT_CLASSES
+    from engine.sim.errors import PredictionError
+    from loadtest.goodput import Runner
+    from loadtest.goodput_errors import median_point
+    from loadtest.workload import azure_mix, head, scale_to_rate
+
+    out = tmp_path / "out"
+    assert main(["bench", "goodput", "--engine", "sim", "--cost", "llama-3.1-8b@h100", "--requests", "200",
+                 "--rates", "40", "--policies", "flowprefill", "--errors", "none,noise:1", "--seeds", "3",
+                 "--out", str(out)]) == 0
+    doc = json.loads((out / "goodput-sim-errors.json").read_text())
+    noisy = doc["levels"]["noise:1"]["policies"]["flowprefill"]["points"][0]
+    assert noisy["seeds"] == 3 and "seeds" not in doc["levels"]["none"]["policies"]["flowprefill"]["points"][0]
+    runner = Runner("sim", EngineConfig(prefix_caching=False), "llama-3.1-8b@h100")
+    w = scale_to_rate(head(azure_mix(), 200), 40)
+    singles = [runner.sim("flowprefill", w, DEFAULT_CLASSES, 1.0, error=PredictionError.parse("noise:1"), seed=s)
+               for s in range(3)]
+    assert len({p["attainment"] for p in singles}) > 1  # the seeds draw different noise
+    assert noisy["attainment"] == sorted(p["attainment"] for p in singles)[1]
+    assert median_point(singles) == noisy
