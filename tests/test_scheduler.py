@@ -242,6 +242,28 @@ def test_a_batch_is_as_urgent_as_its_most_savable_request() -> None:
     assert s.chosen is batch  # not preempted for a later deadline
 
 
+def test_a_batch_is_judged_by_its_most_savable_request() -> None:
+    """An on-time request keeps its batch on time, whether the others are late or lost."""
+    from engine.model.plan import SeqSpan
+    from engine.scheduler.slack import ON_TIME, judge
+
+    s, clock, _ = make_scheduler("flowprefill")
+    s.now = clock.t = 10.0
+    fresh = req("fresh", 100, "interactive", 10.0)
+    for other in (req("late", 100, "standard", 9.4), req("lost", 100, "standard", 0.0)):  # bound 10.9 s; 1.5 s
+        batch = s._make_batch([other, fresh], [SeqSpan(0, 100), SeqSpan(0, 100)])
+        assert judge(s, batch, 0.01) == (ON_TIME, fresh.deadline)
+
+
+def test_brief_lost_work_is_at_most_two_quanta() -> None:
+    """One turn's worth, capped: a share near 1 (turns that hardly end) does not make all lost work brief."""
+    from engine.scheduler.slack import LateShare
+
+    assert LateShare(0.5).brief_s == pytest.approx(0.1)
+    assert LateShare(0.2).brief_s == pytest.approx(0.0625)
+    assert LateShare(1.0).brief_s == pytest.approx(0.1)
+
+
 def test_in_a_late_turn_brief_lost_work_goes_before_critical_work() -> None:
     """A lost request that fits in one late turn runs first in the turn; a long lost one does not."""
     from engine.scheduler.slack import BRIEF_LOST, CRITICAL, LOST
@@ -260,7 +282,7 @@ def test_in_a_late_turn_brief_lost_work_goes_before_critical_work() -> None:
     s.on_arrival(req("fresh", 100, "interactive", now))
     assert [s.standing(r) for r in (long, brief, huge)] == [CRITICAL, BRIEF_LOST, LOST]
     assert s.late.turn and s.chosen.requests[0] is brief
-    assert s.predict_s(brief) <= s.late.turn_s < s.predict_s(huge)
+    assert s.predict_s(brief) <= s.late.brief_s < s.predict_s(huge)
 
 
 def test_a_late_request_of_a_shed_class_leaves_the_queue() -> None:
