@@ -190,3 +190,19 @@ def test_one_stretched_short_batch_does_not_swing_every_prediction() -> None:
     cost.observe(100, plan.base_cost, 15 * plan.base_cost)
     assert cost.factor(6000) == pytest.approx(before * (1 + 0.2 * (MAX_SURPRISE - 1)))
     assert cost.factor(6000) < 1.7 * before  # unbounded: 1 + 0.2 * 14 = 3.8x
+
+
+def test_the_prediction_of_a_prefill_is_its_plan() -> None:
+    """What the scheduler predicts for a queued prompt is what the plan it will run costs: short
+    prompts exactly (each operator one step), long ones within a few percent (the split's blocks).
+    Counting an empty prefix tile and the split's steps over the whole prefill predicted a 16-token
+    prefill 16 % over its plan at 88 us a step."""
+    from dataclasses import replace
+
+    cost = replace(cost_model(), step_overhead_s=88e-6, row_step_floor_s=144e-6, budget_s=BUDGET)
+    for spans in ([SeqSpan(0, 16)], [SeqSpan(0, 128)], [SeqSpan(0, 40), SeqSpan(0, 24)], [SeqSpan(512, 16)]):
+        planned = plan_prefill(cost, spans, BUDGET, last_token_only=True).total_cost
+        assert cost.prefill_s(spans) == pytest.approx(planned)
+    for n in (2048, 8192):
+        plan = plan_prefill(cost, [SeqSpan(0, n)], BUDGET, last_token_only=True)
+        assert cost.prefill_s([SeqSpan(0, n)]) == pytest.approx(plan.total_cost, rel=0.05)
