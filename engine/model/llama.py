@@ -16,7 +16,7 @@ import torch
 from engine.attention import AttentionBackend
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
-from engine.model.activations import ActivationPool
+from engine.model.activations import ActivationPool, Activations
 from engine.model.graphs import StepGraphs
 from engine.model.kernels import RowKernels, TorchKernels
 from engine.model.linear import LinearKind, TorchLinear
@@ -119,11 +119,9 @@ class LlamaModel:
         try:
             if lease is not None:
                 x, q, k, v, attn = lease.load(self.embed[inputs.ids], rope)
-            elif kept is not None:
-                x, q, k, v, attn = kept.views(n)
-                torch.index_select(self.embed, 0, inputs.ids, out=x)
             else:
-                x, q, k, v, attn = self._fresh_activations(inputs.ids)
+                x, q, k, v, attn = (kept or Activations(self.cfg, n, self.embed.dtype, self.device)).views(n)
+                torch.index_select(self.embed, 0, inputs.ids, out=x)
             keys: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per sequence: its keys this layer
             outs: list[torch.Tensor] = []  # partial results of the current query block's key tiles
             lses: list[torch.Tensor] = []
@@ -192,14 +190,6 @@ class LlamaModel:
             flat.extend(seq)
         ids = torch.frombuffer(flat, dtype=torch.long).to(dev) if flat else torch.empty(0, dtype=torch.long, device=dev)
         return PrefillInputs(ids, rope, slots, row0, prefix_index)
-
-    def _fresh_activations(self, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x (the embedded tokens), q, k, v and attn for a prefill with no kept buffers."""
-        c = self.cfg
-        x = self.embed[ids]
-        q = x.new_empty(ids.shape[0], c.num_attention_heads, c.head_dim)
-        k = x.new_empty(ids.shape[0], c.num_key_value_heads, c.head_dim)
-        return x, q, k, torch.empty_like(k), torch.empty_like(q)
 
     @staticmethod
     def _seq_keys(step: Step, spans: list[SeqSpan], row0: list[int], k: torch.Tensor, v: torch.Tensor,
