@@ -7,7 +7,6 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import struct_pb2
 
 # A body echoed in FULL_DUPLEX_STREAMED mode goes back in chunks of at most this many bytes: some
 # Envoy builds refuse a streamed chunk over 64 KiB, and llm-d's router keeps this margin below it.
@@ -36,43 +35,68 @@ def header_map(headers: pb.HttpHeaders) -> dict[str, str]:
     return out
 
 
-def set_headers(headers: dict[str, str]) -> pb.HeaderMutation:
+# Messages are filled in place (`add`, attributes) rather than built from keyword arguments: upb's
+# constructors cost 2-4x as much for these nested messages (12 against 28-50 us for `routed`, here).
+
+
+def _set(mutation: pb.HeaderMutation, headers: dict[str, str]) -> None:
     """Headers to set, replacing any the message has under those names (ours are the only truth)."""
-    return pb.HeaderMutation(set_headers=[
-        base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=k, raw_value=v.encode("latin-1")),
-                                   append_action=OVERWRITE) for k, v in headers.items()])
+    options = mutation.set_headers
+    for k, v in headers.items():
+        option = options.add(append_action=OVERWRITE)
+        option.header.key, option.header.raw_value = k, v.encode("latin-1")
+
+
+def set_headers(headers: dict[str, str]) -> pb.HeaderMutation:
+    mutation = pb.HeaderMutation()
+    _set(mutation, headers)
+    return mutation
 
 
 def routed(headers: dict[str, str], endpoints: str) -> pb.ProcessingResponse:
     """The answer to the request's headers: where it goes, in a header and in the `envoy.lb`
     dynamic metadata (the same value), with the route cache cleared so the data plane routes again."""
-    # built field by field: Struct.update's generic conversion was a fifth of the picker's own time
-    metadata = struct_pb2.Struct(fields={DESTINATION_NAMESPACE: struct_pb2.Value(struct_value=struct_pb2.Struct(
-        fields={DESTINATION: struct_pb2.Value(string_value=endpoints)}))})
-    common = pb.CommonResponse(header_mutation=set_headers(headers | {DESTINATION: endpoints}),
-                               clear_route_cache=True)
-    return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata)
+    answer = pb.ProcessingResponse()
+    common = answer.request_headers.response
+    common.clear_route_cache = True
+    _set(common.header_mutation, headers | {DESTINATION: endpoints})
+    lb = answer.dynamic_metadata.fields[DESTINATION_NAMESPACE].struct_value
+    lb.fields[DESTINATION].string_value = endpoints
+    return answer
 
 
-def chunks(body: bytes, end_of_stream: bool) -> list[pb.CommonResponse]:
-    """`body` as streamed body mutations of at most CHUNK_BYTES each (one, possibly empty, at least);
-    the last carries `end_of_stream`."""
-    pieces = [body[i:i + CHUNK_BYTES] for i in range(0, len(body), CHUNK_BYTES)] or [b""]
-    return [pb.CommonResponse(body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
-        body=piece, end_of_stream=end_of_stream and i == len(pieces) - 1))) for i, piece in enumerate(pieces)]
+def _pieces(body: bytes) -> list[bytes]:
+    """`body` in pieces of at most CHUNK_BYTES (one, possibly empty, at least)."""
+    return [body[i:i + CHUNK_BYTES] for i in range(0, len(body), CHUNK_BYTES)] or [b""]
 
 
 def request_body(body: bytes, end_of_stream: bool) -> list[pb.ProcessingResponse]:
-    return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=c)) for c in chunks(body, end_of_stream)]
+    """`body` as streamed body mutations of at most CHUNK_BYTES each; the last carries `end_of_stream`."""
+    return _streamed(body, end_of_stream, "request_body")
 
 
 def response_body(body: bytes, end_of_stream: bool) -> list[pb.ProcessingResponse]:
-    return [pb.ProcessingResponse(response_body=pb.BodyResponse(response=c)) for c in chunks(body, end_of_stream)]
+    return _streamed(body, end_of_stream, "response_body")
+
+
+def _streamed(body: bytes, end_of_stream: bool, field: str) -> list[pb.ProcessingResponse]:
+    out, pieces = [], _pieces(body)
+    for i, piece in enumerate(pieces):
+        answer = pb.ProcessingResponse()
+        streamed = getattr(answer, field).response.body_mutation.streamed_response
+        streamed.SetInParent()  # an empty last piece is still an answer
+        streamed.body = piece
+        streamed.end_of_stream = end_of_stream and i == len(pieces) - 1
+        out.append(answer)
+    return out
 
 
 def response_headers(headers: dict[str, str]) -> pb.ProcessingResponse:
-    return pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse(
-        header_mutation=set_headers(headers))))
+    answer = pb.ProcessingResponse()
+    mutation = answer.response_headers.response.header_mutation
+    mutation.SetInParent()  # present even with nothing to set: the oneof says which answer this is
+    _set(mutation, headers)
+    return answer
 
 
 def unchanged_response_body() -> pb.ProcessingResponse:
