@@ -10,17 +10,21 @@ The pick is the gateway's own: the same classification (gateway/classify.py), lo
 - `messages.py`: ext_proc messages: header mutations, the body echoed in 62,000-byte chunks,
   immediate responses, metadata in and out.
 - `processor.py`: one HTTP request's ext_proc stream, message by message.
-- `server.py`: the gRPC server (ext_proc and health), the metrics endpoint, the pool's life.
+- `h2.py`: gRPC's server side on HTTP/2, one asyncio protocol per connection (why not grpcio's
+  server: its header comment, with the measurement).
+- `grpc_server.py`: the listening port (plaintext or TLS), a graceful stop, the gRPC health service.
+- `server.py`: the picker's process: the ext_proc and health services, the metrics endpoint, the
+  pool's life.
 
-Needs the `epp` extra (grpcio, grpcio-health-checking, xds-protos): `missing_extra()` says what is
-missing before anything imports them.
+Needs the `epp` extra (grpcio, grpcio-health-checking, xds-protos, hpack): `missing_extra()` says
+what is missing before anything imports them.
 """
 
 from __future__ import annotations
 
 import importlib.util
 
-EXTRA = {"grpc": "grpcio", "grpc_health": "grpcio-health-checking", "envoy": "xds-protos"}
+EXTRA = {"grpc": "grpcio", "grpc_health": "grpcio-health-checking", "envoy": "xds-protos", "hpack": "hpack"}
 
 
 def missing_extra() -> str | None:

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf.message import DecodeError
 
 from gateway.epp import messages
+from gateway.epp.h2 import Routes, Stream
+from gateway.epp.h2wire import FAILED_PRECONDITION, INTERNAL
 from gateway.epp.picker import Pick, Picker, Refusal
 from gateway.routing import Worker
 
@@ -156,29 +156,52 @@ class Exchange:
         self._release()
 
 
-class Processor(pb_grpc.ExternalProcessorServicer):
+PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+
+
+class ProcessCall:
+    """One `Process` stream (gateway/epp/h2.py): each message answered as it arrives."""
+
+    def __init__(self, processor: Processor, stream: Stream) -> None:
+        self.exchange, self.stream = Exchange(processor), stream
+
+    def message(self, data: bytes) -> None:
+        try:
+            request = pb.ProcessingRequest.FromString(data)
+        except DecodeError as exc:
+            self._fail(INTERNAL, f"not an ext_proc ProcessingRequest: {exc}")
+            return
+        try:
+            out, done = self.exchange.handle(request)
+        except ProtocolError as exc:
+            log.error("%s", exc)
+            self._fail(FAILED_PRECONDITION, str(exc))
+            return
+        for response in out:
+            self.stream.send(response.SerializeToString())
+        if done:
+            self.end()
+
+    def _fail(self, code: int, message: str) -> None:
+        self.exchange.close()
+        self.stream.finish(code, message)
+
+    def end(self) -> None:
+        self.exchange.close()
+        self.stream.finish()
+
+    def cancel(self) -> None:
+        self.exchange.close()
+
+
+class Processor:
     """The ext_proc service: one `Exchange` per stream."""
 
     def __init__(self, picker: Picker, metrics: EppMetrics, tracer: Tracer | None = None) -> None:
         self.picker, self.metrics, self.tracer = picker, metrics, tracer
 
-    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
-        exchange = Exchange(self)
-        try:
-            async for message in request_iterator:
-                try:
-                    out, done = exchange.handle(message)
-                except ProtocolError as exc:
-                    log.error("%s", exc)
-                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))  # raises: the stream ends
-                    raise
-                for response in out:
-                    yield response
-                if done:
-                    return
-        finally:
-            exchange.close()
+    def routes(self) -> Routes:
+        return {PROCESS: lambda stream: ProcessCall(self, stream)}
 
     def decide(self, headers: dict[str, str], raw: bytes, subset: list[str] | None, arrival: float) -> Pick | Refusal:
         """The pick, timed, and traced when tracing is on (a span joining the request's trace, whose

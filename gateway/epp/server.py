@@ -11,12 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
 import httpx
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gateway.config import GatewayConfig
+from gateway.epp.grpc_server import NOT_SERVING, SERVING, GrpcServer, Health, tls_context
 from gateway.epp.picker import Picker
 from gateway.epp.processor import Processor
 from gateway.routing import WorkerPool
@@ -27,7 +25,6 @@ log = logging.getLogger("flowprefill.epp")
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 LIVENESS = ("", "liveness")  # "" is the server as a whole (a Kubernetes grpc probe without a service)
 READINESS = ("readiness", EXT_PROC_SERVICE)
-SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class CannotListen(Exception):
@@ -56,11 +53,8 @@ class EndpointPicker:
                                affinity_slack_s=cfg.prefix_affinity_slack_s)
         self.metrics.track_pools({"workers": self.pool})
         self.picker = Picker(cfg, self.pool, options.max_endpoints)
-        self.health = health.aio.HealthServicer()
-        # one connection per data plane thread, one stream per request: no port sharing (grpc's default
-        # SO_REUSEPORT would let a second picker take the same port silently)
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
-                                               ("grpc.max_receive_message_length", cfg.max_body_bytes + 65_536)])
+        self.health = Health()
+        self.server: GrpcServer | None = None
         self._metrics_httpd = None
         self._tracing = None  # the tracer provider, when OTEL_* turn tracing on
         self._ready = False
@@ -69,18 +63,15 @@ class EndpointPicker:
     def bind(self) -> int:
         """Listen (before anything starts, so a taken port is the first thing the user hears): the gRPC
         port (its number, when 0 asked for any) and the metrics port."""
-        pb_grpc.add_ExternalProcessorServicer_to_server(Processor(self.picker, self.metrics, self._tracer()),
-                                                        self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        address, o = f"{self.options.host}:{self.options.port}", self.options
+        o = self.options
+        processor = Processor(self.picker, self.metrics, self._tracer())
+        tls = tls_context(o.tls_cert, o.tls_key) if o.tls_cert is not None and o.tls_key is not None else None
+        # a message is at most a body chunk and its envelope
+        self.server = GrpcServer(processor.routes() | self.health.routes(), self.cfg.max_body_bytes + 65_536, tls)
         try:
-            if o.tls_cert is not None and o.tls_key is not None:
-                credentials = grpc.ssl_server_credentials([(o.tls_key.read_bytes(), o.tls_cert.read_bytes())])
-                port = self.server.add_secure_port(address, credentials)
-            else:
-                port = self.server.add_insecure_port(address)
-        except RuntimeError as exc:  # grpc's words for EADDRINUSE and the like
-            raise CannotListen(f"the endpoint picker on {address}: {exc}") from None
+            port = self.server.bind(o.host, o.port)  # no SO_REUSEPORT: a second picker cannot share the port
+        except OSError as exc:
+            raise CannotListen(f"the endpoint picker on {o.host}:{o.port}: {exc.strerror or exc}") from None
         if o.metrics_port:
             from prometheus_client import start_http_server
 
@@ -100,9 +91,10 @@ class EndpointPicker:
 
     async def start(self) -> None:
         for service in LIVENESS:
-            await self.health.set(service, SERVING)
+            self.health.set(service, SERVING)
         for service in READINESS:  # until the pool has been found and checked
-            await self.health.set(service, NOT_SERVING)
+            self.health.set(service, NOT_SERVING)
+        assert self.server is not None, "bind first"
         await self.server.start()
         await self.pool.poll_once()
         self.pool.start()
@@ -116,7 +108,7 @@ class EndpointPicker:
             log.log(logging.INFO if ready else logging.WARNING, "endpoint picker %s",
                     "ready" if ready else "not ready: no healthy worker")
             for service in READINESS:
-                await self.health.set(service, SERVING if ready else NOT_SERVING)
+                self.health.set(service, SERVING if ready else NOT_SERVING)
             self._ready = ready
 
     async def _readiness(self) -> None:
@@ -126,8 +118,9 @@ class EndpointPicker:
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stop taking streams; those open get `grace_s` to finish."""
-        await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace_s)
+        self.health.enter_graceful_shutdown()
+        if self.server is not None:
+            await self.server.stop(grace_s)
         for task in self._tasks:
             task.cancel()
         await self.pool.stop()

@@ -1,0 +1,451 @@
+"""gRPC's server side on HTTP/2 (RFC 9113), one asyncio protocol per connection, headers by `hpack`.
+
+Why not grpcio's server: its Python servicer hands every message between gRPC's EventEngine threads,
+its poller thread and the event loop (29 context switches per ext_proc stream, `perf stat`), so a stream
+that does nothing costs 0.48-0.65 ms of CPU on one core of this machine (sync or aio server, generic
+handlers on raw bytes), and the picker's 2,000 picks per second need 0.5 ms in all. The `h2` package
+(pure Python, its state machine per frame) cost 0.62 ms for the same stream. This module keeps what a
+gRPC stream needs and no more: frames parsed with `struct`, HPACK decoding by the `hpack` package
+(the dynamic table and Huffman codes that the data plane's encoder uses), our own headers sent as
+literals that never touch a dynamic table, flow control both ways, and one write per batch of frames
+read (docs/benchmarks.md, "Endpoint picker", has the measurements).
+
+What it serves: gRPC calls of any arity to the paths it is given (`Routes`), length-prefixed messages
+without compression (the data plane's ext_proc and health clients send none), status in trailers,
+PING, SETTINGS, GOAWAY both ways (a graceful stop lets open streams finish), RST_STREAM both ways.
+It is not a general HTTP/2 server: no server push, no priorities, no request trailers beyond ending
+the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import struct
+from collections.abc import Callable
+from typing import Protocol, cast
+
+import hpack
+
+from gateway.epp.h2wire import (
+    ACK,
+    COMPRESSION_ERROR,
+    CONTINUATION,
+    DATA,
+    DEFAULT_WINDOW,
+    END_HEADERS,
+    END_STREAM,
+    FLOW_CONTROL_ERROR,
+    FRAME_HEADER,
+    FRAME_SIZE_ERROR,
+    GOAWAY,
+    HEADER_TABLE_SIZE,
+    HEADERS,
+    INITIAL_WINDOW,
+    INTERNAL,
+    MAX_CONCURRENT,
+    MAX_FRAME,
+    MAX_FRAME_SIZE,
+    MAX_HEADER_LIST,
+    MAX_STREAMS,
+    NO_ERROR,
+    NOT_FOUND,
+    OK,
+    PADDED,
+    PING,
+    PREFACE,
+    PRIORITY_FLAG,
+    PROTOCOL_ERROR,
+    PUSH_PROMISE,
+    RECEIVE_WINDOW,
+    REFUSED_STREAM,
+    RESOURCE_EXHAUSTED,
+    RESPONSE_HEADERS,
+    RST_STREAM,
+    SETTINGS,
+    UNIMPLEMENTED,
+    WINDOW_UPDATE,
+    HeaderDecoder,
+    frame,
+    trailers,
+)
+
+log = logging.getLogger("flowprefill.epp")
+
+class Call(Protocol):
+    """What serves one gRPC call: its messages as they arrive, the client's end of them, a reset."""
+
+    def message(self, data: bytes) -> None: ...
+    def end(self) -> None: ...
+    def cancel(self) -> None: ...
+
+
+class Listener(Protocol):
+    """The server a connection belongs to (gateway/epp/grpc_server.py)."""
+
+    connections: set[Connection]
+
+    def wake(self) -> None: ...
+
+
+Routes = dict[str, Callable[["Stream"], Call]]  # the method's path ("/package.Service/Method") → its call
+
+
+class Stream:
+    """One gRPC call's HTTP/2 stream, as its `Call` sees it: `send` messages, then `finish`."""
+
+    def __init__(self, conn: Connection, stream_id: int, send_window: int) -> None:
+        self.conn, self.id = conn, stream_id
+        self.send_window = send_window
+        self.received = bytearray()
+        self.unacked = 0  # bytes received since the last window update
+        self.outbox = bytearray()
+        self.headers_sent = False
+        self.trailers: bytes | None = None  # set by finish: sent once the outbox is out
+        self.remote_open, self.closed = True, False
+        self.done = False  # its trailers are out
+        self.call: Call | None = None
+
+    def send(self, message: bytes) -> None:
+        if self.trailers is None and not self.closed:
+            self.outbox += b"\x00" + len(message).to_bytes(4, "big") + message
+            self.conn.flush_stream(self)
+
+    def finish(self, code: int = OK, message: str = "") -> None:
+        """End the call with its status (the trailers go after what `send` queued)."""
+        if self.trailers is None and not self.closed:
+            if code != OK and code != NOT_FOUND:
+                log.debug("stream %d ends with gRPC status %d: %s", self.id, code, message)
+            self.trailers = trailers(code, message)
+            self.conn.flush_stream(self)
+
+
+class H2Error(Exception):
+    """A connection error (RFC 9113 5.4.1): GOAWAY with `code`, and the connection closes."""
+
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+
+
+class Connection(asyncio.Protocol):
+    """One client connection: frames in, calls dispatched, frames out in one write per read."""
+
+    def __init__(self, routes: Routes, max_message: int, server: Listener) -> None:
+        self.routes, self.max_message, self.server = routes, max_message, server
+        self.decoder = HeaderDecoder(MAX_HEADER_LIST)
+        self.buffer = bytearray()
+        self.out = bytearray()
+        self.streams: dict[int, Stream] = {}
+        self.blocked: dict[int, Stream] = {}  # streams with bytes waiting for a window
+        self.last_id = 0
+        self.send_window, self.peer_initial, self.peer_max_frame = DEFAULT_WINDOW, DEFAULT_WINDOW, 16_384
+        self.unacked = 0
+        self.table_changed = False
+        self.preface_seen = False
+        self.continuing: tuple[int, int, bytearray] | None = None  # stream, flags, block so far
+        self.going_away = False
+        self.transport: asyncio.Transport | None = None
+        self.reading = False  # inside data_received: frames go out in one write at its end
+
+    # --- asyncio -----------------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is one, without the base class
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:  # asyncio sets it only on sockets made with proto IPPROTO_TCP, not on ours
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # else Nagle holds an answer 40 ms
+        self.server.connections.add(self)
+        settings = struct.pack(">HIHIHIHI", MAX_CONCURRENT, MAX_STREAMS, INITIAL_WINDOW, RECEIVE_WINDOW,
+                               MAX_FRAME, MAX_FRAME_SIZE, HEADER_TABLE_SIZE, 4096)
+        self.out += frame(SETTINGS, 0, 0, settings)
+        self.out += frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 16 * RECEIVE_WINDOW))
+        self._write()
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        self.reading = True
+        try:
+            if not self.preface_seen:
+                if len(self.buffer) < len(PREFACE):
+                    return
+                if self.buffer[:len(PREFACE)] != PREFACE:
+                    raise H2Error(PROTOCOL_ERROR, "not an HTTP/2 client (gRPC needs HTTP/2)")
+                del self.buffer[:len(PREFACE)]
+                self.preface_seen = True
+            self._frames()
+        except H2Error as exc:
+            log.debug("HTTP/2 connection error %d: %s", exc.code, exc)
+            self.out += frame(GOAWAY, 0, 0, struct.pack(">II", self.last_id, exc.code) + str(exc).encode())
+            self._write()
+            self._abort_streams()
+            if self.transport is not None:
+                self.transport.close()
+        finally:
+            self.reading = False
+        self._write()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._abort_streams()
+        self.server.connections.discard(self)
+        self.server.wake()
+
+    # --- frames in ---------------------------------------------------------------------------------
+    def _frames(self) -> None:
+        buf, at, n = self.buffer, 0, len(self.buffer)
+        while n - at >= 9:
+            head, flags, sid = FRAME_HEADER.unpack_from(buf, at)
+            length, kind, sid = head >> 8, head & 0xFF, sid & 0x7FFFFFFF
+            if length > MAX_FRAME_SIZE:
+                raise H2Error(FRAME_SIZE_ERROR, f"a frame of {length} bytes")
+            if n - at < 9 + length:
+                break
+            payload = bytes(buf[at + 9:at + 9 + length])
+            at += 9 + length
+            if self.continuing is not None and kind != CONTINUATION:
+                raise H2Error(PROTOCOL_ERROR, "a header block interrupted")
+            self._frame(kind, flags, sid, payload)
+        del buf[:at]
+
+    def _frame(self, kind: int, flags: int, sid: int, payload: bytes) -> None:
+        if kind == DATA:
+            self._data(flags, sid, payload)
+        elif kind == HEADERS:
+            self._headers_frame(flags, sid, payload)
+        elif kind == CONTINUATION:
+            if self.continuing is None or self.continuing[0] != sid:
+                raise H2Error(PROTOCOL_ERROR, "CONTINUATION without HEADERS")
+            self.continuing[2].extend(payload)
+            if flags & END_HEADERS:
+                sid, first_flags, block = self.continuing
+                self.continuing = None
+                self._header_block(sid, first_flags, bytes(block))
+        elif kind == SETTINGS:
+            if not flags & ACK:
+                self._settings(payload)
+        elif kind == PING:
+            if not flags & ACK:
+                self.out += frame(PING, ACK, 0, payload)
+        elif kind == WINDOW_UPDATE:
+            self._window_update(sid, payload)
+        elif kind == RST_STREAM:
+            stream = self.streams.get(sid)
+            if stream is not None:
+                self._close(stream, cancelled=True)
+        elif kind == GOAWAY:
+            self.going_away = True
+        elif kind == PUSH_PROMISE:
+            raise H2Error(PROTOCOL_ERROR, "a client may not push")
+        # PRIORITY and unknown types: ignored, as RFC 9113 lets a server do
+
+    @staticmethod
+    def _unpad(flags: int, payload: bytes) -> bytes:
+        if flags & PADDED:
+            pad = payload[0]
+            if pad >= len(payload):
+                raise H2Error(PROTOCOL_ERROR, "padding longer than its frame")
+            return payload[1:len(payload) - pad]
+        return payload
+
+    def _settings(self, payload: bytes) -> None:
+        if len(payload) % 6:
+            raise H2Error(FRAME_SIZE_ERROR, "a SETTINGS frame of a wrong size")
+        for i in range(0, len(payload), 6):
+            key, value = struct.unpack_from(">HI", payload, i)
+            if key == INITIAL_WINDOW:
+                if value > 0x7FFFFFFF:
+                    raise H2Error(FLOW_CONTROL_ERROR, "an initial window over 2^31-1")
+                delta, self.peer_initial = value - self.peer_initial, value
+                for stream in self.streams.values():
+                    stream.send_window += delta
+            elif key == MAX_FRAME:
+                self.peer_max_frame = value
+            elif key == HEADER_TABLE_SIZE:
+                self.table_changed = True  # our next block says so (ours stays empty: size 0)
+        self.out += frame(SETTINGS, ACK, 0)
+        self._flush_blocked()
+
+    def _window_update(self, sid: int, payload: bytes) -> None:
+        increment = struct.unpack(">I", payload)[0] & 0x7FFFFFFF
+        if sid == 0:
+            if increment == 0:
+                raise H2Error(PROTOCOL_ERROR, "a window update of 0")
+            self.send_window += increment
+            self._flush_blocked()
+            return
+        stream = self.streams.get(sid)
+        if stream is not None:
+            stream.send_window += increment
+            self.flush_stream(stream)
+
+    # --- streams in --------------------------------------------------------------------------------
+    def _headers_frame(self, flags: int, sid: int, payload: bytes) -> None:
+        payload = self._unpad(flags, payload)
+        if flags & PRIORITY_FLAG:
+            payload = payload[5:]
+        if flags & END_HEADERS:
+            self._header_block(sid, flags, payload)
+        else:
+            self.continuing = (sid, flags, bytearray(payload))
+
+    def _header_block(self, sid: int, flags: int, block: bytes) -> None:
+        try:
+            headers = self.decoder.decode(block)
+        except hpack.HPACKError as exc:
+            raise H2Error(COMPRESSION_ERROR, f"a header block: {exc}") from None
+        stream = self.streams.get(sid)
+        if stream is not None:  # the client's trailers: only the end of its messages matters
+            if flags & END_STREAM:
+                self._remote_end(stream)
+            return
+        if sid % 2 == 0 or sid <= self.last_id:
+            if sid % 2 == 0:
+                raise H2Error(PROTOCOL_ERROR, f"stream {sid}: a client opens odd streams")
+            self.out += frame(RST_STREAM, 0, sid, struct.pack(">I", 5))  # STREAM_CLOSED
+            return
+        self.last_id = sid
+        if self.going_away or len(self.streams) >= MAX_STREAMS:
+            self.out += frame(RST_STREAM, 0, sid, struct.pack(">I", REFUSED_STREAM))
+            return
+        stream = Stream(self, sid, self.peer_initial)
+        self.streams[sid] = stream
+        stream.remote_open = not flags & END_STREAM
+        self._open(stream, headers)
+        if not stream.remote_open and not stream.closed:
+            self._remote_end(stream)
+
+    def _open(self, stream: Stream, headers: dict[bytes, bytes]) -> None:
+        path = headers.get(b":path", b"").decode("latin-1")
+        route = self.routes.get(path)
+        if headers.get(b":method") != b"POST" or not headers.get(b"content-type", b"").startswith(b"application/grpc"):
+            stream.finish(UNIMPLEMENTED, "gRPC calls are POSTs of application/grpc")
+        elif route is None:
+            stream.finish(UNIMPLEMENTED, f"no method {path}")
+        elif headers.get(b"grpc-encoding", b"identity") != b"identity":
+            stream.finish(UNIMPLEMENTED, "message compression is not supported: send identity")
+        else:
+            stream.call = route(stream)
+
+    def _data(self, flags: int, sid: int, payload: bytes) -> None:
+        self.unacked += len(payload)  # padding included: all of it counts against the window
+        if self.unacked >= RECEIVE_WINDOW:
+            self.out += frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", self.unacked))
+            self.unacked = 0
+        stream = self.streams.get(sid)
+        if stream is None or not stream.remote_open:
+            return  # a stream we ended (its late data) or reset
+        stream.unacked += len(payload)
+        if stream.unacked >= RECEIVE_WINDOW // 2 and not flags & END_STREAM:
+            self.out += frame(WINDOW_UPDATE, 0, sid, struct.pack(">I", stream.unacked))
+            stream.unacked = 0
+        stream.received += self._unpad(flags, payload)
+        self._messages(stream)
+        if flags & END_STREAM and sid in self.streams:
+            self._remote_end(stream)
+
+    def _messages(self, stream: Stream) -> None:
+        got = stream.received
+        while len(got) >= 5 and stream.call is not None and stream.trailers is None:
+            size = int.from_bytes(got[1:5], "big")
+            if got[0] != 0:
+                return self._fail(stream, UNIMPLEMENTED, "a compressed message: send identity")
+            if size > self.max_message:
+                return self._fail(stream, RESOURCE_EXHAUSTED,
+                                  f"a message of {size} bytes, over the limit of {self.max_message}")
+            if len(got) < 5 + size:
+                return
+            message = bytes(got[5:5 + size])
+            del got[:5 + size]
+            self._dispatch(stream, stream.call.message, message)
+
+    def _dispatch(self, stream: Stream, handler: Callable[..., None], *args: bytes) -> None:
+        try:
+            handler(*args)
+        except Exception:  # a bug of ours: the call fails, the connection and its other calls go on
+            log.exception("the gRPC call on stream %d failed", stream.id)
+            if handler.__name__ != "cancel":
+                self._fail(stream, INTERNAL, "the endpoint picker failed on this call (its log says why)")
+
+    def _fail(self, stream: Stream, code: int, message: str) -> None:
+        """End a call that the transport (or its own failure) cut short: its `cancel` returns what it holds."""
+        stream.finish(code, message)
+        if stream.call is not None:
+            call, stream.call = stream.call, None
+            self._dispatch(stream, call.cancel)
+
+    def _remote_end(self, stream: Stream) -> None:
+        stream.remote_open = False
+        if stream.received and stream.trailers is None:
+            self._fail(stream, INTERNAL, "the stream ended inside a message")
+        if stream.call is not None and stream.trailers is None:
+            self._dispatch(stream, stream.call.end)
+
+    # --- frames out --------------------------------------------------------------------------------
+    def flush_stream(self, stream: Stream) -> None:
+        """Send what `stream` has queued as far as the windows allow; its trailers once all is out."""
+        if stream.closed:
+            return
+        box = stream.outbox
+        if not stream.headers_sent:
+            stream.headers_sent = True
+            if not box and stream.trailers is not None:  # trailers only: one HEADERS frame
+                self._header_frame(stream.id, RESPONSE_HEADERS + stream.trailers, end=True)
+                return self._settle(stream)
+            self._header_frame(stream.id, RESPONSE_HEADERS, end=False)
+        while box and self.send_window > 0 and stream.send_window > 0:
+            n = min(len(box), self.send_window, stream.send_window, self.peer_max_frame)
+            self.out += frame(DATA, 0, stream.id, bytes(box[:n]))
+            del box[:n]
+            self.send_window -= n
+            stream.send_window -= n
+        if box:
+            self.blocked[stream.id] = stream
+        else:
+            self.blocked.pop(stream.id, None)
+            if stream.trailers is not None:
+                self._header_frame(stream.id, stream.trailers, end=True)
+                return self._settle(stream)
+        if not self.reading:
+            self._write()  # sent from outside a read (a health watch's update): out now
+
+    def _header_frame(self, sid: int, block: bytes, end: bool) -> None:
+        if self.table_changed:
+            block, self.table_changed = b"\x20" + block, False  # a table size update to 0 (RFC 7541 6.3)
+        self.out += frame(HEADERS, END_HEADERS | (END_STREAM if end else 0), sid, block)  # small: one frame
+
+    def _flush_blocked(self) -> None:
+        for stream in list(self.blocked.values()):
+            self.flush_stream(stream)
+
+    def _settle(self, stream: Stream) -> None:
+        """The call's trailers are out: forget its stream (reset, if the client still sends on it)."""
+        stream.done = True
+        if stream.remote_open:
+            self.out += frame(RST_STREAM, 0, stream.id, struct.pack(">I", NO_ERROR))
+        self._close(stream, cancelled=False)
+        if not self.reading:
+            self._write()
+
+    def _close(self, stream: Stream, cancelled: bool) -> None:
+        stream.closed = True
+        self.streams.pop(stream.id, None)
+        self.blocked.pop(stream.id, None)
+        if cancelled and not stream.done and stream.call is not None:
+            self._dispatch(stream, stream.call.cancel)
+        if not self.streams:
+            self.server.wake()
+
+    def _abort_streams(self) -> None:
+        for stream in list(self.streams.values()):
+            self._close(stream, cancelled=True)
+
+    def _write(self) -> None:
+        if self.out and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(bytes(self.out))
+        self.out.clear()
+
+    def go_away(self) -> None:
+        """A graceful stop: no new streams; the open ones may finish."""
+        self.going_away = True
+        self.out += frame(GOAWAY, 0, 0, struct.pack(">II", self.last_id, NO_ERROR))
+        self._write()
