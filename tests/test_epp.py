@@ -347,3 +347,25 @@ def test_workers_leave_and_join_the_picks_as_dns_says(fleet: Fleet) -> None:
     _until(lambda: picks().WhichOneof("response") == "request_headers"
            and routed(picks())[1].split(",") == fleet.endpoints)
     _until(lambda: check_health(fleet.address, "readiness") == health_pb2.HealthCheckResponse.SERVING)
+
+
+def test_the_benchmark_s_own_client_counts_the_picker_s_answers(fleet: Fleet) -> None:
+    """`bench epp` times latency with hand-written frames (gateway/epp/bench_client.py): they must
+    be a stream the picker serves, and their answers counted right."""
+    from gateway.epp.bench_client import RawClient
+
+    async def main() -> None:
+        client = await RawClient.connect(fleet.address)
+        try:
+            for _ in range(3):  # more than one: the header table's indexed bytes on the later streams
+                sid = client.open([])
+                await asyncio.wait_for(client.phase(sid, [request_headers(CHAT).SerializeToString(), *(
+                    m.SerializeToString() for m in request_bodies(completion(), 1))], 2), 5)
+                await asyncio.wait_for(client.phase(sid, [response_headers(200).SerializeToString(),
+                                                          response_body(b"data: {}", True).SerializeToString()],
+                                                    4, end=True), 5)
+                assert client.calls == {}  # ended: trailers came
+        finally:
+            await client.close()
+
+    asyncio.run(main())

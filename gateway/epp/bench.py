@@ -8,7 +8,9 @@ Envoy speaks in FULL_DUPLEX_STREAMED mode (gateway/epp/client.py):
 - latency: one request at a time, a completion whose prompt is 2K tokens (8,192 characters): its
   request phase (headers and body in, the routed headers and the echoed body out: what the picker
   adds before the request can leave for a worker) and the whole stream (the response's headers and
-  body passed through too); p50 and p99, client included (an upper bound of the picker's share);
+  body passed through too); p50 and p99, client included: with a client of hand-written frames
+  (gateway/epp/bench_client.py, whose own cost is small, as Envoy's C++ client's would be), and with
+  grpc's Python client (which costs more than the picker: an upper bound);
 - picks per second on one core: concurrent streams for a while; the picker's CPU seconds per pick
   (from /proc), inverted: what one core of picker can decide, whatever the client manages;
 - discovery: a `flowprefill gateway` under load and the picker on the same DNS name; a worker's
@@ -75,12 +77,16 @@ def main(argv: list[str] | None = None) -> int:
     os.sched_setaffinity(0, {cores[-1]})  # the client and the workers off the picker's core
     with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
         fleet = _Fleet(stack, Path(tmp), args.interval, cores[0])
-        with console.status("latency: one request at a time…"):
-            results["latency"] = asyncio.run(_latency(fleet.address, args.requests))
-        with console.status(f"throughput: {args.concurrency} streams for {args.seconds:g} s, twice…"):
+        with console.status("latency: one request at a time, a client of hand-written frames…"):
+            results["latency"] = asyncio.run(_latency_raw(fleet.address, args.requests))
+        with console.status("latency: one request at a time, grpc's Python client…"):
+            results["latency_grpc_client"] = asyncio.run(_latency(fleet.address, args.requests))
+        with console.status(f"throughput: {args.concurrency} streams for {args.seconds:g} s, three times…"):
             results["throughput"] = asyncio.run(_throughput(fleet, args.concurrency, args.seconds, True))
             results["throughput_request_phase"] = asyncio.run(_throughput(fleet, args.concurrency, args.seconds,
                                                                           False))
+            results["throughput_request_phase_grpc_client"] = asyncio.run(_throughput(
+                fleet, args.concurrency, args.seconds, False, client="grpc"))
         with console.status(f"discovery: {args.rounds} rounds of a worker added and removed under load…"):
             results["discovery"] = _discovery(fleet, args.rounds, args.interval)
     results["load_after"] = os.getloadavg()
@@ -158,6 +164,39 @@ async def _one(stub: Any, request: list[Any], response: list[Any]) -> tuple[floa
     return routed, time.perf_counter() - t0
 
 
+def _summary(samples: list[tuple[float, float]], request_bytes: int, client: str) -> dict[str, Any]:
+    routed = np.array([a for a, _ in samples]) * 1000
+    whole = np.array([b for _, b in samples]) * 1000
+    return {"client": client, "request_bytes": request_bytes, "samples": len(samples),
+            "request_phase_p50_ms": float(np.median(routed)), "request_phase_p99_ms": float(np.percentile(routed, 99)),
+            "stream_p50_ms": float(np.median(whole)), "stream_p99_ms": float(np.percentile(whole, 99)),
+            "raw_ms": [[round(a, 4), round(b, 4)] for a, b in zip(routed.tolist(), whole.tolist(), strict=True)]}
+
+
+async def _latency_raw(address: str, n: int) -> dict[str, Any]:
+    """One request at a time through gateway/epp/bench_client.py (hand-written frames: its own cost
+    is small next to the picker's)."""
+    from gateway.epp.bench_client import RawClient
+
+    messages = _messages()
+    request, response = ([m.SerializeToString() for m in phase] for phase in messages)
+    client = await RawClient.connect(address)
+    samples = []
+    try:
+        for i in range(100 + n):  # the first 100: warm-up
+            t0 = time.perf_counter()
+            sid = client.open([])
+            await client.phase(sid, request, 2)
+            routed = time.perf_counter() - t0
+            await client.phase(sid, response, 4, end=True)
+            if i >= 100:
+                samples.append((routed, time.perf_counter() - t0))
+    finally:
+        await client.close()
+    return _summary(samples, len(messages[0][1].request_body.body),
+                    "hand-written HTTP/2 frames (gateway/epp/bench_client.py)")
+
+
 async def _latency(address: str, n: int) -> dict[str, Any]:
     import grpc
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -170,38 +209,65 @@ async def _latency(address: str, n: int) -> dict[str, Any]:
             await _one(stub, request, response)
         for _ in range(n):
             samples.append(await _one(stub, request, response))
-    routed = np.array([a for a, _ in samples]) * 1000
-    whole = np.array([b for _, b in samples]) * 1000
-    return {"request_bytes": len(request[1].request_body.body), "samples": n,
-            "request_phase_p50_ms": float(np.median(routed)), "request_phase_p99_ms": float(np.percentile(routed, 99)),
-            "stream_p50_ms": float(np.median(whole)), "stream_p99_ms": float(np.percentile(whole, 99)),
-            "raw_ms": [[round(a, 4), round(b, 4)] for a, b in zip(routed.tolist(), whole.tolist(), strict=True)]}
+    return _summary(samples, len(request[1].request_body.body), "grpc's Python client (grpc.aio)")
 
 
-async def _throughput(fleet: _Fleet, concurrency: int, seconds: float, with_response: bool) -> dict[str, Any]:
-    """Streams through the picker for `seconds`; `with_response`: each with its response passed through
-    (else the stream ends after the request phase, as a data plane that skips response processing)."""
-    import grpc
-    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-
+async def _throughput(fleet: _Fleet, concurrency: int, seconds: float, with_response: bool,
+                      client: str = "raw") -> dict[str, Any]:
+    """`concurrency` streams at a time through the picker for `seconds`, on one connection (as a data
+    plane's worker thread has one), by `client` ("raw": gateway/epp/bench_client.py, fast enough to
+    keep the picker's core busy; "grpc": grpc's Python client); `with_response`: each with its
+    response passed through (else the stream ends after the request phase, as a data plane that
+    skips response processing does)."""
     request, response = _messages()
     response = response if with_response else []
+    one, close = await (_raw_streams if client == "raw" else _grpc_streams)(fleet.address, request, response)
     done = 0
-    async with grpc.aio.insecure_channel(fleet.address) as channel:
-        stub = pb_grpc.ExternalProcessorStub(channel)
-        stop_at = time.monotonic() + seconds
+    stop_at = time.monotonic() + seconds
 
-        async def user() -> None:
-            nonlocal done
-            while time.monotonic() < stop_at:
-                await _one(stub, request, response)
-                done += 1
+    async def user() -> None:
+        nonlocal done
+        while time.monotonic() < stop_at:
+            await one()
+            done += 1
 
+    try:
         cpu0, t0 = _cpu_s(fleet.epp_pid), time.monotonic()
         await asyncio.gather(*(user() for _ in range(concurrency)))
         cpu, wall = _cpu_s(fleet.epp_pid) - cpu0, time.monotonic() - t0
-    return {"picks": done, "seconds": wall, "achieved_picks_per_s": done / wall, "epp_cpu_s": cpu,
+    finally:
+        await close()
+    return {"client": client, "picks": done, "seconds": wall, "achieved_picks_per_s": done / wall, "epp_cpu_s": cpu,
             "epp_cpu_ms_per_pick": 1000 * cpu / done, "one_core_picks_per_s": done / cpu if cpu else float("inf")}
+
+
+async def _raw_streams(address: str, request: list[Any], response: list[Any]) -> tuple[Any, Any]:
+    """(one stream, close) with gateway/epp/bench_client.py."""
+    from gateway.epp.bench_client import RawClient
+
+    client = await RawClient.connect(address)
+    asked, answered = [m.SerializeToString() for m in request], [m.SerializeToString() for m in response]
+
+    async def one() -> None:
+        sid = client.open([])
+        await client.phase(sid, asked, 2)
+        await client.phase(sid, answered, 2 + 2 * bool(answered), end=True)
+
+    return one, client.close
+
+
+async def _grpc_streams(address: str, request: list[Any], response: list[Any]) -> tuple[Any, Any]:
+    """(one stream, close) with grpc's Python client."""
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    channel = grpc.aio.insecure_channel(address)
+    stub = pb_grpc.ExternalProcessorStub(channel)
+
+    async def one() -> None:
+        await _one(stub, request, response)
+
+    return one, channel.close
 
 
 class _Load:

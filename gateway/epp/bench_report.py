@@ -20,9 +20,15 @@ def table(r: dict[str, Any]) -> Table:
     t.add_row("added latency, request phase, p99", f"{lat['request_phase_p99_ms']:.3f} ms", "<= 3 ms")
     t.add_row("whole stream (response passed through), p50 / p99",
               f"{lat['stream_p50_ms']:.3f} / {lat['stream_p99_ms']:.3f} ms", "")
+    if (g := r.get("latency_grpc_client")) is not None:
+        t.add_row("with grpc's Python client: request phase p50 / p99",
+                  f"{g['request_phase_p50_ms']:.3f} / {g['request_phase_p99_ms']:.3f} ms", "(upper bound)")
     t.add_row("picks per second on one core (request phase only)",
               f"{r['throughput_request_phase']['one_core_picks_per_s']:,.0f}", ">= 2,000")
     t.add_row("requests per second on one core (response passed through)", f"{th['one_core_picks_per_s']:,.0f}", "")
+    if (g := r.get("throughput_request_phase_grpc_client")) is not None:
+        t.add_row("picks per second on one core, grpc's Python client", f"{g['one_core_picks_per_s']:,.0f}",
+                  "(its pace)")
     rounds = disc["rounds"]
     bound = disc["interval_s"] + disc["health_poll_s"]
     for key, what in (("join_first_request_s", "worker added: first request, max"),
@@ -41,13 +47,19 @@ def plot(r: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for idx, name in ((0, "request phase"), (1, "whole stream")):
-        v = np.sort([s[idx] for s in r["latency"]["raw_ms"]])
-        left.step(v, np.arange(1, len(v) + 1) / len(v), where="post", label=name)
+    runs = [("", r["latency"], "-")]
+    if "latency_grpc_client" in r:
+        runs = [(" (hand-written frames)", r["latency"], "-"),
+                (" (grpc's Python client)", r["latency_grpc_client"], ":")]
+    for client, lat, style in runs:
+        for idx, name in ((0, "request phase"), (1, "whole stream")):
+            v = np.sort([s[idx] for s in lat["raw_ms"]])
+            left.step(v, np.arange(1, len(v) + 1) / len(v), where="post", ls=style, color=f"C{idx}",
+                      label=name + client)
     left.set_xlabel("ms per request (client included)")
     left.set_ylabel("share of requests")
     left.set_title("latency the picker adds")
-    left.legend()
+    left.legend(fontsize=7)
     keys = ["join_first_request_s", "join_listed_by_epp_s", "leave_last_new_request_s", "leave_unlisted_by_epp_s"]
     rounds = r["discovery"]["rounds"]
     for i, key in enumerate(keys):
