@@ -27,11 +27,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.epp.grpc_server import NOT_SERVING, SERVING, GrpcServer, Health
 from gateway.epp.h2 import Stream
 from gateway.epp.h2wire import (
+    ACK,
     CONTINUATION,
+    DATA,
     END_HEADERS,
+    END_STREAM,
+    GOAWAY,
     HEADERS,
+    PING,
+    PREFACE,
     RESOURCE_EXHAUSTED,
+    RST_STREAM,
+    SETTINGS,
     UNIMPLEMENTED,
+    WINDOW_UPDATE,
     HeaderDecoder,
     frame,
 )
@@ -316,7 +325,7 @@ def test_health_check_and_watch_with_grpc_s_own_client() -> None:
             assert (await watch.read()).status == NOT_SERVING
             watch.cancel()
         await server.stop(1)
-        assert not health.watchers["readiness"]  # the cancelled watch is gone
+        assert "readiness" not in health.watchers  # the cancelled watch is gone
 
     asyncio.run(main())
 
@@ -331,3 +340,99 @@ def test_remembered_header_blocks_mean_what_a_fresh_decoder_says() -> None:
     for block in [*blocks, blocks[1]]:  # blocks[1]'s bytes now name x-b: the memory must not answer x-a
         assert ours.decode(block) == dict(reference.decode(block, raw=True))
     assert blocks[1] == blocks[4]
+
+
+class RawPeer:
+    """A client of hand-written frames, for what no HTTP/2 library lets one send."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer, self.buf = reader, writer, b""
+        self.encoder = hpack.Encoder()
+        writer.write(PREFACE + frame(SETTINGS, 0, 0))
+
+    def headers(self, sid: int, path: str, end: bool = False) -> bytes:
+        return frame(HEADERS, END_HEADERS | (END_STREAM if end else 0), sid, self.encoder.encode(request_headers(path)))
+
+    async def frames_until(self, done: Callable[[list[tuple[int, int, int, bytes]]], bool],
+                           timeout: float = 5) -> list[tuple[int, int, int, bytes]]:
+        """(type, flags, stream, payload) of every frame read, until `done` says so or the server closes."""
+        seen: list[tuple[int, int, int, bytes]] = []
+
+        async def read() -> None:
+            while not done(seen):
+                while len(self.buf) >= 9 and len(self.buf) >= 9 + int.from_bytes(self.buf[:3], "big"):
+                    n = int.from_bytes(self.buf[:3], "big")
+                    seen.append((self.buf[3], self.buf[4], int.from_bytes(self.buf[5:9], "big"), self.buf[9:9 + n]))
+                    self.buf = self.buf[9 + n:]
+                if done(seen):
+                    return
+                chunk = await self.reader.read(65_536)
+                if not chunk:
+                    return
+                self.buf += chunk
+        await asyncio.wait_for(read(), timeout)
+        return seen
+
+
+def raw(scenario: Callable[[RawPeer, GrpcServer], Awaitable[None]]) -> list[str]:
+    log: list[str] = []
+
+    async def main() -> None:
+        server = GrpcServer({ECHO: lambda s: Echo(s, False, log), HOLD: lambda s: Echo(s, True, log)}, 1 << 20)
+        port = server.bind("127.0.0.1", 0)
+        await server.start()
+        peer = RawPeer(*await asyncio.open_connection("127.0.0.1", port))
+        try:
+            await scenario(peer, server)
+        finally:
+            peer.writer.close()
+            await server.stop(0.5)
+
+    asyncio.run(main())
+    return log
+
+
+def _goaway(seen: list[tuple[int, int, int, bytes]]) -> bool:
+    return any(f[0] == GOAWAY for f in seen)
+
+
+@pytest.mark.parametrize(("bad", "why"), [
+    (frame(SETTINGS, 0, 0, struct.pack(">HI", 5, 0)), "SETTINGS_MAX_FRAME_SIZE 0"),  # else empty DATA forever
+    (frame(WINDOW_UPDATE, 0, 0, b"\x00\x01"), "WINDOW_UPDATE"),
+    (frame(PING, 0, 0, b"short"), "PING"),
+    (frame(HEADERS, 0, 1, b"\x00" * 60_000) + frame(CONTINUATION, 0, 1, b"\x00" * 60_000), "header block"),
+], ids=["max-frame-size-0", "window-update-2-bytes", "ping-5-bytes", "endless-header-block"])
+def test_a_malformed_frame_is_a_goaway_with_its_reason(bad: bytes, why: str) -> None:
+    async def scenario(peer: RawPeer, server: GrpcServer) -> None:
+        peer.writer.write(bad)
+        seen = await peer.frames_until(_goaway)
+        assert why.encode() in next(f[3] for f in seen if f[0] == GOAWAY)
+        assert await peer.reader.read() == b""  # and the connection closes
+
+    raw(scenario)
+
+
+def test_a_graceful_stop_serves_a_stream_opened_before_its_last_goaway() -> None:
+    """Two GOAWAYs: the first admits everything and carries a PING; the second, once the PING is
+    back, names the last stream taken. A stream the client opened in between is served."""
+    async def scenario(peer: RawPeer, server: GrpcServer) -> None:
+        peer.writer.write(peer.headers(1, HOLD) + frame(DATA, 0, 1, grpc_message(b"kept")))
+        await asyncio.sleep(0.05)
+        stopping = asyncio.get_running_loop().create_task(server.stop(5))
+        seen = await peer.frames_until(lambda s: any(f[0] == PING and not f[1] & ACK for f in s))
+        first = next(f for f in seen if f[0] == GOAWAY)
+        assert struct.unpack(">II", first[3]) == (0x7FFFFFFF, 0)
+        ping = next(f for f in seen if f[0] == PING)
+        peer.writer.write(peer.headers(3, ECHO) + frame(DATA, END_STREAM, 3, grpc_message(b"late")))
+        seen = await peer.frames_until(lambda s: any(f[0] == HEADERS and f[2] == 3 and f[1] & END_STREAM for f in s))
+        assert not any(f[0] == RST_STREAM for f in seen)  # served, not refused
+        peer.writer.write(frame(PING, ACK, 0, ping[3]))
+        seen = await peer.frames_until(_goaway)
+        assert struct.unpack(">II", next(f for f in seen if f[0] == GOAWAY)[3]) == (3, 0)
+        peer.writer.write(frame(HEADERS, END_HEADERS, 5, peer.encoder.encode(request_headers(ECHO))))
+        seen = await peer.frames_until(lambda s: any(f[0] == RST_STREAM for f in s))
+        assert struct.unpack(">I", next(f for f in seen if f[0] == RST_STREAM)[3]) == (7,)  # REFUSED_STREAM
+        peer.writer.write(frame(DATA, END_STREAM, 1, b""))
+        await asyncio.wait_for(stopping, 3)  # the held call ended: the stop is done
+
+    assert raw(scenario) == ["end", "end"]

@@ -69,9 +69,9 @@ class GrpcServer:
                 await asyncio.wait_for(self._changed.wait(), left)
             except TimeoutError:
                 break
-        for conn in list(self.connections):
+        for conn in list(self.connections):  # what is still open past the grace is cut off
             if conn.transport is not None:
-                conn.transport.close()
+                conn.transport.abort()  # close() would wait for a peer that no longer reads
         await self._server.wait_closed()
 
 
@@ -139,5 +139,8 @@ class _Watch:
         pass  # the client has said what to watch: the answers go on
 
     def cancel(self) -> None:
-        if self.service is not None:
-            self.health.watchers.get(self.service, set()).discard(self.stream)
+        watching = None if self.service is None else self.health.watchers.get(self.service)
+        if watching is not None:
+            watching.discard(self.stream)
+            if not watching:
+                del self.health.watchers[self.service]  # type: ignore[index]

@@ -72,6 +72,8 @@ from gateway.epp.h2wire import (
 )
 
 log = logging.getLogger("flowprefill.epp")
+DRAIN_PING = b"draining"  # the PING of a graceful stop's first GOAWAY
+DRAIN_S = 1.0  # at most this long between the two GOAWAYs
 
 class Call(Protocol):
     """What serves one gRPC call: its messages as they arrive, the client's end of them, a reset."""
@@ -145,7 +147,8 @@ class Connection(asyncio.Protocol):
         self.table_changed = False
         self.preface_seen = False
         self.continuing: tuple[int, int, bytearray] | None = None  # stream, flags, block so far
-        self.going_away = False
+        self.going_away = False  # the last GOAWAY sent: new streams are refused
+        self.draining = False  # the first GOAWAY sent
         self.transport: asyncio.Transport | None = None
         self.reading = False  # inside data_received: frames go out in one write at its end
 
@@ -216,6 +219,8 @@ class Connection(asyncio.Protocol):
             if self.continuing is None or self.continuing[0] != sid:
                 raise H2Error(PROTOCOL_ERROR, "CONTINUATION without HEADERS")
             self.continuing[2].extend(payload)
+            if len(self.continuing[2]) > MAX_HEADER_LIST:  # an endless header block (CVE-2024-27316's kind)
+                raise H2Error(PROTOCOL_ERROR, f"a header block over {MAX_HEADER_LIST} bytes")
             if flags & END_HEADERS:
                 sid, first_flags, block = self.continuing
                 self.continuing = None
@@ -224,11 +229,14 @@ class Connection(asyncio.Protocol):
             if not flags & ACK:
                 self._settings(payload)
         elif kind == PING:
-            if not flags & ACK:
-                self.out += frame(PING, ACK, 0, payload)
+            self._ping(flags, payload)
         elif kind == WINDOW_UPDATE:
+            if len(payload) != 4:
+                raise H2Error(FRAME_SIZE_ERROR, "a WINDOW_UPDATE frame not of 4 bytes")
             self._window_update(sid, payload)
         elif kind == RST_STREAM:
+            if len(payload) != 4:
+                raise H2Error(FRAME_SIZE_ERROR, "a RST_STREAM frame not of 4 bytes")
             stream = self.streams.get(sid)
             if stream is not None:
                 self._close(stream, cancelled=True)
@@ -238,10 +246,18 @@ class Connection(asyncio.Protocol):
             raise H2Error(PROTOCOL_ERROR, "a client may not push")
         # PRIORITY and unknown types: ignored, as RFC 9113 lets a server do
 
+    def _ping(self, flags: int, payload: bytes) -> None:
+        if len(payload) != 8:
+            raise H2Error(FRAME_SIZE_ERROR, "a PING frame not of 8 bytes")
+        if not flags & ACK:
+            self.out += frame(PING, ACK, 0, payload)
+        elif payload == DRAIN_PING:
+            self._last_goaway()
+
     @staticmethod
     def _unpad(flags: int, payload: bytes) -> bytes:
         if flags & PADDED:
-            pad = payload[0]
+            pad = payload[0] if payload else 0
             if pad >= len(payload):
                 raise H2Error(PROTOCOL_ERROR, "padding longer than its frame")
             return payload[1:len(payload) - pad]
@@ -259,6 +275,8 @@ class Connection(asyncio.Protocol):
                 for stream in self.streams.values():
                     stream.send_window += delta
             elif key == MAX_FRAME:
+                if not 16_384 <= value <= 16_777_215:
+                    raise H2Error(PROTOCOL_ERROR, f"SETTINGS_MAX_FRAME_SIZE {value} (RFC 9113: 2^14 to 2^24-1)")
                 self.peer_max_frame = value
             elif key == HEADER_TABLE_SIZE:
                 self.table_changed = True  # our next block says so (ours stays empty: size 0)
@@ -324,7 +342,11 @@ class Connection(asyncio.Protocol):
         elif headers.get(b"grpc-encoding", b"identity") != b"identity":
             stream.finish(UNIMPLEMENTED, "message compression is not supported: send identity")
         else:
-            stream.call = route(stream)
+            try:
+                stream.call = route(stream)
+            except Exception:  # a bug of ours: this call fails, the connection goes on
+                log.exception("opening the gRPC call %s on stream %d failed", path, stream.id)
+                stream.finish(INTERNAL, "the endpoint picker failed on this call (its log says why)")
 
     def _data(self, flags: int, sid: int, payload: bytes) -> None:
         self.unacked += len(payload)  # padding included: all of it counts against the window
@@ -334,6 +356,10 @@ class Connection(asyncio.Protocol):
         stream = self.streams.get(sid)
         if stream is None or not stream.remote_open:
             return  # a stream we ended (its late data) or reset
+        if flags & END_STREAM:
+            stream.remote_open = False  # known before the call answers: no reset after its trailers
+        if stream.trailers is not None:
+            return  # the call is over, its trailers wait for a window: what else comes is dropped
         stream.unacked += len(payload)
         if stream.unacked >= RECEIVE_WINDOW // 2 and not flags & END_STREAM:
             self.out += frame(WINDOW_UPDATE, 0, sid, struct.pack(">I", stream.unacked))
@@ -445,7 +471,31 @@ class Connection(asyncio.Protocol):
         self.out.clear()
 
     def go_away(self) -> None:
-        """A graceful stop: no new streams; the open ones may finish."""
+        """A graceful stop: no new streams; the open ones may finish. In two steps (RFC 9113 6.8, as
+        grpc's servers do): a GOAWAY that still admits every stream, with a PING; once the PING comes
+        back (or after a second), the GOAWAY with the last stream taken. A stream the client opened
+        before it read the first is served, not refused (a data plane need not retry it)."""
+        if self.draining or self.transport is None:
+            return
+        self.draining = True
+        self.out += frame(GOAWAY, 0, 0, struct.pack(">II", 0x7FFFFFFF, NO_ERROR)) + frame(PING, 0, 0, DRAIN_PING)
+        self._write()
+        asyncio.get_running_loop().call_later(DRAIN_S, self._last_goaway)
+
+    def _last_goaway(self) -> None:
+        if self.going_away or self.transport is None or self.transport.is_closing():
+            return
         self.going_away = True
         self.out += frame(GOAWAY, 0, 0, struct.pack(">II", self.last_id, NO_ERROR))
-        self._write()
+        if not self.reading:
+            self._write()
+
+    # asyncio's write flow control: a peer that stops reading is not read from either (it could
+    # otherwise have us queue PING and SETTINGS acknowledgements without bound)
+    def pause_writing(self) -> None:
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.transport is not None:
+            self.transport.resume_reading()

@@ -60,8 +60,8 @@ _GRPC_MESSAGE_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
 
 def trailers(code: int, message: str = "") -> bytes:
     fields = [("grpc-status", str(code))]
-    if message:
-        fields.append(("grpc-message", quote(message, safe=_GRPC_MESSAGE_SAFE)))
+    if message:  # cut: one HEADERS frame, whatever the message echoes (a path, say)
+        fields.append(("grpc-message", quote(message[:1024], safe=_GRPC_MESSAGE_SAFE)))
     return encode_headers(fields)
 
 
