@@ -164,3 +164,47 @@ def test_the_command_writes_its_table_json_and_plot(tmp_path: Path) -> None:
         assert pol["cost_per_million_requests"] == pytest.approx(n * 2 * hours / 300 * 1e6)
     fleets = {name: pol["instances"] for name, pol in doc["policies"].items()}
     assert doc["instances_saved_by_flowprefill"] == {"fcfs": fleets["fcfs"] - fleets["flowprefill"]}
+
+
+def test_a_worker_s_batch_log_is_what_the_planner_replays(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """$FLOWPREFILL_BATCH_LOG: each finished batch as the in-process recorder sees it, read back for
+    `plan --against-serve` (engine/batch_log.py); the replay client's ids as the simulation's."""
+    from engine import batch_log
+    from engine.bench.plan_real import _sim_id
+    from engine.engine import Engine
+    from engine.request import SamplingParams
+    from engine.sim.oracle import BatchCostRecorder
+
+    monkeypatch.setenv(batch_log.ENV, str(tmp_path / "logs"))
+    engine = Engine(EngineConfig(), policy="flowprefill")
+    log = batch_log.attach(engine)
+    recorder = BatchCostRecorder()
+    engine.observers.append(recorder)
+    engine.start()
+    try:
+        engine.generate([[65] * 300, [66] * 40], SamplingParams(max_tokens=1))
+    finally:
+        engine.shutdown()
+    assert log is not None and log.path.parent == tmp_path / "logs"
+    logged = batch_log.read(tmp_path / "logs")
+    assert len(logged) >= 1 and [list(b.ids) for b in logged] == [list(b.ids) for b in recorder.batches]
+    assert [b[1:] for b in logged] == [b[1:] for b in recorder.batches]
+    assert _sim_id("peer-1764000000000-17") == "w17" and _sim_id("peer-1764000000000-17-0a1b2c3d") == "w17"
+    monkeypatch.delenv(batch_log.ENV)
+    assert batch_log.attach(engine) is None
+
+
+def test_a_pilot_twice_as_slow_as_the_model_needs_a_bigger_fleet(tmp_path: Path) -> None:
+    """`--speed-from`: the planner runs the cost model at the median speed a pilot's workers logged."""
+    from gateway.cli import main
+
+    logs = tmp_path / "pilot"
+    logs.mkdir()
+    lines = [json.dumps([[f"r{i}"], 0.010, 0.010 * f, 1.0]) for i, f in enumerate((1.9, 2.0, 2.0, 2.1, 9.0))]
+    (logs / "batches-1.jsonl").write_text("\n".join(lines) + "\n")
+    base = ["plan", "--requests", "300", "--cost", "llama-3.1-8b@h100", "--rate", "120", "--policies", "flowprefill"]
+    assert main([*base, "--out", str(tmp_path / "model")]) == 0
+    assert main([*base, "--speed-from", str(logs), "--out", str(tmp_path / "pilot-speed")]) == 0
+    model, pilot = (json.loads((tmp_path / d / "plan.json").read_text()) for d in ("model", "pilot-speed"))
+    assert pilot["speed_from"] == {"from": str(logs), "factor": pytest.approx(2.0), "requests": 5}  # the median
+    assert pilot["policies"]["flowprefill"]["instances"] > model["policies"]["flowprefill"]["instances"]

@@ -19,6 +19,7 @@ import argparse
 import json
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from engine.protocol.slo import DEFAULT_CLASSES, SLOClass
 from engine.request import Request
 from engine.scheduler import make_policy
 from engine.sim.fleet import Fleet
+from engine.sim.oracle import ExactCosts
 from gateway.cli.common import Parser
 from loadtest import report
 from loadtest.goodput import DEFAULT_POLICIES, Runner, make_requests, outcomes, sim_config
@@ -69,13 +71,15 @@ class Planner:
         self.sheddable = frozenset(name for name, c in classes.items() if c.sheddable)
         self.sims = 0
 
-    def evaluate(self, policy: str, n: int, stop_early: bool = True) -> dict[str, Any]:
+    def evaluate(self, policy: str, n: int, stop_early: bool = True, exact: ExactCosts | None = None) -> dict[str, Any]:
         """One fleet of n instances on the whole workload: the goodput point (bench goodput's, with
-        goodput per class), or, stopped early, the most attainment it could still have reached."""
+        goodput per class), or, stopped early, the most attainment it could still have reached.
+        `exact`: charge and predict each request what a real run measured (engine/sim/oracle.py)."""
         reqs = self.requests()
         router = GatewayRouter(n, self.key_of, self.poll_s, urls=self.urls(n) if self.urls else None)
-        fleet = Fleet(reqs, n, policy, self.cost, sim_config(self.engine_cfg), router, sheddable=self.sheddable,
-                      max_waiting=self.engine_cfg.max_waiting, prefix_block_tokens=self.prefix_blocks)
+        fleet = Fleet(reqs, n, policy, self.cost, sim_config(self.engine_cfg), router, exact=exact,
+                      sheddable=self.sheddable, max_waiting=self.engine_cfg.max_waiting,
+                      prefix_block_tokens=self.prefix_blocks)
         self.sims += 1
         counts = {c: sum(r.slo_class == c for r in reqs) for c in {r.slo_class for r in reqs}}
         floor = self.target - STOP_BELOW
@@ -187,8 +191,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--against-serve", default=None, metavar="N,N",
                    help="cpu: also run `flowprefill serve --workers N` on this machine for each N, on the same "
                         "arrivals, and compare its per-class attainment with the simulated fleet's")
+    p.add_argument("--speed-from", default=None, metavar="DIR",
+                   help="a pilot run's batch logs (its workers' $FLOWPREFILL_BATCH_LOG folder): simulate at the "
+                        "speed its machines ran, the median of measured over predicted prefill seconds (relative "
+                        "to the workers' own calibration: the cost model should be theirs, e.g. --cost cpu on the "
+                        "machine that ran the pilot)")
     p.add_argument("--out", default="bench-results", help="directory for plan.json and plan.png")
     return p
+
+
+def measured_speed(cost: OpCost, folder: Path) -> tuple[float, int]:
+    """(the median factor by which a pilot's requests ran slower than `cost` predicts, how many
+    requests it rests on), from the batch logs in `folder` (engine/batch_log.py)."""
+    from engine.batch_log import read
+
+    exact = ExactCosts.from_batches(cost, read(folder))
+    return exact.default, len(exact.factors)
 
 
 def check_args(args: argparse.Namespace) -> str | None:
@@ -217,6 +235,9 @@ def check_args(args: argparse.Namespace) -> str | None:
             return str(exc)
     if not [x for x in args.policies.split(",") if x]:
         return "--policies names no policy"
+    if args.speed_from is not None and not any(Path(args.speed_from).glob("batches-*.jsonl")):
+        return (f"--speed-from {args.speed_from}: no batch log there (batches-*.jsonl, written by workers run with "
+                "FLOWPREFILL_BATCH_LOG set to that folder)")
     return None
 
 
@@ -247,7 +268,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(f"--cost {args.cost}: {exc}")
     key_of = trace_key(args.prefix_affinity_chars, PREFIX_BLOCK_TOKENS) if args.prefix_affinity_chars else None
-    planner = Planner(w, runner.cost, engine_cfg, args.target, args.every_class, key_of=key_of, poll_s=args.poll_s)
+    cost, speed = runner.cost, None
+    if args.speed_from is not None:
+        factor, n = measured_speed(runner.cost, Path(args.speed_from))
+        speed = {"from": args.speed_from, "factor": factor, "requests": n}
+        cost = replace(runner.cost, scale=factor)
+        console.print(f"simulating at the pilot's speed: {factor:.2f}x the cost model's seconds (median of {n} "
+                      f"requests in {args.speed_from})")
+    planner = Planner(w, cost, engine_cfg, args.target, args.every_class, key_of=key_of, poll_s=args.poll_s)
     policies = [x for x in args.policies.split(",") if x]
     started = time.perf_counter()
     results: dict[str, dict[str, Any]] = {}
@@ -259,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
             results[pol]["cost_per_million_requests"] = cost_per_million(results[pol]["instances"], args.price, w)
             progress.advance(task)
     doc = document(args, argv, w, runner.model_name, results, time.perf_counter() - started, planner.sims)
+    if speed is not None:
+        doc["speed_from"] = speed
     if args.against_serve is not None:
         from engine.bench.plan_real import against_serve
 

@@ -5,7 +5,13 @@ For each policy and each N: `flowprefill serve --workers N` (the gateway and N e
 arrivals are sent to it open loop (bench peer's client: streamed completions of one token, TTFT at
 the client), and the planner simulates the same arrivals on N instances with the same prompts (so
 the gateway's prefix keys, and with the workers' own URLs their rendezvous homes, are the real
-ones) and the cost model profiled here. Per class, the two attainments side by side.
+ones) and the cost model profiled here. Per class, the two attainments side by side, and a third: the
+same fleet simulated with each request charged what the real workers measured for it (their batch
+logs, engine/batch_log.py, replayed as engine/sim/oracle.py's ExactCosts), and a fourth: the cost
+model run at one factor for the machine, the median those logs measured (what `--speed-from` does).
+Where the third agrees with the real run and the second does not, the cost model is what is off, not
+the fleet's mechanics (routing, polling, admission, queueing); the fourth says how much of that one
+number for the machine's speed fixes.
 """
 
 from __future__ import annotations
@@ -13,16 +19,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import tempfile
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
+from engine.batch_log import ENV as BATCH_LOG
+from engine.batch_log import MeasuredBatch
+from engine.batch_log import read as read_batch_log
 from engine.bench.plan import Planner, workers_of
 from engine.bench.plan_routing import prompt_key
 from engine.config import EngineConfig
 from engine.model.plan import OpCost
 from engine.protocol.slo import DEFAULT_CLASSES
 from engine.request import Request
+from engine.sim.oracle import ExactCosts
 from gateway.processes import free_port, start, stop, wait_healthy
 from loadtest import report
 from loadtest.goodput import make_requests
@@ -32,20 +45,29 @@ from loadtest.workload import Workload
 
 
 def real_point(policy: str, n: int, threads: int | None, w: Workload, schedule: list[Arrival]) -> tuple[
-        dict[str, Any], list[str]]:
-    """`serve --workers n` on the schedule: its goodput point, and its workers' URLs."""
+        dict[str, Any], list[str], list[MeasuredBatch]]:
+    """`serve --workers n` on the schedule: its goodput point, its workers' URLs, and the batches they
+    ran (request ids as the simulation's: `w{i}` for the schedule's i-th arrival)."""
     port = free_port(span=n + 1)
     argv = ["serve", "--port", str(port), "--workers", str(n), "--policy", policy, "--no-prefix-caching"]
-    proc = start(*argv, *(["--threads", str(threads)] if threads else []))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, timeout=600)
-        records = asyncio.run(replay(Target(url, model_name(url)), schedule, max_tokens=1, drain_s=120))
-    finally:
-        stop(proc)
+    with tempfile.TemporaryDirectory(prefix="flowprefill-batches-") as logs:
+        proc = start(*argv, *(["--threads", str(threads)] if threads else []), env={BATCH_LOG: logs})
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(url, proc, timeout=600)
+            records = asyncio.run(replay(Target(url, model_name(url)), schedule, max_tokens=1, drain_s=120))
+        finally:
+            stop(proc)
+        batches = [b._replace(ids=[_sim_id(rid) for rid in b.ids]) for b in read_batch_log(Path(logs))]
     failed = sum(not r.ok for r in records)
     pt = report.point(w.rate, outcomes(records)) | {"failed": failed, "command": "flowprefill " + " ".join(argv)}
-    return pt, [f"http://127.0.0.1:{port + 1 + i}" for i in range(n)]
+    return pt, [f"http://127.0.0.1:{port + 1 + i}" for i in range(n)], batches
+
+
+def _sim_id(worker_id: str) -> str:
+    """The replay client's `peer-<ns>-<i>` (a worker may add `-<hex>` to a reused id) as the simulation's `w<i>`."""
+    parts = worker_id.split("-")
+    return f"w{parts[2]}" if len(parts) >= 3 and parts[0] == "peer" and parts[2].isdecimal() else worker_id
 
 
 def against_serve(args: argparse.Namespace, w: Workload, cost: OpCost, engine_cfg: EngineConfig,
@@ -63,10 +85,16 @@ def against_serve(args: argparse.Namespace, w: Workload, cost: OpCost, engine_cf
         for n in workers_of(args.against_serve):
             console.print(f"serve --workers {n} --policy {policy}: {len(schedule)} requests over "
                           f"{w.duration_s:.0f} s")
-            real, urls = real_point(policy, n, args.threads, w, schedule)
+            real, urls, batches = real_point(policy, n, args.threads, w, schedule)
             planner = Planner(w, copy.deepcopy(cost), engine_cfg, args.target, args.every_class,
                               key_of=prompt_key(args.prefix_affinity_chars) if args.prefix_affinity_chars else None,
                               poll_s=args.poll_s, requests=same_prompts, urls=lambda _n, urls=urls: urls)
             sim = planner.evaluate(policy, n, stop_early=False)
-            rows.append({"policy": policy, "workers": n, "real": real, "sim": sim})
+            exact = ExactCosts.from_batches(cost, batches)
+            replayed = planner.evaluate(policy, n, stop_early=False, exact=exact)
+            planner.cost = replace(cost, scale=exact.default)  # one factor for the machine, as --speed-from
+            at_speed = planner.evaluate(policy, n, stop_early=False)
+            rows.append({"policy": policy, "workers": n, "real": real, "sim": sim, "sim_measured_speed": at_speed,
+                         "sim_measured_costs": replayed, "measured_requests": len(exact.factors),
+                         "measured_factor_median": exact.default})
     return rows

@@ -44,19 +44,26 @@ def print_tables(console: Console, doc: dict[str, Any]) -> None:
 
 
 def against_table(console: Console, rows: list[dict[str, Any]]) -> None:
-    t = Table(title="the planner against `flowprefill serve` on this machine (per-class attainment)")
-    for col in ("policy", "workers", "class", "requests", "real", "simulated", "gap (points)"):
+    t = Table(title="the planner against `flowprefill serve` on this machine (per-class attainment; the same fleet "
+                    "simulated with the cost model, at the speed the real workers ran, and charged what they "
+                    "measured per request)")
+    for col in ("policy", "workers", "class", "requests", "real", "cost model", "gap", "at measured speed", "gap",
+                "measured costs", "gap"):
         t.add_column(col, justify="right")
     for row in rows:
-        for c, real in row["real"]["per_class"].items():
-            sim = row["sim"]["per_class"].get(c, {}).get("attainment")
-            gap = "-" if sim is None else f"{(sim - real['attainment']) * 100:+.1f}"
-            t.add_row(row["policy"], str(row["workers"]), c, str(real["n"]), _pct(real["attainment"]), _pct(sim), gap)
-        total = sum(c["n"] for c in row["real"]["per_class"].values())
-        t.add_row(row["policy"], str(row["workers"]), "all", str(total),
-                  _pct(row["real"]["attainment"]), _pct(row["sim"]["attainment"]),
-                  f"{(row['sim']['attainment'] - row['real']['attainment']) * 100:+.1f}")
+        others = [row.get("sim_measured_speed"), row.get("sim_measured_costs")]
+        for c, real in [*row["real"]["per_class"].items(), ("all", row["real"] | {"n": None})]:
+            sims = [_attainment(row["sim"], c), *(_attainment(o, c) if o else None for o in others)]
+            n = real["n"] if real["n"] is not None else sum(x["n"] for x in row["real"]["per_class"].values())
+            cells = []
+            for sim in sims:
+                cells += [_pct(sim), "-" if sim is None else f"{(sim - real['attainment']) * 100:+.1f}"]
+            t.add_row(row["policy"], str(row["workers"]), c, str(n), _pct(real["attainment"]), *cells)
     console.print(t)
+
+
+def _attainment(pt: dict[str, Any], c: str) -> float | None:
+    return pt["attainment"] if c == "all" else pt["per_class"].get(c, {}).get("attainment")
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:

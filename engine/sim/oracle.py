@@ -18,23 +18,13 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from typing import NamedTuple
 
+from engine.batch_log import MeasuredBatch, measured
 from engine.model.plan import OpCost, SeqSpan
 from engine.observer import EngineObserver
 from engine.prefill import PrefillBatch
 from engine.request import Request
 from engine.scheduler import Scheduler
-
-
-class MeasuredBatch(NamedTuple):
-    """A batch the engine finished: its requests, what the calibrated model predicted for its plan,
-    what it took, and the correction its plan was made with (`Plan.scale`)."""
-
-    ids: Sequence[str]
-    base_s: float
-    exec_s: float
-    plan_scale: float | None = None  # None: not known (the plan is made at the measured factor)
 
 
 class BatchCostRecorder(EngineObserver):
@@ -45,8 +35,7 @@ class BatchCostRecorder(EngineObserver):
 
     def on_segment_end(self, batch: PrefillBatch, now: float) -> None:
         if batch.finished:
-            self.batches.append(MeasuredBatch([r.request_id for r in batch.requests], batch.steps.base_cost,
-                                              batch.exec_s, batch.steps.scale))
+            self.batches.append(measured(batch))
 
 
 class ExactCosts:

@@ -1,0 +1,63 @@
+"""Every finished batch's predicted and measured seconds as JSON lines, when $FLOWPREFILL_BATCH_LOG
+names a folder (one file per worker process): what `flowprefill plan --against-serve` replays
+(engine/sim/oracle.py's ExactCosts) to tell the cost model's error from the fleet's mechanics.
+
+A line: [request ids, the calibrated model's seconds for the batch's plan, the seconds it took, the
+correction its plan was made with]. One line per batch, written on the engine thread (a few
+microseconds: a diagnostic, off unless asked for).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+from engine.observer import EngineObserver
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
+    from engine.prefill import PrefillBatch
+
+ENV = "FLOWPREFILL_BATCH_LOG"
+
+
+class MeasuredBatch(NamedTuple):
+    """A batch the engine finished: its requests, what the calibrated model predicted for its plan,
+    what it took, and the correction its plan was made with (`Plan.scale`)."""
+
+    ids: Sequence[str]
+    base_s: float
+    exec_s: float
+    plan_scale: float | None = None  # None: not known (the plan is made at the measured factor)
+
+
+def measured(batch: PrefillBatch) -> MeasuredBatch:
+    return MeasuredBatch([r.request_id for r in batch.requests], batch.steps.base_cost, batch.exec_s,
+                         batch.steps.scale)
+
+
+class BatchLog(EngineObserver):
+    def __init__(self, engine: Engine, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / f"batches-{os.getpid()}.jsonl"
+        self._file = self.path.open("a", buffering=1)  # a line at a time: readable while the worker runs
+        engine.observers.append(self)
+
+    def on_segment_end(self, batch: PrefillBatch, now: float) -> None:
+        if batch.finished:
+            self._file.write(json.dumps(measured(batch)) + "\n")
+
+
+def attach(engine: Engine) -> BatchLog | None:
+    """A BatchLog on `engine` if $FLOWPREFILL_BATCH_LOG is set."""
+    folder = os.environ.get(ENV)
+    return BatchLog(engine, Path(folder)) if folder else None
+
+
+def read(folder: Path) -> list[MeasuredBatch]:
+    """Every batch the workers logged in `folder`."""
+    return [MeasuredBatch(*json.loads(line)) for path in sorted(folder.glob("batches-*.jsonl"))
+            for line in path.read_text().splitlines() if line]
