@@ -25,7 +25,7 @@ import hpack
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.epp.grpc_server import NOT_SERVING, SERVING, GrpcServer, Health
-from gateway.epp.h2 import Stream
+from gateway.epp.h2call import Stream
 from gateway.epp.h2wire import (
     ACK,
     CONTINUATION,

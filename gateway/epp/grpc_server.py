@@ -12,7 +12,8 @@ from pathlib import Path
 
 from grpc_health.v1 import health_pb2
 
-from gateway.epp.h2 import Connection, Routes, Stream
+from gateway.epp.h2 import Connection
+from gateway.epp.h2call import Routes, Stream
 from gateway.epp.h2wire import NOT_FOUND
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING

@@ -28,59 +28,13 @@ from typing import Protocol, cast
 
 import hpack
 
-from gateway.epp.h2wire import (
-    ACK,
-    COMPRESSION_ERROR,
-    CONTINUATION,
-    DATA,
-    DEFAULT_WINDOW,
-    END_HEADERS,
-    END_STREAM,
-    FLOW_CONTROL_ERROR,
-    FRAME_HEADER,
-    FRAME_SIZE_ERROR,
-    GOAWAY,
-    HEADER_TABLE_SIZE,
-    HEADERS,
-    INITIAL_WINDOW,
-    INTERNAL,
-    MAX_CONCURRENT,
-    MAX_FRAME,
-    MAX_FRAME_SIZE,
-    MAX_HEADER_LIST,
-    MAX_STREAMS,
-    NO_ERROR,
-    NOT_FOUND,
-    OK,
-    PADDED,
-    PING,
-    PREFACE,
-    PRIORITY_FLAG,
-    PROTOCOL_ERROR,
-    PUSH_PROMISE,
-    RECEIVE_WINDOW,
-    REFUSED_STREAM,
-    RESOURCE_EXHAUSTED,
-    RESPONSE_HEADERS,
-    RST_STREAM,
-    SETTINGS,
-    UNIMPLEMENTED,
-    WINDOW_UPDATE,
-    HeaderDecoder,
-    frame,
-    trailers,
-)
+from gateway.epp import h2wire as wire
+from gateway.epp.h2call import Routes, Stream
+from gateway.epp.h2wire import HeaderDecoder, frame
 
 log = logging.getLogger("flowprefill.epp")
 DRAIN_PING = b"draining"  # the PING of a graceful stop's first GOAWAY
 DRAIN_S = 1.0  # at most this long between the two GOAWAYs
-
-class Call(Protocol):
-    """What serves one gRPC call: its messages as they arrive, the client's end of them, a reset."""
-
-    def message(self, data: bytes) -> None: ...
-    def end(self) -> None: ...
-    def cancel(self) -> None: ...
 
 
 class Listener(Protocol):
@@ -89,38 +43,6 @@ class Listener(Protocol):
     connections: set[Connection]
 
     def wake(self) -> None: ...
-
-
-Routes = dict[str, Callable[["Stream"], Call]]  # the method's path ("/package.Service/Method") → its call
-
-
-class Stream:
-    """One gRPC call's HTTP/2 stream, as its `Call` sees it: `send` messages, then `finish`."""
-
-    def __init__(self, conn: Connection, stream_id: int, send_window: int) -> None:
-        self.conn, self.id = conn, stream_id
-        self.send_window = send_window
-        self.received = bytearray()
-        self.unacked = 0  # bytes received since the last window update
-        self.outbox = bytearray()
-        self.headers_sent = False
-        self.trailers: bytes | None = None  # set by finish: sent once the outbox is out
-        self.remote_open, self.closed = True, False
-        self.done = False  # its trailers are out
-        self.call: Call | None = None
-
-    def send(self, message: bytes) -> None:
-        if self.trailers is None and not self.closed:
-            self.outbox += b"\x00" + len(message).to_bytes(4, "big") + message
-            self.conn.flush_stream(self)
-
-    def finish(self, code: int = OK, message: str = "") -> None:
-        """End the call with its status (the trailers go after what `send` queued)."""
-        if self.trailers is None and not self.closed:
-            if code != OK and code != NOT_FOUND:
-                log.debug("stream %d ends with gRPC status %d: %s", self.id, code, message)
-            self.trailers = trailers(code, message)
-            self.conn.flush_stream(self)
 
 
 class H2Error(Exception):
@@ -136,13 +58,13 @@ class Connection(asyncio.Protocol):
 
     def __init__(self, routes: Routes, max_message: int, server: Listener) -> None:
         self.routes, self.max_message, self.server = routes, max_message, server
-        self.decoder = HeaderDecoder(MAX_HEADER_LIST)
+        self.decoder = HeaderDecoder(wire.MAX_HEADER_LIST)
         self.buffer = bytearray()
         self.out = bytearray()
         self.streams: dict[int, Stream] = {}
         self.blocked: dict[int, Stream] = {}  # streams with bytes waiting for a window
         self.last_id = 0
-        self.send_window, self.peer_initial, self.peer_max_frame = DEFAULT_WINDOW, DEFAULT_WINDOW, 16_384
+        self.send_window, self.peer_initial, self.peer_max_frame = wire.DEFAULT_WINDOW, wire.DEFAULT_WINDOW, 16_384
         self.unacked = 0
         self.table_changed = False
         self.preface_seen = False
@@ -159,10 +81,11 @@ class Connection(asyncio.Protocol):
         if sock is not None:  # asyncio sets it only on sockets made with proto IPPROTO_TCP, not on ours
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # else Nagle holds an answer 40 ms
         self.server.connections.add(self)
-        settings = struct.pack(">HIHIHIHI", MAX_CONCURRENT, MAX_STREAMS, INITIAL_WINDOW, RECEIVE_WINDOW,
-                               MAX_FRAME, MAX_FRAME_SIZE, HEADER_TABLE_SIZE, 4096)
-        self.out += frame(SETTINGS, 0, 0, settings)
-        self.out += frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 16 * RECEIVE_WINDOW))
+        settings = struct.pack(">HIHIHIHI", wire.MAX_CONCURRENT, wire.MAX_STREAMS,
+                               wire.INITIAL_WINDOW, wire.RECEIVE_WINDOW,
+                               wire.MAX_FRAME, wire.MAX_FRAME_SIZE, wire.HEADER_TABLE_SIZE, 4096)
+        self.out += frame(wire.SETTINGS, 0, 0, settings)
+        self.out += frame(wire.WINDOW_UPDATE, 0, 0, struct.pack(">I", 16 * wire.RECEIVE_WINDOW))
         self._write()
 
     def data_received(self, data: bytes) -> None:
@@ -170,16 +93,16 @@ class Connection(asyncio.Protocol):
         self.reading = True
         try:
             if not self.preface_seen:
-                if len(self.buffer) < len(PREFACE):
+                if len(self.buffer) < len(wire.PREFACE):
                     return
-                if self.buffer[:len(PREFACE)] != PREFACE:
-                    raise H2Error(PROTOCOL_ERROR, "not an HTTP/2 client (gRPC needs HTTP/2)")
-                del self.buffer[:len(PREFACE)]
+                if self.buffer[:len(wire.PREFACE)] != wire.PREFACE:
+                    raise H2Error(wire.PROTOCOL_ERROR, "not an HTTP/2 client (gRPC needs HTTP/2)")
+                del self.buffer[:len(wire.PREFACE)]
                 self.preface_seen = True
             self._frames()
         except H2Error as exc:
             log.debug("HTTP/2 connection error %d: %s", exc.code, exc)
-            self.out += frame(GOAWAY, 0, 0, struct.pack(">II", self.last_id, exc.code) + str(exc).encode())
+            self.out += frame(wire.GOAWAY, 0, 0, struct.pack(">II", self.last_id, exc.code) + str(exc).encode())
             self._write()
             self._abort_streams()
             if self.transport is not None:
@@ -197,97 +120,97 @@ class Connection(asyncio.Protocol):
     def _frames(self) -> None:
         buf, at, n = self.buffer, 0, len(self.buffer)
         while n - at >= 9:
-            head, flags, sid = FRAME_HEADER.unpack_from(buf, at)
+            head, flags, sid = wire.FRAME_HEADER.unpack_from(buf, at)
             length, kind, sid = head >> 8, head & 0xFF, sid & 0x7FFFFFFF
-            if length > MAX_FRAME_SIZE:
-                raise H2Error(FRAME_SIZE_ERROR, f"a frame of {length} bytes")
+            if length > wire.MAX_FRAME_SIZE:
+                raise H2Error(wire.FRAME_SIZE_ERROR, f"a frame of {length} bytes")
             if n - at < 9 + length:
                 break
             payload = bytes(buf[at + 9:at + 9 + length])
             at += 9 + length
-            if self.continuing is not None and kind != CONTINUATION:
-                raise H2Error(PROTOCOL_ERROR, "a header block interrupted")
+            if self.continuing is not None and kind != wire.CONTINUATION:
+                raise H2Error(wire.PROTOCOL_ERROR, "a header block interrupted")
             self._frame(kind, flags, sid, payload)
         del buf[:at]
 
     def _frame(self, kind: int, flags: int, sid: int, payload: bytes) -> None:
-        if kind == DATA:
+        if kind == wire.DATA:
             self._data(flags, sid, payload)
-        elif kind == HEADERS:
+        elif kind == wire.HEADERS:
             self._headers_frame(flags, sid, payload)
-        elif kind == CONTINUATION:
+        elif kind == wire.CONTINUATION:
             if self.continuing is None or self.continuing[0] != sid:
-                raise H2Error(PROTOCOL_ERROR, "CONTINUATION without HEADERS")
+                raise H2Error(wire.PROTOCOL_ERROR, "CONTINUATION without HEADERS")
             self.continuing[2].extend(payload)
-            if len(self.continuing[2]) > MAX_HEADER_LIST:  # an endless header block (CVE-2024-27316's kind)
-                raise H2Error(PROTOCOL_ERROR, f"a header block over {MAX_HEADER_LIST} bytes")
-            if flags & END_HEADERS:
+            if len(self.continuing[2]) > wire.MAX_HEADER_LIST:  # an endless header block (CVE-2024-27316's kind)
+                raise H2Error(wire.PROTOCOL_ERROR, f"a header block over {wire.MAX_HEADER_LIST} bytes")
+            if flags & wire.END_HEADERS:
                 sid, first_flags, block = self.continuing
                 self.continuing = None
                 self._header_block(sid, first_flags, bytes(block))
-        elif kind == SETTINGS:
-            if not flags & ACK:
+        elif kind == wire.SETTINGS:
+            if not flags & wire.ACK:
                 self._settings(payload)
-        elif kind == PING:
+        elif kind == wire.PING:
             self._ping(flags, payload)
-        elif kind == WINDOW_UPDATE:
+        elif kind == wire.WINDOW_UPDATE:
             if len(payload) != 4:
-                raise H2Error(FRAME_SIZE_ERROR, "a WINDOW_UPDATE frame not of 4 bytes")
+                raise H2Error(wire.FRAME_SIZE_ERROR, "a WINDOW_UPDATE frame not of 4 bytes")
             self._window_update(sid, payload)
-        elif kind == RST_STREAM:
+        elif kind == wire.RST_STREAM:
             if len(payload) != 4:
-                raise H2Error(FRAME_SIZE_ERROR, "a RST_STREAM frame not of 4 bytes")
+                raise H2Error(wire.FRAME_SIZE_ERROR, "a RST_STREAM frame not of 4 bytes")
             stream = self.streams.get(sid)
             if stream is not None:
                 self._close(stream, cancelled=True)
-        elif kind == GOAWAY:
+        elif kind == wire.GOAWAY:
             self.going_away = True
-        elif kind == PUSH_PROMISE:
-            raise H2Error(PROTOCOL_ERROR, "a client may not push")
+        elif kind == wire.PUSH_PROMISE:
+            raise H2Error(wire.PROTOCOL_ERROR, "a client may not push")
         # PRIORITY and unknown types: ignored, as RFC 9113 lets a server do
 
     def _ping(self, flags: int, payload: bytes) -> None:
         if len(payload) != 8:
-            raise H2Error(FRAME_SIZE_ERROR, "a PING frame not of 8 bytes")
-        if not flags & ACK:
-            self.out += frame(PING, ACK, 0, payload)
+            raise H2Error(wire.FRAME_SIZE_ERROR, "a PING frame not of 8 bytes")
+        if not flags & wire.ACK:
+            self.out += frame(wire.PING, wire.ACK, 0, payload)
         elif payload == DRAIN_PING:
             self._last_goaway()
 
     @staticmethod
     def _unpad(flags: int, payload: bytes) -> bytes:
-        if flags & PADDED:
+        if flags & wire.PADDED:
             pad = payload[0] if payload else 0
             if pad >= len(payload):
-                raise H2Error(PROTOCOL_ERROR, "padding longer than its frame")
+                raise H2Error(wire.PROTOCOL_ERROR, "padding longer than its frame")
             return payload[1:len(payload) - pad]
         return payload
 
     def _settings(self, payload: bytes) -> None:
         if len(payload) % 6:
-            raise H2Error(FRAME_SIZE_ERROR, "a SETTINGS frame of a wrong size")
+            raise H2Error(wire.FRAME_SIZE_ERROR, "a SETTINGS frame of a wrong size")
         for i in range(0, len(payload), 6):
             key, value = struct.unpack_from(">HI", payload, i)
-            if key == INITIAL_WINDOW:
+            if key == wire.INITIAL_WINDOW:
                 if value > 0x7FFFFFFF:
-                    raise H2Error(FLOW_CONTROL_ERROR, "an initial window over 2^31-1")
+                    raise H2Error(wire.FLOW_CONTROL_ERROR, "an initial window over 2^31-1")
                 delta, self.peer_initial = value - self.peer_initial, value
                 for stream in self.streams.values():
                     stream.send_window += delta
-            elif key == MAX_FRAME:
+            elif key == wire.MAX_FRAME:
                 if not 16_384 <= value <= 16_777_215:
-                    raise H2Error(PROTOCOL_ERROR, f"SETTINGS_MAX_FRAME_SIZE {value} (RFC 9113: 2^14 to 2^24-1)")
+                    raise H2Error(wire.PROTOCOL_ERROR, f"SETTINGS_MAX_FRAME_SIZE {value} (RFC 9113: 2^14 to 2^24-1)")
                 self.peer_max_frame = value
-            elif key == HEADER_TABLE_SIZE:
+            elif key == wire.HEADER_TABLE_SIZE:
                 self.table_changed = True  # our next block says so (ours stays empty: size 0)
-        self.out += frame(SETTINGS, ACK, 0)
+        self.out += frame(wire.SETTINGS, wire.ACK, 0)
         self._flush_blocked()
 
     def _window_update(self, sid: int, payload: bytes) -> None:
         increment = struct.unpack(">I", payload)[0] & 0x7FFFFFFF
         if sid == 0:
             if increment == 0:
-                raise H2Error(PROTOCOL_ERROR, "a window update of 0")
+                raise H2Error(wire.PROTOCOL_ERROR, "a window update of 0")
             self.send_window += increment
             self._flush_blocked()
             return
@@ -299,9 +222,9 @@ class Connection(asyncio.Protocol):
     # --- streams in --------------------------------------------------------------------------------
     def _headers_frame(self, flags: int, sid: int, payload: bytes) -> None:
         payload = self._unpad(flags, payload)
-        if flags & PRIORITY_FLAG:
+        if flags & wire.PRIORITY_FLAG:
             payload = payload[5:]
-        if flags & END_HEADERS:
+        if flags & wire.END_HEADERS:
             self._header_block(sid, flags, payload)
         else:
             self.continuing = (sid, flags, bytearray(payload))
@@ -310,24 +233,24 @@ class Connection(asyncio.Protocol):
         try:
             headers = self.decoder.decode(block)
         except hpack.HPACKError as exc:
-            raise H2Error(COMPRESSION_ERROR, f"a header block: {exc}") from None
+            raise H2Error(wire.COMPRESSION_ERROR, f"a header block: {exc}") from None
         stream = self.streams.get(sid)
         if stream is not None:  # the client's trailers: only the end of its messages matters
-            if flags & END_STREAM:
+            if flags & wire.END_STREAM:
                 self._remote_end(stream)
             return
         if sid % 2 == 0 or sid <= self.last_id:
             if sid % 2 == 0:
-                raise H2Error(PROTOCOL_ERROR, f"stream {sid}: a client opens odd streams")
-            self.out += frame(RST_STREAM, 0, sid, struct.pack(">I", 5))  # STREAM_CLOSED
+                raise H2Error(wire.PROTOCOL_ERROR, f"stream {sid}: a client opens odd streams")
+            self.out += frame(wire.RST_STREAM, 0, sid, struct.pack(">I", 5))  # STREAM_CLOSED
             return
         self.last_id = sid
-        if self.going_away or len(self.streams) >= MAX_STREAMS:
-            self.out += frame(RST_STREAM, 0, sid, struct.pack(">I", REFUSED_STREAM))
+        if self.going_away or len(self.streams) >= wire.MAX_STREAMS:
+            self.out += frame(wire.RST_STREAM, 0, sid, struct.pack(">I", wire.REFUSED_STREAM))
             return
         stream = Stream(self, sid, self.peer_initial)
         self.streams[sid] = stream
-        stream.remote_open = not flags & END_STREAM
+        stream.remote_open = not flags & wire.END_STREAM
         self._open(stream, headers)
         if not stream.remote_open and not stream.closed:
             self._remote_end(stream)
@@ -336,37 +259,37 @@ class Connection(asyncio.Protocol):
         path = headers.get(b":path", b"").decode("latin-1")
         route = self.routes.get(path)
         if headers.get(b":method") != b"POST" or not headers.get(b"content-type", b"").startswith(b"application/grpc"):
-            stream.finish(UNIMPLEMENTED, "gRPC calls are POSTs of application/grpc")
+            stream.finish(wire.UNIMPLEMENTED, "gRPC calls are POSTs of application/grpc")
         elif route is None:
-            stream.finish(UNIMPLEMENTED, f"no method {path}")
+            stream.finish(wire.UNIMPLEMENTED, f"no method {path}")
         elif headers.get(b"grpc-encoding", b"identity") != b"identity":
-            stream.finish(UNIMPLEMENTED, "message compression is not supported: send identity")
+            stream.finish(wire.UNIMPLEMENTED, "message compression is not supported: send identity")
         else:
             try:
                 stream.call = route(stream)
             except Exception:  # a bug of ours: this call fails, the connection goes on
                 log.exception("opening the gRPC call %s on stream %d failed", path, stream.id)
-                stream.finish(INTERNAL, "the endpoint picker failed on this call (its log says why)")
+                stream.finish(wire.INTERNAL, "the endpoint picker failed on this call (its log says why)")
 
     def _data(self, flags: int, sid: int, payload: bytes) -> None:
         self.unacked += len(payload)  # padding included: all of it counts against the window
-        if self.unacked >= RECEIVE_WINDOW:
-            self.out += frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", self.unacked))
+        if self.unacked >= wire.RECEIVE_WINDOW:
+            self.out += frame(wire.WINDOW_UPDATE, 0, 0, struct.pack(">I", self.unacked))
             self.unacked = 0
         stream = self.streams.get(sid)
         if stream is None or not stream.remote_open:
             return  # a stream we ended (its late data) or reset
-        if flags & END_STREAM:
+        if flags & wire.END_STREAM:
             stream.remote_open = False  # known before the call answers: no reset after its trailers
         if stream.trailers is not None:
             return  # the call is over, its trailers wait for a window: what else comes is dropped
         stream.unacked += len(payload)
-        if stream.unacked >= RECEIVE_WINDOW // 2 and not flags & END_STREAM:
-            self.out += frame(WINDOW_UPDATE, 0, sid, struct.pack(">I", stream.unacked))
+        if stream.unacked >= wire.RECEIVE_WINDOW // 2 and not flags & wire.END_STREAM:
+            self.out += frame(wire.WINDOW_UPDATE, 0, sid, struct.pack(">I", stream.unacked))
             stream.unacked = 0
         stream.received += self._unpad(flags, payload)
         self._messages(stream)
-        if flags & END_STREAM and sid in self.streams:
+        if flags & wire.END_STREAM and sid in self.streams:
             self._remote_end(stream)
 
     def _messages(self, stream: Stream) -> None:
@@ -374,9 +297,9 @@ class Connection(asyncio.Protocol):
         while len(got) >= 5 and stream.call is not None and stream.trailers is None:
             size = int.from_bytes(got[1:5], "big")
             if got[0] != 0:
-                return self._fail(stream, UNIMPLEMENTED, "a compressed message: send identity")
+                return self._fail(stream, wire.UNIMPLEMENTED, "a compressed message: send identity")
             if size > self.max_message:
-                return self._fail(stream, RESOURCE_EXHAUSTED,
+                return self._fail(stream, wire.RESOURCE_EXHAUSTED,
                                   f"a message of {size} bytes, over the limit of {self.max_message}")
             if len(got) < 5 + size:
                 return
@@ -390,7 +313,7 @@ class Connection(asyncio.Protocol):
         except Exception:  # a bug of ours: the call fails, the connection and its other calls go on
             log.exception("the gRPC call on stream %d failed", stream.id)
             if handler.__name__ != "cancel":
-                self._fail(stream, INTERNAL, "the endpoint picker failed on this call (its log says why)")
+                self._fail(stream, wire.INTERNAL, "the endpoint picker failed on this call (its log says why)")
 
     def _fail(self, stream: Stream, code: int, message: str) -> None:
         """End a call that the transport (or its own failure) cut short: its `cancel` returns what it holds."""
@@ -402,7 +325,7 @@ class Connection(asyncio.Protocol):
     def _remote_end(self, stream: Stream) -> None:
         stream.remote_open = False
         if stream.received and stream.trailers is None:
-            self._fail(stream, INTERNAL, "the stream ended inside a message")
+            self._fail(stream, wire.INTERNAL, "the stream ended inside a message")
         if stream.call is not None and stream.trailers is None:
             self._dispatch(stream, stream.call.end)
 
@@ -415,12 +338,12 @@ class Connection(asyncio.Protocol):
         if not stream.headers_sent:
             stream.headers_sent = True
             if not box and stream.trailers is not None:  # trailers only: one HEADERS frame
-                self._header_frame(stream.id, RESPONSE_HEADERS + stream.trailers, end=True)
+                self._header_frame(stream.id, wire.RESPONSE_HEADERS + stream.trailers, end=True)
                 return self._settle(stream)
-            self._header_frame(stream.id, RESPONSE_HEADERS, end=False)
+            self._header_frame(stream.id, wire.RESPONSE_HEADERS, end=False)
         while box and self.send_window > 0 and stream.send_window > 0:
             n = min(len(box), self.send_window, stream.send_window, self.peer_max_frame)
-            self.out += frame(DATA, 0, stream.id, bytes(box[:n]))
+            self.out += frame(wire.DATA, 0, stream.id, bytes(box[:n]))
             del box[:n]
             self.send_window -= n
             stream.send_window -= n
@@ -437,7 +360,8 @@ class Connection(asyncio.Protocol):
     def _header_frame(self, sid: int, block: bytes, end: bool) -> None:
         if self.table_changed:
             block, self.table_changed = b"\x20" + block, False  # a table size update to 0 (RFC 7541 6.3)
-        self.out += frame(HEADERS, END_HEADERS | (END_STREAM if end else 0), sid, block)  # small: one frame
+        flags = wire.END_HEADERS | (wire.END_STREAM if end else 0)
+        self.out += frame(wire.HEADERS, flags, sid, block)  # ours are small: one frame
 
     def _flush_blocked(self) -> None:
         for stream in list(self.blocked.values()):
@@ -447,7 +371,7 @@ class Connection(asyncio.Protocol):
         """The call's trailers are out: forget its stream (reset, if the client still sends on it)."""
         stream.done = True
         if stream.remote_open:
-            self.out += frame(RST_STREAM, 0, stream.id, struct.pack(">I", NO_ERROR))
+            self.out += frame(wire.RST_STREAM, 0, stream.id, struct.pack(">I", wire.NO_ERROR))
         self._close(stream, cancelled=False)
         if not self.reading:
             self._write()
@@ -478,7 +402,8 @@ class Connection(asyncio.Protocol):
         if self.draining or self.transport is None:
             return
         self.draining = True
-        self.out += frame(GOAWAY, 0, 0, struct.pack(">II", 0x7FFFFFFF, NO_ERROR)) + frame(PING, 0, 0, DRAIN_PING)
+        self.out += frame(wire.GOAWAY, 0, 0, struct.pack(">II", 0x7FFFFFFF, wire.NO_ERROR))
+        self.out += frame(wire.PING, 0, 0, DRAIN_PING)
         self._write()
         asyncio.get_running_loop().call_later(DRAIN_S, self._last_goaway)
 
@@ -486,7 +411,7 @@ class Connection(asyncio.Protocol):
         if self.going_away or self.transport is None or self.transport.is_closing():
             return
         self.going_away = True
-        self.out += frame(GOAWAY, 0, 0, struct.pack(">II", self.last_id, NO_ERROR))
+        self.out += frame(wire.GOAWAY, 0, 0, struct.pack(">II", self.last_id, wire.NO_ERROR))
         if not self.reading:
             self._write()
 

@@ -24,7 +24,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf.message import DecodeError
 
 from gateway.epp import messages
-from gateway.epp.h2 import Routes, Stream
+from gateway.epp.h2call import Routes, Stream
 from gateway.epp.h2wire import FAILED_PRECONDITION, INTERNAL
 from gateway.epp.picker import Pick, Picker, Refusal
 from gateway.routing import Worker
