@@ -43,6 +43,7 @@ from gateway.epp.h2wire import (
     WINDOW_UPDATE,
     HeaderDecoder,
     frame,
+    split_frames,
 )
 
 ECHO = "/test.Echo/Echo"
@@ -292,11 +293,7 @@ def test_a_client_that_does_not_speak_http2_is_told_and_closed() -> None:
         reader, writer = await asyncio.open_connection(*c.writer.get_extra_info("peername"))
         writer.write(b"GET / HTTP/1.1\r\nHost: epp\r\n\r\n")
         answer = await asyncio.wait_for(reader.read(), 5)  # to the end: the server closes
-        kinds = []
-        while len(answer) >= 9:
-            length = int.from_bytes(answer[:3], "big")
-            kinds.append(answer[3])
-            answer = answer[9 + length:]
+        kinds = [kind for kind, *_ in split_frames(answer)[0]]
         assert kinds[-1] == 7  # GOAWAY
         writer.close()
 
@@ -360,10 +357,8 @@ class RawPeer:
 
         async def read() -> None:
             while not done(seen):
-                while len(self.buf) >= 9 and len(self.buf) >= 9 + int.from_bytes(self.buf[:3], "big"):
-                    n = int.from_bytes(self.buf[:3], "big")
-                    seen.append((self.buf[3], self.buf[4], int.from_bytes(self.buf[5:9], "big"), self.buf[9:9 + n]))
-                    self.buf = self.buf[9 + n:]
+                frames, self.buf = split_frames(self.buf)
+                seen.extend(frames)
                 if done(seen):
                     return
                 chunk = await self.reader.read(65_536)

@@ -21,7 +21,6 @@ from gateway.epp.h2wire import (
     DATA,
     END_HEADERS,
     END_STREAM,
-    FRAME_HEADER,
     GOAWAY,
     HEADERS,
     INITIAL_WINDOW,
@@ -31,6 +30,7 @@ from gateway.epp.h2wire import (
     SETTINGS,
     WINDOW_UPDATE,
     frame,
+    split_frames,
 )
 
 WINDOW = (1 << 31) - 1  # ours, for every stream and the connection: the picker never waits for us
@@ -113,13 +113,8 @@ class RawClient:
             chunk = await self.reader.read(1 << 16)
             if not chunk:
                 return
-            buf += chunk
-            while len(buf) >= 9:
-                head, flags, sid = FRAME_HEADER.unpack_from(buf)
-                length, kind, sid = head >> 8, head & 0xFF, sid & 0x7FFFFFFF
-                if len(buf) < 9 + length:
-                    break
-                payload, buf = buf[9:9 + length], buf[9 + length:]
+            frames, buf = split_frames(buf + chunk)
+            for kind, flags, sid, payload in frames:
                 self._frame(kind, flags, sid, payload)
 
     def _frame(self, kind: int, flags: int, sid: int, payload: bytes) -> None:

@@ -369,7 +369,6 @@ class Connection(asyncio.Protocol):
 
     def _settle(self, stream: Stream) -> None:
         """The call's trailers are out: forget its stream (reset, if the client still sends on it)."""
-        stream.done = True
         if stream.remote_open:
             self.out += frame(wire.RST_STREAM, 0, stream.id, struct.pack(">I", wire.NO_ERROR))
         self._close(stream, cancelled=False)
@@ -380,7 +379,7 @@ class Connection(asyncio.Protocol):
         stream.closed = True
         self.streams.pop(stream.id, None)
         self.blocked.pop(stream.id, None)
-        if cancelled and not stream.done and stream.call is not None:
+        if cancelled and stream.call is not None:  # a call that finished is no longer in `streams`
             self._dispatch(stream, stream.call.cancel)
         if not self.streams:
             self.server.wake()

@@ -41,7 +41,6 @@ class Stream:
         self.headers_sent = False
         self.trailers: bytes | None = None  # set by finish: sent once the outbox is out
         self.remote_open, self.closed = True, False
-        self.done = False  # its trailers are out
         self.call: Call | None = None
 
     def send(self, message: bytes) -> None:

@@ -49,6 +49,23 @@ def encode_headers(headers: list[tuple[str, str]]) -> bytes:
     return bytes(out)
 
 
+Frame = tuple[int, int, int, bytes]  # type, flags, stream id, payload
+
+
+def split_frames(buf: bytes) -> tuple[list[Frame], bytes]:
+    """The whole frames at the start of `buf`, and what is left of it (a frame still arriving). For
+    clients that read a few frames (the benchmark's, the tests'); the server parses in place."""
+    frames, at = [], 0
+    while len(buf) - at >= 9:
+        head, flags, sid = FRAME_HEADER.unpack_from(buf, at)
+        end = at + 9 + (head >> 8)
+        if len(buf) < end:
+            break
+        frames.append((head & 0xFF, flags, sid & 0x7FFFFFFF, buf[at + 9:end]))
+        at = end
+    return frames, buf[at:]
+
+
 def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
     return FRAME_HEADER.pack(len(payload) << 8 | kind, flags, stream_id) + payload
 

@@ -25,7 +25,7 @@ from google.protobuf.message import DecodeError
 
 from gateway.epp import messages
 from gateway.epp.h2call import Routes, Stream
-from gateway.epp.h2wire import FAILED_PRECONDITION, INTERNAL
+from gateway.epp.h2wire import FAILED_PRECONDITION, INTERNAL, OK
 from gateway.epp.picker import Pick, Picker, Refusal
 from gateway.routing import Worker
 
@@ -169,26 +169,23 @@ class ProcessCall:
         try:
             request = pb.ProcessingRequest.FromString(data)
         except DecodeError as exc:
-            self._fail(INTERNAL, f"not an ext_proc ProcessingRequest: {exc}")
+            self.end(INTERNAL, f"not an ext_proc ProcessingRequest: {exc}")
             return
         try:
             out, done = self.exchange.handle(request)
         except ProtocolError as exc:
             log.error("%s", exc)
-            self._fail(FAILED_PRECONDITION, str(exc))
+            self.end(FAILED_PRECONDITION, str(exc))
             return
         for response in out:
             self.stream.send(response.SerializeToString())
         if done:
             self.end()
 
-    def _fail(self, code: int, message: str) -> None:
+    def end(self, code: int = OK, message: str = "") -> None:
+        """The stream is over (the client's end, an immediate response, or `code`'s failure)."""
         self.exchange.close()
         self.stream.finish(code, message)
-
-    def end(self) -> None:
-        self.exchange.close()
-        self.stream.finish()
 
     def cancel(self) -> None:
         self.exchange.close()
