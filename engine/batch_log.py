@@ -58,6 +58,6 @@ def attach(engine: Engine) -> BatchLog | None:
 
 
 def read(folder: Path) -> list[MeasuredBatch]:
-    """Every batch the workers logged in `folder`."""
-    return [MeasuredBatch(*json.loads(line)) for path in sorted(folder.glob("batches-*.jsonl"))
+    """Every batch the workers logged in `folder` and its subfolders (`plan --against-serve` keeps one per fleet)."""
+    return [MeasuredBatch(*json.loads(line)) for path in sorted(folder.rglob("batches-*.jsonl"))
             for line in path.read_text().splitlines() if line]

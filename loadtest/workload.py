@@ -195,6 +195,15 @@ def head(w: Workload, n: int) -> Workload:
     return Workload(w.name, w.source, w.class_rule, w.requests[:n])
 
 
+def skip(w: Workload, n: int) -> Workload:
+    """The workload without its first n requests, its clock started at the first one left."""
+    if n >= len(w.requests):
+        raise TraceError(f"{w.name} has {len(w.requests)} requests: none left after skipping {n}")
+    t0 = w.requests[n].arrival_s
+    return Workload(w.name, w.source, w.class_rule, [msgspec.structs.replace(r, arrival_s=r.arrival_s - t0)
+                                                     for r in w.requests[n:]])
+
+
 def poisson(rate: float, n: int, lengths: Workload | None = None, seed: int = 0,
             rule: ClassRule | None = None) -> Workload:
     """n Poisson arrivals at `rate`; request sizes drawn from `lengths` (a trace) or a 50/50 mix."""

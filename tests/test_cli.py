@@ -86,6 +86,8 @@ def test_loadtest_goodput_and_plan_options_have_help() -> None:
     (["--cost", "gpt-5@h100"], "unknown model 'gpt-5'"),
     (["--workload", "/nonexistent.csv"], "trace file /nonexistent.csv does not exist"),
     (["--against-serve", "1,x"], "expected worker counts"),
+    (["--skip", "-1"], "--skip must be >= 0"),
+    (["--requests", "10", "--skip", "30000"], "none left after skipping 30000"),
     (["--speed-from", "/nonexistent"], "--speed-from /nonexistent: no batch log there"),
 ])
 def test_a_plan_mistake_is_one_line_and_exit_2(argv: list[str], message: str) -> None:

@@ -208,3 +208,25 @@ def test_a_pilot_twice_as_slow_as_the_model_needs_a_bigger_fleet(tmp_path: Path)
     model, pilot = (json.loads((tmp_path / d / "plan.json").read_text()) for d in ("model", "pilot-speed"))
     assert pilot["speed_from"] == {"from": str(logs), "factor": pytest.approx(2.0), "requests": 5}  # the median
     assert pilot["policies"]["flowprefill"]["instances"] > model["policies"]["flowprefill"]["instances"]
+
+
+def test_an_against_serve_run_s_logs_are_each_fleet_s_pilot(tmp_path: Path) -> None:
+    """`--against-serve` keeps each fleet's batch logs under `<out>/batch-logs/<policy>-w<n>/`; given
+    as `--speed-from`, each point takes its own fleet's, and the planner the median of them all."""
+    from engine.bench.plan_real import pilot_folder
+    from gateway.cli import main
+
+    root = tmp_path / "batch-logs"
+    for fleet, factor in (("flowprefill-w1", 2.0), ("chunked-2048-w1", 3.0)):
+        (root / fleet).mkdir(parents=True)
+        lines = [json.dumps([[f"{fleet}-{i}"], 0.010, 0.010 * factor, 1.0]) for i in range(3 if factor == 2 else 2)]
+        (root / fleet / "batches-7.jsonl").write_text("\n".join(lines) + "\n")
+    assert pilot_folder(root, "flowprefill", 1) == root / "flowprefill-w1"
+    assert pilot_folder(root, "chunked:2048", 1) == root / "chunked-2048-w1"
+    assert pilot_folder(root, "flowprefill", 2) == root  # no run of that fleet: all of them
+    argv = ["plan", "--requests", "50", "--skip", "10", "--cost", "llama-3.1-8b@h100", "--rate", "60",
+            "--policies", "flowprefill", "--speed-from", str(root), "--out", str(tmp_path / "out")]
+    assert main(argv) == 0
+    doc = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert doc["speed_from"]["factor"] == pytest.approx(2.0) and doc["speed_from"]["requests"] == 5
+    assert doc["workload"]["requests"] == 50

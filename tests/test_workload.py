@@ -13,6 +13,7 @@ from loadtest.workload import (
     load_trace,
     poisson,
     scale_to_rate,
+    skip,
     synthesize_prompt,
     traces_dir,
     window,
@@ -98,6 +99,11 @@ def test_rate_scaling_window_and_poisson() -> None:
     assert part.requests[0].arrival_s == 0.0 and part.duration_s < 20.0
     with pytest.raises(TraceError):
         window(w, 1e6, 1.0)
+    rest = skip(w, 100)
+    assert rest.requests[0].arrival_s == 0.0 and len(rest.requests) == 300
+    assert [r.input_tokens for r in rest.requests] == [r.input_tokens for r in w.requests[100:]]
+    with pytest.raises(TraceError, match="none left"):
+        skip(w, 400)
 
 
 def test_prompts_synthesized_to_exact_count() -> None:

@@ -47,6 +47,7 @@ from loadtest.workload import (
     head,
     load_trace,
     scale_to_rate,
+    skip,
 )
 
 # A run is stopped once its certain misses put it this far below the target: it fails either way, and
@@ -170,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workload", default="azure-mix", help="azure-mix or a trace file (Azure/BurstGPT CSV, JSONL)")
     p.add_argument("--requests", type=int, default=None, metavar="N", help="first N requests of the workload "
                    "(default: all)")
+    p.add_argument("--skip", type=int, default=0, metavar="N", help="leave out the workload's first N requests "
+                   "(before --requests; e.g. the ones a pilot ran)")
     p.add_argument("--cost", default="cpu", help="cost model: cpu (profile this machine) or MODEL@GPU, e.g. "
                    "llama-3.1-8b@h100")
     p.add_argument("--threads", type=int, default=None, metavar="N",
@@ -192,7 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cpu: also run `flowprefill serve --workers N` on this machine for each N, on the same "
                         "arrivals, and compare its per-class attainment with the simulated fleet's")
     p.add_argument("--speed-from", default=None, metavar="DIR",
-                   help="a pilot run's batch logs (its workers' $FLOWPREFILL_BATCH_LOG folder): simulate at the "
+                   help="a pilot run's batch logs (its workers' $FLOWPREFILL_BATCH_LOG folder, or an --against-serve "
+                        "run's <out>/batch-logs, whose fleet of the same policy and size --against-serve then "
+                        "takes as each point's pilot): simulate at the "
                         "speed its machines ran, the median of measured over predicted prefill seconds (relative "
                         "to the workers' own calibration: the cost model should be theirs, e.g. --cost cpu on the "
                         "machine that ran the pilot)")
@@ -217,6 +222,8 @@ def check_args(args: argparse.Namespace) -> str | None:
         return "--max-instances must be >= 1"
     if args.rate is not None and args.rate <= 0:
         return "--rate must be > 0"
+    if args.skip < 0:
+        return "--skip must be >= 0"
     if args.requests is not None and args.requests < 2:
         return "--requests must be >= 2 (a rate needs two arrivals)"
     if args.price < 0 or args.poll_s <= 0 or args.prefix_affinity_chars < 0:
@@ -235,14 +242,16 @@ def check_args(args: argparse.Namespace) -> str | None:
             return str(exc)
     if not [x for x in args.policies.split(",") if x]:
         return "--policies names no policy"
-    if args.speed_from is not None and not any(Path(args.speed_from).glob("batches-*.jsonl")):
+    if args.speed_from is not None and not any(Path(args.speed_from).rglob("batches-*.jsonl")):
         return (f"--speed-from {args.speed_from}: no batch log there (batches-*.jsonl, written by workers run with "
-                "FLOWPREFILL_BATCH_LOG set to that folder)")
+                "FLOWPREFILL_BATCH_LOG set to that folder, or an --against-serve run's <out>/batch-logs)")
     return None
 
 
 def load_workload(args: argparse.Namespace) -> Workload:
     base = azure_mix(ClassRule()) if args.workload == "azure-mix" else load_trace(args.workload, ClassRule())
+    if args.skip:
+        base = skip(base, args.skip)
     if args.requests:
         base = head(base, args.requests)
     return scale_to_rate(base, args.rate) if args.rate else base

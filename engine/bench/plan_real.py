@@ -11,7 +11,10 @@ logs, engine/batch_log.py, replayed as engine/sim/oracle.py's ExactCosts), and a
 model run at one factor for the machine, the median those logs measured (what `--speed-from` does).
 Where the third agrees with the real run and the second does not, the cost model is what is off, not
 the fleet's mechanics (routing, polling, admission, queueing); the fourth says how much of that one
-number for the machine's speed fixes.
+number for the machine's speed fixes. Those two learn from the run they are compared with; the fifth,
+with `--speed-from` a pilot's logs, does not: the cost model at the speed an earlier run of the same
+fleet measured on other arrivals (each point's logs are kept in `<out>/batch-logs/<policy>-w<n>/` to
+be such a pilot), which is what a planner knows before the fleet exists.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -44,21 +46,29 @@ from loadtest.results import outcomes
 from loadtest.workload import Workload
 
 
-def real_point(policy: str, n: int, threads: int | None, w: Workload, schedule: list[Arrival]) -> tuple[
-        dict[str, Any], list[str], list[MeasuredBatch]]:
-    """`serve --workers n` on the schedule: its goodput point, its workers' URLs, and the batches they
-    ran (request ids as the simulation's: `w{i}` for the schedule's i-th arrival)."""
+def fleet_name(policy: str, n: int) -> str:
+    """A point's folder name under `<out>/batch-logs/`, e.g. `chunked-2048-w2`."""
+    return f"{policy.replace(':', '-')}-w{n}"
+
+
+def real_point(policy: str, n: int, threads: int | None, w: Workload, schedule: list[Arrival], logs: Path
+               ) -> tuple[dict[str, Any], list[str], list[MeasuredBatch]]:
+    """`serve --workers n` on the schedule, its workers logging their batches in `logs`: its goodput
+    point, its workers' URLs, and the batches they ran (request ids as the simulation's: `w{i}` for
+    the schedule's i-th arrival)."""
     port = free_port(span=n + 1)
     argv = ["serve", "--port", str(port), "--workers", str(n), "--policy", policy, "--no-prefix-caching"]
-    with tempfile.TemporaryDirectory(prefix="flowprefill-batches-") as logs:
-        proc = start(*argv, *(["--threads", str(threads)] if threads else []), env={BATCH_LOG: logs})
-        url = f"http://127.0.0.1:{port}"
-        try:
-            wait_healthy(url, proc, timeout=600)
-            records = asyncio.run(replay(Target(url, model_name(url)), schedule, max_tokens=1, drain_s=120))
-        finally:
-            stop(proc)
-        batches = [b._replace(ids=[_sim_id(rid) for rid in b.ids]) for b in read_batch_log(Path(logs))]
+    for old in logs.glob("batches-*.jsonl"):  # a rerun into the same --out replaces its logs
+        old.unlink()
+    logs.mkdir(parents=True, exist_ok=True)
+    proc = start(*argv, *(["--threads", str(threads)] if threads else []), env={BATCH_LOG: str(logs)})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, timeout=600)
+        records = asyncio.run(replay(Target(url, model_name(url)), schedule, max_tokens=1, drain_s=120))
+    finally:
+        stop(proc)
+    batches = [b._replace(ids=[_sim_id(rid) for rid in b.ids]) for b in read_batch_log(logs)]
     failed = sum(not r.ok for r in records)
     pt = report.point(w.rate, outcomes(records)) | {"failed": failed, "command": "flowprefill " + " ".join(argv)}
     return pt, [f"http://127.0.0.1:{port + 1 + i}" for i in range(n)], batches
@@ -85,7 +95,8 @@ def against_serve(args: argparse.Namespace, w: Workload, cost: OpCost, engine_cf
         for n in workers_of(args.against_serve):
             console.print(f"serve --workers {n} --policy {policy}: {len(schedule)} requests over "
                           f"{w.duration_s:.0f} s")
-            real, urls, batches = real_point(policy, n, args.threads, w, schedule)
+            logs = Path(args.out) / "batch-logs" / fleet_name(policy, n)
+            real, urls, batches = real_point(policy, n, args.threads, w, schedule, logs)
             planner = Planner(w, copy.deepcopy(cost), engine_cfg, args.target, args.every_class,
                               key_of=prompt_key(args.prefix_affinity_chars) if args.prefix_affinity_chars else None,
                               poll_s=args.poll_s, requests=same_prompts, urls=lambda _n, urls=urls: urls)
@@ -94,7 +105,25 @@ def against_serve(args: argparse.Namespace, w: Workload, cost: OpCost, engine_cf
             replayed = planner.evaluate(policy, n, stop_early=False, exact=exact)
             planner.cost = replace(cost, scale=exact.default)  # one factor for the machine, as --speed-from
             at_speed = planner.evaluate(policy, n, stop_early=False)
-            rows.append({"policy": policy, "workers": n, "real": real, "sim": sim, "sim_measured_speed": at_speed,
-                         "sim_measured_costs": replayed, "measured_requests": len(exact.factors),
-                         "measured_factor_median": exact.default})
+            row = {"policy": policy, "workers": n, "real": real, "sim": sim, "sim_measured_speed": at_speed,
+                   "sim_measured_costs": replayed, "measured_requests": len(exact.factors),
+                   "measured_factor_median": exact.default}
+            if args.speed_from is not None:
+                row |= at_pilot_speed(planner, cost, Path(args.speed_from), policy, n)
+            rows.append(row)
     return rows
+
+
+def pilot_folder(pilot: Path, policy: str, n: int) -> Path:
+    own = pilot / fleet_name(policy, n)
+    return own if any(own.glob("batches-*.jsonl")) else pilot
+
+
+def at_pilot_speed(planner: Planner, cost: OpCost, pilot: Path, policy: str, n: int) -> dict[str, Any]:
+    """The fleet simulated at the speed a pilot measured: its run of the same fleet where it has one
+    (an earlier --against-serve's `batch-logs/<policy>-w<n>/`), else all its logs."""
+    folder = pilot_folder(pilot, policy, n)
+    exact = ExactCosts.from_batches(cost, read_batch_log(folder))
+    planner.cost = replace(cost, scale=exact.default)
+    return {"sim_pilot_speed": planner.evaluate(policy, n, stop_early=False),
+            "pilot": {"from": str(folder), "factor": exact.default, "requests": len(exact.factors)}}

@@ -44,19 +44,20 @@ def print_tables(console: Console, doc: dict[str, Any]) -> None:
 
 
 def against_table(console: Console, rows: list[dict[str, Any]]) -> None:
+    pilot = any("sim_pilot_speed" in row for row in rows)
     t = Table(title="the planner against `flowprefill serve` on this machine (per-class attainment; the same fleet "
-                    "simulated with the cost model, at the speed the real workers ran, and charged what they "
-                    "measured per request)")
-    for col in ("policy", "workers", "class", "requests", "real", "cost model", "gap", "at measured speed", "gap",
-                "measured costs", "gap"):
+                    "simulated with the cost model, at the speed the real workers ran, charged what they "
+                    "measured per request" + (", and at a pilot's speed)" if pilot else ")"))
+    sims = [("cost model", "sim"), ("at measured speed", "sim_measured_speed"),
+            ("measured costs", "sim_measured_costs"), *([("at pilot's speed", "sim_pilot_speed")] if pilot else [])]
+    for col in ("policy", "workers", "class", "requests", "real", *(x for name, _ in sims for x in (name, "gap"))):
         t.add_column(col, justify="right")
     for row in rows:
-        others = [row.get("sim_measured_speed"), row.get("sim_measured_costs")]
         for c, real in [*row["real"]["per_class"].items(), ("all", row["real"] | {"n": None})]:
-            sims = [_attainment(row["sim"], c), *(_attainment(o, c) if o else None for o in others)]
             n = real["n"] if real["n"] is not None else sum(x["n"] for x in row["real"]["per_class"].values())
             cells = []
-            for sim in sims:
+            for _, key in sims:
+                sim = _attainment(row[key], c) if row.get(key) else None
                 cells += [_pct(sim), "-" if sim is None else f"{(sim - real['attainment']) * 100:+.1f}"]
             t.add_row(row["policy"], str(row["workers"]), c, str(n), _pct(real["attainment"]), *cells)
     console.print(t)
