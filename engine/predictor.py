@@ -3,9 +3,9 @@
 Predicted prefill time is linear in token rows (projections, MLP) plus linear in query-key pairs
 (attention), so a few timed operator blocks give the whole curve from 16 tokens to the full
 context. The profile is cached per model, dtype, device, thread count and torch version; each
-start-up re-measures and keeps the faster of cache and new (the least disturbed measurement of what
-the machine can do), and the engine then refines a scale factor per batch size class online from
-executed batches (`OpCost.observe`).
+start-up re-measures, and the profile is the median of the last `HISTORY` start-ups' measurements
+(robust to a start-up on a busy machine, and to a lucky one), and the engine then refines a scale
+factor per batch size class online from executed batches (`OpCost.observe`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -32,8 +32,16 @@ def cache_dir() -> Path:
 
 
 # Part of the key: a profile measured by an older calibration is not merged into a newer one's (before
-# version 2 a CPU's step floor was never measured, and its cached 0 would have stayed the minimum).
-PROFILE_VERSION = 2
+# version 2 a CPU's step floor was never measured, and its cached 0 would have stayed the minimum;
+# before version 3 the cache held the fastest measurement ever, not the recent ones).
+PROFILE_VERSION = 3
+# Start-ups whose measurements the profile is the median of. The fastest ever (what the cache kept
+# before) drifts to the machine's luckiest moment: on 2 shared AMD EPYC cores the cached profile was
+# 1.2-1.6x faster per operator than three fresh calibrations of the same hour, the engine's own steps
+# ran 1.4-2.1x its predictions in process, and `plan --cost cpu` planned for a machine 2x faster than
+# the one that served. A median of five ignores two outliers either way (a two-thread calibration
+# beside a busy core ran up to 100x slow).
+HISTORY = 5
 
 
 def profile_key(model: LlamaModel) -> str:
@@ -135,31 +143,46 @@ def load_cost(model: LlamaModel, use_cache: bool = True) -> OpCost:
     if not use_cache:
         return cost
     path = cache_dir() / f"opcost-{profile_key(model)}.json"
-    try:
-        cached = json.loads(path.read_text())
-        faster = {name: min(getattr(cost, name), float(cached.get(name, getattr(cost, name)))) for name in _MEASURED}
-        blocks = _merge_blocks(cost.row_block_s, cached.get("row_block_s", {}))
-        for name, value in faster.items():
-            setattr(cost, name, value)
-        cost.row_block_s = blocks
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass  # no usable cache: the fresh measurement stands
+    fresh = {name: getattr(cost, name) for name in _MEASURED} | {"row_block_s": cost.row_block_s}
+    history = [*_read_history(path), fresh][-HISTORY:]
+    for name in _MEASURED:
+        setattr(cost, name, statistics.median(float(h[name]) for h in history if name in h))
+    cost.row_block_s = _median_blocks(cost.row_block_s, [h.get("row_block_s", {}) for h in history])
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({f.name: getattr(cost, f.name) for f in fields(cost)
-                                    if f.name in (*_MEASURED, "row_block_s")}))
+        path.write_text(json.dumps({"calibrations": history}))
     except OSError:
         pass  # a read-only home is no reason not to serve
     return cost
 
 
-def _merge_blocks(fresh: dict[str, list[tuple[int, float]]], cached: dict[str, list[list[float]]]
-                  ) -> dict[str, list[tuple[int, float]]]:
-    """Per block size, the faster of the fresh and the cached time (sizes the fresh run timed)."""
+def _read_history(path: Path) -> list[dict]:
+    """The cached start-ups' measurements, the well-formed ones (none from an unreadable cache)."""
+    try:
+        history = json.loads(path.read_text())["calibrations"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return [h for h in history if _well_formed(h)] if isinstance(history, list) else []
+
+
+def _well_formed(h: object) -> bool:
+    if not isinstance(h, dict):
+        return False
+    try:
+        [float(h[name]) for name in _MEASURED if name in h]
+        [(int(rows), float(s)) for table in h.get("row_block_s", {}).values() for rows, s in table]
+    except (TypeError, ValueError, AttributeError):
+        return False
+    return True
+
+
+def _median_blocks(fresh: dict[str, list[tuple[int, float]]], cached: list[dict[str, list[list[float]]]]
+                   ) -> dict[str, list[tuple[int, float]]]:
+    """Per block size the fresh run timed, the median of the start-ups that timed it."""
     out = {}
     for op, table in fresh.items():
-        old = {int(rows): float(s) for rows, s in cached.get(op, [])}
-        out[op] = [(rows, min(s, old.get(rows, s))) for rows, s in table]
+        times = [{int(rows): float(sec) for rows, sec in c.get(op, [])} for c in cached]
+        out[op] = [(rows, statistics.median([t[rows] for t in times if rows in t] or [s])) for rows, s in table]
     return out
 
 

@@ -80,7 +80,7 @@ def test_staircase_split_equals_unsplit() -> None:
     torch.testing.assert_close(logits_of(model, spec, 5e-5, cost), logits_of(model, spec, None, cost), **FP32)
 
 
-def test_calibration_times_the_staircase_and_the_cache_keeps_the_faster(tmp_path, monkeypatch) -> None:
+def test_calibration_times_the_staircase_and_the_profile_is_the_recent_median(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("FLOWPREFILL_CACHE", str(tmp_path))
     model = LlamaModel(CFG, make_weights(CFG), SDPABackend())
     cost = calibrate(model, block_rows=(64, 32, 96))
@@ -90,19 +90,22 @@ def test_calibration_times_the_staircase_and_the_cache_keeps_the_faster(tmp_path
     assert cost.ffn_s_per_row == cost.row_block_s[FFN][-1][1] / 96
     assert calibrate(model).row_block_s == {}, "a CPU times no staircase unless asked"
 
-    # load_cost merges a cached staircase entry by entry, keeping the faster time.
+    # load_cost's profile is the median of the last HISTORY start-ups, entry by entry of the staircase.
     from engine import predictor
 
     monkeypatch.setattr(predictor, "calibrate", lambda m: replace(cost, row_block_s=dict(cost.row_block_s)))
     first = load_cost(model)
     (path,) = tmp_path.glob("opcost-*.json")
-    cached = json.loads(path.read_text())
-    cached["row_block_s"][FFN][1][1] = 1e-9
-    path.write_text(json.dumps(cached))
-    again = load_cost(model)
+    lucky = json.loads(path.read_text())["calibrations"][-1]
+    lucky["row_block_s"][FFN][1][1] = 1e-9
+    path.write_text(json.dumps({"calibrations": [lucky, lucky]}))
+    again = load_cost(model)  # two lucky start-ups and this one: the lucky time is the median
     assert again.row_block_s[FFN][1] == (64, 1e-9)
     assert again.row_block_s[FFN][0] == first.row_block_s[FFN][0]
-    path.write_text(json.dumps({**cached, "row_block_s": "garbage"}))
+    for _ in range(predictor.HISTORY):
+        later = load_cost(model)
+    assert later.row_block_s == cost.row_block_s, "a lucky start-up stops counting once it is not recent"
+    path.write_text(json.dumps({"calibrations": [{**lucky, "row_block_s": "garbage"}]}))
     assert load_cost(model).row_block_s == cost.row_block_s, "an unreadable cache leaves the fresh measurement"
 
 
@@ -116,8 +119,8 @@ def one_thread():
 
 def test_a_cpu_calibration_times_the_fixed_cost_of_a_step_on_the_prefills_own_steps(tmp_path, monkeypatch) -> None:
     """The step loop's cost and a row-wise step's weight read are measured, not assumed (a fixed 20 us
-    had been, and a 16-token prefill ran 3.7x its prediction); the profile cache keeps the faster, and a
-    profile of an older calibration (no step costs in it) is not merged."""
+    had been, and a 16-token prefill ran 3.7x its prediction); the profile cache's recent start-ups
+    are its median, and a profile of an older calibration (no step costs in it) is not merged."""
     monkeypatch.setenv("FLOWPREFILL_CACHE", str(tmp_path))
     model = LlamaModel(CFG, make_weights(CFG), SDPABackend())
     cost = calibrate(model)
@@ -129,9 +132,12 @@ def test_a_cpu_calibration_times_the_fixed_cost_of_a_step_on_the_prefills_own_st
     load_cost(model)
     (path,) = tmp_path.glob("opcost-*.json")
     assert f"-v{predictor.PROFILE_VERSION}" in path.name
-    cached = json.loads(path.read_text())
-    path.write_text(json.dumps({**cached, "step_overhead_s": 1e-9}))
+    entry = json.loads(path.read_text())["calibrations"][-1]
+    path.write_text(json.dumps({"calibrations": [{**entry, "step_overhead_s": 1e-9}] * 2}))
     assert load_cost(model).step_overhead_s == 1e-9
-    del cached["step_overhead_s"]  # a profile without it: the fresh measurement
-    path.write_text(json.dumps(cached))
+    path.write_text(json.dumps({"calibrations": [{**entry, "step_overhead_s": 1e-9}]}))
+    mid = load_cost(model).step_overhead_s  # one cached and this start-up: halfway
+    assert mid == pytest.approx((1e-9 + cost.step_overhead_s) / 2)
+    del entry["step_overhead_s"]  # profiles without it: the fresh measurement
+    path.write_text(json.dumps({"calibrations": [entry] * 4}))
     assert load_cost(model).step_overhead_s == cost.step_overhead_s
