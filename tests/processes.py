@@ -4,6 +4,7 @@ scenario several tests share."""
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -46,12 +47,13 @@ async def asgi_body(receive: Any) -> bytes:
 
 @contextmanager
 def uvicorn_thread(app: Any, **config: Any) -> Iterator[int]:
-    """An ASGI app served by uvicorn in a thread of this process (keep-alive 1 s): its port."""
+    """An ASGI app served by uvicorn in a thread of this process (keep-alive 1 s): its port. On exit a
+    request still open is cancelled after 1 s (uvicorn would wait for it forever, and the join 10 s)."""
     import uvicorn
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_keep_alive=1, **config))
+    config = {"timeout_keep_alive": 1, "timeout_graceful_shutdown": 1} | config
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **config))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -104,3 +106,17 @@ def preemption_scenario(url: str, trace_id: str | None = None) -> dict[str, http
     for t in threads:
         t.join()
     return results
+
+
+def in_process(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess[str]:
+    """`flowprefill ARGS` run by its entry point in this process, as `flowprefill` would exit: a
+    refusal's exit status and output without 3-4 s of interpreter and torch start-up per case (tests
+    of what starts servers or workers keep real processes)."""
+    from gateway.cli import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["flowprefill", *args], code, out, err)

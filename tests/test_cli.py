@@ -16,7 +16,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
-from processes import free_port
+from processes import free_port, in_process
 
 from gateway.cli import SERVERS, build_parser
 from gateway.cli.options import engine_config, to_argv, worker_options
@@ -90,8 +90,9 @@ def test_loadtest_goodput_and_plan_options_have_help() -> None:
     (["--requests", "10", "--skip", "30000"], "none left after skipping 30000"),
     (["--speed-from", "/nonexistent"], "--speed-from /nonexistent: no batch log there"),
 ])
-def test_a_plan_mistake_is_one_line_and_exit_2(argv: list[str], message: str) -> None:
-    line = one_line_error(flowprefill("plan", *argv))
+def test_a_plan_mistake_is_one_line_and_exit_2(argv: list[str], message: str,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    line = one_line_error(in_process(capsys, "plan", *argv))
     assert line.startswith("flowprefill plan: error: ") and message in line, line
 
 
@@ -130,8 +131,8 @@ def test_serve_passes_every_engine_option_to_its_workers(tiny_checkpoint: Callab
     (["gateway", "--workers", "http://127.0.0.1:1", "--port", "70000"], "70000 is not a TCP port (1 to 65535)"),
     (["serve", "--port", "65535"], "--port 65535 leaves no room for 1 worker port(s) after it"),
 ])
-def test_a_mistake_is_one_line_and_exit_2(argv: list[str], message: str) -> None:
-    line = one_line_error(flowprefill(*argv))
+def test_a_mistake_is_one_line_and_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    line = one_line_error(in_process(capsys, *argv))
     assert line.startswith(f"flowprefill {argv[0]}: error: ") and message in line, line
     if "--model" in argv:  # the loader's own words (docs/engine.md, Error messages)
         assert line == f"flowprefill {argv[0]}: error: {message}"

