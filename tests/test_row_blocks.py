@@ -141,3 +141,27 @@ def test_a_cpu_calibration_times_the_fixed_cost_of_a_step_on_the_prefills_own_st
     del entry["step_overhead_s"]  # profiles without it: the fresh measurement
     path.write_text(json.dumps({"calibrations": [entry] * 4}))
     assert load_cost(model).step_overhead_s == cost.step_overhead_s
+
+
+def test_a_full_profile_history_stays_while_start_ups_measure_within_it(tmp_path, monkeypatch) -> None:
+    """Five start-ups' calibrations are the profile; a sixth within their range changes nothing (so a
+    simulation of the profile repeats), one outside it (the machine changed) is recorded."""
+    monkeypatch.setenv("FLOWPREFILL_CACHE", str(tmp_path))
+    model = LlamaModel(CFG, make_weights(CFG), SDPABackend())
+    from engine import predictor
+
+    base = calibrate(model)
+    scales = iter([1.0, 1.4, 0.9, 1.2, 1.1, 1.05, 3.0])  # five, one within, one 3x slower
+
+    def start_up(_model: LlamaModel) -> OpCost:  # every operator k x the base calibration
+        k = next(scales)
+        return replace(base, **{name: getattr(base, name) * k for name in predictor._MEASURED})
+
+    monkeypatch.setattr(predictor, "calibrate", start_up)
+    profiles = [load_cost(model).ffn_s_per_row for _ in range(5)]
+    (path,) = tmp_path.glob("opcost-*.json")
+    full = path.read_text()
+    assert profiles[-1] == pytest.approx(base.ffn_s_per_row * 1.1)  # the median of 1, 1.4, 0.9, 1.2, 1.1
+    assert load_cost(model).ffn_s_per_row == profiles[-1] and path.read_text() == full
+    slower = load_cost(model).ffn_s_per_row
+    assert slower == pytest.approx(base.ffn_s_per_row * 1.2) and path.read_text() != full  # 1.4, .9, 1.2, 1.1, 3
