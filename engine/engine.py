@@ -33,8 +33,11 @@ log = logging.getLogger("flowprefill.engine")
 
 class Engine:
     def __init__(self, cfg: EngineConfig | None = None, policy: str | Policy = "flowprefill",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, record_profile: bool = True) -> None:
+        """`record_profile=False`: read the cached cost profile without adding a calibration to it
+        (a simulator's probe, engine/predictor.py's `load_cost`)."""
         self.cfg = cfg = cfg or EngineConfig()
+        self.record_profile = record_profile
         self.pinning = CorePinning(cfg.cpu_cores) if cfg.cpu_cores else None
         if self.pinning is not None:  # before calibration and before the engine thread starts (it inherits)
             self.pinning.pin_compute()
@@ -74,7 +77,7 @@ class Engine:
         self.model, self.tokenizer = load_model(cfg)
         self.kv = KVCache(self.model.cfg, cfg.kv_block_size, cfg.kv_capacity_tokens, getattr(torch, cfg.dtype),
                           torch.device(cfg.device))
-        self.cost = load_cost(self.model)
+        self.cost = load_cost(self.model, record=self.record_profile)
         if self.model.graphs is not None:
             self.model.graphs.capture_all()
 

@@ -4,8 +4,8 @@ Predicted prefill time is linear in token rows (projections, MLP) plus linear in
 (attention), so a few timed operator blocks give the whole curve from 16 tokens to the full
 context. The profile is cached per model, dtype, device, thread count and torch version; each
 start-up re-measures, and the profile is the median of the last `HISTORY` start-ups' measurements
-(robust to a start-up on a busy machine, and to a lucky one; a full history stays while new
-measurements fall within its range, so that simulations of the profile repeat), and the engine then refines a scale
+(robust to a start-up on a busy machine, and to a lucky one; a simulator reads it without adding to
+it, so that its runs repeat), and the engine then refines a scale
 factor per batch size class online from executed batches (`OpCost.observe`).
 """
 
@@ -139,37 +139,33 @@ def _cpu_step_costs(model: LlamaModel, cost: OpCost, repeat: int = 7) -> tuple[f
     return overhead, max(0.0, min(best[ATTN_IN], best[FFN]) - overhead)
 
 
-def load_cost(model: LlamaModel, use_cache: bool = True) -> OpCost:
-    cost = calibrate(model)
+def load_cost(model: LlamaModel, use_cache: bool = True, record: bool = True) -> OpCost:
+    """This start-up's calibration and the cached ones': their median. `record=False` (a simulator's
+    probe): the cached profile as it stands, measured only where none is cached, so that a simulation
+    of it (`bench goodput --engine sim`, `plan --cost cpu`) repeats from one run to the next as long
+    as no engine started between them."""
     if not use_cache:
-        return cost
+        return calibrate(model)
     path = cache_dir() / f"opcost-{profile_key(model)}.json"
-    fresh = {name: getattr(cost, name) for name in _MEASURED} | {"row_block_s": cost.row_block_s}
     history = _read_history(path)
-    # A full history is kept while start-ups measure within its range: the profile, and every
-    # simulation of it (`bench goodput --engine sim`, `plan --cost cpu`), then stay the same from one
-    # run to the next; one outside it (the machine changed) is recorded.
-    if len(history) < HISTORY or not _within(fresh, history):
-        history = [*history, fresh][-HISTORY:]
+    if record or not history:
+        cost = calibrate(model)
+        history = [*history, {name: getattr(cost, name) for name in _MEASURED} | {"row_block_s": cost.row_block_s}]
+        history = history[-HISTORY:]
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps({"calibrations": history}))
         except OSError:
             pass  # a read-only home is no reason not to serve
+    else:
+        newest = history[-1].get("row_block_s", {})
+        cost = OpCost(model.cfg, 0.0, 0.0, 0.0, row_block_s={op: [(int(r), float(t)) for r, t in table]
+                                                             for op, table in newest.items()})
     for name in _MEASURED:
-        setattr(cost, name, statistics.median(float(h[name]) for h in history if name in h) if any(
-            name in h for h in history) else getattr(cost, name))
+        if any(name in h for h in history):
+            setattr(cost, name, statistics.median(float(h[name]) for h in history if name in h))
     cost.row_block_s = _median_blocks(cost.row_block_s, [h.get("row_block_s", {}) for h in history])
     return cost
-
-
-def _within(fresh: dict, history: list[dict]) -> bool:
-    """Whether each measured cost lies between the history's fastest and slowest."""
-    for name in _MEASURED:
-        seen = [float(h[name]) for h in history if name in h]
-        if not seen or not min(seen) <= fresh[name] <= max(seen):
-            return False
-    return True
 
 
 def _read_history(path: Path) -> list[dict]:

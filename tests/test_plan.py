@@ -230,3 +230,20 @@ def test_an_against_serve_run_s_logs_are_each_fleet_s_pilot(tmp_path: Path) -> N
     doc = json.loads((tmp_path / "out" / "plan.json").read_text())
     assert doc["speed_from"]["factor"] == pytest.approx(2.0) and doc["speed_from"]["requests"] == 5
     assert doc["workload"]["requests"] == 50
+
+
+def test_a_cpu_simulation_reads_the_cached_profile_as_it_stands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                               ) -> None:
+    """`--cost cpu`: the simulators' probe adds no calibration to the profile cache, so that two runs
+    plan with the same profile; an engine's start-up adds its own."""
+    from engine.engine import Engine
+    from loadtest.goodput import Runner
+
+    monkeypatch.setenv("FLOWPREFILL_CACHE", str(tmp_path))
+    Engine(EngineConfig(prefix_caching=False))
+    (path,) = tmp_path.glob("opcost-*.json")
+    cached = path.read_text()
+    first, second = (Runner("sim", EngineConfig(prefix_caching=False), "cpu").cost for _ in range(2))
+    assert first == second and path.read_text() == cached
+    Engine(EngineConfig(prefix_caching=False))
+    assert len(json.loads(path.read_text())["calibrations"]) == 2
