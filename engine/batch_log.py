@@ -3,8 +3,8 @@ names a folder (one file per worker process): what `flowprefill plan --against-s
 (engine/sim/oracle.py's ExactCosts) to tell the cost model's error from the fleet's mechanics.
 
 A line: [request ids, the calibrated model's seconds for the batch's plan, the seconds it took, the
-correction its plan was made with]. One line per batch, written on the engine thread (a few
-microseconds: a diagnostic, off unless asked for).
+correction its plan was made with, the prompt tokens it computed]. One line per batch, written on
+the engine thread (a few microseconds: a diagnostic, off unless asked for).
 """
 
 from __future__ import annotations
@@ -32,11 +32,12 @@ class MeasuredBatch(NamedTuple):
     base_s: float
     exec_s: float
     plan_scale: float | None = None  # None: not known (the plan is made at the measured factor)
+    tokens: int | None = None  # prompt tokens it computed (None: a log written before they were)
 
 
 def measured(batch: PrefillBatch) -> MeasuredBatch:
     return MeasuredBatch([r.request_id for r in batch.requests], batch.steps.base_cost, batch.exec_s,
-                         batch.steps.scale)
+                         batch.steps.scale, batch.num_tokens)
 
 
 class BatchLog(EngineObserver):

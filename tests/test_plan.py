@@ -206,7 +206,8 @@ def test_a_pilot_twice_as_slow_as_the_model_needs_a_bigger_fleet(tmp_path: Path)
     assert main([*base, "--out", str(tmp_path / "model")]) == 0
     assert main([*base, "--speed-from", str(logs), "--out", str(tmp_path / "pilot-speed")]) == 0
     model, pilot = (json.loads((tmp_path / d / "plan.json").read_text()) for d in ("model", "pilot-speed"))
-    assert pilot["speed_from"] == {"from": str(logs), "factor": pytest.approx(2.0), "requests": 5}  # the median
+    assert pilot["speed_from"] == {"from": str(logs), "factor": pytest.approx(2.0), "requests": 5,  # the median
+                                   "by_size": None}  # logs that do not say the batches' sizes
     assert pilot["policies"]["flowprefill"]["instances"] > model["policies"]["flowprefill"]["instances"]
 
 
@@ -247,3 +248,31 @@ def test_a_cpu_simulation_reads_the_cached_profile_as_it_stands(tmp_path: Path, 
     assert first == second and path.read_text() == cached
     Engine(EngineConfig(prefix_caching=False))
     assert len(json.loads(path.read_text())["calibrations"]) == 2
+
+
+def test_a_pilot_s_speed_is_learned_per_batch_size(tmp_path: Path) -> None:
+    """Batch logs that say the batches' sizes give a factor per size class (short batches ran 3x the
+    profile, long ones 1.5x: one median would charge the long ones 3x); a class no batch measured
+    takes its nearest one's; logs without sizes (written before they were) one factor for all."""
+    from engine.batch_log import MeasuredBatch
+    from engine.sim.oracle import at_speed, speed_by_size
+
+    short = [MeasuredBatch([f"s{i}"], 0.01, 0.03, 1.0, 100) for i in range(5)]
+    long = [MeasuredBatch(["l0"], 1.0, 1.5, 1.0, 4000), MeasuredBatch(["l1"], 1.0, 1.5, 1.0, 5000)]
+    factors = speed_by_size(short + long)
+    assert factors == pytest.approx([3.0, 3.0, 1.5, 1.5, 1.5])  # <=128, 512 (nearest: 128's), 2K (8K's), 8K, more
+    cost = at_speed(COST, short + long, default=9.0)
+    for tokens, factor in ((100, 3.0), (4000, 1.5)):
+        assert cost.prefill_s([SeqSpan(0, tokens)]) == pytest.approx(COST.prefill_s([SeqSpan(0, tokens)]) * factor)
+    untold = [b._replace(tokens=None) for b in short + long]
+    assert speed_by_size(untold) is None and at_speed(COST, untold, default=2.0).scale == 2.0
+    from gateway.cli import main
+
+    logs = tmp_path / "pilot"
+    logs.mkdir()
+    (logs / "batches-1.jsonl").write_text("".join(json.dumps(list(b)) + "\n" for b in short + long))
+    argv = ["plan", "--requests", "100", "--cost", "llama-3.1-8b@h100", "--rate", "60", "--policies", "flowprefill",
+            "--speed-from", str(logs), "--out", str(tmp_path / "out")]
+    assert main(argv) == 0
+    doc = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert doc["speed_from"]["by_size"] == pytest.approx([3.0, 3.0, 1.5, 1.5, 1.5])

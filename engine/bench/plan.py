@@ -19,7 +19,6 @@ import argparse
 import json
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ from engine.protocol.slo import DEFAULT_CLASSES, SLOClass
 from engine.request import Request
 from engine.scheduler import make_policy
 from engine.sim.fleet import Fleet
-from engine.sim.oracle import ExactCosts
+from engine.sim.oracle import ExactCosts, at_speed, speed_by_size
 from gateway.cli.common import Parser
 from loadtest import report
 from loadtest.goodput import DEFAULT_POLICIES, Runner, make_requests, outcomes, sim_config
@@ -205,13 +204,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def measured_speed(cost: OpCost, folder: Path) -> tuple[float, int]:
-    """(the median factor by which a pilot's requests ran slower than `cost` predicts, how many
-    requests it rests on), from the batch logs in `folder` (engine/batch_log.py)."""
+def measured_speed(cost: OpCost, folder: Path) -> tuple[OpCost, dict[str, Any]]:
+    """`cost` at the speed a pilot's batch logs in `folder` measured (engine/batch_log.py): a factor
+    per batch size where the logs say sizes, else the median factor by which its requests ran slower
+    than `cost` predicts; and what it rests on."""
     from engine.batch_log import read
 
-    exact = ExactCosts.from_batches(cost, read(folder))
-    return exact.default, len(exact.factors)
+    batches = read(folder)
+    exact = ExactCosts.from_batches(cost, batches)
+    return at_speed(cost, batches, exact.default), {"factor": exact.default, "requests": len(exact.factors),
+                                                   "by_size": speed_by_size(batches)}
 
 
 def check_args(args: argparse.Namespace) -> str | None:
@@ -279,11 +281,12 @@ def main(argv: list[str] | None = None) -> int:
     key_of = trace_key(args.prefix_affinity_chars, PREFIX_BLOCK_TOKENS) if args.prefix_affinity_chars else None
     cost, speed = runner.cost, None
     if args.speed_from is not None:
-        factor, n = measured_speed(runner.cost, Path(args.speed_from))
-        speed = {"from": args.speed_from, "factor": factor, "requests": n}
-        cost = replace(runner.cost, scale=factor)
-        console.print(f"simulating at the pilot's speed: {factor:.2f}x the cost model's seconds (median of {n} "
-                      f"requests in {args.speed_from})")
+        cost, measured = measured_speed(runner.cost, Path(args.speed_from))
+        speed = {"from": args.speed_from} | measured
+        by_size = "" if measured["by_size"] is None else " by batch size " + "/".join(
+            f"{f:.2f}" for f in measured["by_size"])
+        console.print(f"simulating at the pilot's speed: {measured['factor']:.2f}x the cost model's seconds (median "
+                      f"of {measured['requests']} requests in {args.speed_from}){by_size}")
     planner = Planner(w, cost, engine_cfg, args.target, args.every_class, key_of=key_of, poll_s=args.poll_s)
     policies = [x for x in args.policies.split(",") if x]
     started = time.perf_counter()

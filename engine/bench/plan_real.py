@@ -8,10 +8,10 @@ the gateway's prefix keys, and with the workers' own URLs their rendezvous homes
 ones) and the cost model profiled here. Per class, the two attainments side by side, and a third: the
 same fleet simulated with each request charged what the real workers measured for it (their batch
 logs, engine/batch_log.py, replayed as engine/sim/oracle.py's ExactCosts), and a fourth: the cost
-model run at one factor for the machine, the median those logs measured (what `--speed-from` does).
+model run at the speed those logs measured, a factor per batch size (what `--speed-from` does).
 Where the third agrees with the real run and the second does not, the cost model is what is off, not
-the fleet's mechanics (routing, polling, admission, queueing); the fourth says how much of that one
-number for the machine's speed fixes. Those two learn from the run they are compared with; the fifth,
+the fleet's mechanics (routing, polling, admission, queueing); the fourth says how much of that
+knowledge of the machine's speed fixes. Those two learn from the run they are compared with; the fifth,
 with `--speed-from` a pilot's logs, does not: the cost model at the speed an earlier run of the same
 fleet measured on other arrivals (each point's logs are kept in `<out>/batch-logs/<policy>-w<n>/` to
 be such a pilot), which is what a planner knows before the fleet exists.
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +30,13 @@ from rich.console import Console
 from engine.batch_log import ENV as BATCH_LOG
 from engine.batch_log import MeasuredBatch
 from engine.batch_log import read as read_batch_log
-from engine.bench.plan import Planner, workers_of
+from engine.bench.plan import Planner, measured_speed, workers_of
 from engine.bench.plan_routing import prompt_key
 from engine.config import EngineConfig
 from engine.model.plan import OpCost
 from engine.protocol.slo import DEFAULT_CLASSES
 from engine.request import Request
-from engine.sim.oracle import ExactCosts
+from engine.sim.oracle import ExactCosts, at_speed, speed_by_size
 from gateway.processes import free_port, start, stop, wait_healthy
 from loadtest import report
 from loadtest.goodput import make_requests
@@ -103,11 +102,11 @@ def against_serve(args: argparse.Namespace, w: Workload, cost: OpCost, engine_cf
             sim = planner.evaluate(policy, n, stop_early=False)
             exact = ExactCosts.from_batches(cost, batches)
             replayed = planner.evaluate(policy, n, stop_early=False, exact=exact)
-            planner.cost = replace(cost, scale=exact.default)  # one factor for the machine, as --speed-from
-            at_speed = planner.evaluate(policy, n, stop_early=False)
-            row = {"policy": policy, "workers": n, "real": real, "sim": sim, "sim_measured_speed": at_speed,
+            planner.cost = at_speed(cost, batches, exact.default)  # the machine's speed, as --speed-from
+            at_measured = planner.evaluate(policy, n, stop_early=False)
+            row = {"policy": policy, "workers": n, "real": real, "sim": sim, "sim_measured_speed": at_measured,
                    "sim_measured_costs": replayed, "measured_requests": len(exact.factors),
-                   "measured_factor_median": exact.default}
+                   "measured_factor_median": exact.default, "measured_factor_by_size": speed_by_size(batches)}
             if args.speed_from is not None:
                 row |= at_pilot_speed(planner, cost, Path(args.speed_from), policy, n)
             rows.append(row)
@@ -123,7 +122,5 @@ def at_pilot_speed(planner: Planner, cost: OpCost, pilot: Path, policy: str, n: 
     """The fleet simulated at the speed a pilot measured: its run of the same fleet where it has one
     (an earlier --against-serve's `batch-logs/<policy>-w<n>/`), else all its logs."""
     folder = pilot_folder(pilot, policy, n)
-    exact = ExactCosts.from_batches(cost, read_batch_log(folder))
-    planner.cost = replace(cost, scale=exact.default)
-    return {"sim_pilot_speed": planner.evaluate(policy, n, stop_early=False),
-            "pilot": {"from": str(folder), "factor": exact.default, "requests": len(exact.factors)}}
+    planner.cost, measured = measured_speed(cost, folder)
+    return {"sim_pilot_speed": planner.evaluate(policy, n, stop_early=False), "pilot": {"from": str(folder)} | measured}
