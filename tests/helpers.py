@@ -39,7 +39,7 @@ class EngineFactory:
         shared = self._shared
         if "model" in shared:
             self.monkeypatch.setattr(engine_module, "load_model", lambda c: shared["model"])
-            self.monkeypatch.setattr(engine_module, "load_cost", lambda m: shared["cost"])
+            self.monkeypatch.setattr(engine_module, "load_cost", lambda m, record=True: shared["cost"])
         eng = Engine(EngineConfig(**{**self.defaults, **cfg}), policy)  # type: ignore[arg-type]
         shared.setdefault("model", (eng.model, eng.tokenizer))
         shared.setdefault("cost", eng.cost)
