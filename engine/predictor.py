@@ -5,8 +5,8 @@ Predicted prefill time is linear in token rows (projections, MLP) plus linear in
 context. The profile is cached per model, dtype, device, thread count and torch version; each
 start-up re-measures, and the profile is the median of the last `HISTORY` start-ups' measurements
 (robust to a start-up on a busy machine, and to a lucky one; a simulator reads it without adding to
-it, so that its runs repeat), and the engine then refines a scale
-factor per batch size class online from executed batches (`OpCost.observe`).
+it, so that its runs repeat), and the engine then refines a scale factor per batch size class online
+from executed batches (`OpCost.observe`).
 """
 
 from __future__ import annotations

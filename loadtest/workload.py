@@ -177,6 +177,11 @@ def window(w: Workload, start_s: float, duration_s: float) -> Workload:
     reqs = [r for r in w.requests if start_s <= r.arrival_s < start_s + duration_s]
     if not reqs:
         raise TraceError(f"window [{start_s}, {start_s + duration_s}) s of {w.name} holds no requests")
+    return _restarted(w, reqs)
+
+
+def _restarted(w: Workload, reqs: list[TraceRequest]) -> Workload:
+    """These of w's requests, its clock started at the first of them."""
     t0 = reqs[0].arrival_s
     return Workload(w.name, w.source, w.class_rule, [msgspec.structs.replace(r, arrival_s=r.arrival_s - t0)
                                                      for r in reqs])
@@ -199,9 +204,7 @@ def skip(w: Workload, n: int) -> Workload:
     """The workload without its first n requests, its clock started at the first one left."""
     if n >= len(w.requests):
         raise TraceError(f"{w.name} has {len(w.requests)} requests: none left after skipping {n}")
-    t0 = w.requests[n].arrival_s
-    return Workload(w.name, w.source, w.class_rule, [msgspec.structs.replace(r, arrival_s=r.arrival_s - t0)
-                                                     for r in w.requests[n:]])
+    return _restarted(w, w.requests[n:])
 
 
 def poisson(rate: float, n: int, lengths: Workload | None = None, seed: int = 0,
