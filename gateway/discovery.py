@@ -88,8 +88,11 @@ class Resolver:
             return {str(ipaddress.ip_address(name))}  # an address already: nothing to look up
         except ValueError:
             pass
-        found = await asyncio.gather(self._lookup(name, "A"), self._lookup(name, "AAAA"))
-        return found[0] | found[1]
+        found = await asyncio.gather(self._lookup(name, "A"), self._lookup(name, "AAAA"), return_exceptions=True)
+        for outcome in found:  # A's failure before AAAA's, not whichever lost the race: the same outage
+            if isinstance(outcome, BaseException):  # reads the same at every lookup, so it is logged once
+                raise outcome
+        return found[0] | found[1]  # type: ignore[operator]
 
     async def _lookup(self, name: str, rdtype: str) -> set[str]:
         import dns.exception

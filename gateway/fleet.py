@@ -21,11 +21,13 @@ from dnslib.server import BaseResolver, DNSLogger, DNSServer
 
 class Zone(BaseResolver):
     """Records served by a dnslib server: {name: [addresses]}; a name not there is NXDOMAIN.
-    `failing`: answer SERVFAIL to everything (a DNS outage)."""
+    `failing`: answer SERVFAIL to everything (a DNS outage); `delay_s`: seconds to wait before
+    answering a query of a type ({"A": 0.1}: its AAAA answer comes first)."""
 
     def __init__(self, records: dict[str, list[str]]) -> None:
         self.records = {self._key(k): list(v) for k, v in records.items()}
         self.failing = False
+        self.delay_s: dict[str, float] = {}
         self.queries = 0
         self._lock = threading.Lock()
 
@@ -40,6 +42,7 @@ class Zone(BaseResolver):
     def resolve(self, request: Any, handler: Any) -> Any:
         reply = request.reply()
         self.queries += 1
+        time.sleep(self.delay_s.get(QTYPE[request.q.qtype], 0.0))  # the server answers each query on a thread
         if self.failing:
             reply.header.rcode = RCODE.SERVFAIL
             return reply
