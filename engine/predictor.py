@@ -15,6 +15,7 @@ import json
 import os
 import re
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -152,11 +153,7 @@ def load_cost(model: LlamaModel, use_cache: bool = True, record: bool = True) ->
         cost = calibrate(model)
         history = [*history, {name: getattr(cost, name) for name in _MEASURED} | {"row_block_s": cost.row_block_s}]
         history = history[-HISTORY:]
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"calibrations": history}))
-        except OSError:
-            pass  # a read-only home is no reason not to serve
+        _write_history(path, history)
     else:
         newest = history[-1].get("row_block_s", {})
         cost = OpCost(model.cfg, 0.0, 0.0, 0.0, row_block_s={op: [(int(r), float(t)) for r, t in table]
@@ -166,6 +163,18 @@ def load_cost(model: LlamaModel, use_cache: bool = True, record: bool = True) ->
             setattr(cost, name, statistics.median(float(h[name]) for h in history if name in h))
     cost.row_block_s = _median_blocks(cost.row_block_s, [h.get("row_block_s", {}) for h in history])
     return cost
+
+
+def _write_history(path: Path, history: list[dict]) -> None:
+    """Atomically (a file of its own, renamed over the cache): `serve --workers 2` starts its workers
+    at once, and a worker reading the other's half-written file would drop the whole history."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as f:
+            f.write(json.dumps({"calibrations": history}))
+        os.replace(f.name, path)
+    except OSError:
+        pass  # a read-only home is no reason not to serve
 
 
 def _read_history(path: Path) -> list[dict]:

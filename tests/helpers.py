@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Generator, Iterator
 from typing import ClassVar
 
@@ -25,7 +26,8 @@ def drain(gen: Generator[int, None, torch.Tensor]) -> torch.Tensor:
 
 class EngineFactory:
     """Engines on the embedded model (seed 0), loaded and profiled once per session: later engines
-    reuse the weights and the operator profile. One intra-op thread (much faster for this small
+    reuse the weights and a fresh copy of the operator profile as calibrated (the correction one engine
+    learned would steer the next test's predictions). One intra-op thread (much faster for this small
     model on shared cores); `close` shuts every engine down and restores the thread count."""
 
     _shared: ClassVar[dict[str, object]] = {}
@@ -39,10 +41,10 @@ class EngineFactory:
         shared = self._shared
         if "model" in shared:
             self.monkeypatch.setattr(engine_module, "load_model", lambda c: shared["model"])
-            self.monkeypatch.setattr(engine_module, "load_cost", lambda m, record=True: shared["cost"])
+            self.monkeypatch.setattr(engine_module, "load_cost", lambda m, record=True: copy.deepcopy(shared["cost"]))
         eng = Engine(EngineConfig(**{**self.defaults, **cfg}), policy)  # type: ignore[arg-type]
         shared.setdefault("model", (eng.model, eng.tokenizer))
-        shared.setdefault("cost", eng.cost)
+        shared.setdefault("cost", copy.deepcopy(eng.cost))  # as calibrated, before this engine corrects it
         self.engines.append(eng)
         return eng.start() if start else eng
 
