@@ -395,14 +395,42 @@ def _goaway(seen: list[tuple[int, int, int, bytes]]) -> bool:
     (frame(SETTINGS, 0, 0, struct.pack(">HI", 5, 0)), "SETTINGS_MAX_FRAME_SIZE 0"),  # else empty DATA forever
     (frame(WINDOW_UPDATE, 0, 0, b"\x00\x01"), "WINDOW_UPDATE"),
     (frame(PING, 0, 0, b"short"), "PING"),
+    (frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 0x7FFFFFFF)), "past 2^31-1"),
     (frame(HEADERS, 0, 1, b"\x00" * 60_000) + frame(CONTINUATION, 0, 1, b"\x00" * 60_000), "header block"),
-], ids=["max-frame-size-0", "window-update-2-bytes", "ping-5-bytes", "endless-header-block"])
+], ids=["max-frame-size-0", "window-update-2-bytes", "ping-5-bytes", "window-past-max", "endless-header-block"])
 def test_a_malformed_frame_is_a_goaway_with_its_reason(bad: bytes, why: str) -> None:
     async def scenario(peer: RawPeer, server: GrpcServer) -> None:
         peer.writer.write(bad)
         seen = await peer.frames_until(_goaway)
         assert why.encode() in next(f[3] for f in seen if f[0] == GOAWAY)
         assert await peer.reader.read() == b""  # and the connection closes
+
+    raw(scenario)
+
+
+@pytest.mark.parametrize(("increment", "code"), [(0, 1), (0x7FFFFFFF, 3)], ids=["zero", "window-past-max"])
+def test_a_bad_window_update_on_a_stream_resets_that_stream_alone(increment: int, code: int) -> None:
+    """RFC 9113 6.9: an increment of 0 is a stream error PROTOCOL_ERROR (1); one that takes the stream's
+    window past 2^31-1, FLOW_CONTROL_ERROR (3). The stream is reset; the connection goes on."""
+    async def scenario(peer: RawPeer, server: GrpcServer) -> None:
+        peer.writer.write(peer.headers(1, HOLD) + frame(WINDOW_UPDATE, 0, 1, struct.pack(">I", increment)))
+        seen = await peer.frames_until(lambda s: any(f[0] == RST_STREAM and f[2] == 1 for f in s))
+        assert struct.unpack(">I", next(f for f in seen if f[0] == RST_STREAM)[3]) == (code,)
+        peer.writer.write(frame(PING, 0, 0, b"8 bytes!"))
+        seen = await peer.frames_until(lambda s: any(f[0] == PING and f[1] & ACK for f in s))
+        assert not _goaway(seen)
+
+    raw(scenario)
+
+
+def test_an_initial_window_that_takes_an_open_stream_past_the_maximum_is_a_goaway() -> None:
+    """RFC 9113 6.9.2: SETTINGS_INITIAL_WINDOW_SIZE moves every open stream's window; one past 2^31-1 is
+    a connection error FLOW_CONTROL_ERROR."""
+    async def scenario(peer: RawPeer, server: GrpcServer) -> None:
+        peer.writer.write(peer.headers(1, HOLD) + frame(WINDOW_UPDATE, 0, 1, struct.pack(">I", 1))
+                          + frame(SETTINGS, 0, 0, struct.pack(">HI", 4, 0x7FFFFFFF)))
+        seen = await peer.frames_until(_goaway)
+        assert b"past 2^31-1" in next(f[3] for f in seen if f[0] == GOAWAY)
 
     raw(scenario)
 

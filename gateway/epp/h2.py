@@ -45,6 +45,9 @@ class Listener(Protocol):
     def wake(self) -> None: ...
 
 
+MAX_WINDOW = 0x7FFFFFFF  # a flow-control window's largest size (RFC 9113 6.9.1)
+
+
 class H2Error(Exception):
     """A connection error (RFC 9113 5.4.1): GOAWAY with `code`, and the connection closes."""
 
@@ -192,11 +195,13 @@ class Connection(asyncio.Protocol):
         for i in range(0, len(payload), 6):
             key, value = struct.unpack_from(">HI", payload, i)
             if key == wire.INITIAL_WINDOW:
-                if value > 0x7FFFFFFF:
+                if value > MAX_WINDOW:
                     raise H2Error(wire.FLOW_CONTROL_ERROR, "an initial window over 2^31-1")
                 delta, self.peer_initial = value - self.peer_initial, value
                 for stream in self.streams.values():
                     stream.send_window += delta
+                    if stream.send_window > MAX_WINDOW:  # RFC 9113 6.9.2: a connection error
+                        raise H2Error(wire.FLOW_CONTROL_ERROR, "an initial window that takes a stream's past 2^31-1")
             elif key == wire.MAX_FRAME:
                 if not 16_384 <= value <= 16_777_215:
                     raise H2Error(wire.PROTOCOL_ERROR, f"SETTINGS_MAX_FRAME_SIZE {value} (RFC 9113: 2^14 to 2^24-1)")
@@ -207,17 +212,27 @@ class Connection(asyncio.Protocol):
         self._flush_blocked()
 
     def _window_update(self, sid: int, payload: bytes) -> None:
+        """RFC 9113 6.9: an increment of 0 is a PROTOCOL_ERROR, a window past 2^31-1 a FLOW_CONTROL_ERROR,
+        of the connection on stream 0, else of the stream alone (reset; the connection goes on)."""
         increment = struct.unpack(">I", payload)[0] & 0x7FFFFFFF
         if sid == 0:
             if increment == 0:
                 raise H2Error(wire.PROTOCOL_ERROR, "a window update of 0")
+            if self.send_window + increment > MAX_WINDOW:
+                raise H2Error(wire.FLOW_CONTROL_ERROR, "a window update past 2^31-1")
             self.send_window += increment
             self._flush_blocked()
             return
         stream = self.streams.get(sid)
-        if stream is not None:
-            stream.send_window += increment
-            self.flush_stream(stream)
+        if stream is None:
+            return
+        if increment == 0 or stream.send_window + increment > MAX_WINDOW:
+            self.out += frame(wire.RST_STREAM, 0, sid, struct.pack(
+                ">I", wire.PROTOCOL_ERROR if increment == 0 else wire.FLOW_CONTROL_ERROR))
+            self._close(stream, cancelled=True)
+            return
+        stream.send_window += increment
+        self.flush_stream(stream)
 
     # --- streams in --------------------------------------------------------------------------------
     def _headers_frame(self, flags: int, sid: int, payload: bytes) -> None:
