@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from engine.config import ModelConfig
@@ -314,3 +316,20 @@ def test_a_shed_class_needs_to_be_sheddable() -> None:
         SLOClass("x", ttft_ms=100, tbt_ms=100, priority=0, late="shed")
     assert SLOClass("x", ttft_ms=100, tbt_ms=100, priority=0).late_bound_ms == 200
     assert SLOClass("x", ttft_ms=100, tbt_ms=100, priority=0, late_ms=50).late_bound_ms == 50
+
+
+def test_the_backlog_is_predicted_with_the_correction_as_it_is_now() -> None:
+    """GET /load's backlog, which the gateway routes on: a formed batch's remaining work on the scale
+    of the waiting requests' predictions, the correction now, not as it was when the batch was planned."""
+    s, _, _ = make_scheduler("flowprefill")
+    s.cost = copy.deepcopy(COST)  # it learns below; the module's is every test's
+    s.on_arrival(req("long", 8000, "batch", 0.0))
+    batch = s.chosen
+    assert batch is not None
+    batch.advance()
+    s.on_arrival(req("next", 8000, "batch", 0.0))  # queued behind it: its deadline is no earlier
+    formed, waiting = s.backlog()
+    assert formed == pytest.approx(batch.remaining_s) and waiting["batch"] == pytest.approx(s.predict_s(s.waiting[0]))
+    s.cost.machine = 3.0  # the correction learned a 3x slowdown
+    formed_now, waiting_now = s.backlog()
+    assert formed_now == pytest.approx(3 * formed) and waiting_now["batch"] == pytest.approx(3 * waiting["batch"])

@@ -184,11 +184,12 @@ class Scheduler:
     def backlog(self) -> tuple[float, dict[str, float]]:
         """The predicted prefill work queued here, as a worker's GET /load reports it for routing: what
         the formed batches (running and suspended) still owe, and the waiting requests' predictions by
-        SLO class (the simulator's fleet routes on the same numbers)."""
+        SLO class (the simulator's fleet routes on the same numbers). Both with the correction as it is
+        now: a batch's own `remaining_s` is at its plan's, which after a 3x slowdown owes a third of it."""
         by_class: dict[str, float] = {}
         for r in self.waiting:
             by_class[r.slo_class] = by_class.get(r.slo_class, 0.0) + self.predict_s(r)
-        return sum(b.remaining_s for b in self.pool), by_class
+        return sum(self.remaining_s(b) for b in self.pool), by_class
 
     # -- helpers for policies ------------------------------------------------------------------
     def cost_for(self, reqs: Sequence[Request]) -> OpCost:
