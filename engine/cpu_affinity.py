@@ -101,29 +101,45 @@ def _libgomp() -> ctypes.CDLL | None:
     return gomp
 
 
+def _on_team(threads: int, each: Callable[[int], None]) -> bool:
+    """Run each(thread number) on every thread of the calling thread's OpenMP team of `threads` (one
+    parallel region through libgomp's entry point); False when torch runs no libgomp here."""
+    gomp = _libgomp()
+    if gomp is None:
+        return False
+    region = _REGION(lambda _: each(gomp.omp_get_thread_num()))  # the GIL taken by ctypes; kept alive for the call
+    gomp.GOMP_parallel(region, None, threads, 0)
+    return True
+
+
 def bind_team(cores: list[int], threads: int) -> dict[int, int]:
     """Bind the calling thread's OpenMP team of `threads`: thread i (the caller is 0) to cores[i % len(cores)].
     Returns {thread number: native thread id} of the threads bound; empty when torch runs no libgomp here."""
-    gomp = _libgomp()
-    if gomp is None or not cores:
+    if not cores:
         return {}
     bound: dict[int, int] = {}
     errors: list[OSError] = []
 
-    def each(_: int | None) -> None:  # runs on every team thread, the GIL taken by ctypes
-        i = gomp.omp_get_thread_num()
+    def each(i: int) -> None:
         try:
             os.sched_setaffinity(0, {cores[i % len(cores)]})  # 0: the calling thread, not the process
             bound[i] = threading.get_native_id()
         except OSError as exc:
             errors.append(exc)
 
-    region = _REGION(each)  # kept alive for the call
-    gomp.GOMP_parallel(region, None, threads, 0)
+    _on_team(threads, each)
     if errors:
         log.warning("binding the compute threads to cores %s failed (%s): they may move between them", cores,
                     errors[0])
     return bound
+
+
+def team_ids(threads: int) -> set[int]:
+    """Native ids of the calling thread and of its OpenMP team of `threads`: the threads its torch
+    operators and our kernels compute on (the caller's alone without libgomp)."""
+    ids = {threading.get_native_id()}
+    _on_team(threads, lambda _: ids.add(threading.get_native_id()))
+    return ids
 
 
 def on_passing_thread(work: Callable[[], None]) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from engine import handoff
 from engine.config import EngineConfig
-from engine.cpu_affinity import CorePinning, on_passing_thread
+from engine.cpu_affinity import CorePinning, on_passing_thread, team_ids
 from engine.decode import Answers
 from engine.kv_cache import KVCache, OutOfBlocks
 from engine.model import load_model, use_device
@@ -27,6 +27,7 @@ from engine.protocol.worker import WorkerLoad
 from engine.request import Request, RequestState, Sampled, SamplingParams, TokenOutput
 from engine.sampling import sample
 from engine.scheduler import Policy, Scheduler, make_policy
+from engine.thread_cpu import ThreadCPU, readable
 
 log = logging.getLogger("flowprefill.engine")
 
@@ -67,6 +68,7 @@ class Engine:
         self._imports: deque[tuple[Request, dict[str, torch.Tensor], Sampled]] = deque()
         self._current: PrefillBatch | None = None
         self._stop = False
+        self.thread_cpu: ThreadCPU | None = None  # its compute threads' CPU and the serving side's, once running
         self._thread = threading.Thread(target=self._loop, name="flowprefill-engine", daemon=True)
 
     def _build(self) -> None:
@@ -190,6 +192,7 @@ class Engine:
         use_device(self.model.device)  # this thread's kernels, events and graph replays
         if self.pinning is not None:  # the team this thread's parallel regions run on: one thread per core
             self.pinning.bind_threads(torch.get_num_threads())
+        self.thread_cpu = ThreadCPU(team_ids(torch.get_num_threads())) if readable() else None
         while True:
             if not (self._cancels or self._imports_ready() or self.scheduler.chosen or self.answers.running
                     or self.scheduler.shed):

@@ -34,7 +34,7 @@ from engine.protocol.headers import REQUEST_ID_HEADER, SLO_CLASS_HEADER
 from loadtest import results
 from loadtest.priority import ORDERS, class_priorities
 from loadtest.profiles import Profile, ProfileError, Schedule, load_profile
-from loadtest.server import PreemptionCounter
+from loadtest.server import ServerCounters
 from loadtest.workload import synthesize_prompt
 
 log = logging.getLogger("flowprefill.loadtest")
@@ -89,7 +89,7 @@ class Run:
     pending: list[results.Record]  # a worker's records not yet reported to the master
     started_at: float = 0.0
     last_arrival_at: float = 0.0
-    preemptions: PreemptionCounter | None = None
+    server: ServerCounters | None = None
 
     def setup(self, env: Environment) -> None:
         opts = env.parsed_options
@@ -185,7 +185,7 @@ def _start(environment: Environment, **_: Any) -> None:
     if isinstance(runner, WorkerRunner):
         return  # the master's plan message starts the pacer
     RUN.records, RUN.started_at = {}, time.time()
-    RUN.preemptions = PreemptionCounter(environment.host or "")
+    RUN.server = ServerCounters(environment.host or "")
     opts = environment.parsed_options
     spawn_s = opts.num_users / opts.spawn_rate if opts.num_users and opts.spawn_rate else 0.0
     if isinstance(runner, MasterRunner):
@@ -202,9 +202,9 @@ def _stop(environment: Environment, **_: Any) -> None:
     if isinstance(environment.runner, WorkerRunner) or not environment.parsed_options.flowprefill_out:
         return
     out = Path(environment.parsed_options.flowprefill_out)
-    preempted = RUN.preemptions.stop() if RUN.preemptions else None
+    preempted, cpu = RUN.server.stop() if RUN.server else (None, None)
     doc = results.write(out, RUN.profile, RUN.schedule, RUN.records, environment.host or "", RUN.model,
-                        environment.parsed_options.label, preempted)
+                        environment.parsed_options.label, preempted, cpu)
     log.info("wrote %s: %s", out / "goodput.json", json.dumps(doc["accounting"]))
 
 

@@ -78,11 +78,13 @@ def _pct(values: np.ndarray, q: float) -> float | None:
 
 
 def write(out: Path, profile: Profile, schedule: Schedule, records: dict[int, Record], host: str, model: str,
-          label: str, preempted: dict[str, int] | None = None) -> dict[str, Any]:
+          label: str, preempted: dict[str, int] | None = None, cpu: dict[str, float] | None = None
+          ) -> dict[str, Any]:
     """goodput.json (docs/reference.md's schema, engine "http"; one point per offered-rate phase),
     requests.csv and goodput.png. Requests with no record count as failed: nothing is dropped from
     the accounting. `preempted`: the server's preemptions during the run by "victim<-by" class pair
-    (None: not readable); a one-point run's point carries their total."""
+    (None: not readable); a one-point run's point carries their total. `cpu`: the CPU seconds the
+    workers' compute threads and serving sides took meanwhile, and the serving side's share."""
     out.mkdir(parents=True, exist_ok=True)
     w = schedule.workload
     full = []
@@ -105,7 +107,7 @@ def write(out: Path, profile: Profile, schedule: Schedule, records: dict[int, Re
         "http", model, 1.0, {k: {"ttft_ms": c.ttft_ms, "tbt_ms": c.tbt_ms} for k, c in DEFAULT_CLASSES.items()},
         {label: points},
         extra={"host": host, "profile": msgspec.to_builtins(profile), "accounting": accounting,
-               "server": {"preemptions": total, "preemptions_by_class": preempted},
+               "server": {"preemptions": total, "preemptions_by_class": preempted, "cpu": cpu},
                "per_class": class_table(full),
                "errors": _errors(full),
                "loadgen": {"lag_p50_ms": float(np.percentile(lag, 50)), "lag_p99_ms": float(np.percentile(lag, 99)),

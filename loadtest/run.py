@@ -254,6 +254,9 @@ def _summary(console: Console, doc: dict[str, Any]) -> None:
         pairs = ", ".join(f"{v} of {k.replace('<-', ' by ')}" for k, v in server["preemptions_by_class"].items())
         console.print(f"preemptions (the server's workers, during the run): {server['preemptions']}"
                       + (f" ({pairs})" if pairs else ""))
+    if cpu := server.get("cpu"):
+        console.print(f"the workers' CPU: {cpu['compute_s']:.1f} s computing, {cpu['serving_s']:.1f} s serving "
+                      f"(HTTP, tokenizing, JSON, SSE: {cpu['serving_share']:.1%})")
     a, lg = doc["accounting"], doc["loadgen"]
     console.print(f"accounting: scheduled {a['scheduled']} = sent {a['sent']} + missing {a['missing']}; "
                   f"sent = succeeded {a['succeeded']} + failed {a['failed']}")

@@ -114,6 +114,7 @@ class EngineMetrics(EngineObserver):
                            registry=r)
         for label, tokens in zip(labels, [*SIZE_CLASSES, SIZE_CLASSES[-1] + 1], strict=True):
             correction.labels(label).set_function(lambda tokens=tokens: engine.cost.factor(tokens))
+        r.register(_WorkerCPUCollector(engine))
         engine.observers.append(self)
 
     def on_segment_end(self, batch: PrefillBatch, now: float) -> None:
@@ -223,6 +224,24 @@ class EppMetrics(GatewayMetrics):
 
     def observe_pick(self, seconds: float) -> None:
         self.pick.observe(seconds)
+
+
+class _WorkerCPUCollector(Collector):
+    """The CPU time of the engine's compute threads and of the rest of the worker (engine/thread_cpu.py)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Any:
+        if self.engine.thread_cpu is None:  # the engine loop has not started
+            return
+        compute, serving = self.engine.thread_cpu.split()
+        cpu = CounterMetricFamily("flowprefill_worker_cpu_seconds",
+                                  "CPU time since the engine started: its compute threads, and the rest of the "
+                                  "worker (serving: HTTP, tokenizing, JSON, SSE)", labels=["threads"])
+        cpu.add_metric(["compute"], compute)
+        cpu.add_metric(["serving"], serving)
+        yield cpu
 
 
 class _PoolCollector(Collector):

@@ -60,6 +60,9 @@ def test_a_pinned_worker_computes_on_its_core_and_serves_http_on_the_others() ->
         threads = {int(t): _allowed(proc.pid, int(t)) for t in os.listdir(f"/proc/{proc.pid}/task")}
         assert threads[proc.pid] == rest  # the main thread serves HTTP, off the compute core
         assert {compute} in threads.values()  # the engine thread (and any torch threads it started)
+        cpu = {line.split('"')[1]: float(line.split()[-1]) for line in httpx.get(f"{url}/metrics").text.splitlines()
+               if line.startswith("flowprefill_worker_cpu_seconds_total{")}
+        assert set(cpu) == {"compute", "serving"} and cpu["compute"] > 0 and cpu["serving"] > 0, cpu
     finally:
         stop(proc)
 

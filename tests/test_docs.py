@@ -330,7 +330,7 @@ def _metrics_in_code() -> dict[str, tuple[str, str, tuple[str, ...]]]:
     kinds = {"Counter": "counter", "Gauge": "gauge", "Histogram": "histogram", "Info": "info",
              "CounterMetricFamily": "counter", "GaugeMetricFamily": "gauge"}  # the last two: collectors'
     processes = {"EngineMetrics": "worker", "GatewayMetrics": "gateway", "EppMetrics": "epp",
-                 "_PoolCollector": "gateway"}
+                 "_PoolCollector": "gateway", "_WorkerCPUCollector": "worker"}
     suffix = {"counter": "_total", "info": "_info"}  # what prometheus_client exposes them as
     tree = ast.parse((ROOT / "telemetry" / "metrics.py").read_text(encoding="utf-8"))
     found = {}
