@@ -35,8 +35,9 @@ def cache_dir() -> Path:
 
 # Part of the key: a profile measured by an older calibration is not merged into a newer one's (before
 # version 2 a CPU's step floor was never measured, and its cached 0 would have stayed the minimum;
-# before version 3 the cache held the fastest measurement ever, not the recent ones).
-PROFILE_VERSION = 3
+# before version 3 the cache held the fastest measurement ever, not the recent ones; before version 4
+# a CPU's operators were timed by the wall, and a start-up beside a busy process ran up to 2x slow).
+PROFILE_VERSION = 4
 # Start-ups whose measurements the profile is the median of. The fastest ever (what the cache kept
 # before) drifts to the machine's luckiest moment: on 2 shared AMD EPYC cores the cached profile was
 # 1.2-1.6x faster per operator than three fresh calibrations of the same hour, the engine's own steps
@@ -208,14 +209,23 @@ def _median_blocks(fresh: dict[str, list[tuple[int, float]]], cached: list[dict[
 
 
 def _best_time(fn: Callable[[], object], repeat: int = 9) -> float:
-    """Fastest of several runs: the least disturbed by whatever else the machine is doing."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    """Fastest of several runs: the least disturbed by whatever else the machine is doing.
+
+    On a CPU each run is timed on the calling thread's CPU clock, not the wall's: a start-up beside a
+    busy process on its core (`serve --workers 2` loading both at once, a peer server compiling
+    there) shares the core in slices of a few ms, so no run of an FFN block of 1,024 rows (6 ms)
+    went undisturbed, and the fastest by the wall ran 1.3-2.1x slow (one thread, embedded model,
+    a spinning process on the same core; three calibrations on each clock). What a busy machine
+    costs is the online correction's to learn (`OpCost.observe`), not the profile's."""
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    clock = time.perf_counter if cuda else time.thread_time
     fn()
     times = []
     for _ in range(repeat):
         sync()
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
         sync()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return min(times)

@@ -122,7 +122,11 @@ def test_a_cpu_calibration_times_the_fixed_cost_of_a_step_on_the_prefills_own_st
     had been, and a 16-token prefill ran 3.7x its prediction); the profile cache's recent start-ups
     are its median, and a profile of an older calibration (no step costs in it) is not merged."""
     monkeypatch.setenv("FLOWPREFILL_CACHE", str(tmp_path))
-    model = LlamaModel(CFG, make_weights(CFG), SDPABackend())
+    # Widths whose weights take a row-wise step visibly longer than a one-pair attention step (with
+    # CFG's 64 x 128 the two were within the timer's noise, and the floor read 0 in 2 runs of 8).
+    wide = replace(CFG, hidden_size=512, intermediate_size=2048, num_attention_heads=8, num_key_value_heads=2,
+                   head_dim=64)
+    model = LlamaModel(wide, make_weights(wide), SDPABackend())
     cost = calibrate(model)
     assert cost.step_overhead_s > 0 and cost.step_overhead_s != OpCost.step_overhead_s
     assert cost.row_step_floor_s > 0, "a row-wise step reads its weights, which a one-pair attention step does not"
