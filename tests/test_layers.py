@@ -31,7 +31,8 @@ PROTOCOL = ("engine/protocol/*.py",)
 CORE = ("engine/config.py", "engine/request.py", "engine/kv_cache.py", "engine/prefix_cache.py", "engine/prefill.py",
         "engine/decode.py", "engine/sampling.py", "engine/engine.py", "engine/predictor.py", "engine/observer.py",
         "engine/batch_log.py",
-        "engine/tokenizer.py", "engine/text.py", "engine/handoff.py", "engine/cpu_affinity.py", "engine/scheduler/*.py",
+        "engine/tokenizer.py", "engine/text.py", "engine/handoff.py", "engine/cpu_affinity.py", "engine/thread_cpu.py",
+        "engine/scheduler/*.py",
         "engine/model/*.py",
         "engine/attention/*.py", "engine/sim/*.py")
 SERVING = ("engine/worker.py", "engine/serving.py", "engine/endpoint.py", "engine/responses.py",

@@ -189,12 +189,19 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(doc["rows"])), 4.5))
     width = 0.8 / max(1, len(doc["contenders"]))
     for i, name in enumerate(doc["contenders"]):
-        shares = [(r["contenders"][name]["share_of_peak"] or 0) * 100 for r in doc["rows"]]
-        ax.bar([k + i * width for k in range(len(shares))], shares, width, label=name)
+        cells = [r["contenders"][name] for r in doc["rows"]]
+        xs = [k + i * width for k in range(len(cells))]
+        shares = [(c["share_of_peak"] or 0) * 100 for c in cells]
+        ax.bar(xs, shares, width, label=name)
+        for x, share, c in zip(xs, shares, cells, strict=True):  # the TTFT each bar stands for
+            if c["median_ms"] is not None:
+                ax.text(x, share + 0.5, f"{c['median_ms']:.0f}", ha="center", va="bottom", fontsize=5.5)
+    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
     ax.set_xticks([k + 0.4 - width / 2 for k in range(len(doc["rows"]))])
-    ax.set_xticklabels([f"{r['prompt_tokens']}\n{r['dtype'][:4]} {r['threads']}t"
-                        f"{' busy' if r['busy_other_core'] else ''}"
-                        for r in doc["rows"]], fontsize=7)
+    ax.set_xticklabels([f"{r['prompt_tokens']}\n{short.get(r['dtype'], r['dtype'])} {r['threads']}t"
+                        f"\n{'busy' if r['busy_other_core'] else ''}" for r in doc["rows"]], fontsize=7)
+    ax.set_xlabel("prompt tokens, dtype, threads (busy: a busy process on the other core); "
+                  "numbers on the bars: TTFT ms, median", fontsize=8)
     ax.set_ylabel("prefill GFLOP/s, % of the measured matmul peak")
     ax.set_title(f"one request alone on {doc['model']}")
     ax.legend(fontsize=8)
