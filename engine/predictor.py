@@ -85,9 +85,9 @@ def calibrate(model: LlamaModel, block_rows: Sequence[int] | None = None) -> OpC
         x = torch.randn(rows, c.hidden_size, dtype=dtype, device=dev) * 0.02
         if op == ATTN_IN:
             rope = model.rotary.rows(torch.arange(rows, device=dev) % c.max_position_embeddings)
-            return _best_time(lambda: model._attn_in(layer, x, rope), repeat)
+            return _best_time(lambda: model._attn_in(layer, x, rope), dev, repeat)
         attn = torch.randn(rows, c.num_attention_heads, c.head_dim, dtype=dtype, device=dev)
-        return _best_time(lambda: model._ffn(layer, x, attn), repeat)
+        return _best_time(lambda: model._ffn(layer, x, attn), dev, repeat)
 
     with torch.inference_mode():
         tables = {op: [(rows, block_s(op, rows, repeat=5)) for rows in block_rows] for op in (ATTN_IN, FFN)
@@ -106,7 +106,7 @@ def calibrate(model: LlamaModel, block_rows: Sequence[int] | None = None) -> OpC
             c,
             attn_in_s_per_row=per_row(ATTN_IN),
             ffn_s_per_row=per_row(FFN),
-            attn_s_per_pair=_best_time(lambda: model.backend.tile(q, kv, kv, False)) / (q_n * k_n),
+            attn_s_per_pair=_best_time(lambda: model.backend.tile(q, kv, kv, False), dev) / (q_n * k_n),
             row_block_s=tables,
         )
         if tables:
@@ -208,16 +208,16 @@ def _median_blocks(fresh: dict[str, list[tuple[int, float]]], cached: list[dict[
     return out
 
 
-def _best_time(fn: Callable[[], object], repeat: int = 9) -> float:
+def _best_time(fn: Callable[[], object], device: torch.device, repeat: int = 9) -> float:
     """Fastest of several runs: the least disturbed by whatever else the machine is doing.
 
     On a CPU each run is timed on the calling thread's CPU clock, not the wall's: a start-up beside a
     busy process on its core (`serve --workers 2` loading both at once, a peer server compiling
     there) shares the core in slices of a few ms, so no run of an FFN block of 1,024 rows (6 ms)
-    went undisturbed, and the fastest by the wall ran 1.3-2.1x slow (one thread, embedded model,
+    went undisturbed, and the fastest by the wall ran 1.3-2.2x slow (one thread, embedded model,
     a spinning process on the same core; three calibrations on each clock). What a busy machine
     costs is the online correction's to learn (`OpCost.observe`), not the profile's."""
-    cuda = torch.cuda.is_available()
+    cuda = device.type == "cuda"  # a CPU model on a GPU host is timed as a CPU one
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     clock = time.perf_counter if cuda else time.thread_time
     fn()
