@@ -57,7 +57,7 @@ def _requested(cfg: GatewayConfig, headers: Mapping[str, str], body: Mapping[str
     if key is not None and key.default_class:
         return cfg.classes[key.default_class]
     if cfg.rules:
-        n = _estimate_prompt_tokens(body)
+        n = estimate_prompt_tokens(body)
         for rule in sorted(cfg.rules, key=lambda r: r.max_prompt_tokens):
             if n <= rule.max_prompt_tokens:
                 return cfg.classes[rule.slo_class]
@@ -81,14 +81,14 @@ def as_chat_view(body: Mapping[str, Any]) -> dict[str, Any]:
     return {"messages": messages, "service_tier": body.get("service_tier")}
 
 
-def _estimate_prompt_tokens(body: Mapping[str, Any]) -> int:
+def estimate_prompt_tokens(body: Mapping[str, Any]) -> int:
     """Token ids are counted; text is estimated at 4 characters a token (no tokenizer here). A batch
     of prompts (completions' list of strings or of token-id lists) counts them all."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         return len(prompt)
     if isinstance(prompt, list):
-        return sum(_estimate_prompt_tokens({"prompt": p}) for p in prompt)
+        return sum(estimate_prompt_tokens({"prompt": p}) for p in prompt)
     text = prompt if isinstance(prompt, str) else ""
     for m in body.get("messages") or []:
         if isinstance(m, dict) and isinstance(m.get("content"), str):

@@ -32,14 +32,19 @@ class Upstream(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
     kind: Literal["flowprefill", "openai"] = "flowprefill"
     max_concurrency: int = 8  # openai: requests in flight per upstream server
+    # openai: prompt tokens in prefill per server (0: count requests only). The server's step budget
+    # (vLLM's --max-num-batched-tokens) fills its batch with what is admitted while urgent requests
+    # still overtake at the gateway; a longer prompt goes alone. A streamed request gives its tokens
+    # back at its first token.
+    max_tokens_in_flight: int = 0
     max_queue: int = 1024  # openai: requests waiting at the gateway; past it, 503 queue_full
     priority_field: str = "priority"  # openai: body field for the class's priority ("" = send none)
     priority_order: Literal["lower_first", "higher_first"] = "lower_first"  # vLLM: lower first; SGLang: higher
     health_path: str = "/health"  # openai: what the health check GETs
 
     def check(self) -> None:
-        if self.max_concurrency < 1 or self.max_queue < 0:
-            raise ValueError("upstream: max_concurrency must be >= 1 and max_queue >= 0")
+        if self.max_concurrency < 1 or self.max_queue < 0 or self.max_tokens_in_flight < 0:
+            raise ValueError("upstream: max_concurrency must be >= 1, max_queue and max_tokens_in_flight >= 0")
 
 
 class Discovery(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

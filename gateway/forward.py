@@ -32,7 +32,7 @@ from engine.protocol.headers import (
 from engine.protocol.openai import error_body, new_id
 from engine.protocol.slo import SHED_REASON, SLOClass
 from gateway.affinity import Prefix, prefix_key
-from gateway.classify import ClassificationError, as_chat_view, classify
+from gateway.classify import ClassificationError, as_chat_view, classify, estimate_prompt_tokens
 from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, no_healthy_worker
 from gateway.http1 import Http1Response
@@ -98,6 +98,8 @@ class Job:
     upstream_headers: dict[str, str]
     deadline: float  # of its first token, fixed at the gateway's arrival
     key: Prefix | None  # prefix affinity's (gateway/affinity.py)
+    tokens: int = 0  # what it counts against a gated server's token budget (`WorkerPool.charge`)
+    held: int = 0  # of which the worker it is at holds now (until its first token, or its end)
     tried: set[str] = field(default_factory=set)
     shed: Upstream | None = None  # the last worker's answer that shed it
     failed: tuple[int, bytes] | None = None  # the last worker's 5xx answer (status, body)
@@ -166,14 +168,15 @@ class Forwarder:
                 "flowprefill.stream": bool(body.get("stream"))})
         # Where its prefix may be cached: the prefill workers' when disaggregated (decode imports KV).
         return Job(path, body, raw, slo, rid, {SLO_CLASS_HEADER: slo.name, REQUEST_ID_HEADER: rid}, upstream_headers,
-                   arrival + slo.ttft_ms / 1000, prefix_key(view, self.cfg.prefix_affinity_chars))
+                   arrival + slo.ttft_ms / 1000, prefix_key(view, self.cfg.prefix_affinity_chars),
+                   self.pool.charge(estimate_prompt_tokens(view)))
 
     async def _acquire(self, job: Job) -> Worker | None:
         """The next worker to try (in front of plain servers: once a slot is free, by deadline)."""
         late = Lateness(job.slo.late_bound_ms / 1000, job.slo.late == "shed")
         try:
-            return await self.pool.acquire(job.deadline, job.tried, None if self.prefill is not None else job.key,
-                                           late)
+            worker = await self.pool.acquire(job.deadline, job.tried, None if self.prefill is not None else job.key,
+                                             late, job.tokens)
         except QueueFull:
             raise GatewayError(503, "the gateway's queue is full", "server_error", headers=job.ours | {
                 "retry-after": "1", DROPPED_REASON_HEADER: "queue_full"}) from None
@@ -181,6 +184,12 @@ class Forwarder:
             raise GatewayError(429, f"the request's TTFT deadline ({job.slo.ttft_ms:g} ms, class "
                                f"{job.slo.name!r}) passed while it waited at the gateway", "rate_limit_error",
                                headers=job.ours | {"retry-after": "1", DROPPED_REASON_HEADER: SHED_REASON}) from None
+        job.held = job.tokens if worker is not None else 0
+        return worker
+
+    def _release(self, job: Job, worker: Worker) -> None:
+        self.pool.release(worker, job.held)
+        job.held = 0
 
     async def _try(self, job: Job, worker: Worker) -> Response | Stream | Next:
         """One worker's go at the request: its answer, or what to do next."""
@@ -189,25 +198,25 @@ class Forwarder:
             try:
                 refused = await self.prefill.run(worker, job)
             except GatewayError as exc:
-                self.pool.release(worker)
+                self._release(job, worker)
                 exc.headers |= job.ours
                 raise
             if isinstance(refused, Response):
-                self.pool.release(worker)
+                self._release(job, worker)
                 refused.headers.update(job.ours)
                 return refused
             to_worker = job.upstream_headers | refused | {KV_ID_HEADER: job.rid}
         try:
             up = await self.upstreams.post(f"{worker.url}{job.path}", job.raw, to_worker)
         except httpx.HTTPError:
-            self.pool.release(worker)
+            self._release(job, worker)
             self.pool.mark_failed(worker)
             return Next.RETRY  # nothing was sent to the client yet: retry elsewhere
         if up.headers.get(DROPPED_REASON_HEADER):  # shed there: another worker may take it
             job.shed = up
             await up.aread()
             await up.aclose()
-            self.pool.release(worker)
+            self._release(job, worker)
             return Next.RETRY
         if up.status_code >= 500:
             return await self._failed(job, worker, up)
@@ -221,7 +230,7 @@ class Forwarder:
             content = None
         finally:
             await up.aclose()
-            self.pool.release(worker)
+            self._release(job, worker)
         if content is None:  # the connection broke: as if it had not answered
             self.pool.mark_failed(worker)
             return Next.RETRY
@@ -244,7 +253,7 @@ class Forwarder:
                                  "http.upstream.status_code": up.status_code})
         self.metrics.answered(job.slo.name, up.status_code)
         if job.body.get("stream"):
-            return Stream(relay(up, worker, self.pool), status_code=up.status_code, headers=headers,
+            return Stream(relay(up, worker, self.pool, job), status_code=up.status_code, headers=headers,
                           media_type=up.headers.get("content-type", "text/event-stream"))
         try:
             content = await up.aread()
@@ -254,7 +263,7 @@ class Forwarder:
                                headers=job.ours) from None
         finally:
             await up.aclose()
-            self.pool.release(worker)
+            self._release(job, worker)
         return Response(content, status_code=up.status_code, headers=headers,
                         media_type=up.headers.get("content-type", "application/json"))
 
@@ -326,14 +335,19 @@ class PrefillFirst:
         return first
 
 
-async def relay(up: Upstream, worker: Worker, pool: WorkerPool) -> AsyncIterator[bytes]:
-    """Pass the worker's SSE through; a stream cut by a dead worker ends with a clean error event."""
+async def relay(up: Upstream, worker: Worker, pool: WorkerPool, job: Job) -> AsyncIterator[bytes]:
+    """Pass the worker's SSE through; a stream cut by a dead worker ends with a clean error event.
+    Its first chunk means the prompt is prefilled: the tokens it held at the worker go back then."""
     try:
         async for chunk in up.aiter_raw():
+            if job.held:
+                pool.prefilled(worker, job.held)
+                job.held = 0
             yield chunk
     except httpx.HTTPError:
         err = error_body(f"worker {worker.url} went away mid-stream", "server_error")
         yield b"data: " + msgspec.json.encode(err) + b"\n\ndata: [DONE]\n\n"
     finally:  # also when our client went away: closing the upstream cancels the engine's work
         await up.aclose()
-        pool.release(worker)
+        pool.release(worker, job.held)
+        job.held = 0

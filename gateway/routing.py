@@ -30,6 +30,7 @@ class Worker:
         self.healthy = True
         self.checked = True  # a health check passed once (False for a member that joined: traffic only then)
         self.in_flight = 0
+        self.tokens_in_flight = 0  # gated: prompt tokens of its requests still in prefill (`WorkerPool.charge`)
         self.backlog_s = 0.0  # predicted prefill work queued there (its /load)
         self.down_until = 0.0
         self.errors = 0  # consecutive 5xx answers (`WorkerPool.record_error`)
@@ -45,7 +46,8 @@ class QueueFull(Exception):
     pass
 
 
-Waiting = tuple[float, int, frozenset[str], "Prefix | None", "asyncio.Future[Worker]"]  # (order key, seq, ...)
+# (order key, seq, workers excluded, prefix, tokens charged, the waiter's future)
+Waiting = tuple[float, int, frozenset[str], "Prefix | None", int, "asyncio.Future[Worker]"]
 
 
 class WorkerPool:
@@ -54,8 +56,9 @@ class WorkerPool:
     health check passes again.
 
     In front of plain OpenAI servers (`upstream.kind = "openai"`), which serve first come first
-    served, the pool is also an EDF gate: at most `max_concurrency` requests run on each server and
-    the rest wait here in deadline order, so an urgent request overtakes the queued ones."""
+    served, the pool is also an EDF gate: at most `max_concurrency` requests run on each server (and,
+    with `max_tokens_in_flight`, at most that many prompt tokens in prefill there) and the rest wait
+    here in deadline order, so an urgent request overtakes the queued ones."""
 
     def __init__(self, urls: list[str], client: httpx.AsyncClient, poll_s: float = 1.0,
                  per_request_s: float = 0.05, upstream: Upstream | None = None,
@@ -92,12 +95,20 @@ class WorkerPool:
     def queued(self) -> int:
         return sum(not f.done() for *_, f in self._waiting)
 
+    def charge(self, prompt_tokens: int) -> int:
+        """What a request of `prompt_tokens` counts against a gated server's token budget: all of it,
+        up to the whole budget (a prompt longer than the server's step runs alone, in several steps);
+        nothing when no budget is set or the workers schedule themselves."""
+        budget = self.upstream.max_tokens_in_flight
+        return min(max(prompt_tokens, 1), budget) if self.gated and budget else 0
+
     async def acquire(self, deadline: float, exclude: frozenset[str] | set[str] = frozenset(),
-                      key: Prefix | None = None, late: Lateness | None = None) -> Worker | None:
+                      key: Prefix | None = None, late: Lateness | None = None, tokens: int = 0) -> Worker | None:
         """A worker for this request, counted in flight there (give it back with `release`).
         None when no healthy worker is left to try. Gated: waits its turn in deadline order, and
         once its deadline has passed while it waits, as its class's `late` says (`LateGate`).
-        `key`: the request's prefix key (gateway/affinity.py), if it has one."""
+        `key`: the request's prefix key (gateway/affinity.py), if it has one. `tokens`: its
+        `charge`, held against the worker's token budget until `release` or `prefilled`."""
         exclude = frozenset(exclude)
         if not self.gated:
             w = self.pick(exclude, key)
@@ -106,24 +117,40 @@ class WorkerPool:
             return w
         if self.pick(exclude) is None:
             return None
-        if not self.queued and (w := self._free(exclude, key)) is not None:
-            w.in_flight += 1
+        if not self.queued and (w := self._free(exclude, key, tokens)) is not None:
+            self._take(w, tokens)
             return w
         if self.queued >= self.upstream.max_queue:
             raise QueueFull
         fut: asyncio.Future[Worker] = asyncio.get_running_loop().create_future()
         self._late.track(fut, deadline, late)
-        heapq.heappush(self._waiting, (deadline, next(self._seq), exclude, key, fut))
+        heapq.heappush(self._waiting, (deadline, next(self._seq), exclude, key, tokens, fut))
+        if tokens:
+            self._dispatch()  # ahead of a waiter too long for the room left, it may fit now
         try:
             return await fut
         except asyncio.CancelledError:  # the client went away while queued (or just as it got a slot)
             if fut.done() and not fut.cancelled():
-                self.release(fut.result())
+                self.release(fut.result(), tokens)
             fut.cancel()
             raise
 
-    def release(self, w: Worker) -> None:
+    @staticmethod
+    def _take(w: Worker, tokens: int) -> None:
+        w.in_flight += 1
+        w.tokens_in_flight += tokens
+
+    def prefilled(self, w: Worker, tokens: int) -> None:
+        """A request's first token came from `w`: its `tokens` no longer count against the budget
+        there (decoding it costs the server a token a step), and a waiter may take them."""
+        if tokens:
+            w.tokens_in_flight -= tokens
+            self._dispatch()
+
+    def release(self, w: Worker, tokens: int = 0) -> None:
+        """`w`'s request is done; `tokens`: what it still holds of its `charge` there."""
         w.in_flight -= 1
+        w.tokens_in_flight -= tokens
         if w.in_flight == 0 and self.draining.get(w.url) is w:
             del self.draining[w.url]
             log.info("worker %s drained: its last request in flight is done", w.url)
@@ -166,10 +193,12 @@ class WorkerPool:
         if self.gated:
             self._dispatch()
 
-    def _free(self, exclude: frozenset[str], key: Prefix | None = None) -> Worker | None:
-        now, cap = time.monotonic(), self.upstream.max_concurrency
+    def _free(self, exclude: frozenset[str], key: Prefix | None = None, tokens: int = 0) -> Worker | None:
+        """A live worker with a free slot and room for `tokens` (an idle one always has room)."""
+        now, cap, budget = time.monotonic(), self.upstream.max_concurrency, self.upstream.max_tokens_in_flight
         live = [w for w in self.workers if w.url not in exclude and w.healthy and w.down_until <= now]
-        free = [w for w in live if w.in_flight < cap]
+        free = [w for w in live if w.in_flight < cap and (not w.in_flight or w.tokens_in_flight + tokens <= budget
+                                                           or not tokens)]
         if not free:
             return None
         if key is not None:
@@ -180,21 +209,22 @@ class WorkerPool:
 
     def _dispatch(self) -> None:
         """Hand free slots to waiters, earliest deadline first; a waiter whose deadline has passed
-        goes by its late bound instead, or is shed (`LateGate`)."""
+        goes by its late bound instead, or is shed (`LateGate`). A waiter that no worker has room
+        for holds the rest back (strict order: shorter prompts behind it must not starve it)."""
         self._waiting = self._late.rekey(self._waiting, time.monotonic())
         later = []
         while self._waiting:
             item = heapq.heappop(self._waiting)
-            fut = item[4]
+            _, _, exclude, key, tokens, fut = item
             if fut.done():
                 continue
-            w = self._free(item[2], item[3])
+            w = self._free(exclude, key, tokens)
             if w is None:
                 later.append(item)
-                if self._free(frozenset()) is None:
-                    break  # no slot anywhere: the rest wait too
+                if self._free(frozenset(), None, tokens) is None:
+                    break  # no room anywhere: the rest wait too
                 continue
-            w.in_flight += 1
+            self._take(w, tokens)
             fut.set_result(w)
         for item in later:
             heapq.heappush(self._waiting, item)

@@ -210,3 +210,107 @@ def test_a_sheddable_request_late_at_the_gateway_gets_429(tmp_path: Path) -> Non
     assert hasty.status_code == 429, hasty.text
     assert hasty.headers["x-flowprefill-dropped-reason"] == "predicted_slo_miss" and hasty.headers["retry-after"]
     assert "passed while it waited at the gateway" in hasty.json()["error"]["message"]
+
+
+def test_a_token_budget_fills_the_servers_step_in_deadline_order() -> None:
+    """`max_tokens_in_flight`: requests are admitted while their prompts fit the server's budget (a
+    prompt longer than it counts as the whole budget and goes once the others' prompts are done);
+    the earliest deadline first, and a waiter too long for the room left holds later ones back."""
+    from gateway.routing import WorkerPool
+
+    async def main() -> None:
+        async with httpx.AsyncClient() as client:
+            pool = WorkerPool(["http://a"], client,
+                              upstream=Upstream(kind="openai", max_concurrency=64, max_tokens_in_flight=2048))
+            assert [pool.charge(n) for n in (0, 700, 5000)] == [1, 700, 2048]
+            a, b = await pool.acquire(10.0, tokens=700), await pool.acquire(10.0, tokens=700)
+            long = asyncio.ensure_future(pool.acquire(5.0, tokens=pool.charge(5000)))
+            short = asyncio.ensure_future(pool.acquire(8.0, tokens=100))  # fits, but after the long one
+            urgent = asyncio.ensure_future(pool.acquire(1.0, tokens=600))  # fits and is first: in at once
+            await asyncio.sleep(0)
+            assert urgent.done() and not long.done() and not short.done()
+            assert a.tokens_in_flight == 2000 and a.in_flight == 3
+            pool.prefilled(a, 700)  # a's first token: its prompt is done, its request still decodes
+            pool.release(b, 700)
+            await asyncio.sleep(0)
+            assert not long.done()  # the urgent one's 600 tokens are still in prefill
+            pool.release(await urgent, 600)
+            assert (await long).tokens_in_flight == 2048 and not short.done()  # alone, beside a decoding one
+            pool.release(a)
+            pool.prefilled(await long, 2048)
+            assert (await short).tokens_in_flight == 100 and pool.queued == 0
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_without_a_token_budget_nothing_is_charged() -> None:
+    from gateway.routing import WorkerPool
+
+    async def main() -> None:
+        async with httpx.AsyncClient() as client:
+            counted = WorkerPool(["http://a"], client, upstream=Upstream(kind="openai"))
+            ours = WorkerPool(["http://a"], client, upstream=Upstream(max_tokens_in_flight=2048))
+            assert counted.charge(5000) == 0 and ours.charge(5000) == 0  # engine workers schedule themselves
+
+    asyncio.run(main())
+    with pytest.raises(ValueError, match="max_tokens_in_flight"):
+        GatewayConfig(upstream=Upstream(kind="openai", max_tokens_in_flight=-1)).check()
+
+
+class StreamingOpenAI:
+    """A plain OpenAI server that streams a first token after `prefill_s`, then holds the stream
+    `hold_s` before it ends; it keeps the time each completion arrived."""
+
+    def __init__(self, prefill_s: float, hold_s: float) -> None:
+        self.prefill_s, self.hold_s, self.arrivals = prefill_s, hold_s, list[float]()
+
+    async def __call__(self, scope: dict, receive: object, send: object) -> None:  # type: ignore[type-arg]
+        if scope["type"] != "http":
+            return
+        if scope["path"] != "/v1/completions":
+            await send({"type": "http.response.start", "status": 200, "headers": []})  # type: ignore[operator]
+            await send({"type": "http.response.body", "body": b"{}"})  # type: ignore[operator]
+            return
+        self.arrivals.append(time.monotonic())
+        await asyncio.sleep(self.prefill_s)
+        await send({"type": "http.response.start", "status": 200,  # type: ignore[operator]
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        chunk = b'data: {"choices": [{"text": "a", "index": 0, "finish_reason": null}]}\n\n'
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})  # type: ignore[operator]
+        await asyncio.sleep(self.hold_s)
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("budget", [100, 0])
+def test_a_streamed_request_gives_its_tokens_back_at_its_first_token(budget: int) -> None:
+    """Through the real gateway (`--max-tokens-in-flight 100`, 8 requests in flight): two streamed
+    requests of 80 prompt token ids each, the server's first token after 0.5 s, its end 1.5 s later.
+    The second reaches the server once the first's first token is back, not when its stream ends;
+    without a budget both go at once."""
+    from processes import uvicorn_thread
+
+    server = StreamingOpenAI(prefill_s=0.5, hold_s=1.5)
+    with uvicorn_thread(server) as up_port:
+        port = free_port()
+        gw = start("gateway", "--workers", f"http://127.0.0.1:{up_port}", "--port", str(port), "--upstream",
+                   "openai", "--max-concurrency", "8", "--max-tokens-in-flight", str(budget))
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}", gw)
+
+            async def main() -> list[str]:
+                async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+                    async def send() -> str:
+                        r = await c.post("/v1/completions", json={"prompt": list(range(80)), "max_tokens": 4,
+                                                                  "stream": True})
+                        return r.text
+                    return await asyncio.gather(send(), send())
+
+            answers = asyncio.run(main())
+        finally:
+            stop(gw)
+    assert all(a.endswith("data: [DONE]\n\n") for a in answers)
+    first, second = server.arrivals
+    if budget:
+        assert 0.5 <= second - first < 1.5  # (2 s had it waited for the first's stream to end)
+    else:
+        assert second - first < 0.4

@@ -42,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrency", type=int, default=None, metavar="N",
                         help="openai upstreams: requests in flight per server (overrides the config; default "
                              f"{upstream.max_concurrency})")
+    parser.add_argument("--max-tokens-in-flight", type=int, default=None, metavar="N",
+                        help="openai upstreams: prompt tokens in prefill per server, e.g. the server's step "
+                             "budget, vLLM's max_num_batched_tokens (overrides the config; default "
+                             f"{upstream.max_tokens_in_flight}: count requests only)")
 
 
 def load_config(path: str | None, workers: list[str], prefill_workers: list[str] | None = None,
@@ -83,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.workers_urls:
         raise CommandLineError("--workers names no URL")
     cfg = load_config(args.config, args.workers_urls, args.prefill_urls, kind=args.upstream,
-                      max_concurrency=args.max_concurrency)
+                      max_concurrency=args.max_concurrency,
+                      max_tokens_in_flight=args.max_tokens_in_flight)
     sock = bind(args.host, args.port, "the gateway")
     return serve_gateway(cfg, sock, f"http://{args.host}:{args.port}")
