@@ -26,7 +26,7 @@ from loadtest.peer import summary
 from loadtest.peer.busy import BusyLoad
 from loadtest.peer.client import Target, arrivals, replay
 from loadtest.peer.raw import prefill_flops
-from loadtest.peer.servers import Contender, ServerSpec, SpecError, parse_contenders
+from loadtest.peer.servers import Contender, Launch, Placement, ServerSpec, SpecError, parse_contenders
 from loadtest.peer.sweep import Scenario, Sweep, point, rotation, run_point
 from loadtest.priority import class_priorities
 from loadtest.results import Record
@@ -89,9 +89,35 @@ def test_contender_specs_and_their_errors() -> None:
     assert [c.sends_priority for c in cs] == [True, True, False, False, True]
     assert cs[2].server == ServerSpec("vllm", "priority", 2048)  # it fronts the same server config
     for bad, why in (("tgi", "expected"), ("vllm:lifo", "policy"), ("vllm:fcfs:lots", "integer"),
-                     ("flowprefill,flowprefill", "twice"), ("vllm:fcfs:8", ">= 16")):
+                     ("flowprefill,flowprefill", "twice"), ("vllm:fcfs:8", ">= 16"),
+                     ("vllm:priority:512:1024", "within it"), ("sglang:priority:2048:256", "expected")):
         with pytest.raises(SpecError, match=why):
             parse_contenders(bad)
+
+
+def test_a_vllm_contender_with_a_long_prefill_cap() -> None:
+    """`vllm:priority:2048:256`: vLLM's own answer to a long prefill holding the step's whole budget
+    (--long-prefill-token-threshold), its own contender; 0 (the default) passes vLLM's default."""
+    capped, plain = parse_contenders("vllm:priority:2048:256,gateway:vllm:fcfs")
+    assert capped.name == "vllm-priority-2048-long256" and capped.server == ServerSpec("vllm", "priority", 2048, 256)
+    assert plain.name == "gateway+vllm-fcfs-2048" and plain.server.long_cap == 0
+    launch = Launch(Path("m"), "float32", Placement((1,), 1), {"vllm": "python"}, Path("logs"))
+    argv = launch.argv(capped.server, 8000)
+    assert argv[argv.index("--long-prefill-token-threshold") + 1] == "256"
+    assert argv[argv.index("--max-num-batched-tokens") + 1] == "2048"
+
+
+def test_the_gateway_contender_admits_by_the_peers_token_budget() -> None:
+    """By default the gateway in front of a peer lets as many prompt tokens into prefill there as the
+    peer's step budget (its batch stays full; the order is the gateway's); --gateway-tokens 0 counts
+    requests only."""
+    spec = ServerSpec("vllm", "priority", 512)
+    for tokens, expected in ((None, "512"), (0, "0"), (4096, "4096")):
+        launch = Launch(Path("m"), "float32", Placement((1,), 1), {"vllm": "python"}, Path("logs"),
+                        gateway_tokens=tokens)
+        argv = launch.gateway_argv(spec, "http://127.0.0.1:8000", 9000)
+        assert argv[argv.index("--max-tokens-in-flight") + 1] == expected
+        assert argv[argv.index("--upstream") + 1] == "openai" and argv[argv.index("--max-concurrency") + 1] == "64"
 
 
 def test_priority_mapping_is_the_gateways() -> None:
@@ -131,6 +157,25 @@ def test_identical_schedules_and_rotation_across_contenders() -> None:
         assert [p["rate"] for p in points[name]] == [10, 20, 30]
         assert all(p["attainment"] == 1.0 and p["failed"] == 0 for p in points[name])
     assert [points[n][1]["order"] for n in names] == [2, 0, 1]
+
+
+def test_repeats_rotate_and_report_the_run_of_median_attainment() -> None:
+    """--repeats 3: each rate runs every contender three times, the order rotated run by run, and
+    reports the run whose attainment is the median, whole, with the three attainments beside it."""
+    from loadtest.peer.sweep import median_point
+
+    names = ["a", "b"]
+    with fake_servers(*names) as (urls, log):
+        targets = {n: Target(urls[n], n, None) for n in names}
+        points = Sweep(targets, workload(), arrivals, drain_s=10, pause_s=0, repeats=3).run([10, 20],
+                                                                                            Scenario("quiet"))
+    per_run = len(log) // 12  # 2 rates x 3 repeats x 2 contenders, each run the same requests
+    rate_10, rate_20 = ["a", "b", "b", "a", "a", "b"], ["b", "a", "a", "b", "b", "a"]  # rotated run by run
+    assert [log[i]["server"] for i in range(0, len(log), per_run)] == rate_10 + rate_20
+    assert [p["rate"] for p in points["a"]] == [10, 20] and points["a"][0]["attainment_runs"] == [1.0] * 3
+    runs = [{"attainment": a, "per_class": {"x": {"attainment": a}}} for a in (0.9, 0.5, 0.7, 0.95)]
+    assert median_point(runs[:3]) == runs[2] | {"attainment_runs": [0.9, 0.5, 0.7]}  # 0.7, with its classes
+    assert median_point(runs)["attainment"] == 0.7 and median_point(runs[:1]) == runs[0]
 
 
 def test_gateway_contender_sends_the_priority_itself() -> None:

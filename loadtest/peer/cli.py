@@ -65,11 +65,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--busy-duty", type=float, default=0.5,
                    help="contended / step: the busy processes' duty cycle on the engines' cores")
     p.add_argument("--busy-period-ms", type=float, default=10.0)
-    # 2, not the gateway's own default of 8: on one CPU core vLLM behind the gateway reached 0.79x vLLM
-    # alone's max goodput with 8 in flight (its own queue decided the order) and >= 1.41x with 2
-    # (docs/benchmarks.md, "The gateway in front of vLLM: how many in flight").
-    p.add_argument("--gateway-concurrency", type=int, default=2,
+    # By prompt tokens, not by requests: on one AVX-512 core in fp32 a cap of 2 requests cost vLLM the
+    # batching of its 2,048-token steps near capacity (0.85x vLLM alone's max goodput), and a cap of 8
+    # let vLLM's own queue decide the order (0.79x in bf16); the fronted server's own step budget in
+    # prompt tokens keeps its steps full while the order stays the gateway's (docs/benchmarks.md,
+    # "The gateway in front of vLLM").
+    p.add_argument("--gateway-concurrency", type=int, default=64,
                    help="the gateway contender's --max-concurrency (requests it lets run on the peer at once)")
+    p.add_argument("--gateway-tokens", type=int, default=None,
+                   help="the gateway contender's --max-tokens-in-flight (prompt tokens in prefill on the peer; "
+                        "default: the peer's token budget; 0: count requests only)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per rate and contender (rotated); each rate reports its run of median attainment")
     p.add_argument("--max-tokens", type=int, default=1, help="output tokens per request (1: prefill only)")
     p.add_argument("--drain-s", type=float, default=60.0, help="wait this long for answers after the last arrival")
     p.add_argument("--max-model-len", type=int, default=16384)

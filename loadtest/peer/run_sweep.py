@@ -85,18 +85,22 @@ def scenario_doc(args: argparse.Namespace, base: Workload, chosen: list[Contende
 
 def run(args: argparse.Namespace, chosen: list[Contender], versions: dict[str, str | None], console: Console) -> int:
     rates = floats(args.rates, "--rates")
+    if args.repeats < 1:
+        raise SpecError("--repeats must be >= 1")
     names = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     if not names or any(n not in SCENARIOS for n in names):
         raise SpecError(f"--scenarios {args.scenarios!r}: choose from {', '.join(SCENARIOS)}")
     base, where = workload(args), placement(args)
     model = model_dir(args, console)
     launch = Launch(model, args.dtype, where, {k: getattr(args, f"{k}_python") for k in versions}, args.out / "logs",
-                    max_model_len=args.max_model_len, gateway_concurrency=args.gateway_concurrency)
+                    max_model_len=args.max_model_len, gateway_concurrency=args.gateway_concurrency,
+                    gateway_tokens=args.gateway_tokens)
     context: dict[str, Any] = {"command": "flowprefill bench peer " + " ".join(args.argv),
                                "machine": machine_info(), "model": model.name}
     context["peer"] = {"placement": where.describe(), "load_generator": pin_load_generator(where),
                        "versions": versions, "contenders": [c.name for c in chosen],
-                       "gateway_concurrency": args.gateway_concurrency, "checkpoint": str(model)}
+                       "gateway_concurrency": args.gateway_concurrency, "gateway_tokens": args.gateway_tokens,
+                       "checkpoint": str(model)}
     with ExitStack() as servers:
         with console.status(f"starting {len(chosen)} contenders on {where.describe()} (vLLM takes minutes)…"):
             t0 = time.monotonic()
@@ -110,13 +114,13 @@ def run(args: argparse.Namespace, chosen: list[Contender], versions: dict[str, s
 
 def _sweep(args: argparse.Namespace, base: Workload, chosen: list[Contender], targets: dict[str, Target],
            names: list[str], rates: list[float], where: Placement, context: dict[str, Any], console: Console) -> int:
-    sweep = Sweep(targets, base, arrivals, args.max_tokens, args.drain_s)
+    sweep = Sweep(targets, base, arrivals, args.max_tokens, args.drain_s, repeats=args.repeats)
     args.out.mkdir(parents=True, exist_ok=True)
     columns = (TextColumn("{task.description:<48}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     for name in names:
         scenario = Scenario(name, where.cores, args.busy_duty, args.busy_period_ms)
         with Progress(*columns, console=console) as progress:
-            task = progress.add_task(name, total=len(rates) * len(targets))
+            task = progress.add_task(name, total=len(rates) * len(targets) * args.repeats)
 
             def show(what: str, done: int, task: TaskID = task) -> None:
                 progress.update(task, description=what, advance=done)

@@ -53,17 +53,20 @@ def cores_arg(cores: tuple[int, ...]) -> str:
 @dataclass(frozen=True)
 class ServerSpec:
     """One server configuration. kind vllm / sglang: `policy` priority or fcfs, `budget` the chunked
-    prefill token budget; kind flowprefill: `policy` is its --policy."""
+    prefill token budget, `long_cap` (vLLM) its --long-prefill-token-threshold: the most tokens of a
+    step a long prefill takes while other requests wait (0: all of it); kind flowprefill: `policy` is
+    its --policy."""
 
     kind: str
     policy: str = "priority"
     budget: int | None = None
+    long_cap: int = 0
 
     @property
     def name(self) -> str:
         if self.kind == "flowprefill":
             return "flowprefill" if self.policy == "flowprefill" else f"flowprefill-{self.policy}"
-        return f"{self.kind}-{self.policy}-{self.budget}"
+        return f"{self.kind}-{self.policy}-{self.budget}" + (f"-long{self.long_cap}" if self.long_cap else "")
 
 
 @dataclass(frozen=True)
@@ -100,19 +103,20 @@ def parse_contenders(spec: str) -> list[Contender]:
         if kind == "flowprefill" and not via:
             out.append(Contender(ServerSpec("flowprefill", parts[1] if len(parts) > 1 else "flowprefill")))
             continue
-        if kind not in PEERS or len(parts) > 3:
+        if kind not in PEERS or len(parts) > 4 or (len(parts) > 3 and kind != "vllm"):
             raise SpecError(f"contender {item!r}: expected vllm|sglang[:priority|fcfs[:TOKENS]], "
-                            "gateway:vllm|sglang[:...] or flowprefill[:POLICY]")
+                            "vllm:POLICY:TOKENS:LONG_CAP, gateway:vllm|sglang[:...] or flowprefill[:POLICY]")
         policy = parts[1] if len(parts) > 1 else "priority"
         if policy not in ("priority", "fcfs"):
             raise SpecError(f"contender {item!r}: policy {policy!r} is not priority or fcfs")
         try:
             budget = int(parts[2]) if len(parts) > 2 else 2048
+            cap = int(parts[3]) if len(parts) > 3 else 0
         except ValueError:
-            raise SpecError(f"contender {item!r}: token budget {parts[2]!r} is not an integer") from None
-        if budget < 16:
-            raise SpecError(f"contender {item!r}: token budget must be >= 16")
-        out.append(Contender(ServerSpec(kind, policy, budget), via))
+            raise SpecError(f"contender {item!r}: its token budget and long-prefill cap must be integers") from None
+        if budget < 16 or not 0 <= cap <= budget:
+            raise SpecError(f"contender {item!r}: token budget must be >= 16, the long-prefill cap within it")
+        out.append(Contender(ServerSpec(kind, policy, budget, cap), via))
     if len({c.name for c in out}) != len(out):
         raise SpecError(f"contenders {spec!r} name one twice")
     if not out:
@@ -131,7 +135,8 @@ class Launch:
     logs: Path
     max_model_len: int = 16384
     vllm_kv_gib: int = 1
-    gateway_concurrency: int = 2  # the peer benchmark's default (loadtest/peer/cli.py)
+    gateway_concurrency: int = 64  # the peer benchmark's default (loadtest/peer/cli.py)
+    gateway_tokens: int | None = None  # the gateway's --max-tokens-in-flight (None: the server's budget)
 
     def argv(self, spec: ServerSpec, port: int) -> list[str]:
         p = self.placement
@@ -145,7 +150,7 @@ class Launch:
                     "--dtype", self.dtype, "--scheduling-policy", spec.policy, "--enable-chunked-prefill",
                     "--max-num-batched-tokens", str(spec.budget), "--no-enable-prefix-caching",
                     "--max-model-len", str(self.max_model_len), "--disable-log-stats",
-                    "--uvicorn-log-level", "warning"]
+                    "--uvicorn-log-level", "warning", "--long-prefill-token-threshold", str(spec.long_cap)]
         # SGLang: lower priority values first, as vLLM (its default is the reverse); any priority
         # difference may preempt (its default threshold, 10, is more than our classes span).
         argv = [self.pythons["sglang"], "-m", "sglang.launch_server", "--model-path", str(self.model),
@@ -167,9 +172,11 @@ class Launch:
                     "SGLANG_CPU_OMP_THREADS_BIND": cores_arg(p.cores)}
         return env
 
-    def gateway_argv(self, upstream_url: str, port: int) -> list[str]:
+    def gateway_argv(self, upstream: ServerSpec, upstream_url: str, port: int) -> list[str]:
+        tokens = (upstream.budget or 0) if self.gateway_tokens is None else self.gateway_tokens
         return [sys.executable, "-m", "gateway.cli", "gateway", "--workers", upstream_url, "--upstream", "openai",
-                "--port", str(port), "--max-concurrency", str(self.gateway_concurrency)]
+                "--port", str(port), "--max-concurrency", str(self.gateway_concurrency),
+                "--max-tokens-in-flight", str(tokens)]
 
 
 class Process:
@@ -223,7 +230,8 @@ def fleet(contenders: list[Contender], launch: Launch, start_timeout_s: float = 
         for c in contenders:
             if c.via_gateway:
                 port = free_port()
-                gateways[c.name] = Process(c.name, launch.gateway_argv(servers[c.server].url, port), {}, launch, port)
+                argv = launch.gateway_argv(c.server, servers[c.server].url, port)
+                gateways[c.name] = Process(c.name, argv, {}, launch, port)
         for p in gateways.values():
             p.wait(start_timeout_s)
         yield {c.name: (gateways[c.name] if c.via_gateway else servers[c.server]).url for c in contenders}

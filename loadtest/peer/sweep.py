@@ -87,30 +87,43 @@ def point(rate: float, records: list[Record]) -> dict[str, Any]:
     return pt
 
 
+def median_point(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One rate's repeats as one point: the run of median attainment (the lower middle of an even
+    count), whole, so its classes' figures stay one run's, with every run's attainment beside it."""
+    middle = sorted(runs, key=lambda p: p["attainment"])[(len(runs) - 1) // 2]
+    return middle | ({"attainment_runs": [p["attainment"] for p in runs]} if len(runs) > 1 else {})
+
+
 class Sweep:
-    """Every rate, every contender, in rotated order; a contender past its knee stops early."""
+    """Every rate, every contender, in rotated order, `repeats` times; a contender past its knee
+    stops early."""
 
     def __init__(self, targets: dict[str, Target], base: Workload, schedule_of: Callable[[Workload], list[Arrival]],
-                 max_tokens: int = 1, drain_s: float = 60.0, pause_s: float = 1.0) -> None:
+                 max_tokens: int = 1, drain_s: float = 60.0, pause_s: float = 1.0, repeats: int = 1) -> None:
         self.targets, self.base, self.schedule_of = targets, base, schedule_of
-        self.max_tokens, self.drain_s, self.pause_s = max_tokens, drain_s, pause_s
+        self.max_tokens, self.drain_s, self.pause_s, self.repeats = max_tokens, drain_s, pause_s, repeats
 
     def run(self, rates: list[float], scenario: Scenario,
             progress: Callable[[str, int], None] = lambda *_: None) -> dict[str, list[dict[str, Any]]]:
-        """progress(what, 0) as each (rate, contender) starts, progress(what, 1) once it is done."""
+        """progress(what, 0) as each (rate, contender, repeat) starts, progress(what, 1) once it is done."""
         names = list(self.targets)
         points: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
         for k, rate in enumerate(sorted(rates)):
             schedule = self.schedule_of(scale_to_rate(self.base, rate))
-            for position, name in enumerate(rotation(names, k)):
-                mine = points[name]
-                if len(mine) >= 2 and all(p["attainment"] < COLLAPSED for p in mine[-2:]):
-                    progress(f"{scenario.name} @ {rate:g} req/s: {name} skipped (collapsed)", 1)
-                    continue
-                what = f"{scenario.name} @ {rate:g} req/s: {name}"
-                progress(what, 0)
-                pt = run_point(self.targets[name], schedule, rate, scenario, self.max_tokens, self.drain_s)
-                mine.append(pt | {"order": position})
-                time.sleep(self.pause_s)  # the last answers' work, then the next contender starts cold alike
-                progress(what, 1)
+            runs: dict[str, list[dict[str, Any]]] = {}
+            for r in range(self.repeats):
+                for position, name in enumerate(rotation(names, k * self.repeats + r)):
+                    mine = points[name]
+                    if len(mine) >= 2 and all(p["attainment"] < COLLAPSED for p in mine[-2:]):
+                        progress(f"{scenario.name} @ {rate:g} req/s: {name} skipped (collapsed)", 1)
+                        continue
+                    what = f"{scenario.name} @ {rate:g} req/s: {name}" + (f" ({r + 1}/{self.repeats})"
+                                                                          if self.repeats > 1 else "")
+                    progress(what, 0)
+                    pt = run_point(self.targets[name], schedule, rate, scenario, self.max_tokens, self.drain_s)
+                    runs.setdefault(name, []).append(pt | {"order": position})
+                    time.sleep(self.pause_s)  # the last answers' work, then the next contender starts cold alike
+                    progress(what, 1)
+            for name, mine in runs.items():
+                points[name].append(median_point(mine))
         return points
