@@ -21,7 +21,10 @@ def test_prefill_bench_smoke(tmp_path: Path) -> None:
     assert tput["matmul_peak_gflops"] > 0 and tput["gflops"]["ours preemptible"]["256"] > 0
     # Same weights, same answer: the three forwards agree on the last-token logits.
     assert all(v < 1e-4 for k, v in tput["agreement"].items() if k.startswith("max_abs_logit_diff"))
-    assert doc["overhead"]["per_size"]["512"]
+    per = doc["overhead"]["per_size"]["512"]
+    # on a CPU each run's CPU seconds too (what the split costs the machine, whatever shares its cores)
+    assert len(per["preemptible_cpu_s"]) == len(per["off_cpu_s"]) == 1 and min(per["off_cpu_s"]) > 0
+    assert per["median_paired_cpu_overhead_pct"] == per["cpu_overhead_pct"]  # one pair: the same ratio
     split = doc["stop_latency"]["modes"]["split"]["512"]
     assert split["n"] >= 1 and all(ms >= 0 for ms in split["samples_ms"])
     # the engine's learned corrections: the 32-token urgent batches, at least, were measured

@@ -91,8 +91,11 @@ def device_sync(device: str) -> Callable[[], None]:
 
 
 def interleaved(contenders: dict[str, Callable[[], object]], repeats: int,
-                tick: Callable[[], None], sync: Callable[[], None] = lambda: None) -> dict[str, list[float]]:
-    """Seconds of each contender, `repeats` rounds of A, B, C, ... after one untimed warm-up round."""
+                tick: Callable[[], None], sync: Callable[[], None] = lambda: None,
+                cpu: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
+    """Seconds of each contender, `repeats` rounds of A, B, C, ... after one untimed warm-up round.
+    `cpu`, if given, gets each run's CPU seconds too (every thread of this process: what the run
+    cost the machine, whatever else ran on its cores meanwhile)."""
     for fn in contenders.values():
         fn()
         sync()
@@ -101,9 +104,11 @@ def interleaved(contenders: dict[str, Callable[[], object]], repeats: int,
     for _ in range(repeats):
         for name, fn in contenders.items():
             sync()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
             sync()
             times[name].append(time.perf_counter() - t0)
+            if cpu is not None:
+                cpu.setdefault(name, []).append(time.process_time() - c0)
             tick()
     return times

@@ -60,10 +60,11 @@ class OverheadSection:
             ids = random_prompt(n, model.cfg.vocab_size, self.gen)
             table = kv.allocate(n)
             try:
+                cpu: dict[str, list[float]] = {}
                 times = interleaved({name: lambda run=run, ids=ids, table=table: run(ids, table)
                                      for name, run in runs.items()},
                                     self.plan.repeats, lambda: self.progress.advance(task),
-                                    device_sync(self.cfg.device))
+                                    device_sync(self.cfg.device), cpu)
             finally:
                 kv.free(table)
             m_on, m_off = median(times["preemptible"]), median(times["off"])
@@ -76,6 +77,11 @@ class OverheadSection:
                 "steps_preemptible": runs["preemptible"].last_steps, "steps_off": runs["off"].last_steps,
                 "mean_step_ms_preemptible": m_on / runs["preemptible"].last_steps * 1e3,
             }
+            if self.cfg.device == "cpu":  # a shared machine's other processes take wall time, not CPU time
+                cpu_paired = [100 * (a / b - 1) for a, b in zip(cpu["preemptible"], cpu["off"], strict=True)]
+                per.update(preemptible_cpu_s=cpu["preemptible"], off_cpu_s=cpu["off"],
+                           cpu_overhead_pct=100 * (median(cpu["preemptible"]) / median(cpu["off"]) - 1),
+                           median_paired_cpu_overhead_pct=median(cpu_paired))
             if LINEAR in times:
                 per.update(linear_blocks_s=times[LINEAR], steps_linear_blocks=runs[LINEAR].last_steps,
                            linear_blocks_overhead_pct=100 * (median(times[LINEAR]) / m_off - 1))
@@ -87,7 +93,9 @@ class OverheadSection:
         t = Table(title=f"2 · Checkpoint overhead: split ({r['step_budget_ms']:g} ms budget) + per-step check "
                   f"vs checkpoints off (median of {self.plan.repeats})", title_justify="left")
         linear = any("linear_blocks_s" in p for p in r["per_size"].values())
+        on_cpu = any("cpu_overhead_pct" in p for p in r["per_size"].values())
         for col in ("prompt", "steps on / off", "off ms", "preemptible ms", "slower (medians)", "slower (paired)",
+                    *(["CPU time: medians, paired"] if on_cpu else []),
                     *(["blocks from a line: steps, slower"] if linear else [])):
             t.add_column(col, justify="right")
         for n in r["sizes"]:
@@ -96,6 +104,8 @@ class OverheadSection:
             row = [size_label(n), f"{p['steps_preemptible']} / {p['steps_off']}", f"{p['median_off_s'] * 1e3:,.1f}",
                    f"{p['median_preemptible_s'] * 1e3:,.1f}",
                    f"[{'green' if pct <= 5 else 'red'}]{pct:+.1f}%[/]", f"{p['median_paired_overhead_pct']:+.1f}%"]
+            if on_cpu:
+                row.append(f"{p['cpu_overhead_pct']:+.1f}%, {p['median_paired_cpu_overhead_pct']:+.1f}%")
             if linear:
                 row.append(f"{p['steps_linear_blocks']}, {p['linear_blocks_overhead_pct']:+.1f}%")
             t.add_row(*row)
