@@ -367,15 +367,16 @@ def test_without_vllm_it_says_how_to_install_it_and_exits_2(tmp_path: Path, caps
 @pytest.mark.slow
 def test_command_end_to_end_with_flowprefill(tmp_path: Path) -> None:
     """The whole command on FlowPrefill alone (no peer needed): the checkpoint written, a quiet and a
-    step run, goodput.json's schema per scenario, the plot and the tables."""
+    step run, each rate twice, goodput.json's schema per scenario, the plot and the tables."""
     done = _peer("--contenders", "flowprefill", "--rates", "2,4", "--requests", "6", "--scenarios", "quiet,step",
-                 "--dtype", "float32", "--out", str(tmp_path), timeout=280)
+                 "--dtype", "float32", "--repeats", "2", "--out", str(tmp_path), timeout=280)
     assert done.returncode == 0, done.stdout + done.stderr
     for scenario in ("quiet", "step"):
         doc = json.loads((tmp_path / f"peer-{scenario}-float32.json").read_text())
         assert doc["engine"] == "http" and list(doc["policies"]) == ["flowprefill"]
         pts = doc["policies"]["flowprefill"]["points"]
         assert [p["rate"] for p in pts] == [2, 4] and all(p["failed"] == 0 for p in pts)
+        assert all(len(p["attainment_runs"]) == 2 for p in pts)  # --repeats 2: both runs' attainment (the plot's bars)
         assert sum(c["n"] for c in pts[0]["per_class"].values()) == 6
         assert doc["peer"]["scenario"]["name"] == scenario and "pinned" in doc["peer"]["placement"]
         assert (tmp_path / f"peer-{scenario}-float32.png").stat().st_size > 10_000

@@ -152,16 +152,26 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, pol in doc["policies"].items():
+    n = len(doc["policies"])
+    for i, (name, pol) in enumerate(doc["policies"].items()):
         pts = sorted(pol["points"], key=lambda p: p["rate"])
         style = "-" if name == "flowprefill" else "--" if name.startswith("gateway+") else ":"
-        a.plot([p["rate"] for p in pts], [p["attainment"] * 100 for p in pts], style, marker="o", label=name)
+        line, = a.plot([p["rate"] for p in pts], [p["attainment"] * 100 for p in pts], style, marker="o", label=name)
+        spread = [(p["rate"], min(p["attainment_runs"]) * 100, max(p["attainment_runs"]) * 100) for p in pts
+                  if p.get("attainment_runs")]  # --repeats: every run's attainment, the point the median
+        if spread:
+            nudge = (i - (n - 1) / 2) * 0.12  # side by side, not on top of each other
+            a.vlines([x + nudge for x, _, _ in spread], [lo for _, lo, _ in spread], [hi for *_, hi in spread],
+                     color=line.get_color(), alpha=0.5, lw=3)
         inter = [(p["rate"], p["per_class"]["interactive"]["ttft_p99_ms"]) for p in pts
                  if p["per_class"].get("interactive", {}).get("ttft_p99_ms") is not None]
         b.plot([x for x, _ in inter], [y for _, y in inter], style, marker="o", label=name)
     a.axhline(90, color="grey", lw=0.8, ls=":")
+    repeats = max((len(p.get("attainment_runs", [])) for pol in doc["policies"].values() for p in pol["points"]),
+                  default=0)
     a.set(xlabel="offered rate (req/s)", ylabel="TTFT SLO attainment (%)", ylim=(0, 102),
-          title="attainment vs rate, every class")
+          title="attainment vs rate, every class" + (f" (median of {repeats} runs; bars: their range)"
+                                                      if repeats > 1 else ""))
     b.axhline(DEFAULT_CLASSES["interactive"].ttft_ms, color="grey", lw=0.8, ls=":")
     b.set(xlabel="offered rate (req/s)", ylabel="interactive TTFT p99 (ms, log)", yscale="log",
           title="interactive p99 TTFT (dotted: target)")
