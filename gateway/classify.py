@@ -89,8 +89,11 @@ def estimate_prompt_tokens(body: Mapping[str, Any]) -> int:
         return len(prompt)
     if isinstance(prompt, list):
         return sum(estimate_prompt_tokens({"prompt": p}) for p in prompt)
-    text = prompt if isinstance(prompt, str) else ""
+    chars = len(prompt) if isinstance(prompt, str) else 0
     for m in body.get("messages") or []:
-        if isinstance(m, dict) and isinstance(m.get("content"), str):
-            text += m["content"]
-    return len(text) // 4
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, list):  # text parts
+            chars += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return chars // 4

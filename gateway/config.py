@@ -35,7 +35,7 @@ class Upstream(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # openai: prompt tokens in prefill per server (0: count requests only). The server's step budget
     # (vLLM's --max-num-batched-tokens) fills its batch with what is admitted while urgent requests
     # still overtake at the gateway; a longer prompt goes alone. A streamed request gives its tokens
-    # back at its first token.
+    # back at its first token, one not streamed at its end.
     max_tokens_in_flight: int = 0
     max_queue: int = 1024  # openai: requests waiting at the gateway; past it, 503 queue_full
     priority_field: str = "priority"  # openai: body field for the class's priority ("" = send none)

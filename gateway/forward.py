@@ -169,7 +169,7 @@ class Forwarder:
         # Where its prefix may be cached: the prefill workers' when disaggregated (decode imports KV).
         return Job(path, body, raw, slo, rid, {SLO_CLASS_HEADER: slo.name, REQUEST_ID_HEADER: rid}, upstream_headers,
                    arrival + slo.ttft_ms / 1000, prefix_key(view, self.cfg.prefix_affinity_chars),
-                   self.pool.charge(estimate_prompt_tokens(view)))
+                   self.pool.charge(estimate_prompt_tokens(view)) if self.pool.charges_tokens else 0)
 
     async def _acquire(self, job: Job) -> Worker | None:
         """The next worker to try (in front of plain servers: once a slot is free, by deadline)."""
@@ -212,11 +212,18 @@ class Forwarder:
             self._release(job, worker)
             self.pool.mark_failed(worker)
             return Next.RETRY  # nothing was sent to the client yet: retry elsewhere
-        if up.headers.get(DROPPED_REASON_HEADER):  # shed there: another worker may take it
-            job.shed = up
-            await up.aread()
-            await up.aclose()
+        except BaseException:  # the client went away while it was sent: its slot and tokens go back
             self._release(job, worker)
+            raise
+        if up.headers.get(DROPPED_REASON_HEADER):  # shed there: another worker may take it
+            try:
+                await up.aread()
+                job.shed = up
+            except httpx.HTTPError:  # the connection broke: as if it had not answered
+                self.pool.mark_failed(worker)
+            finally:
+                await up.aclose()
+                self._release(job, worker)
             return Next.RETRY
         if up.status_code >= 500:
             return await self._failed(job, worker, up)

@@ -95,12 +95,16 @@ class WorkerPool:
     def queued(self) -> int:
         return sum(not f.done() for *_, f in self._waiting)
 
+    @property
+    def charges_tokens(self) -> bool:
+        """Does a request's prompt count here (a gated pool with a token budget)?"""
+        return self.gated and self.upstream.max_tokens_in_flight > 0
+
     def charge(self, prompt_tokens: int) -> int:
         """What a request of `prompt_tokens` counts against a gated server's token budget: all of it,
         up to the whole budget (a prompt longer than the server's step runs alone, in several steps);
         nothing when no budget is set or the workers schedule themselves."""
-        budget = self.upstream.max_tokens_in_flight
-        return min(max(prompt_tokens, 1), budget) if self.gated and budget else 0
+        return min(max(prompt_tokens, 1), self.upstream.max_tokens_in_flight) if self.charges_tokens else 0
 
     async def acquire(self, deadline: float, exclude: frozenset[str] | set[str] = frozenset(),
                       key: Prefix | None = None, late: Lateness | None = None, tokens: int = 0) -> Worker | None:
@@ -209,20 +213,24 @@ class WorkerPool:
 
     def _dispatch(self) -> None:
         """Hand free slots to waiters, earliest deadline first; a waiter whose deadline has passed
-        goes by its late bound instead, or is shed (`LateGate`). A waiter that no worker has room
-        for holds the rest back (strict order: shorter prompts behind it must not starve it)."""
+        goes by its late bound instead, or is shed (`LateGate`). A waiter too long for the room its
+        workers have left holds those workers back for itself (strict order: shorter prompts behind
+        it must not starve it); later waiters may still take the others."""
         self._waiting = self._late.rekey(self._waiting, time.monotonic())
         later = []
+        held: set[str] = set()  # workers kept for an earlier waiter's prompt
         while self._waiting:
             item = heapq.heappop(self._waiting)
             _, _, exclude, key, tokens, fut = item
             if fut.done():
                 continue
-            w = self._free(exclude, key, tokens)
+            w = self._free(exclude | held, key, tokens)
             if w is None:
                 later.append(item)
-                if self._free(frozenset(), None, tokens) is None:
-                    break  # no room anywhere: the rest wait too
+                if tokens:
+                    held |= {x.url for x in self.workers if x.url not in exclude}
+                if self._free(frozenset(held)) is None:
+                    break  # no slot outside those held: the rest wait too
                 continue
             self._take(w, tokens)
             fut.set_result(w)

@@ -314,3 +314,37 @@ def test_a_streamed_request_gives_its_tokens_back_at_its_first_token(budget: int
         assert 0.5 <= second - first < 1.5  # (2 s had it waited for the first's stream to end)
     else:
         assert second - first < 0.4
+
+
+def test_a_long_waiter_holds_only_the_workers_it_may_use() -> None:
+    """Two servers, 100 prompt tokens each, 90 in prefill on both. The head waiter needs the whole
+    budget and may not go to b (it failed there before): it holds a alone, and a short prompt
+    behind it still gets b's room; one that would fit a only waits with it."""
+    from gateway.routing import WorkerPool
+
+    async def main() -> None:
+        async with httpx.AsyncClient() as client:
+            pool = WorkerPool(["http://a", "http://b"], client,
+                              upstream=Upstream(kind="openai", max_concurrency=8, max_tokens_in_flight=100))
+            first, second = await pool.acquire(10.0, tokens=90), await pool.acquire(10.0, tokens=90)
+            a = first if first.url == "http://a" else second
+            b = second if a is first else first
+            head = asyncio.ensure_future(pool.acquire(1.0, frozenset({"http://b"}), tokens=100))
+            wants_a = asyncio.ensure_future(pool.acquire(2.0, frozenset({"http://b"}), tokens=10))
+            short = asyncio.ensure_future(pool.acquire(3.0, tokens=10))
+            await asyncio.sleep(0)
+            assert (await short) is b and not head.done() and not wants_a.done()
+            pool.prefilled(a, 90)
+            assert (await head) is a and not wants_a.done()  # in order: the head first, then the rest
+            pool.release(a, 100)
+            assert (await wants_a) is a
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_prompt_tokens_are_estimated_from_text_parts_too() -> None:
+    from gateway.classify import estimate_prompt_tokens
+
+    parts = {"messages": [{"role": "system", "content": "x" * 40},
+                          {"role": "user", "content": [{"type": "text", "text": "y" * 400}, {"type": "image_url"}]}]}
+    assert estimate_prompt_tokens(parts) == 110 and estimate_prompt_tokens({"prompt": list(range(7))}) == 7
