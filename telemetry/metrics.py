@@ -246,7 +246,8 @@ class _WorkerCPUCollector(Collector):
 
 class _PoolCollector(Collector):
     """Workers per pool and state (healthy: in rotation; unhealthy: out until a check passes;
-    draining: gone from discovery, finishing its requests), and members joined and left."""
+    draining: gone from discovery, finishing its requests), members joined and left, and what the
+    gateway has in flight there: requests, and prompt tokens held against a token budget."""
 
     def __init__(self, pools: dict[str, WorkerPool]) -> None:
         self.pools = pools
@@ -256,6 +257,9 @@ class _PoolCollector(Collector):
                                  labels=["pool", "state"])
         changes = CounterMetricFamily("flowprefill_gateway_worker_changes",
                                       "Workers that joined or left a pool (DNS discovery)", labels=["pool", "change"])
+        in_flight = GaugeMetricFamily("flowprefill_gateway_in_flight",
+                                      "Sent to a pool's workers and not yet answered: requests, and prompt tokens "
+                                      "still in prefill against upstream.max_tokens_in_flight", labels=["pool", "unit"])
         for name, pool in self.pools.items():
             healthy = sum(w.healthy for w in pool.workers)
             size.add_metric([name, "healthy"], healthy)
@@ -263,5 +267,9 @@ class _PoolCollector(Collector):
             size.add_metric([name, "draining"], len(pool.draining))
             changes.add_metric([name, "joined"], pool.joined)
             changes.add_metric([name, "left"], pool.left)
+            workers = [*pool.workers, *pool.draining.values()]
+            in_flight.add_metric([name, "requests"], sum(w.in_flight for w in workers))
+            in_flight.add_metric([name, "prompt_tokens"], sum(w.tokens_in_flight for w in workers))
         yield size
         yield changes
+        yield in_flight

@@ -348,3 +348,26 @@ def test_prompt_tokens_are_estimated_from_text_parts_too() -> None:
     parts = {"messages": [{"role": "system", "content": "x" * 40},
                           {"role": "user", "content": [{"type": "text", "text": "y" * 400}, {"type": "image_url"}]}]}
     assert estimate_prompt_tokens(parts) == 110 and estimate_prompt_tokens({"prompt": list(range(7))}) == 7
+
+
+def test_metrics_show_what_is_in_flight_per_pool() -> None:
+    """`flowprefill_gateway_in_flight{pool, unit}`: requests and prompt tokens held at the workers,
+    read at each scrape (a leak in the token accounting would show here as a floor above 0)."""
+    from gateway.routing import WorkerPool
+    from telemetry.metrics import GatewayMetrics
+
+    async def main() -> None:
+        async with httpx.AsyncClient() as client:
+            pool = WorkerPool(["http://a", "http://b"], client,
+                              upstream=Upstream(kind="openai", max_tokens_in_flight=100))
+            metrics = GatewayMetrics()
+            metrics.track_pools({"workers": pool, "prefill_workers": None})
+            w = await pool.acquire(1.0, tokens=60)
+            await pool.acquire(1.0, tokens=30)
+            text = metrics.render().decode()
+            assert 'flowprefill_gateway_in_flight{pool="workers",unit="requests"} 2.0' in text
+            assert 'flowprefill_gateway_in_flight{pool="workers",unit="prompt_tokens"} 90.0' in text
+            pool.prefilled(w, 60)
+            assert 'unit="prompt_tokens"} 30.0' in metrics.render().decode()
+
+    asyncio.run(main())
