@@ -104,6 +104,17 @@ class Job:
     shed: Upstream | None = None  # the last worker's answer that shed it
     failed: tuple[int, bytes] | None = None  # the last worker's 5xx answer (status, body)
 
+    def prefilled(self, pool: WorkerPool, worker: Worker) -> None:
+        """Its first token is back: the prompt tokens it held at `worker` go back (once)."""
+        if self.held:
+            pool.prefilled(worker, self.held)
+            self.held = 0
+
+    def release(self, pool: WorkerPool, worker: Worker) -> None:
+        """It is done at `worker`: its slot, and the tokens it still holds there, go back."""
+        pool.release(worker, self.held)
+        self.held = 0
+
 
 class Next(enum.Enum):
     RETRY = "another worker may take it"
@@ -187,10 +198,6 @@ class Forwarder:
         job.held = job.tokens if worker is not None else 0
         return worker
 
-    def _release(self, job: Job, worker: Worker) -> None:
-        self.pool.release(worker, job.held)
-        job.held = 0
-
     async def _try(self, job: Job, worker: Worker) -> Response | Stream | Next:
         """One worker's go at the request: its answer, or what to do next."""
         to_worker = job.upstream_headers
@@ -198,22 +205,22 @@ class Forwarder:
             try:
                 refused = await self.prefill.run(worker, job)
             except GatewayError as exc:
-                self._release(job, worker)
+                job.release(self.pool, worker)
                 exc.headers |= job.ours
                 raise
             if isinstance(refused, Response):
-                self._release(job, worker)
+                job.release(self.pool, worker)
                 refused.headers.update(job.ours)
                 return refused
             to_worker = job.upstream_headers | refused | {KV_ID_HEADER: job.rid}
         try:
             up = await self.upstreams.post(f"{worker.url}{job.path}", job.raw, to_worker)
         except httpx.HTTPError:
-            self._release(job, worker)
+            job.release(self.pool, worker)
             self.pool.mark_failed(worker)
             return Next.RETRY  # nothing was sent to the client yet: retry elsewhere
         except BaseException:  # the client went away while it was sent: its slot and tokens go back
-            self._release(job, worker)
+            job.release(self.pool, worker)
             raise
         if up.headers.get(DROPPED_REASON_HEADER):  # shed there: another worker may take it
             try:
@@ -223,7 +230,7 @@ class Forwarder:
                 self.pool.mark_failed(worker)
             finally:
                 await up.aclose()
-                self._release(job, worker)
+                job.release(self.pool, worker)
             return Next.RETRY
         if up.status_code >= 500:
             return await self._failed(job, worker, up)
@@ -237,7 +244,7 @@ class Forwarder:
             content = None
         finally:
             await up.aclose()
-            self._release(job, worker)
+            job.release(self.pool, worker)
         if content is None:  # the connection broke: as if it had not answered
             self.pool.mark_failed(worker)
             return Next.RETRY
@@ -270,7 +277,7 @@ class Forwarder:
                                headers=job.ours) from None
         finally:
             await up.aclose()
-            self._release(job, worker)
+            job.release(self.pool, worker)
         return Response(content, status_code=up.status_code, headers=headers,
                         media_type=up.headers.get("content-type", "application/json"))
 
@@ -347,14 +354,11 @@ async def relay(up: Upstream, worker: Worker, pool: WorkerPool, job: Job) -> Asy
     Its first chunk means the prompt is prefilled: the tokens it held at the worker go back then."""
     try:
         async for chunk in up.aiter_raw():
-            if job.held:
-                pool.prefilled(worker, job.held)
-                job.held = 0
+            job.prefilled(pool, worker)
             yield chunk
     except httpx.HTTPError:
         err = error_body(f"worker {worker.url} went away mid-stream", "server_error")
         yield b"data: " + msgspec.json.encode(err) + b"\n\ndata: [DONE]\n\n"
     finally:  # also when our client went away: closing the upstream cancels the engine's work
         await up.aclose()
-        pool.release(worker, job.held)
-        job.held = 0
+        job.release(pool, worker)

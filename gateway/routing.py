@@ -201,8 +201,8 @@ class WorkerPool:
         """A live worker with a free slot and room for `tokens` (an idle one always has room)."""
         now, cap, budget = time.monotonic(), self.upstream.max_concurrency, self.upstream.max_tokens_in_flight
         live = [w for w in self.workers if w.url not in exclude and w.healthy and w.down_until <= now]
-        free = [w for w in live if w.in_flight < cap and (not w.in_flight or w.tokens_in_flight + tokens <= budget
-                                                           or not tokens)]
+        free = [w for w in live if w.in_flight < cap
+                and (not tokens or not w.in_flight or w.tokens_in_flight + tokens <= budget)]
         if not free:
             return None
         if key is not None:

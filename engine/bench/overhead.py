@@ -34,6 +34,11 @@ def median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def _paired_pct(on: Sequence[float], off: Sequence[float]) -> list[float]:
+    """Each round's preemptible run over its checkpoints-off run, in percent slower."""
+    return [100 * (a / b - 1) for a, b in zip(on, off, strict=True)]
+
+
 class OverheadSection:
     """Mixed into the prefill benchmark, which provides these attributes."""
 
@@ -68,7 +73,7 @@ class OverheadSection:
             finally:
                 kv.free(table)
             m_on, m_off = median(times["preemptible"]), median(times["off"])
-            paired = [100 * (a / b - 1) for a, b in zip(times["preemptible"], times["off"], strict=True)]
+            paired = _paired_pct(times["preemptible"], times["off"])
             out["per_size"][str(n)] = per = {
                 "preemptible_s": times["preemptible"], "off_s": times["off"],
                 "median_preemptible_s": m_on, "median_off_s": m_off,
@@ -78,10 +83,9 @@ class OverheadSection:
                 "mean_step_ms_preemptible": m_on / runs["preemptible"].last_steps * 1e3,
             }
             if self.cfg.device == "cpu":  # a shared machine's other processes take wall time, not CPU time
-                cpu_paired = [100 * (a / b - 1) for a, b in zip(cpu["preemptible"], cpu["off"], strict=True)]
                 per.update(preemptible_cpu_s=cpu["preemptible"], off_cpu_s=cpu["off"],
                            cpu_overhead_pct=100 * (median(cpu["preemptible"]) / median(cpu["off"]) - 1),
-                           median_paired_cpu_overhead_pct=median(cpu_paired))
+                           median_paired_cpu_overhead_pct=median(_paired_pct(cpu["preemptible"], cpu["off"])))
             if LINEAR in times:
                 per.update(linear_blocks_s=times[LINEAR], steps_linear_blocks=runs[LINEAR].last_steps,
                            linear_blocks_overhead_pct=100 * (median(times[LINEAR]) / m_off - 1))

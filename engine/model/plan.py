@@ -87,10 +87,11 @@ class OpCost:
         table = self.row_block_s.get(op)
         if not table:
             # Even blocks: 512 rows of the embedded model's FFN as 320 + 192 took 3.06 ms on one
-            # AVX-512 core, as 256 + 256 2.91 ms (its rows run 5.4 us each from 256 to 384, 5.8 at
-            # 128-192): the split's overhead at 512 tokens was that difference, +2.5 %.
-            per_block = -(-rows // -(-rows // fit))  # rows over the blocks `fit` needs, rounded up
-            return min(fit, -(-per_block // 8) * 8)
+            # AVX-512 core, as 256 + 256 2.91 ms (its rows run 5.4 us each from 256 to 384, 5.7 at
+            # 128-192): three layers of that were the split's overhead at 512 tokens (+2.6 to +6.3 %
+            # by medians before, -2.0 to +1.7 % after; docs/benchmarks.md).
+            per_block = math.ceil(rows / math.ceil(rows / fit))  # rows over the blocks `fit` needs
+            return min(fit, math.ceil(per_block / 8) * 8)
 
         def measured_s(n: int) -> float:  # a block costs the next timed size's time
             i = bisect_left(table, n, key=lambda entry: entry[0])

@@ -150,7 +150,8 @@ class Launch:
                     "--dtype", self.dtype, "--scheduling-policy", spec.policy, "--enable-chunked-prefill",
                     "--max-num-batched-tokens", str(spec.budget), "--no-enable-prefix-caching",
                     "--max-model-len", str(self.max_model_len), "--disable-log-stats",
-                    "--uvicorn-log-level", "warning", "--long-prefill-token-threshold", str(spec.long_cap)]
+                    "--uvicorn-log-level", "warning",
+                    *(["--long-prefill-token-threshold", str(spec.long_cap)] if spec.long_cap else [])]
         # SGLang: lower priority values first, as vLLM (its default is the reverse); any priority
         # difference may preempt (its default threshold, 10, is more than our classes span).
         argv = [self.pythons["sglang"], "-m", "sglang.launch_server", "--model-path", str(self.model),
