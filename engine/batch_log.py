@@ -41,9 +41,9 @@ def measured(batch: PrefillBatch) -> MeasuredBatch:
 
 
 class BatchLog(EngineObserver):
-    def __init__(self, engine: Engine, folder: Path) -> None:
+    def __init__(self, engine: Engine, folder: Path, name: str = "") -> None:
         folder.mkdir(parents=True, exist_ok=True)
-        self.path = folder / f"batches-{os.getpid()}.jsonl"
+        self.path = folder / f"batches-{name}{os.getpid()}.jsonl"
         self._file = self.path.open("a", buffering=1)  # a line at a time: readable while the worker runs
         engine.observers.append(self)
 
@@ -52,10 +52,10 @@ class BatchLog(EngineObserver):
             self._file.write(json.dumps(measured(batch)) + "\n")
 
 
-def attach(engine: Engine) -> BatchLog | None:
-    """A BatchLog on `engine` if $FLOWPREFILL_BATCH_LOG is set."""
+def attach(engine: Engine, name: str = "") -> BatchLog | None:
+    """A BatchLog on `engine` if $FLOWPREFILL_BATCH_LOG is set (`name` tells apart engines of one process)."""
     folder = os.environ.get(ENV)
-    return BatchLog(engine, Path(folder)) if folder else None
+    return BatchLog(engine, Path(folder), name) if folder else None
 
 
 def read(folder: Path) -> list[MeasuredBatch]:

@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from engine import batch_log
 from engine.bench.console import results_console
 from engine.bench.machine import machine_info
 from engine.config import EngineConfig
@@ -35,6 +36,8 @@ from engine.scheduler import make_policy
 from engine.sim import SimConfig, simulate
 from engine.sim.errors import DEFAULT_LEVELS, PredictionError
 from engine.sim.oracle import BatchCostRecorder, ExactCosts
+from gateway.cli.common import CommandLineError
+from gateway.cli.options import add_engine_options, check_model, engine_config
 from loadtest import report
 from loadtest.workload import ClassRule, Workload, azure_mix, head, load_trace, scale_to_rate, synthesize_prompt
 
@@ -87,10 +90,10 @@ class Runner:
             # the cost model profiled on this machine; a simulation reads the cached profile as it
             # stands (at 3 req/s the same simulation gave 90.4 % and 83.2 % in two runs a minute
             # apart, each start-up's calibration having moved the median); engines add theirs to it
-            self._probe = Engine(engine_cfg, policy="fcfs", record_profile=kind == "real")
-            self.cost: OpCost = self._probe.cost
-            self.model_name = self._probe.model.cfg.name
-            self.vocab = self._probe.model.cfg.vocab_size
+            probe = Engine(engine_cfg, policy="fcfs", record_profile=kind == "real")
+            self.cost: OpCost = probe.cost
+            self.model_name, self.vocab = probe.model.cfg.name, probe.model.cfg.vocab_size
+            del probe  # its weights and KV cache: an 8B model's take 50 GB of a GPU with the default cache
         else:
             from engine.sim.costs import analytical
 
@@ -114,6 +117,7 @@ class Runner:
             engine = Engine(self.engine_cfg, policy=policy)
             engine.cost = engine.scheduler.cost = self.cost  # one calibration for every policy
             engine.observers.append(BatchCostRecorder())
+            batch_log.attach(engine, policy.replace(":", "") + "-")  # with $FLOWPREFILL_BATCH_LOG: a diagnostic
             self._engines[policy] = engine.start()
         engine = self._engines[policy]
         measured = next(o for o in engine.observers if isinstance(o, BatchCostRecorder))
@@ -196,12 +200,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "median of each number (one run of one seed is one draw of the noise)")
     p.add_argument("--out", default="bench-results",
                    help="directory for goodput-ENGINE.json and .png (default: bench-results)")
+    add_engine_options(p)  # --model, --device, --dtype ...: the real engine's, and the simulator's settings
+    # Off unless asked: the traces give token counts only, and the same synthesized prompts run for every
+    # policy and rate, so a cache would make each later run look faster than it is.
+    p.set_defaults(prefix_caching=False)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        check_model(args.model)
+    except CommandLineError as exc:
+        parser.error(str(exc))  # one line, exit 2
+    engine_cfg = engine_config(args)
 
     console = results_console()
     real = args.engine == "real"
@@ -218,16 +231,14 @@ def main(argv: list[str] | None = None) -> int:
             levels = levels_of(args)
         except ValueError as exc:
             parser.error(str(exc))  # one line, exit 2
-        return sweep_errors(args, console, levels, policies, rates, n, argv)
+        return sweep_errors(args, console, levels, policies, rates, n, argv, engine_cfg)
     if not args.no_ideal and "flowprefill" in policies:
         policies.append(IDEAL)
     rule = ClassRule()
     base = azure_mix(rule) if args.workload == "azure-mix" else load_trace(args.workload, rule)
     base = head(base, n)
     classes = DEFAULT_CLASSES
-    # Without prefix caching: the traces give token counts only, and the same synthesized prompts run
-    # for every policy and rate, so a cache would make each later run look faster than it is.
-    runner = Runner(args.engine, EngineConfig(prefix_caching=False), args.cost)
+    runner = Runner(args.engine, engine_cfg, args.cost)
     scale_rate = args.scale_rate or 2.0
     results: dict[str, list[dict[str, Any]]] = {pol: [] for pol in policies}
     scale_results: dict[str, list[dict[str, Any]]] = {pol: [] for pol in policies}

@@ -40,13 +40,13 @@ def levels_of(args: argparse.Namespace) -> list[PredictionError]:
 
 
 def sweep_errors(args: argparse.Namespace, console: Console, levels: list[PredictionError], policies: list[str],
-                 rates: list[float], n: int, argv: list[str] | None) -> int:
+                 rates: list[float], n: int, argv: list[str] | None, engine_cfg: EngineConfig) -> int:
     from loadtest.goodput import Runner, _collapsed
 
     rule = ClassRule()
     base = head(azure_mix(rule) if args.workload == "azure-mix" else load_trace(args.workload, rule), n)
     classes = DEFAULT_CLASSES
-    runner = Runner("sim", EngineConfig(prefix_caching=False), args.cost)
+    runner = Runner("sim", engine_cfg, args.cost)
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
     with Progress(console=console) as progress:
         task = progress.add_task("prediction-error sweep", total=len(levels) * len(policies) * len(rates))

@@ -133,3 +133,35 @@ def test_a_noisy_level_reports_the_median_over_seeds(tmp_path: Path) -> None:
     assert len({p["attainment"] for p in singles}) > 1  # the seeds draw different noise
     assert noisy["attainment"] == sorted(p["attainment"] for p in singles)[1]
     assert median_point(singles) == noisy
+
+
+def test_goodput_bench_runs_the_real_engine_on_a_checkpoint(tmp_path: Path, tiny_checkpoint,
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            torch_single_thread: None) -> None:
+    """--model and the other engine options reach the real engine (how a GPU run measures an 8B
+    checkpoint: .ci/gpu-check); with $FLOWPREFILL_BATCH_LOG each policy's engine logs its batches
+    apart. A checkpoint that is not there is one line and exit 2, before anything loads."""
+    from engine import batch_log
+
+    model = tiny_checkpoint("llama")
+    trace = tmp_path / "short.csv"  # the tiny model's context is 512 tokens
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
+        f"2023-11-16 18:15:0{i}.000000,{n},1\n" for i, n in enumerate([40, 300, 120, 450, 60, 200])))
+    monkeypatch.setenv(batch_log.ENV, str(tmp_path / "batches"))
+    out = tmp_path / "out"
+    assert main(["bench", "goodput", "--engine", "real", "--model", str(model), "--workload", str(trace),
+                 "--kv-capacity-tokens", "8192", "--kv-block-size", "16", "--policies", "flowprefill,chunked:2048",
+                 "--rates", "20", "--slo-scales", "", "--no-ideal", "--out", str(out)]) == 0
+    doc = json.loads((out / "goodput-real.json").read_text())
+    assert doc["workload"]["requests"] == 6
+    from engine.config import ModelConfig
+
+    assert doc["model"] == ModelConfig.from_dir(model).name
+    assert all(len(p["points"]) == 1 for p in doc["policies"].values())
+    logs = sorted(p.name.rsplit("-", 1)[0] for p in (tmp_path / "batches").iterdir())
+    assert logs == ["batches-chunked2048", "batches-flowprefill"]
+    assert all(batch_log.read(tmp_path / "batches"))
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "goodput", "--engine", "real", "--model", str(tmp_path / "missing")])
+    assert exit_.value.code == 2
