@@ -321,21 +321,30 @@ def _plot(doc: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    sweep = doc["slo_scale_sweep"]
+    scaled = any(sweep["policies"].get(name) for name in doc["policies"])
+    fig, axes = plt.subplots(1, 2 if scaled else 1, figsize=(12 if scaled else 7, 4.5), squeeze=False)
+    a, b = axes[0][0], axes[0][-1]
     for name, pol in doc["policies"].items():
         style = "--" if name == IDEAL else "-"
         pts = pol["points"]
-        a.plot([q["rate"] for q in pts], [q["attainment"] * 100 for q in pts], style, marker="o", label=name)
-        sp = doc["slo_scale_sweep"]["policies"][name]
-        b.plot([q["slo_scale"] for q in sp], [q["attainment"] * 100 for q in sp], style, marker="o", label=name)
-    for ax, xl in ((a, "offered rate (req/s)"), (b, f"SLO scale (at {doc['slo_scale_sweep']['rate']:g} req/s)")):
+        line, = a.plot([q["rate"] for q in pts], [q["attainment"] * 100 for q in pts], style, marker="o", label=name)
+        if any("sim_attainment" in q for q in pts):  # a real run: its simulated twin, from the same cost model
+            a.plot([q["rate"] for q in pts], [q["sim_attainment"] * 100 for q in pts], ":", color=line.get_color(),
+                   lw=1, label=f"{name}, simulated")
+        if scaled:
+            sp = sweep["policies"][name]
+            b.plot([q["slo_scale"] for q in sp], [q["attainment"] * 100 for q in sp], style, marker="o", label=name)
+    panels = [(a, "offered rate (req/s)", "attainment vs rate")]
+    if scaled:
+        panels.append((b, f"SLO scale (at {sweep['rate']:g} req/s)", "attainment vs SLO scale"))
+    for ax, xl, title in panels:
         ax.axhline(90, color="grey", lw=0.8, ls=":")
         ax.set_xlabel(xl)
         ax.set_ylabel("TTFT SLO attainment (%)")
         ax.set_ylim(0, 102)
         ax.grid(alpha=0.3)
-    a.set_title("attainment vs rate")
-    b.set_title("attainment vs SLO scale")
+        ax.set_title(title)
     a.legend(fontsize=8)
     fig.suptitle(f"{doc['workload']['name']} on {doc['model']} ({doc['engine']})")
     fig.tight_layout()
