@@ -79,6 +79,33 @@ def test_gpu_cost_model_is_sane() -> None:
         analytical("gpt-5", "h100")
 
 
+def test_the_host_s_time_per_batch_delays_the_next_batch_not_the_correction() -> None:
+    """OpCost.batch_host_s: after a batch's last step the host finishes it (first token, next decision)
+    before the next batch starts; the batch's measured time, which the correction learns from, is its
+    steps' alone; the ideal bound charges none. The GPU cost models carry it (measured on an H200)."""
+    host = 0.004
+    spec = [(0.0, 600, "standard"), (0.0, 600, "standard")]
+
+    def first_tokens(cost: OpCost, ideal: bool = False) -> list[float]:
+        reqs = requests(spec)
+        simulate(reqs, make_policy("fcfs"), cost, SimConfig(max_batch_tokens=600, ideal=ideal))
+        return sorted(r.first_token_time for r in reqs)
+
+    base, charged = first_tokens(COST), first_tokens(replace(COST, batch_host_s=host))
+    step_s = base[0]  # one 600-token prompt's steps
+    assert step_s > 0.01 and base[1] == pytest.approx(2 * step_s)
+    assert charged[0] == pytest.approx(base[0] + host) and charged[1] == pytest.approx(base[1] + 2 * host)
+    assert first_tokens(replace(COST, batch_host_s=host), ideal=True) == pytest.approx(base)
+
+    from engine.sim.simulator import BatchRecord
+
+    records: list[BatchRecord] = []
+    simulate(requests(spec), make_policy("fcfs"), replace(COST, batch_host_s=host), SimConfig(max_batch_tokens=600),
+             batches=records)
+    assert [r.measured_s for r in records] == pytest.approx([step_s, step_s])
+    assert analytical("llama-3.1-8b", "h200").batch_host_s > 0
+
+
 def test_simulator_agrees_with_real_engine() -> None:
     """The same scheduler code, fed the same arrivals, makes the same decisions in both worlds."""
     from engine.engine import Engine

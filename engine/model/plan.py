@@ -57,6 +57,10 @@ class OpCost:
     attn_s_per_pair: float  # one query against one key, all heads
     step_overhead_s: float = 20e-6
     row_step_floor_s: float = 0.0  # a row-wise step reads its weights once, however few its rows
+    # Host time per finished batch outside its steps: the first token's sampling, finishing the requests,
+    # the next decision. The simulator charges it (the engine's steps do not include it); on an H200 it
+    # was a quarter of a short batch (docs/benchmarks.md), on a CPU under 1 %.
+    batch_host_s: float = 0.0
     scale: float = 1.0  # a multiplier on every prediction (for_batch sets it to the batch's correction)
     budget_s: float | None = None  # the step budget plans use (prefill_s counts the steps it makes)
     # Online correction (see `observe`, `factor`): how much slower than calibrated the machine runs now

@@ -20,6 +20,10 @@ class GPU:
     matmul_mfu: float = 0.65  # fraction of peak large prefill GEMMs reach
     attn_mfu: float = 0.45  # flash-attention prefill kernels
     launch_s: float = 8e-6  # per operator step (kernel launches, Python)
+    # Per finished batch, outside its steps (OpCost.batch_host_s): this engine's host on an H200, 2026-12-04,
+    # at 35 req/s of azure-mix: 2.0-2.4 ms completing a batch (first-token sampling, the next decision)
+    # and 1.6-1.7 ms more before the next batch's first step (docs/benchmarks.md, goodput on the GPU).
+    batch_host_s: float = 3.8e-3
 
 
 GPUS = {
@@ -60,4 +64,5 @@ def analytical(model: str, gpu: str, bytes_per_param: int = 2) -> OpCost:
         attn_s_per_pair=4 * c.num_attention_heads * c.head_dim / (g.dense_tflops * 1e12 * g.attn_mfu),
         step_overhead_s=g.launch_s,
         row_step_floor_s=ffn_weights / (g.hbm_tb_s * 1e12),
+        batch_host_s=g.batch_host_s,
     )
