@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 
@@ -56,15 +57,23 @@ def check_free(host: str, port: int) -> None:
 
 
 def start(*args: str, env: dict[str, str] | None = None, core: int | None = None,
-          quiet: bool = True) -> subprocess.Popen:
-    """`flowprefill ARGS` as a child process, optionally pinned to one CPU core."""
+          quiet: bool = True, stderr_to: Path | None = None) -> subprocess.Popen:
+    """`flowprefill ARGS` as a child process, optionally pinned to one CPU core; `stderr_to`: a file its
+    stderr goes to (quiet or not), to say why it stopped."""
     def pin() -> None:
         if core is not None and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, {core})
 
     out = subprocess.DEVNULL if quiet else None
-    return subprocess.Popen([sys.executable, "-m", "gateway.cli", *args], env={**os.environ, **(env or {})},
-                            preexec_fn=pin if core is not None else None, stdout=out, stderr=out)
+    with open(stderr_to, "ab") if stderr_to else contextlib.nullcontext(out) as err:
+        return subprocess.Popen([sys.executable, "-m", "gateway.cli", *args], env={**os.environ, **(env or {})},
+                                preexec_fn=pin if core is not None else None, stdout=out, stderr=err)
+
+
+def last_line(path: Path) -> str:
+    """The last non-empty line of a log (a command's one-line error, a traceback's exception)."""
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()] if path.exists() else []
+    return lines[-1].strip() if lines else "(nothing on stderr)"
 
 
 def healthy(url: str) -> bool:

@@ -276,3 +276,34 @@ def test_a_pilot_s_speed_is_learned_per_batch_size(tmp_path: Path) -> None:
     assert main(argv) == 0
     doc = json.loads((tmp_path / "out" / "plan.json").read_text())
     assert doc["speed_from"]["by_size"] == pytest.approx([3.0, 3.0, 1.5, 1.5, 1.5])
+
+
+def test_against_serve_starts_serve_on_another_port_when_its_port_was_taken(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A port free when chosen can be taken before `serve` binds it: serve refuses (exit 2, "address
+    already in use" in its log) and another port is tried; any other refusal is an error naming serve's
+    own words."""
+    import socket
+
+    from engine.bench import plan_real
+    from gateway.processes import free_port, healthy, stop
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1], free_port(span=2)])
+    monkeypatch.setattr(plan_real, "free_port", lambda span=1: next(ports))
+    try:
+        proc, port, argv = plan_real._start_serve("fcfs", 1, 1, tmp_path)
+        try:
+            assert port != taken.getsockname()[1] and healthy(f"http://127.0.0.1:{port}")
+            assert "in use" in (tmp_path / "serve.log").read_text()
+        finally:
+            stop(proc)
+    finally:
+        taken.close()
+
+    (tmp_path / "serve.log").unlink()
+    monkeypatch.setattr(plan_real, "free_port", free_port)
+    with pytest.raises(RuntimeError, match=r"exited with code 2: .*nonsense"):
+        plan_real._start_serve("nonsense", 1, 1, tmp_path, tries=1)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,7 @@ from engine.model.plan import OpCost
 from engine.protocol.slo import DEFAULT_CLASSES
 from engine.request import Request
 from engine.sim.oracle import ExactCosts, at_speed, speed_by_size
-from gateway.processes import free_port, start, stop, wait_healthy
+from gateway.processes import free_port, last_line, start, stop, wait_healthy
 from loadtest import report
 from loadtest.goodput import make_requests
 from loadtest.peer.client import Arrival, Target, arrivals, model_name, replay
@@ -55,15 +56,12 @@ def real_point(policy: str, n: int, threads: int | None, w: Workload, schedule: 
     """`serve --workers n` on the schedule, its workers logging their batches in `logs`: its goodput
     point, its workers' URLs, and the batches they ran (request ids as the simulation's: `w{i}` for
     the schedule's i-th arrival)."""
-    port = free_port(span=n + 1)
-    argv = ["serve", "--port", str(port), "--workers", str(n), "--policy", policy, "--no-prefix-caching"]
-    for old in logs.glob("batches-*.jsonl"):  # a rerun into the same --out replaces its logs
-        old.unlink()
+    for old in [*logs.glob("batches-*.jsonl"), logs / "serve.log"]:  # a rerun into the same --out replaces them
+        old.unlink(missing_ok=True)
     logs.mkdir(parents=True, exist_ok=True)
-    proc = start(*argv, *(["--threads", str(threads)] if threads else []), env={BATCH_LOG: str(logs)})
+    proc, port, argv = _start_serve(policy, n, threads, logs)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(url, proc, timeout=600)
         records = asyncio.run(replay(Target(url, model_name(url)), schedule, max_tokens=1, drain_s=120))
     finally:
         stop(proc)
@@ -71,6 +69,29 @@ def real_point(policy: str, n: int, threads: int | None, w: Workload, schedule: 
     failed = sum(not r.ok for r in records)
     pt = report.point(w.rate, outcomes(records)) | {"failed": failed, "command": "flowprefill " + " ".join(argv)}
     return pt, [f"http://127.0.0.1:{port + 1 + i}" for i in range(n)], batches
+
+
+def _start_serve(policy: str, n: int, threads: int | None, logs: Path, tries: int = 3
+                 ) -> tuple[subprocess.Popen, int, list[str]]:
+    """`serve --workers n` started and healthy, its stderr in `logs/serve.log`. A port free when chosen can
+    be taken before serve binds it (the replay's connections come and go on this machine's ports: one of
+    four fleets in a run at 16 req/s exited 2, cause unseen); serve then refuses to start, and another
+    port is tried. Any other early exit is an error that names serve's own last line."""
+    for attempt in range(tries):
+        port = free_port(span=n + 1)
+        argv = ["serve", "--port", str(port), "--workers", str(n), "--policy", policy, "--no-prefix-caching",
+                *(["--threads", str(threads)] if threads else [])]
+        proc = start(*argv, env={BATCH_LOG: str(logs)}, stderr_to=logs / "serve.log")
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}", proc, timeout=600)
+            return proc, port, argv
+        except (RuntimeError, TimeoutError) as exc:
+            stop(proc)
+            why = last_line(logs / "serve.log")
+            if "in use" in why and attempt + 1 < tries:
+                continue
+            raise RuntimeError(f"flowprefill {' '.join(argv)}: {exc}: {why} (its log: {logs / 'serve.log'})") from None
+    raise AssertionError("unreachable")
 
 
 def _sim_id(worker_id: str) -> str:
