@@ -294,7 +294,7 @@ def test_against_serve_starts_serve_on_another_port_when_its_port_was_taken(
     ports = iter([taken.getsockname()[1], free_port(span=2)])
     monkeypatch.setattr(plan_real, "free_port", lambda span=1: next(ports))
     try:
-        proc, port, argv = plan_real._start_serve("fcfs", 1, 1, tmp_path)
+        proc, port, _argv = plan_real._start_serve("fcfs", 1, 1, tmp_path)
         try:
             assert port != taken.getsockname()[1] and healthy(f"http://127.0.0.1:{port}")
             assert "in use" in (tmp_path / "serve.log").read_text()
