@@ -49,6 +49,26 @@ def test_a_row_slice_of_a_batch_is_its_own_projection() -> None:
     assert torch.allclose(lin(x[100:137]), lin(x)[100:137], rtol=1e-5, atol=1e-5)
 
 
+@onednn
+def test_onednn_meets_row_counts_in_steps_of_row_align(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN builds a kernel for every row count it meets (~1.7 ms each, the first time): rows are
+    padded to a multiple of ROW_ALIGN, and the padding never reaches the caller, residual or not."""
+    from engine.model import linear
+
+    seen: list[int] = []
+    real = linear.onednn_linear
+    monkeypatch.setattr(linear, "onednn_linear", lambda x, *a: seen.append(x.shape[0]) or real(x, *a))
+    gen = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
+    ours, ref = OneDnnLinear(w, b), TorchLinear(w, b)
+    for rows in (1, 15, 16, 37, 300):
+        x, r = torch.randn(rows, 64, generator=gen), torch.randn(rows, 96, generator=gen)
+        for residual in (None, r):
+            got = ours(x, residual)
+            assert got.shape == (rows, 96) and torch.allclose(got, ref(x, residual), rtol=1e-4, atol=1e-4)
+    assert seen == [16, 16, 16, 16, 16, 16, 48, 48, 304, 304]
+
+
 def test_selection() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert select_linear("torch", cpu, torch.float32) is TorchLinear
