@@ -17,6 +17,8 @@ import logging
 
 import torch
 
+from engine.model.plan import ROW_ALIGN
+
 log = logging.getLogger("flowprefill.engine")
 
 # The batch size oneDNN packs for (its choice of blocking); any number of rows runs on the packed weight.
@@ -43,7 +45,6 @@ class TorchLinear:
 # matmul: 0.03 ms). FlowPrefill's batches come in every size, so a fresh worker paid it for nearly every
 # batch: the same 200 requests ran 11.8-13.7 s on a fresh engine and 10.1 s on the third pass. Rows are
 # padded to a multiple of ROW_ALIGN, so that a worker meets at most 1/16 as many row counts.
-ROW_ALIGN = 16
 
 
 class OneDnnLinear:

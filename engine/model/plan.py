@@ -16,6 +16,10 @@ from typing import NamedTuple, overload
 
 from engine.config import ModelConfig
 
+# The CPU's projections run on row counts in steps of this (engine/model/linear.py: oneDNN builds a kernel
+# per row count); the split's blocks are cut to it, so that only a batch's last block is padded.
+ROW_ALIGN = 16
+
 ATTN_IN, ATTENTION, FFN = "attn_in", "attention", "ffn"
 CAUSAL_BLOCK = 256  # granularity at which attention kernels skip masked work
 # Batch sizes (prompt tokens) whose prediction errors are learned apart (`OpCost.observe`): a short
@@ -94,8 +98,9 @@ class OpCost:
             # AVX-512 core, as 256 + 256 2.91 ms (its rows run 5.4 us each from 256 to 384, 5.7 at
             # 128-192): three layers of that were the split's overhead at 512 tokens (+2.6 to +6.3 %
             # by medians before, -2.0 to +1.7 % after; docs/benchmarks.md).
-            per_block = math.ceil(rows / math.ceil(rows / fit))  # rows over the blocks `fit` needs
-            return min(fit, math.ceil(per_block / 8) * 8)
+            # rows over the blocks `fit` needs, rounded up to the rows oneDNN's linear is run on (ROW_ALIGN)
+            per_block = math.ceil(rows / math.ceil(rows / fit))
+            return min(fit, math.ceil(per_block / ROW_ALIGN) * ROW_ALIGN)
 
         def measured_s(n: int) -> float:  # a block costs the next timed size's time
             i = bisect_left(table, n, key=lambda entry: entry[0])
