@@ -297,13 +297,12 @@ def test_against_serve_starts_serve_on_another_port_when_its_port_was_taken(
         proc, port, _argv = plan_real._start_serve("fcfs", 1, 1, tmp_path)
         try:
             assert port != taken.getsockname()[1] and healthy(f"http://127.0.0.1:{port}")
-            assert "in use" in (tmp_path / "serve.log").read_text()
+            assert "in use" in (tmp_path / "serve-0.log").read_text()
         finally:
             stop(proc)
     finally:
         taken.close()
 
-    (tmp_path / "serve.log").unlink()
     monkeypatch.setattr(plan_real, "free_port", free_port)
     with pytest.raises(RuntimeError, match=r"exited with code 2: .*nonsense"):
         plan_real._start_serve("nonsense", 1, 1, tmp_path, tries=1)

@@ -31,7 +31,8 @@ def prefill_flops(cfg: ModelConfig, tokens: int) -> float:
 def matmul_peak(dtype: torch.dtype, device: str = "cpu", size: int = 2048, repeats: int = 5) -> float:
     """GFLOP/s of the fastest of `repeats` [size x size] @ [size x size] matmuls (after one warm-up): torch's
     matmul and, on a CPU, oneDNN's linear on a packed weight, the faster of the two (on an AMD CPU with
-    AVX-512, torch's fp32 matmul is MKL's AVX2 path: 72 GFLOP/s on one core where oneDNN's runs 200+)."""
+    AVX-512, torch's fp32 matmul is MKL's AVX2 path: 72 GFLOP/s on one core where oneDNN's runs 200+). On
+    CUDA at least 8192-cubed, ten products per timing (a smaller one is launch-bound)."""
     inner = 1
     if torch.device(device).type == "cuda":
         # One 2048-cubed bf16 matmul is ~25 us on an H200, under the launch and sync around it: timed alone

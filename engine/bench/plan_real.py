@@ -56,7 +56,7 @@ def real_point(policy: str, n: int, threads: int | None, w: Workload, schedule: 
     """`serve --workers n` on the schedule, its workers logging their batches in `logs`: its goodput
     point, its workers' URLs, and the batches they ran (request ids as the simulation's: `w{i}` for
     the schedule's i-th arrival)."""
-    for old in [*logs.glob("batches-*.jsonl"), logs / "serve.log"]:  # a rerun into the same --out replaces them
+    for old in [*logs.glob("batches-*.jsonl"), *logs.glob("serve-*.log")]:  # a rerun into the same --out replaces them
         old.unlink(missing_ok=True)
     logs.mkdir(parents=True, exist_ok=True)
     proc, port, argv = _start_serve(policy, n, threads, logs)
@@ -73,7 +73,7 @@ def real_point(policy: str, n: int, threads: int | None, w: Workload, schedule: 
 
 def _start_serve(policy: str, n: int, threads: int | None, logs: Path, tries: int = 3
                  ) -> tuple[subprocess.Popen, int, list[str]]:
-    """`serve --workers n` started and healthy, its stderr in `logs/serve.log`. A port free when chosen can
+    """`serve --workers n` started and healthy, its stderr in `logs/serve-<attempt>.log`. A port free when chosen can
     be taken before serve binds it (the replay's connections come and go on this machine's ports: one of
     four fleets in a run at 16 req/s exited 2, cause unseen); serve then refuses to start, and another
     port is tried. Any other early exit is an error that names serve's own last line."""
@@ -81,16 +81,20 @@ def _start_serve(policy: str, n: int, threads: int | None, logs: Path, tries: in
         port = free_port(span=n + 1)
         argv = ["serve", "--port", str(port), "--workers", str(n), "--policy", policy, "--no-prefix-caching",
                 *(["--threads", str(threads)] if threads else [])]
-        proc = start(*argv, env={BATCH_LOG: str(logs)}, stderr_to=logs / "serve.log")
+        log = logs / f"serve-{attempt}.log"  # its own: an earlier attempt's last line is not this one's cause
+        proc = start(*argv, env={BATCH_LOG: str(logs)}, stderr_to=log)
         try:
             wait_healthy(f"http://127.0.0.1:{port}", proc, timeout=600)
             return proc, port, argv
         except (RuntimeError, TimeoutError) as exc:
             stop(proc)
-            why = last_line(logs / "serve.log")
+            why = last_line(log)
             if "in use" in why and attempt + 1 < tries:
                 continue
-            raise RuntimeError(f"flowprefill {' '.join(argv)}: {exc}: {why} (its log: {logs / 'serve.log'})") from None
+            raise RuntimeError(f"flowprefill {' '.join(argv)}: {exc}: {why} (its log: {log})") from None
+        except BaseException:  # interrupted while it starts: it and its workers are not left running
+            stop(proc)
+            raise
     raise AssertionError("unreachable")
 
 

@@ -17,7 +17,8 @@ from typing import NamedTuple, overload
 from engine.config import ModelConfig
 
 # The CPU's projections run on row counts in steps of this (engine/model/linear.py: oneDNN builds a kernel
-# per row count); the split's blocks are cut to it, so that only a batch's last block is padded.
+# per row count); blocks cut on the line (a CPU, or an analytical GPU model) are cut to it, so that only a
+# batch's last block is padded.
 ROW_ALIGN = 16
 
 ATTN_IN, ATTENTION, FFN = "attn_in", "attention", "ffn"
