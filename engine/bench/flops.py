@@ -33,21 +33,21 @@ def matmul_peak(dtype: torch.dtype, device: str = "cpu", size: int = 2048, repea
     matmul and, on a CPU, oneDNN's linear on a packed weight, the faster of the two (on an AMD CPU with
     AVX-512, torch's fp32 matmul is MKL's AVX2 path: 72 GFLOP/s on one core where oneDNN's runs 200+). On
     CUDA at least 8192-cubed, ten products per timing (a smaller one is launch-bound)."""
-    inner = 1
-    if torch.device(device).type == "cuda":
+    cuda, inner = torch.device(device).type == "cuda", 1
+    if cuda:
         # One 2048-cubed bf16 matmul is ~25 us on an H200, under the launch and sync around it: timed alone
         # it read 326 TFLOP/s, and the 8K prefill "191 %" of that. 8192-cubed, ten at a time: ~790.
         size, inner = max(size, 8192), 10
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def matmuls() -> None:
         for _ in range(inner):
             a @ b
 
     kernels = [matmuls]
-    if torch.device(device).type == "cpu" and select_linear("auto", torch.device(device), dtype) is not TorchLinear:
+    if not cuda and select_linear("auto", torch.device(device), dtype) is not TorchLinear:
         packed = OneDnnLinear(b.t(), None)
         kernels.append(lambda: packed(a))
     best = float("inf")

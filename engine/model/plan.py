@@ -88,7 +88,7 @@ class OpCost:
     def row_block(self, op: str, rows: int, work_s: float) -> int:
         """Token-block size for `rows` rows of a row-wise op whose steps get `work_s` each (unscaled,
         overhead excluded): on the line (a CPU), as many blocks as the largest multiple of 32 that
-        fits needs, of even size (a multiple of 8); with a measured staircase, the size up to that
+        fits needs, of even size (a multiple of ROW_ALIGN); with a measured staircase, the size up to that
         fit whose blocks (remainder included) add up to the least measured time, among those measured
         within the budget."""
         per_row = self.attn_in_s_per_row if op == ATTN_IN else self.ffn_s_per_row
@@ -98,9 +98,9 @@ class OpCost:
             # Even blocks: 512 rows of the embedded model's FFN as 320 + 192 took 3.06 ms on one
             # AVX-512 core, as 256 + 256 2.91 ms (its rows run 5.4 us each from 256 to 384, 5.7 at
             # 128-192): three layers of that were the split's overhead at 512 tokens (+2.6 to +6.3 %
-            # by medians before, -2.0 to +1.7 % after; docs/benchmarks.md).
-            # rows over the blocks `fit` needs, rounded up to the rows oneDNN's linear is run on (ROW_ALIGN)
-            per_block = math.ceil(rows / math.ceil(rows / fit))
+            # by medians before, -2.0 to +1.7 % after; docs/benchmarks.md). Rounded up to ROW_ALIGN rows,
+            # which oneDNN's linear runs on.
+            per_block = math.ceil(rows / math.ceil(rows / fit))  # rows over the blocks `fit` needs
             return min(fit, math.ceil(per_block / ROW_ALIGN) * ROW_ALIGN)
 
         def measured_s(n: int) -> float:  # a block costs the next timed size's time

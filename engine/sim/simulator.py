@@ -231,20 +231,20 @@ class Simulation:
         finished = batch.advance()
         # virtual time, not the instant advance() took; the host's time after the last step is not the
         # batch's (the engine measures only its steps, and the correction learns from those)
-        batch.exec_s = measured - (self._host_s(batch) if finished else 0.0)
+        batch.exec_s = measured - (self._host_s() if finished else 0.0)
         if finished:
             self._complete(batch)
             self.current = None
         elif batch.exec_s - batch.observed[1] >= self.sched.progress_every_s:
             self.sched.on_progress(batch)
 
-    def _host_s(self, batch: PrefillBatch) -> float:
+    def _host_s(self) -> float:
         """The host's time to finish a batch, which the final next() stands for (none in the ideal bound)."""
         return 0.0 if self.cfg.ideal else self.truth.batch_host_s
 
     def _step_s(self, batch: PrefillBatch) -> float:
         if batch.next_step >= len(batch.steps):
-            return self._host_s(batch)  # the final next(): the first token, and the next decision
+            return self._host_s()  # the final next(): the first token, and the next decision
         d = batch.steps.cost(batch.next_step) * self.true_rate(batch)
         return d * self.rng.lognormvariate(0, self.cfg.noise) if self.cfg.noise else d
 
