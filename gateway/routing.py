@@ -36,7 +36,8 @@ class Worker:
         self.errors = 0  # consecutive 5xx answers (`WorkerPool.record_error`)
         self.role = ""  # what the worker says it does (its /load): colocated, prefill or decode
         self.backlog_by_class: dict[str, float] = {}  # its waiting requests' predicted prefill s, per class
-        self.problem: str | None = None  # why its last health check failed (logged when it changes)
+        self.problem: str | None = None  # why its last health check failed
+        self.problems_logged: set[str] = set()  # the reasons logged since it last passed (each once)
 
     def __repr__(self) -> str:
         return f"Worker({self.url}, healthy={self.healthy}, in_flight={self.in_flight})"
@@ -292,23 +293,28 @@ class WorkerPool:
             self._dispatch()  # a worker back in rotation has free slots
 
     async def _check(self, w: Worker) -> None:
-        """One health check: in rotation when it passes (and a failure's cool-down is over); the
-        reason it fails is logged once, when it changes, and so is the recovery."""
+        """One health check: in rotation when it passes (and a failure's cool-down is over); each
+        reason it fails for is logged once until it passes again (a worker whose answer flaps between
+        two reasons, polled every second, would otherwise log every poll), and so is the recovery."""
         probe = self._probe_server if self.gated else self._probe_load
         try:
             try:
                 problem = await probe(w)
-            except httpx.RemoteProtocolError:  # the server closed the pooled connection as it was reused
-                problem = await probe(w)  # (its keep-alive ran out with the poll): once more, on a new one
+            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+                # The server closed the pooled connection as it was reused (its keep-alive ran out
+                # with the poll: seen as a protocol error or as ECONNRESET): once more, on a new one.
+                problem = await probe(w)
         except httpx.HTTPError as exc:
             problem = _unreachable(exc)
         except ValueError:
             problem = "GET /load answered something that is not JSON: is it a flowprefill worker?"
         if problem is not None:
-            if problem != w.problem:
+            if problem not in w.problems_logged:
                 log.warning("worker %s unhealthy: %s", w.url, problem)
+                w.problems_logged.add(problem)
             w.healthy, w.problem = False, problem
             return
+        w.problems_logged.clear()
         if not w.healthy and time.monotonic() >= w.down_until:
             log.info("worker %s %s", w.url, "healthy again" if w.checked else "healthy: in rotation")
         w.healthy, w.problem = time.monotonic() >= w.down_until, None

@@ -1,4 +1,4 @@
-"""The gateway tells why a worker is unhealthy, once per change (and when it recovers), and its
+"""The gateway tells why a worker is unhealthy, each reason once until it recovers (and the recovery), and its
 /health answers 503 while a pool a request needs has no healthy worker. The workers here are real
 HTTP servers in this process: one that answers like a plain OpenAI server (no /load), one that
 answers like a flowprefill decode worker, and a port nobody listens on."""
@@ -36,6 +36,8 @@ class Server:
 
     def __init__(self, role: str | None = None) -> None:
         self.role, self.hits = role, Counter[str]()
+        self.flapping = False  # every other /load answers 500 instead
+
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -44,6 +46,8 @@ class Server:
         status, body = 404, {"detail": "Not Found"}
         if scope["path"] == "/health":
             status, body = 200, {"status": "ok"}
+        elif scope["path"] == "/load" and self.flapping and self.hits["/load"] % 2:
+            status, body = 500, {"detail": "Internal Server Error"}
         elif scope["path"] == "/load" and self.role:
             status, body = 200, {"role": self.role, "predicted_backlog_s": 0.0}
         await send({"type": "http.response.start", "status": status,
@@ -91,6 +95,29 @@ def test_each_change_of_health_is_logged_once(caplog: pytest.LogCaptureFixture) 
 
         asyncio.run(main())
     assert server.hits["/load"] == 7
+
+
+def test_a_reason_that_comes_back_is_not_logged_again_until_the_worker_recovers(
+        caplog: pytest.LogCaptureFixture) -> None:
+    server = Server()
+    server.flapping = True  # 500, 404, 500, 404, ...: two reasons, each logged once
+    with uvicorn_thread(server) as port, caplog.at_level(logging.INFO, "flowprefill.gateway"):
+        url = f"http://127.0.0.1:{port}"
+
+        async def main() -> None:
+            async with client() as c:
+                pool = WorkerPool([url], c)
+                await poll(pool, 6)
+                assert warnings(caplog) == [f"worker {url} unhealthy: GET /load answered 500",
+                                            f"worker {url} unhealthy: {PLAIN_OPENAI}"]
+                caplog.clear()
+                server.flapping, server.role = False, "colocated"
+                await poll(pool, 1)
+                server.role = None  # unhealthy again, for a reason already given: a new episode
+                await poll(pool, 2)
+                assert warnings(caplog) == [f"worker {url} healthy again", f"worker {url} unhealthy: {PLAIN_OPENAI}"]
+
+        asyncio.run(main())
 
 
 @contextmanager
