@@ -306,3 +306,64 @@ def test_against_serve_starts_serve_on_another_port_when_its_port_was_taken(
     monkeypatch.setattr(plan_real, "free_port", free_port)
     with pytest.raises(RuntimeError, match=r"exited with code 2: .*nonsense"):
         plan_real._start_serve("nonsense", 1, 1, tmp_path, tries=1)
+
+
+def test_the_engine_pass_times_each_prompt_on_a_fresh_engine_and_returns_its_threads() -> None:
+    """`plan --cost cpu` first runs the workload's first prompts through the engine one at a time: a batch
+    per prompt, in order, each predicted by the planner's cost model; the engine is shut down after."""
+    import statistics
+    import threading
+
+    from engine.bench.plan_speed import at_measured_speed, engine_pass
+    from engine.model.plan import size_class
+    from loadtest.goodput import Runner
+    from loadtest.workload import azure_mix, head
+
+    cfg = EngineConfig(prefix_caching=False, num_threads=1)
+    runner = Runner("sim", cfg, "cpu")
+    w = head(azure_mix(), 6)
+    threads = threading.active_count()
+    done: list[int] = []
+    batches = engine_pass(cfg, runner.cost, w, 6, runner.vocab or 0, done.append)
+    assert done == list(range(6)) and threading.active_count() == threads
+    assert [list(b.ids) for b in batches] == [[f"engine-pass-{i}"] for i in range(6)]
+    assert [b.tokens for b in batches] == [r.input_tokens for r in w.requests]
+    assert all(b.exec_s > 0 and b.base_s > 0 for b in batches)
+    cost, measured = at_measured_speed(runner.cost, batches)
+    assert measured["requests"] == 6
+    b = batches[0]  # its size class's factor is the median of that class's batches (this one among them)
+    same = [x.exec_s / x.base_s for x in batches if size_class(x.tokens or 0) == size_class(b.tokens or 0)]
+    assert cost.factor(b.tokens or 0) == pytest.approx(statistics.median(same))
+
+
+def test_plan_on_this_cpu_plans_at_the_engine_pass_speed_unless_told_not_to(tmp_path: Path) -> None:
+    from gateway.cli import main
+
+    base = ["plan", "--requests", "20", "--cost", "cpu", "--threads", "1", "--rate", "2", "--policies", "fcfs",
+            "--max-instances", "2"]
+    assert main([*base, "--engine-pass", "8", "--out", str(tmp_path / "pass")]) == 0
+    assert main([*base, "--engine-pass", "0", "--out", str(tmp_path / "profile")]) == 0
+    with_pass, alone = (json.loads((tmp_path / d / "plan.json").read_text()) for d in ("pass", "profile"))
+    assert with_pass["speed_from"]["from"] == "engine pass (8 prompts)" and with_pass["speed_from"]["requests"] == 8
+    assert len(with_pass["speed_from"]["by_size"]) == 5 and "speed_from" not in alone
+
+
+def test_repeated_real_runs_are_compared_by_their_median_per_class() -> None:
+    """`--against-serve --repeats 3`: per class and overall the median of the runs, each run kept."""
+    from engine.bench.plan_real import median_run
+    from engine.bench.plan_report import _real_cell
+
+    def run(interactive: float, standard: float, failed: int = 0) -> dict[str, object]:
+        per_class = {"interactive": {"n": 10, "attainment": interactive, "ttft_p50_ms": 50.0, "ttft_p99_ms": 900.0},
+                     "standard": {"n": 10, "attainment": standard, "ttft_p50_ms": None, "ttft_p99_ms": None}}
+        return {"rate": 4.0, "attainment": (interactive + standard) / 2, "goodput_rps": 0.0, "per_class": per_class,
+                "preemptions": 2, "failed": failed, "command": "flowprefill serve"}
+
+    one = run(0.9, 0.5)
+    assert median_run([one]) is one
+    med = median_run([run(0.9, 0.5), run(0.7, 0.9, failed=1), run(1.0, 0.6)])
+    assert med["per_class"]["interactive"]["attainment"] == 0.9 and med["per_class"]["standard"]["attainment"] == 0.6
+    assert med["attainment"] == pytest.approx(0.8) and med["goodput_rps"] == pytest.approx(3.2)  # runs: .7, .8, .8
+    assert med["per_class"]["standard"]["ttft_p50_ms"] is None and med["failed"] == 1
+    assert [r["per_class"]["standard"] for r in med["runs"]] == [0.5, 0.9, 0.6]
+    assert _real_cell(med, "standard") == "60.0 % (50.0-90.0)" and _real_cell(one, "all") == "70.0 %"

@@ -27,13 +27,14 @@ from rich.progress import Progress
 from engine.bench.console import results_console
 from engine.bench.machine import machine_info
 from engine.bench.plan_routing import DEFAULTS, GatewayRouter, KeyOf, trace_key
+from engine.bench.plan_speed import ENGINE_PASS
 from engine.config import EngineConfig
 from engine.model.plan import OpCost
 from engine.protocol.slo import DEFAULT_CLASSES, SLOClass
 from engine.request import Request
 from engine.scheduler import make_policy
 from engine.sim.fleet import Fleet
-from engine.sim.oracle import ExactCosts, at_speed, speed_by_size
+from engine.sim.oracle import ExactCosts
 from gateway.cli.common import Parser
 from loadtest import report
 from loadtest.goodput import DEFAULT_POLICIES, Runner, make_requests, outcomes, sim_config
@@ -193,6 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--against-serve", default=None, metavar="N,N",
                    help="cpu: also run `flowprefill serve --workers N` on this machine for each N, on the same "
                         "arrivals, and compare its per-class attainment with the simulated fleet's")
+    p.add_argument("--repeats", type=int, default=1, metavar="R",
+                   help="--against-serve: run each real fleet R times, in rounds, and compare with the median of "
+                        "its runs per class (at one instance's knee two runs of the same fleet differed by 14.5 "
+                        "points on this 2-core machine)")
     p.add_argument("--speed-from", default=None, metavar="DIR",
                    help="a pilot run's batch logs (its workers' $FLOWPREFILL_BATCH_LOG folder, or an --against-serve "
                         "run's <out>/batch-logs, whose fleet of the same policy and size --against-serve then "
@@ -200,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "speed its machines ran, the median of measured over predicted prefill seconds (relative "
                         "to the workers' own calibration: the cost model should be theirs, e.g. --cost cpu on the "
                         "machine that ran the pilot)")
+    p.add_argument("--engine-pass", type=int, default=ENGINE_PASS, metavar="N",
+                   help="cpu: first run the workload's first N prompts through the engine, one at a time, and plan "
+                        "at the speed it ran, a factor per batch size (the operator profile alone was 1.2-1.4x "
+                        "optimistic); 0: plan from the profile alone. Not with --speed-from")
     p.add_argument("--out", default="bench-results", help="directory for plan.json and plan.png")
     return p
 
@@ -209,11 +218,9 @@ def measured_speed(cost: OpCost, folder: Path) -> tuple[OpCost, dict[str, Any]]:
     per batch size where the logs say sizes, else the median factor by which its requests ran slower
     than `cost` predicts; and what it rests on."""
     from engine.batch_log import read
+    from engine.bench.plan_speed import at_measured_speed
 
-    batches = read(folder)
-    exact = ExactCosts.from_batches(cost, batches)
-    return at_speed(cost, batches, exact.default), {"factor": exact.default, "requests": len(exact.factors),
-                                                   "by_size": speed_by_size(batches)}
+    return at_measured_speed(cost, read(folder))
 
 
 def check_args(args: argparse.Namespace) -> str | None:
@@ -224,8 +231,10 @@ def check_args(args: argparse.Namespace) -> str | None:
         return "--max-instances must be >= 1"
     if args.rate is not None and args.rate <= 0:
         return "--rate must be > 0"
-    if args.skip < 0:
-        return "--skip must be >= 0"
+    if args.skip < 0 or args.engine_pass < 0:
+        return "--skip and --engine-pass must be >= 0"
+    if args.repeats < 1:
+        return "--repeats must be >= 1"
     if args.requests is not None and args.requests < 2:
         return "--requests must be >= 2 (a rate needs two arrivals)"
     if args.price < 0 or args.poll_s <= 0 or args.prefix_affinity_chars < 0:
@@ -279,14 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(f"--cost {args.cost}: {exc}")
     key_of = trace_key(args.prefix_affinity_chars, PREFIX_BLOCK_TOKENS) if args.prefix_affinity_chars else None
-    cost, speed = runner.cost, None
-    if args.speed_from is not None:
-        cost, measured = measured_speed(runner.cost, Path(args.speed_from))
-        speed = {"from": args.speed_from} | measured
-        by_size = "" if measured["by_size"] is None else " by batch size " + "/".join(
-            f"{f:.2f}" for f in measured["by_size"])
-        console.print(f"simulating at the pilot's speed: {measured['factor']:.2f}x the cost model's seconds (median "
-                      f"of {measured['requests']} requests in {args.speed_from}){by_size}")
+    cost, speed = planning_cost(args, w, runner, engine_cfg, console)
     planner = Planner(w, cost, engine_cfg, args.target, args.every_class, key_of=key_of, poll_s=args.poll_s)
     policies = [x for x in args.policies.split(",") if x]
     started = time.perf_counter()
@@ -304,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.against_serve is not None:
         from engine.bench.plan_real import against_serve
 
-        doc["against_serve"] = against_serve(args, w, runner.cost, engine_cfg, policies, console)
+        doc["against_serve"] = against_serve(args, w, runner.cost, engine_cfg, policies, console,
+                                             planned=cost if speed and not args.speed_from else None)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(json.dumps(doc, indent=2))
@@ -312,6 +315,32 @@ def main(argv: list[str] | None = None) -> int:
     plot(doc, out / "plan.png")
     console.print(f"wrote {out / 'plan.json'} and {out / 'plan.png'}")
     return 0
+
+
+def planning_cost(args: argparse.Namespace, w: Workload, runner: Runner, engine_cfg: EngineConfig, console: Any
+                  ) -> tuple[OpCost, dict[str, Any] | None]:
+    """The cost model the plan simulates: the profile (or roofline) at the speed a pilot's logs measured
+    (`--speed-from`), or for `--cost cpu` at the speed the engine ran the workload's first prompts
+    (`--engine-pass`); and what that speed rests on (None: the cost model as it is)."""
+    from engine.bench.plan_speed import at_measured_speed, engine_pass
+
+    if args.speed_from is not None:
+        cost, measured = measured_speed(runner.cost, Path(args.speed_from))
+        source, origin = f"a pilot's logs ({args.speed_from})", args.speed_from
+    elif args.cost == "cpu" and args.engine_pass and runner.vocab:
+        n = min(args.engine_pass, len(w.requests))
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task(f"engine pass: the workload's first {n} prompts, one at a time", total=n)
+            batches = engine_pass(engine_cfg, runner.cost, w, n, runner.vocab, lambda _i: progress.advance(task))
+        cost, measured = at_measured_speed(runner.cost, batches)
+        source, origin = f"an engine pass over the workload's first {n} prompts", f"engine pass ({n} prompts)"
+    else:
+        return runner.cost, None
+    sizes = measured["by_size"]
+    by_size = "" if sizes is None else " by batch size " + "/".join(f"{f:.2f}" for f in sizes)
+    console.print(f"simulating at the speed {source} measured: {measured['factor']:.2f}x the cost model's seconds "
+                  f"(median of {measured['requests']} requests){by_size}")
+    return cost, {"from": origin} | measured
 
 
 def document(args: argparse.Namespace, argv: list[str] | None, w: Workload, model: str,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import statistics
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -105,8 +106,31 @@ def _sim_id(worker_id: str) -> str:
 
 
 def against_serve(args: argparse.Namespace, w: Workload, cost: OpCost, engine_cfg: EngineConfig,
-                  policies: list[str], console: Console) -> list[dict[str, Any]]:
+                  policies: list[str], console: Console, planned: OpCost | None = None) -> list[dict[str, Any]]:
+    """`cost`: the cost model as profiled; `planned`: the one the plan simulated, where that is another
+    (at an engine pass's speed), whose fleet is then the planner's own prediction. With `--repeats R`
+    each fleet runs R times, in rounds (every fleet once per round, so that the machine's drift falls on
+    all of them), and is compared per class with the median of its runs."""
     schedule = arrivals(w)
+    fleets = [(policy, n) for policy in policies for n in workers_of(args.against_serve)]
+    runs: dict[tuple[str, int], list[tuple[dict[str, Any], list[str], list[MeasuredBatch]]]] = {f: [] for f in fleets}
+    for r in range(args.repeats):
+        for policy, n in fleets:
+            console.print(f"serve --workers {n} --policy {policy}: {len(schedule)} requests over {w.duration_s:.0f} s"
+                          + (f" (run {r + 1} of {args.repeats})" if args.repeats > 1 else ""))
+            logs = Path(args.out) / "batch-logs" / fleet_name(policy, n)
+            runs[(policy, n)].append(real_point(policy, n, args.threads, w, schedule,
+                                                logs / f"run-{r + 1}" if args.repeats > 1 else logs))
+    return [compare(args, w, schedule, cost, planned, engine_cfg, policy, n, runs[(policy, n)])
+            for policy, n in fleets]
+
+
+def compare(args: argparse.Namespace, w: Workload, schedule: list[Arrival], cost: OpCost, planned: OpCost | None,
+            engine_cfg: EngineConfig, policy: str, n: int,
+            runs: list[tuple[dict[str, Any], list[str], list[MeasuredBatch]]]) -> dict[str, Any]:
+    """One fleet's real runs (their median per class) beside its simulations: with the cost model, as
+    planned, at the speed the runs measured, charged what they measured (their batches pooled: a
+    request's factor is then its mean over the runs)."""
 
     def same_prompts() -> list[Request]:
         reqs = make_requests(w, DEFAULT_CLASSES, 1.0, 0.0, None)
@@ -114,33 +138,50 @@ def against_serve(args: argparse.Namespace, w: Workload, cost: OpCost, engine_cf
             r.prompt_token_ids = a.prompt
         return reqs
 
-    rows = []
-    for policy in policies:
-        for n in workers_of(args.against_serve):
-            console.print(f"serve --workers {n} --policy {policy}: {len(schedule)} requests over "
-                          f"{w.duration_s:.0f} s")
-            logs = Path(args.out) / "batch-logs" / fleet_name(policy, n)
-            real, urls, batches = real_point(policy, n, args.threads, w, schedule, logs)
-            planner = Planner(w, copy.deepcopy(cost), engine_cfg, args.target, args.every_class,
-                              key_of=prompt_key(args.prefix_affinity_chars) if args.prefix_affinity_chars else None,
-                              poll_s=args.poll_s, requests=same_prompts, urls=lambda _n, urls=urls: urls)
-            sim = planner.evaluate(policy, n, stop_early=False)
-            exact = ExactCosts.from_batches(cost, batches)
-            replayed = planner.evaluate(policy, n, stop_early=False, exact=exact)
-            planner.cost = at_speed(cost, batches, exact.default)  # the machine's speed, as --speed-from
-            at_measured = planner.evaluate(policy, n, stop_early=False)
-            row = {"policy": policy, "workers": n, "real": real, "sim": sim, "sim_measured_speed": at_measured,
-                   "sim_measured_costs": replayed, "measured_requests": len(exact.factors),
-                   "measured_factor_median": exact.default, "measured_factor_by_size": speed_by_size(batches)}
-            if args.speed_from is not None:
-                row |= at_pilot_speed(planner, cost, Path(args.speed_from), policy, n)
-            rows.append(row)
-    return rows
+    urls = runs[0][1]  # the workers' names: each run's own would give each its own rendezvous homes
+    batches = [b for _, _, bs in runs for b in bs]
+    planner = Planner(w, copy.deepcopy(cost), engine_cfg, args.target, args.every_class,
+                      key_of=prompt_key(args.prefix_affinity_chars) if args.prefix_affinity_chars else None,
+                      poll_s=args.poll_s, requests=same_prompts, urls=lambda _n: urls)
+    row: dict[str, Any] = {"policy": policy, "workers": n, "real": median_run([pt for pt, _, _ in runs]),
+                           "sim": planner.evaluate(policy, n, stop_early=False)}
+    if planned is not None:
+        planner.cost = copy.deepcopy(planned)
+        row["sim_planned"] = planner.evaluate(policy, n, stop_early=False)
+    exact = ExactCosts.from_batches(cost, batches)
+    planner.cost = copy.deepcopy(cost)
+    row["sim_measured_costs"] = planner.evaluate(policy, n, stop_early=False, exact=exact)
+    planner.cost = at_speed(cost, batches, exact.default)  # the machine's speed, as --speed-from
+    row["sim_measured_speed"] = planner.evaluate(policy, n, stop_early=False)
+    row |= {"measured_requests": len(exact.factors), "measured_factor_median": exact.default,
+            "measured_factor_by_size": speed_by_size(batches)}
+    if args.speed_from is not None:
+        row |= at_pilot_speed(planner, cost, Path(args.speed_from), policy, n)
+    return row
+
+
+def median_run(points: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several runs of one fleet as one point: per class and overall the median attainment (and TTFT
+    percentiles), each run's own attainments kept under `runs`. One run is itself."""
+    if len(points) == 1:
+        return points[0]
+    per_class = {}
+    for c, first in points[0]["per_class"].items():
+        mine = [p["per_class"][c] for p in points]
+        per_class[c] = {"n": first["n"], "attainment": statistics.median(x["attainment"] for x in mine)} | {
+            k: statistics.median(x[k] for x in mine) if all(x[k] is not None for x in mine) else None
+            for k in ("ttft_p50_ms", "ttft_p99_ms")}
+    attainment = statistics.median(p["attainment"] for p in points)
+    return {"rate": points[0]["rate"], "attainment": attainment, "goodput_rps": points[0]["rate"] * attainment,
+            "per_class": per_class, "preemptions": statistics.median(p["preemptions"] for p in points),
+            "failed": sum(p["failed"] for p in points), "command": points[0]["command"],
+            "runs": [{"attainment": p["attainment"], "failed": p["failed"],
+                      "per_class": {c: x["attainment"] for c, x in p["per_class"].items()}} for p in points]}
 
 
 def pilot_folder(pilot: Path, policy: str, n: int) -> Path:
     own = pilot / fleet_name(policy, n)
-    return own if any(own.glob("batches-*.jsonl")) else pilot
+    return own if any(own.rglob("batches-*.jsonl")) else pilot
 
 
 def at_pilot_speed(planner: Planner, cost: OpCost, pilot: Path, policy: str, n: int) -> dict[str, Any]:

@@ -45,12 +45,17 @@ def print_tables(console: Console, doc: dict[str, Any]) -> None:
 
 def against_table(console: Console, rows: list[dict[str, Any]]) -> None:
     pilot = any("sim_pilot_speed" in row for row in rows)
+    planned = any("sim_planned" in row for row in rows)
     t = Table(title="the planner against `flowprefill serve` on this machine (per-class attainment; the same fleet "
-                    "simulated with the cost model, at the speed the real workers ran, charged what they "
-                    "measured per request" + (", and at a pilot's speed)" if pilot else ")"))
-    sims = [("cost model", "sim"), ("at measured speed", "sim_measured_speed"),
-            ("measured costs", "sim_measured_costs"), *([("at pilot's speed", "sim_pilot_speed")] if pilot else [])]
-    for col in ("policy", "workers", "class", "requests", "real", *(x for name, _ in sims for x in (name, "gap"))):
+                    "simulated with the cost model, " + ("as the plan simulated it (engine pass), " if planned else "")
+                    + "at the speed the real workers ran, charged what they measured per request"
+                    + (", and at a pilot's speed)" if pilot else ")"))
+    sims = [("cost model", "sim"), *([("as planned", "sim_planned")] if planned else []),
+            ("at measured speed", "sim_measured_speed"), ("measured costs", "sim_measured_costs"),
+            *([("at pilot's speed", "sim_pilot_speed")] if pilot else [])]
+    repeated = any("runs" in row["real"] for row in rows)
+    real_col = "real (median, range)" if repeated else "real"
+    for col in ("policy", "workers", "class", "requests", real_col, *(x for name, _ in sims for x in (name, "gap"))):
         t.add_column(col, justify="right")
     for row in rows:
         for c, real in [*row["real"]["per_class"].items(), ("all", row["real"] | {"n": None})]:
@@ -59,8 +64,16 @@ def against_table(console: Console, rows: list[dict[str, Any]]) -> None:
             for _, key in sims:
                 sim = _attainment(row[key], c) if row.get(key) else None
                 cells += [_pct(sim), "-" if sim is None else f"{(sim - real['attainment']) * 100:+.1f}"]
-            t.add_row(row["policy"], str(row["workers"]), c, str(n), _pct(real["attainment"]), *cells)
+            t.add_row(row["policy"], str(row["workers"]), c, str(n), _real_cell(row["real"], c), *cells)
     console.print(t)
+
+
+def _real_cell(real: dict[str, Any], c: str) -> str:
+    """The real attainment; over several runs their median and, in brackets, their range."""
+    if "runs" not in real:
+        return _pct(_attainment(real, c))
+    each = [run["attainment"] if c == "all" else run["per_class"][c] for run in real["runs"]]
+    return f"{_pct(_attainment(real, c))} ({min(each) * 100:.1f}-{max(each) * 100:.1f})"
 
 
 def _attainment(pt: dict[str, Any], c: str) -> float | None:

@@ -1,0 +1,74 @@
+"""`flowprefill plan --cost cpu`: the operator profile checked against the engine itself, on the
+workload's own prompts, before planning.
+
+The profile times one block of each operator kind on an idle core (engine/predictor.py); the engine's
+prefills run slower than that: on 2 AMD EPYC cores, one torch thread, azure-mix's first 200 prompts
+through a fresh engine one at a time ran 1.25-1.33x the profile's seconds (2.1x for batches under 128
+tokens, where a step's fixed costs dominate; 1.3x from 2K), and 1.14x on a second pass over the same
+prompts (a fresh engine meets every shape for the first time, as a fresh `serve` worker does). Real
+`serve --workers 1/2` fleets ran 1.23-1.39x. Planned from the profile alone, `plan` was 0-32 points
+optimistic per class at one instance's knee (docs/benchmarks.md). So the planner first runs the first
+`--engine-pass` prompts of the workload through a fresh engine in this process, one at a time (no
+queueing: only the engine's speed is measured, not the schedule), and simulates at the speed it
+measured, a factor per batch size (`at_speed`, as `--speed-from` does with a pilot's logs).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from engine.batch_log import MeasuredBatch
+from engine.config import EngineConfig
+from engine.model.plan import OpCost
+from engine.protocol.slo import DEFAULT_CLASSES
+from engine.sim.oracle import BatchCostRecorder, ExactCosts, at_speed, speed_by_size
+from loadtest.goodput import make_requests
+from loadtest.workload import Workload, head
+
+ENGINE_PASS = 100  # prompts: about 5 s on 2 EPYC cores for azure-mix's, and every size class it has
+
+
+def engine_pass(engine_cfg: EngineConfig, cost: OpCost, w: Workload, n: int, vocab: int,
+                on_prompt: Callable[[int], None] = lambda _i: None) -> list[MeasuredBatch]:
+    """The workload's first `n` prompts through a fresh engine, one at a time: each batch's seconds
+    against what `cost` predicted for it."""
+    import torch
+
+    from engine.engine import Engine
+    from engine.request import Request, SamplingParams
+
+    engine = Engine(engine_cfg, policy="fcfs", record_profile=False)
+    engine.cost = engine.scheduler.cost = copy.deepcopy(cost)  # predicted as the planner will (it corrects its copy)
+    recorder = BatchCostRecorder()
+    engine.observers.append(recorder)
+    engine.start()
+    try:
+        for i, prompt in enumerate(make_requests(head(w, n), DEFAULT_CLASSES, 1.0, 0.0, vocab)):
+            done = threading.Event()
+            req = Request(request_id=f"engine-pass-{i}", prompt_token_ids=prompt.prompt_token_ids,
+                          sampling=SamplingParams(max_tokens=1))
+            req.sink = lambda out, done=done: out.finish_reason and done.set()
+            engine.add_request(req)
+            if not done.wait(timeout=600):
+                raise RuntimeError(f"engine pass: prompt {i} ({len(req.prompt_token_ids)} tokens) did not finish "
+                                   "in 600 s")
+            on_prompt(i)
+    finally:
+        engine.shutdown()
+        del engine  # its weights and KV cache: it holds itself through its thread, so only a collection frees it
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return recorder.batches
+
+
+def at_measured_speed(cost: OpCost, batches: list[MeasuredBatch]) -> tuple[OpCost, dict[str, Any]]:
+    """`cost` at the speed these batches ran: a factor per batch size where they say sizes, else the
+    median factor of their requests; and what it rests on (for plan.json)."""
+    exact = ExactCosts.from_batches(cost, batches)
+    return at_speed(cost, batches, exact.default), {"factor": exact.default, "requests": len(exact.factors),
+                                                    "by_size": speed_by_size(batches)}
