@@ -22,8 +22,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import os
 import statistics
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -63,13 +66,34 @@ def real_point(policy: str, n: int, threads: int | None, w: Workload, schedule: 
     proc, port, argv = _start_serve(policy, n, threads, logs)
     url = f"http://127.0.0.1:{port}"
     try:
-        records = asyncio.run(replay(Target(url, model_name(url)), schedule, max_tokens=1, drain_s=120))
+        with off_the_workers_cores(n, threads):
+            records = asyncio.run(replay(Target(url, model_name(url)), schedule, max_tokens=1, drain_s=120))
     finally:
         stop(proc)
     batches = [b._replace(ids=[_sim_id(rid) for rid in b.ids]) for b in read_batch_log(logs)]
     failed = sum(not r.ok for r in records)
     pt = report.point(w.rate, outcomes(records)) | {"failed": failed, "command": "flowprefill " + " ".join(argv)}
     return pt, [f"http://127.0.0.1:{port + 1 + i}" for i in range(n)], batches
+
+
+@contextmanager
+def off_the_workers_cores(n: int, threads: int | None) -> Iterator[None]:
+    """The load generator (this process) on the gateway's cores while `serve --workers n` runs, where
+    serve pins its workers to cores of their own (it keeps the first core for the gateway when the
+    rest hold every worker: on 2 cores, one worker of one thread), as a deployment's clients are not on
+    its workers' cores. Unpinned, the replay's own Python shared the one worker's core at 16 req/s."""
+    from gateway.cli.serve import Cores
+
+    cores = Cores.plan(argparse.Namespace(device="cpu", cpu_cores=None, workers=n), threads or 1)
+    if cores is None or cores.shared & set().union(*cores.own):
+        yield  # the gateway shares the workers' cores: nowhere else to go
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores.shared)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def _start_serve(policy: str, n: int, threads: int | None, logs: Path, tries: int = 3
