@@ -4,7 +4,8 @@ per policy.
 For each policy, N instances are simulated behind the gateway's own routing (least predicted backlog
 from each instance's GET /load, polled as the gateway polls it, plus its requests in flight; prefix
 affinity within its slack), each instance the real scheduler and policy on one shared virtual clock
-(engine/sim/fleet.py), with a cost model (`cpu`: this machine profiled, as `bench goodput` does;
+(engine/sim/fleet.py), with a cost model (`cpu`: this machine profiled, as `bench goodput` does, at
+the speed an engine pass over the workload's first prompts ran, engine/bench/plan_speed.py;
 `MODEL@GPU`: roofline). The smallest N that meets the target is found by doubling, then bisection
 (attainment grows with N); a run whose certain misses already put it far below the target stops
 early. Reported at that N: attainment and goodput per class, the instances FlowPrefill saves
