@@ -87,6 +87,8 @@ def test_loadtest_goodput_and_plan_options_have_help() -> None:
     (["--workload", "/nonexistent.csv"], "trace file /nonexistent.csv does not exist"),
     (["--against-serve", "1,x"], "expected worker counts"),
     (["--skip", "-1"], "--skip must be >= 0"),
+    (["--engine-pass", "-1"], "--engine-pass must be >= 0"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
     (["--requests", "10", "--skip", "30000"], "none left after skipping 30000"),
     (["--speed-from", "/nonexistent"], "--speed-from /nonexistent: no batch log there"),
 ])

@@ -232,8 +232,10 @@ def check_args(args: argparse.Namespace) -> str | None:
         return "--max-instances must be >= 1"
     if args.rate is not None and args.rate <= 0:
         return "--rate must be > 0"
-    if args.skip < 0 or args.engine_pass < 0:
-        return "--skip and --engine-pass must be >= 0"
+    if args.skip < 0:
+        return "--skip must be >= 0"
+    if args.engine_pass < 0:
+        return "--engine-pass must be >= 0 (0: plan from the profile alone)"
     if args.repeats < 1:
         return "--repeats must be >= 1"
     if args.requests is not None and args.requests < 2:
