@@ -89,6 +89,7 @@ def test_loadtest_goodput_and_plan_options_have_help() -> None:
     (["--skip", "-1"], "--skip must be >= 0"),
     (["--engine-pass", "-1"], "--engine-pass must be >= 0"),
     (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--repeats", "3"], "it needs --against-serve"),
     (["--requests", "10", "--skip", "30000"], "none left after skipping 30000"),
     (["--speed-from", "/nonexistent"], "--speed-from /nonexistent: no batch log there"),
 ])

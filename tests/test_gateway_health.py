@@ -38,7 +38,6 @@ class Server:
         self.role, self.hits = role, Counter[str]()
         self.flapping = False  # every other /load answers 500 instead
 
-
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
@@ -169,3 +168,46 @@ def test_health_names_the_disaggregated_pool_with_no_healthy_worker(tmp_path: Pa
             assert health.json()["workers"] == {decode: True, dead: False}
         with gateway(tmp_path, "--workers", decode) as (url, _):  # decode workers alone serve nothing
             assert httpx.get(f"{url}/health").json()["reason"] == "no healthy worker"
+
+
+def test_a_connection_reset_during_a_health_check_is_retried_on_a_new_connection(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A worker that resets the first connection (as a server whose keep-alive ran out can, mid-poll) and
+    answers the next: healthy, and nothing logged (CI once logged a 404 twice around such a reset)."""
+    import socket
+    import struct
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    body = json.dumps({"role": "colocated", "predicted_backlog_s": 0.0}).encode()
+    answer = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n"
+              b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    connections = []
+
+    def serve() -> None:
+        for i in range(2):
+            conn, _ = listener.accept()
+            connections.append(conn)
+            conn.recv(65536)  # the request
+            if i == 0:  # reset: close at once with SO_LINGER 0, an RST instead of a FIN
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            else:
+                conn.sendall(answer)
+            conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+    async def main() -> None:
+        async with client() as c:
+            pool = WorkerPool([url], c)
+            pool.workers[0].healthy = False
+            await pool.poll_once()
+            assert pool.workers[0].healthy and pool.workers[0].problem is None
+
+    with caplog.at_level(logging.WARNING, "flowprefill.gateway"):
+        asyncio.run(main())
+    thread.join(timeout=10)
+    listener.close()
+    assert len(connections) == 2 and warnings(caplog) == []

@@ -4,7 +4,9 @@ the gateway's own pool (its scoring and its prefix affinity)."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -344,8 +346,8 @@ def test_plan_on_this_cpu_plans_at_the_engine_pass_speed_unless_told_not_to(tmp_
     assert main([*base, "--engine-pass", "8", "--out", str(tmp_path / "pass")]) == 0
     assert main([*base, "--engine-pass", "0", "--out", str(tmp_path / "profile")]) == 0
     with_pass, alone = (json.loads((tmp_path / d / "plan.json").read_text()) for d in ("pass", "profile"))
-    assert with_pass["speed_from"]["from"] == "engine pass (8 prompts)" and with_pass["speed_from"]["requests"] == 8
-    assert len(with_pass["speed_from"]["by_size"]) == 5 and "speed_from" not in alone
+    assert with_pass["engine_pass"]["from"] == "8 prompts" and with_pass["engine_pass"]["requests"] == 8
+    assert len(with_pass["engine_pass"]["by_size"]) == 5 and "engine_pass" not in alone
 
 
 def test_repeated_real_runs_are_compared_by_their_median_per_class() -> None:
@@ -367,3 +369,90 @@ def test_repeated_real_runs_are_compared_by_their_median_per_class() -> None:
     assert med["per_class"]["standard"]["ttft_p50_ms"] is None and med["failed"] == 1
     assert [r["per_class"]["standard"] for r in med["runs"]] == [0.5, 0.9, 0.6]
     assert _real_cell(med, "standard") == "60.0 % (50.0-90.0)" and _real_cell(one, "all") == "70.0 %"
+
+
+def test_the_plan_runs_at_the_engine_pass_speed_and_compares_it_with_serve(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine pass whose batches ran 2x the profile: the plan's cost model predicts 2x, plan.json says
+    so under `engine_pass`, and `--against-serve` gets that cost model as the planner's own prediction."""
+    from engine.batch_log import MeasuredBatch
+    from engine.bench import plan, plan_real, plan_speed
+
+    slow = [MeasuredBatch([f"engine-pass-{i}"], 0.01 * (i + 1), 0.02 * (i + 1), 1.0, 100 * (i + 1)) for i in range(20)]
+    monkeypatch.setattr(plan_speed, "engine_pass", lambda *_a, **_k: slow)
+    seen: dict[str, object] = {}
+
+    def fake_against_serve(args, w, cost, engine_cfg, policies, console, planned=None):  # type: ignore[no-untyped-def]
+        seen.update(profile=cost, planned=planned)
+        return []
+
+    monkeypatch.setattr(plan_real, "against_serve", fake_against_serve)
+    argv = ["--requests", "20", "--cost", "cpu", "--threads", "1", "--rate", "2", "--policies", "fcfs",
+            "--max-instances", "2", "--against-serve", "1", "--out", str(tmp_path)]
+    assert plan.main(argv) == 0
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    assert doc["engine_pass"]["factor"] == pytest.approx(2.0) and "speed_from" not in doc
+    profile, planned = seen["profile"], seen["planned"]
+    for tokens in (100, 1000, 4000):
+        assert planned.prefill_s([SeqSpan(0, tokens)]) == pytest.approx(  # type: ignore[attr-defined]
+            2 * profile.prefill_s([SeqSpan(0, tokens)]), rel=0.03)  # type: ignore[attr-defined]
+    # (not exactly 2x: a plan at twice the cost is cut into more steps, each with its fixed cost)
+
+
+def test_against_serve_repeats_in_rounds_keeps_each_run_and_survives_a_failed_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--repeats 2`: every fleet once per round, each run's logs in `run-<r>/` (an earlier run's logs
+    removed first), the median compared; a run whose serve did not start is reported, not fatal."""
+    from rich.console import Console
+
+    from engine.batch_log import MeasuredBatch
+    from engine.bench import plan_real
+    from engine.bench.plan import build_parser
+    from engine.bench.plan_real import against_serve
+    from loadtest.workload import azure_mix, head
+
+    stale = tmp_path / "batch-logs" / "fcfs-w1" / "batches-1.jsonl"
+    stale.parent.mkdir(parents=True)
+    stale.write_text(json.dumps([["w0"], 1.0, 100.0, 1.0, 10]) + "\n")  # would make w0 100x slow if read
+    calls: list[tuple[str, int, str]] = []
+
+    def fake_real_point(policy, n, threads, w, schedule, logs):  # type: ignore[no-untyped-def]
+        calls.append((policy, n, logs.name))
+        assert not stale.exists()
+        if (policy, logs.name) == ("flowprefill", "run-2"):
+            raise RuntimeError("serve exited 2: address already in use")
+        per_class = {"interactive": {"n": len(schedule), "attainment": 0.5 + 0.25 * (logs.name == "run-2"),
+                                     "ttft_p50_ms": 10.0, "ttft_p99_ms": 20.0}}
+        pt = {"rate": w.rate, "attainment": per_class["interactive"]["attainment"], "goodput_rps": 0.0,
+              "per_class": per_class, "preemptions": 0, "failed": 0, "command": "flowprefill serve"}
+        return pt, [f"http://127.0.0.1:{9000 + i}" for i in range(n)], [MeasuredBatch(["w0"], 0.01, 0.02, 1.0, 10)]
+
+    monkeypatch.setattr(plan_real, "real_point", fake_real_point)
+    args = build_parser().parse_args(["--requests", "6", "--rate", "2", "--against-serve", "1", "--repeats", "2",
+                                      "--policies", "fcfs,flowprefill", "--out", str(tmp_path)])
+    w = head(azure_mix(), 6)
+    rows = against_serve(args, w, COST, EngineConfig(prefix_caching=False), ["fcfs", "flowprefill"],
+                         Console(file=None, quiet=True))
+    assert calls == [("fcfs", 1, "run-1"), ("flowprefill", 1, "run-1"), ("fcfs", 1, "run-2"),
+                     ("flowprefill", 1, "run-2")]
+    fcfs, flow = rows
+    assert fcfs["real"]["attainment"] == pytest.approx(0.625) and len(fcfs["real"]["runs"]) == 2
+    assert [r["measured_factor_median"] for r in fcfs["real"]["runs"]] == pytest.approx([2.0, 2.0])
+    assert fcfs["measured_factor_median"] == pytest.approx(2.0)  # the stale 100x log was not read
+    assert flow["failed_runs"] == ["serve exited 2: address already in use"] and "runs" not in flow["real"]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 if hasattr(os, "sched_getaffinity") else True,
+                    reason="needs two cores and CPU affinity")
+def test_the_load_generator_leaves_a_lone_worker_its_core_and_gets_its_own_back() -> None:
+    from engine.bench.plan_real import off_the_workers_cores
+    from gateway.cli.serve import Cores, worker_threads
+
+    before = os.sched_getaffinity(0)
+    ns = argparse.Namespace(device="cpu", cpu_cores=None, workers=1, num_threads=1)
+    cores = Cores.plan(ns, worker_threads(ns))
+    assert cores is not None
+    with pytest.raises(RuntimeError), off_the_workers_cores(1, 1):
+        assert os.sched_getaffinity(0) == cores.shared and not cores.shared & cores.own[0]
+        raise RuntimeError("the replay failed")
+    assert os.sched_getaffinity(0) == before

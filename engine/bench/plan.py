@@ -207,9 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "to the workers' own calibration: the cost model should be theirs, e.g. --cost cpu on the "
                         "machine that ran the pilot)")
     p.add_argument("--engine-pass", type=int, default=ENGINE_PASS, metavar="N",
-                   help="cpu: first run the workload's first N prompts through the engine, one at a time, and plan "
-                        "at the speed it ran, a factor per batch size (the operator profile alone was 1.2-1.4x "
-                        "optimistic); 0: plan from the profile alone. Not with --speed-from")
+                   help="cpu: first run the workload's first N prompts through the engine (with --threads), one at "
+                        "a time, and plan at the speed it ran, a factor per batch size (the operator profile alone "
+                        "was 1.2-1.4x optimistic); 0: plan from the profile alone. Ignored with --speed-from")
     p.add_argument("--out", default="bench-results", help="directory for plan.json and plan.png")
     return p
 
@@ -238,6 +238,8 @@ def check_args(args: argparse.Namespace) -> str | None:
         return "--engine-pass must be >= 0 (0: plan from the profile alone)"
     if args.repeats < 1:
         return "--repeats must be >= 1"
+    if args.repeats > 1 and args.against_serve is None:
+        return "--repeats runs real fleets: it needs --against-serve"
     if args.requests is not None and args.requests < 2:
         return "--requests must be >= 2 (a rate needs two arrivals)"
     if args.price < 0 or args.poll_s <= 0 or args.prefix_affinity_chars < 0:
@@ -291,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(f"--cost {args.cost}: {exc}")
     key_of = trace_key(args.prefix_affinity_chars, PREFIX_BLOCK_TOKENS) if args.prefix_affinity_chars else None
-    cost, speed = planning_cost(args, w, runner, engine_cfg, console)
+    cost, speed_key, speed = planning_cost(args, w, runner, engine_cfg, console)
     planner = Planner(w, cost, engine_cfg, args.target, args.every_class, key_of=key_of, poll_s=args.poll_s)
     policies = [x for x in args.policies.split(",") if x]
     started = time.perf_counter()
@@ -304,13 +306,13 @@ def main(argv: list[str] | None = None) -> int:
             results[pol]["cost_per_million_requests"] = cost_per_million(results[pol]["instances"], args.price, w)
             progress.advance(task)
     doc = document(args, argv, w, runner.model_name, results, time.perf_counter() - started, planner.sims)
-    if speed is not None:
-        doc["speed_from"] = speed
+    if speed_key is not None:
+        doc[speed_key] = speed
     if args.against_serve is not None:
         from engine.bench.plan_real import against_serve
 
         doc["against_serve"] = against_serve(args, w, runner.cost, engine_cfg, policies, console,
-                                             planned=cost if speed and not args.speed_from else None)
+                                             planned=cost if speed_key == "engine_pass" else None)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(json.dumps(doc, indent=2))
@@ -321,29 +323,30 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def planning_cost(args: argparse.Namespace, w: Workload, runner: Runner, engine_cfg: EngineConfig, console: Any
-                  ) -> tuple[OpCost, dict[str, Any] | None]:
+                  ) -> tuple[OpCost, str | None, dict[str, Any] | None]:
     """The cost model the plan simulates: the profile (or roofline) at the speed a pilot's logs measured
     (`--speed-from`), or for `--cost cpu` at the speed the engine ran the workload's first prompts
-    (`--engine-pass`); and what that speed rests on (None: the cost model as it is)."""
+    (`--engine-pass`); where that came from (plan.json's key: "speed_from", "engine_pass", or None for
+    the cost model as it is) and what it rests on."""
     from engine.bench.plan_speed import at_measured_speed, engine_pass
 
     if args.speed_from is not None:
         cost, measured = measured_speed(runner.cost, Path(args.speed_from))
-        source, origin = f"a pilot's logs ({args.speed_from})", args.speed_from
+        source, key, origin = f"a pilot's logs ({args.speed_from})", "speed_from", args.speed_from
     elif args.cost == "cpu" and args.engine_pass and runner.vocab:
         n = min(args.engine_pass, len(w.requests))
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task(f"engine pass: the workload's first {n} prompts, one at a time", total=n)
             batches = engine_pass(engine_cfg, runner.cost, w, n, runner.vocab, lambda _i: progress.advance(task))
         cost, measured = at_measured_speed(runner.cost, batches)
-        source, origin = f"an engine pass over the workload's first {n} prompts", f"engine pass ({n} prompts)"
+        source, key, origin = f"an engine pass over the workload's first {n} prompts", "engine_pass", f"{n} prompts"
     else:
-        return runner.cost, None
+        return runner.cost, None, None
     sizes = measured["by_size"]
     by_size = "" if sizes is None else " by batch size " + "/".join(f"{f:.2f}" for f in sizes)
     console.print(f"simulating at the speed {source} measured: {measured['factor']:.2f}x the cost model's seconds "
                   f"(median of {measured['requests']} requests){by_size}")
-    return cost, {"from": origin} | measured
+    return cost, key, {"from": origin} | measured
 
 
 def document(args: argparse.Namespace, argv: list[str] | None, w: Workload, model: str,

@@ -14,7 +14,10 @@ the fleet's mechanics (routing, polling, admission, queueing); the fourth says h
 knowledge of the machine's speed fixes. Those two learn from the run they are compared with; the fifth,
 with `--speed-from` a pilot's logs, does not: the cost model at the speed an earlier run of the same
 fleet measured on other arrivals (each point's logs are kept in `<out>/batch-logs/<policy>-w<n>/` to
-be such a pilot), which is what a planner knows before the fleet exists.
+be such a pilot), which is what a planner knows before the fleet exists. With `--cost cpu`, the plan
+itself runs at an engine pass's speed (engine/bench/plan_speed.py): that fleet, "as planned", is the
+planner's own prediction. `--repeats R` runs each real fleet R times, in rounds, and compares with the
+median of its runs per class (each run's logs in `run-<r>/`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import argparse
 import asyncio
 import copy
 import os
+import shutil
 import statistics
 import subprocess
 from collections.abc import Iterator
@@ -49,14 +53,15 @@ from loadtest.peer.client import Arrival, Target, arrivals, model_name, replay
 from loadtest.results import outcomes
 from loadtest.workload import Workload
 
+Run = tuple[dict[str, Any], list[str], list[MeasuredBatch]]  # a real run: its point, its workers' URLs, its batches
+
 
 def fleet_name(policy: str, n: int) -> str:
     """A point's folder name under `<out>/batch-logs/`, e.g. `chunked-2048-w2`."""
     return f"{policy.replace(':', '-')}-w{n}"
 
 
-def real_point(policy: str, n: int, threads: int | None, w: Workload, schedule: list[Arrival], logs: Path
-               ) -> tuple[dict[str, Any], list[str], list[MeasuredBatch]]:
+def real_point(policy: str, n: int, threads: int | None, w: Workload, schedule: list[Arrival], logs: Path) -> Run:
     """`serve --workers n` on the schedule, its workers logging their batches in `logs`: its goodput
     point, its workers' URLs, and the batches they ran (request ids as the simulation's: `w{i}` for
     the schedule's i-th arrival)."""
@@ -81,10 +86,12 @@ def off_the_workers_cores(n: int, threads: int | None) -> Iterator[None]:
     """The load generator (this process) on the gateway's cores while `serve --workers n` runs, where
     serve pins its workers to cores of their own (it keeps the first core for the gateway when the
     rest hold every worker: on 2 cores, one worker of one thread), as a deployment's clients are not on
-    its workers' cores. Unpinned, the replay's own Python shared the one worker's core at 16 req/s."""
-    from gateway.cli.serve import Cores
+    its workers' cores. Unpinned, the replay's own Python shared the one worker's core at 16 req/s.
+    (The calling thread is pinned, and so the replay's event loop and any thread it starts.)"""
+    from gateway.cli.serve import Cores, worker_threads
 
-    cores = Cores.plan(argparse.Namespace(device="cpu", cpu_cores=None, workers=n), threads or 1)
+    serve_args = argparse.Namespace(device="cpu", cpu_cores=None, workers=n, num_threads=threads)
+    cores = Cores.plan(serve_args, worker_threads(serve_args))  # serve's own split of this machine's cores
     if cores is None or cores.shared & set().union(*cores.own):
         yield  # the gateway shares the workers' cores: nowhere else to go
         return
@@ -137,24 +144,34 @@ def against_serve(args: argparse.Namespace, w: Workload, cost: OpCost, engine_cf
     all of them), and is compared per class with the median of its runs."""
     schedule = arrivals(w)
     fleets = [(policy, n) for policy in policies for n in workers_of(args.against_serve)]
-    runs: dict[tuple[str, int], list[tuple[dict[str, Any], list[str], list[MeasuredBatch]]]] = {f: [] for f in fleets}
+    root = Path(args.out) / "batch-logs"
+    for policy, n in fleets:  # an earlier run's logs (its run-<r>/ folders too) are not read as this one's
+        shutil.rmtree(root / fleet_name(policy, n), ignore_errors=True)
+    runs: dict[tuple[str, int], list[Run]] = {f: [] for f in fleets}
+    failed: dict[tuple[str, int], list[str]] = {f: [] for f in fleets}
     for r in range(args.repeats):
         for policy, n in fleets:
             console.print(f"serve --workers {n} --policy {policy}: {len(schedule)} requests over {w.duration_s:.0f} s"
                           + (f" (run {r + 1} of {args.repeats})" if args.repeats > 1 else ""))
-            logs = Path(args.out) / "batch-logs" / fleet_name(policy, n)
-            runs[(policy, n)].append(real_point(policy, n, args.threads, w, schedule,
-                                                logs / f"run-{r + 1}" if args.repeats > 1 else logs))
-    return [compare(args, w, schedule, cost, planned, engine_cfg, policy, n, runs[(policy, n)])
+            logs = root / fleet_name(policy, n)
+            try:
+                runs[(policy, n)].append(real_point(policy, n, args.threads, w, schedule,
+                                                    logs / f"run-{r + 1}" if args.repeats > 1 else logs))
+            except RuntimeError as exc:  # serve did not start: the fleet's other runs still count
+                console.print(f"[red]run {r + 1} of serve --workers {n} --policy {policy} failed: {exc}[/red]")
+                failed[(policy, n)].append(str(exc))
+    return [compare(args, w, schedule, cost, planned, engine_cfg, policy, n, runs[(policy, n)]) | (
+            {"failed_runs": failed[(policy, n)]} if failed[(policy, n)] else {})
+            if runs[(policy, n)] else {"policy": policy, "workers": n, "failed_runs": failed[(policy, n)]}
             for policy, n in fleets]
 
 
 def compare(args: argparse.Namespace, w: Workload, schedule: list[Arrival], cost: OpCost, planned: OpCost | None,
             engine_cfg: EngineConfig, policy: str, n: int,
-            runs: list[tuple[dict[str, Any], list[str], list[MeasuredBatch]]]) -> dict[str, Any]:
+            runs: list[Run]) -> dict[str, Any]:
     """One fleet's real runs (their median per class) beside its simulations: with the cost model, as
     planned, at the speed the runs measured, charged what they measured (their batches pooled: a
-    request's factor is then its mean over the runs)."""
+    request's factor is then its seconds summed over the runs over its predicted seconds summed)."""
 
     def same_prompts() -> list[Request]:
         reqs = make_requests(w, DEFAULT_CLASSES, 1.0, 0.0, None)
@@ -179,6 +196,9 @@ def compare(args: argparse.Namespace, w: Workload, schedule: list[Arrival], cost
     row["sim_measured_speed"] = planner.evaluate(policy, n, stop_early=False)
     row |= {"measured_requests": len(exact.factors), "measured_factor_median": exact.default,
             "measured_factor_by_size": speed_by_size(batches)}
+    for run, (_, _, bs) in zip(row["real"].get("runs", []) if len(runs) > 1 else [], runs, strict=False):
+        run |= {"measured_factor_median": ExactCosts.from_batches(cost, bs).default,  # each run's own speed
+                "measured_factor_by_size": speed_by_size(bs)}
     if args.speed_from is not None:
         row |= at_pilot_speed(planner, cost, Path(args.speed_from), policy, n)
     return row

@@ -58,6 +58,9 @@ def against_table(console: Console, rows: list[dict[str, Any]]) -> None:
     for col in ("policy", "workers", "class", "requests", real_col, *(x for name, _ in sims for x in (name, "gap"))):
         t.add_column(col, justify="right")
     for row in rows:
+        if "real" not in row:  # serve never started for it
+            t.add_row(row["policy"], str(row["workers"]), "-", "-", f"{len(row['failed_runs'])} run(s) failed")
+            continue
         for c, real in [*row["real"]["per_class"].items(), ("all", row["real"] | {"n": None})]:
             n = real["n"] if real["n"] is not None else sum(x["n"] for x in row["real"]["per_class"].values())
             cells = []

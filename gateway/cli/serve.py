@@ -63,7 +63,7 @@ class Fleet:
         return [f"http://{WORKER_HOST}:{p}" for p, r in zip(self.ports, self.roles, strict=True) if r in roles]
 
 
-def _threads(args: argparse.Namespace) -> int:
+def worker_threads(args: argparse.Namespace) -> int:
     # One core stays with the gateway (and the engine's own Python threads): on a 2-core host one torch
     # thread per worker gave far more goodput than two (docs/benchmarks.md, ideal-bound runs).
     return args.num_threads or max(1, ((os.cpu_count() or 1) - 1) // args.workers)
@@ -106,7 +106,7 @@ class Cores:
 
 
 def _worker_argv(args: argparse.Namespace, port: int, role: str, cores: set[int] | None) -> list[str]:
-    threads = args.num_threads or (len(cores) if cores else _threads(args))
+    threads = args.num_threads or (len(cores) if cores else worker_threads(args))
     own = {"num_threads": threads, "cpu_cores": ",".join(map(str, sorted(cores))) if cores else args.cpu_cores}
     options = to_argv(argparse.Namespace(**{**vars(args), **own}), worker_options())
     config = ["--config", args.config] if args.config else []  # the classes' targets and late policies
@@ -121,7 +121,7 @@ def running(fleet: Fleet, args: argparse.Namespace) -> Iterator[None]:
 
     from gateway.processes import Relayed, wait_healthy
 
-    cores = Cores.plan(args, _threads(args))
+    cores = Cores.plan(args, worker_threads(args))
     own = cores.own if cores else [None] * len(fleet.ports)
     children = [Relayed(_worker_argv(args, port, role, mine), error_prefix="flowprefill worker: error: ",
                         cores=(cores.shared | mine) if cores and mine else None)
