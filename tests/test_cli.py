@@ -90,6 +90,7 @@ def test_loadtest_goodput_and_plan_options_have_help() -> None:
     (["--engine-pass", "-1"], "--engine-pass must be >= 0"),
     (["--repeats", "0"], "--repeats must be >= 1"),
     (["--repeats", "3"], "it needs --against-serve"),
+    (["--headroom", "-0.1"], "--headroom must be in [0, 10]"),
     (["--requests", "10", "--skip", "30000"], "none left after skipping 30000"),
     (["--speed-from", "/nonexistent"], "--speed-from /nonexistent: no batch log there"),
 ])

@@ -456,3 +456,20 @@ def test_the_load_generator_leaves_a_lone_worker_its_core_and_gets_its_own_back(
         assert os.sched_getaffinity(0) == cores.shared and not cores.shared & cores.own[0]
         raise RuntimeError("the replay failed")
     assert os.sched_getaffinity(0) == before
+
+
+def test_headroom_plans_for_a_slower_machine(tmp_path: Path) -> None:
+    """`--headroom 1`: planned as if every prefill took twice as long, exactly as at a pilot's 2x speed."""
+    from gateway.cli import main
+
+    logs = tmp_path / "pilot"
+    logs.mkdir()
+    (logs / "batches-1.jsonl").write_text("".join(json.dumps([[f"r{i}"], 0.01, 0.02, 1.0]) + "\n" for i in range(3)))
+    base = ["plan", "--requests", "300", "--cost", "llama-3.1-8b@h100", "--rate", "120", "--policies", "flowprefill"]
+    assert main([*base, "--out", str(tmp_path / "plain")]) == 0
+    assert main([*base, "--headroom", "1", "--out", str(tmp_path / "headroom")]) == 0
+    assert main([*base, "--speed-from", str(logs), "--out", str(tmp_path / "pilot-2x")]) == 0
+    plain, headroom, pilot = (json.loads((tmp_path / d / "plan.json").read_text())["policies"]["flowprefill"]
+                              for d in ("plain", "headroom", "pilot-2x"))
+    assert headroom["instances"] == pilot["instances"] > plain["instances"]
+    assert headroom["at_instances"]["attainment"] == pilot["at_instances"]["attainment"]

@@ -20,6 +20,7 @@ import argparse
 import json
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -210,6 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cpu: first run the workload's first N prompts through the engine (with --threads), one at "
                         "a time, and plan at the speed it ran, a factor per batch size (the operator profile alone "
                         "was 1.2-1.4x optimistic); 0: plan from the profile alone. Ignored with --speed-from")
+    p.add_argument("--headroom", type=float, default=0.0, metavar="F",
+                   help="plan for a machine F slower than measured (0.2: every prefill 20 %% longer), so that the "
+                        "fleet still meets the target when the machine's speed drifts (on 2 shared cores it moved "
+                        "by up to a quarter between runs minutes apart)")
     p.add_argument("--out", default="bench-results", help="directory for plan.json and plan.png")
     return p
 
@@ -236,6 +241,8 @@ def check_args(args: argparse.Namespace) -> str | None:
         return "--skip must be >= 0"
     if args.engine_pass < 0:
         return "--engine-pass must be >= 0 (0: plan from the profile alone)"
+    if not 0 <= args.headroom <= 10:
+        return "--headroom must be in [0, 10] (0.2: plan for a machine 20 % slower)"
     if args.repeats < 1:
         return "--repeats must be >= 1"
     if args.repeats > 1 and args.against_serve is None:
@@ -294,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--cost {args.cost}: {exc}")
     key_of = trace_key(args.prefix_affinity_chars, PREFIX_BLOCK_TOKENS) if args.prefix_affinity_chars else None
     cost, speed_key, speed = planning_cost(args, w, runner, engine_cfg, console)
+    predicted = cost  # what the plan predicts the fleet does, before any headroom
+    if args.headroom:
+        cost = replace(cost, scale=cost.scale * (1 + args.headroom))
+        console.print(f"planning with {args.headroom:.0%} headroom: every prefill {1 + args.headroom:.2f}x as long")
     planner = Planner(w, cost, engine_cfg, args.target, args.every_class, key_of=key_of, poll_s=args.poll_s)
     policies = [x for x in args.policies.split(",") if x]
     started = time.perf_counter()
@@ -312,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         from engine.bench.plan_real import against_serve
 
         doc["against_serve"] = against_serve(args, w, runner.cost, engine_cfg, policies, console,
-                                             planned=cost if speed_key == "engine_pass" else None)
+                                             planned=predicted if speed_key == "engine_pass" else None)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(json.dumps(doc, indent=2))
@@ -358,6 +369,7 @@ def document(args: argparse.Namespace, argv: list[str] | None, w: Workload, mode
     return {"workload": {"name": w.name, "source": w.source, "requests": len(w.requests), "class_rule": w.class_rule,
                          "rate": w.rate, "duration_s": w.duration_s},
             "cost_model": args.cost, "model": model, "target": args.target, "every_class": args.every_class,
+            "headroom": args.headroom,
             "max_instances": args.max_instances, "price_per_instance_hour": args.price,
             "routing": {"poll_s": args.poll_s, "prefix_affinity_chars": args.prefix_affinity_chars,
                         "affinity_slack_s": DEFAULTS.prefix_affinity_slack_s},

@@ -22,7 +22,8 @@ def print_tables(console: Console, doc: dict[str, Any]) -> None:
     w = doc["workload"]
     goal = "every class" if doc["every_class"] else "overall"
     t = Table(title=f"instances for {doc['target'] * 100:g} % TTFT attainment ({goal}): {w['name']}, "
-                    f"{w['requests']} requests at {w['rate']:.2f} req/s, {doc['model']}")
+                    f"{w['requests']} requests at {w['rate']:.2f} req/s, {doc['model']}"
+                    + (f", {doc['headroom']:.0%} headroom" if doc.get("headroom") else ""))
     classes = _classes(doc)
     for col in ("policy", "instances", "attainment", *classes, "goodput req/s", "USD / M requests"):
         t.add_column(col, justify="right")
