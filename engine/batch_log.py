@@ -51,6 +51,9 @@ class BatchLog(EngineObserver):
         if batch.finished:
             self._file.write(json.dumps(measured(batch)) + "\n")
 
+    def on_shutdown(self) -> None:
+        self._file.close()
+
 
 def attach(engine: Engine, name: str = "") -> BatchLog | None:
     """A BatchLog on `engine` if $FLOWPREFILL_BATCH_LOG is set (`name` tells apart engines of one process)."""

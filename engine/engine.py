@@ -98,6 +98,7 @@ class Engine:
             self._cv.notify()
         if self._thread.is_alive():
             self._thread.join()
+        self._notify("on_shutdown")
 
     def add_request(self, req: Request) -> None:
         """Validate and queue a request (an arrival event). Raises ValueError for bad input."""

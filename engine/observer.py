@@ -22,3 +22,5 @@ class EngineObserver:
     def on_evict(self, req: Request, now: float) -> None:
         """An answer's KV was taken back while it decoded: it queues to be recomputed."""
     def on_finish(self, req: Request) -> None: ...
+    def on_shutdown(self) -> None:
+        """The engine stopped (its thread has ended): release what the observer holds (files)."""

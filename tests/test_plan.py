@@ -188,6 +188,7 @@ def test_a_worker_s_batch_log_is_what_the_planner_replays(tmp_path: Path, monkey
     finally:
         engine.shutdown()
     assert log is not None and log.path.parent == tmp_path / "logs"
+    assert log._file.closed  # the engine's shutdown closed it
     logged = batch_log.read(tmp_path / "logs")
     assert len(logged) >= 1 and [list(b.ids) for b in logged] == [list(b.ids) for b in recorder.batches]
     assert [b[1:] for b in logged] == [b[1:] for b in recorder.batches]
