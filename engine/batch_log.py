@@ -3,7 +3,8 @@ names a folder (one file per worker process): what `flowprefill plan --against-s
 (engine/sim/oracle.py's ExactCosts) to tell the cost model's error from the fleet's mechanics.
 
 A line: [request ids, the calibrated model's seconds for the batch's plan, the seconds it took, the
-correction its plan was made with, the prompt tokens it computed]. One line per batch, written on
+correction its plan was made with, the prompt tokens it computed, when it finished on the engine's
+clock]. One line per batch, written on
 the engine thread (a few microseconds: a diagnostic, off unless asked for).
 """
 
@@ -33,11 +34,14 @@ class MeasuredBatch(NamedTuple):
     exec_s: float
     plan_scale: float | None = None  # None: not known (the plan is made at the measured factor)
     tokens: int | None = None  # prompt tokens it computed (None: a log written before they were)
+    # When it finished, on the engine's clock (seconds; None: a log written before it was said): when in a
+    # run a worker ran slow decides attainment at an instance's knee, which no speed per size carries.
+    finished_at: float | None = None
 
 
-def measured(batch: PrefillBatch) -> MeasuredBatch:
+def measured(batch: PrefillBatch, now: float | None = None) -> MeasuredBatch:
     return MeasuredBatch([r.request_id for r in batch.requests], batch.steps.base_cost, batch.exec_s,
-                         batch.steps.scale, batch.num_tokens)
+                         batch.steps.scale, batch.num_tokens, now)
 
 
 class BatchLog(EngineObserver):
@@ -49,7 +53,7 @@ class BatchLog(EngineObserver):
 
     def on_segment_end(self, batch: PrefillBatch, now: float) -> None:
         if batch.finished:
-            self._file.write(json.dumps(measured(batch)) + "\n")
+            self._file.write(json.dumps(measured(batch, now)) + "\n")
 
     def on_shutdown(self) -> None:
         self._file.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -183,15 +184,19 @@ def test_a_worker_s_batch_log_is_what_the_planner_replays(tmp_path: Path, monkey
     recorder = BatchCostRecorder()
     engine.observers.append(recorder)
     engine.start()
+    t0 = time.monotonic()
     try:
         engine.generate([[65] * 300, [66] * 40], SamplingParams(max_tokens=1))
     finally:
         engine.shutdown()
+    t1 = time.monotonic()
     assert log is not None and log.path.parent == tmp_path / "logs"
     assert log._file.closed  # the engine's shutdown closed it
     logged = batch_log.read(tmp_path / "logs")
     assert len(logged) >= 1 and [list(b.ids) for b in logged] == [list(b.ids) for b in recorder.batches]
     assert [b[1:] for b in logged] == [b[1:] for b in recorder.batches]
+    finished = [b.finished_at for b in logged]  # on the engine's clock (time.monotonic), in order
+    assert all(f is not None and t0 <= f <= t1 for f in finished) and finished == sorted(finished)  # type: ignore[operator]
     assert _sim_id("peer-1764000000000-17") == "w17" and _sim_id("peer-1764000000000-17-0a1b2c3d") == "w17"
     monkeypatch.delenv(batch_log.ENV)
     assert batch_log.attach(engine) is None

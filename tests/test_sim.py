@@ -106,12 +106,14 @@ def test_the_host_s_time_per_batch_delays_the_next_batch_not_the_correction() ->
     assert analytical("llama-3.1-8b", "h200").batch_host_s > 0
 
 
-def test_simulator_agrees_with_real_engine() -> None:
-    """The same scheduler code, fed the same arrivals, makes the same decisions in both worlds."""
+def _real_and_simulated(engine_cfg: EngineConfig) -> tuple[list[Request], list[Request], OpCost, list, list]:
+    """One long prefill and three later arrivals on a real engine, and the same arrivals simulated with the
+    cost model as the engine had it before them: (real, simulated, that model, the batches measured,
+    the arrivals)."""
     from engine.engine import Engine
     from engine.model.plan import SeqSpan
 
-    engine = Engine(EngineConfig(), policy="flowprefill")
+    engine = Engine(engine_cfg, policy="flowprefill")
     measured = BatchCostRecorder()
     engine.observers.append(measured)
     engine.start()
@@ -139,23 +141,47 @@ def test_simulator_agrees_with_real_engine() -> None:
         engine.shutdown()
     sim = requests(spec)
     simulate(sim, make_policy("flowprefill"), cost, SimConfig())
+    return real, sim, cost, measured.batches, spec
 
-    def order(reqs: list[Request]) -> list[str]:
-        return [r.request_id for r in sorted(reqs, key=lambda r: r.first_token_time)]
 
-    assert order(real) == order(sim) == ["r1", "r2", "r3", "r0"]
-    assert len(real[0].suspensions) == len(sim[0].suspensions) == 3
+def _order(reqs: list[Request]) -> list[str]:
+    return [r.request_id for r in sorted(reqs, key=lambda r: r.first_token_time)]
+
+
+def _disagreement(real: list[Request], sim: list[Request]) -> str | None:
+    """How the real run's decisions differ from the simulated ones (None: they agree)."""
+    if not _order(real) == _order(sim) == ["r1", "r2", "r3", "r0"]:
+        return f"first tokens in order {_order(real)} (real) and {_order(sim)} (simulated)"
+    if not len(real[0].suspensions) == len(sim[0].suspensions) == 3:
+        return f"{len(real[0].suspensions)} suspensions (real) and {len(sim[0].suspensions)} (simulated)"
     for a, b in zip(real, sim, strict=True):  # TTFTs of the same order (the machine is shared and noisy)
-        assert b.ttft / 2.5 - 0.1 < a.ttft < b.ttft * 2.5 + 0.1, (a.request_id, a.ttft, b.ttft)
+        if not b.ttft / 2.5 - 0.1 < a.ttft < b.ttft * 2.5 + 0.1:
+            return f"{a.request_id}: TTFT {a.ttft:.3f} s (real) and {b.ttft:.3f} s (simulated)"
+    return None
+
+
+def test_simulator_agrees_with_real_engine() -> None:
+    """The same scheduler code, fed the same arrivals, makes the same decisions in both worlds. The
+    real run shares two cores with the other tests (pytest -n 2): a burst there once stretched a stop to
+    14 ms, an arrival met a short request still running, and the long one was suspended twice, not three
+    times. Such a run is tried again, up to three times; a scheduler that decides otherwise fails all."""
+    seen = []
+    for _ in range(3):
+        real, sim, cost, batches, spec = _real_and_simulated(EngineConfig())
+        problem = _disagreement(real, sim)
+        if problem is None:
+            break
+        seen.append(problem)
+    assert problem is None, seen
 
     # The ideal bound replays what each batch measured, with zero stop latency and exact prediction:
     # the same decisions, and no request later than it really was (beyond timer resolution).
     base = replace(cost, scale=1.0)
-    exact = ExactCosts.from_batches(base, [b for b in measured.batches if b[0][0].startswith("r")])
+    exact = ExactCosts.from_batches(base, [b for b in batches if b[0][0].startswith("r")])
     assert set(exact.factors) == {"r0", "r1", "r2", "r3"}
     ideal = requests(spec)
     simulate(ideal, make_policy("flowprefill"), base, SimConfig(ideal=True), exact=exact)
-    assert order(ideal) == order(real)
+    assert _order(ideal) == _order(real)
     for a, b in zip(real, ideal, strict=True):
         assert b.ttft <= a.ttft * 1.02 + 0.002, (a.request_id, a.ttft, b.ttft)
 

@@ -35,7 +35,7 @@ class BatchCostRecorder(EngineObserver):
 
     def on_segment_end(self, batch: PrefillBatch, now: float) -> None:
         if batch.finished:
-            self.batches.append(measured(batch))
+            self.batches.append(measured(batch, now))
 
 
 class ExactCosts:
