@@ -160,10 +160,13 @@ def against_serve(args: argparse.Namespace, w: Workload, cost: OpCost, engine_cf
             except RuntimeError as exc:  # serve did not start: the fleet's other runs still count
                 console.print(f"[red]run {r + 1} of serve --workers {n} --policy {policy} failed: {exc}[/red]")
                 failed[(policy, n)].append(str(exc))
-    return [compare(args, w, schedule, cost, planned, engine_cfg, policy, n, runs[(policy, n)]) | (
-            {"failed_runs": failed[(policy, n)]} if failed[(policy, n)] else {})
-            if runs[(policy, n)] else {"policy": policy, "workers": n, "failed_runs": failed[(policy, n)]}
-            for policy, n in fleets]
+    rows = []
+    for policy, n in fleets:
+        done, errors = runs[(policy, n)], failed[(policy, n)]
+        row = compare(args, w, schedule, cost, planned, engine_cfg, policy, n, done) if done else {
+            "policy": policy, "workers": n}  # serve never started for it
+        rows.append(row | ({"failed_runs": errors} if errors else {}))
+    return rows
 
 
 def compare(args: argparse.Namespace, w: Workload, schedule: list[Arrival], cost: OpCost, planned: OpCost | None,
