@@ -415,6 +415,7 @@ def test_against_serve_repeats_in_rounds_keeps_each_run_and_survives_a_failed_st
     from engine.bench import plan_real
     from engine.bench.plan import build_parser
     from engine.bench.plan_real import against_serve
+    from engine.bench.plan_report import against_table
     from loadtest.workload import azure_mix, head
 
     stale = tmp_path / "batch-logs" / "fcfs-w1" / "batches-1.jsonl"
@@ -425,7 +426,7 @@ def test_against_serve_repeats_in_rounds_keeps_each_run_and_survives_a_failed_st
     def fake_real_point(policy, n, threads, w, schedule, logs):  # type: ignore[no-untyped-def]
         calls.append((policy, n, logs.name))
         assert not stale.exists()
-        if (policy, logs.name) == ("flowprefill", "run-2"):
+        if (policy, logs.name) == ("flowprefill", "run-2") or policy == "chunked:2048":
             raise RuntimeError("serve exited 2: address already in use")
         per_class = {"interactive": {"n": len(schedule), "attainment": 0.5 + 0.25 * (logs.name == "run-2"),
                                      "ttft_p50_ms": 10.0, "ttft_p99_ms": 20.0}}
@@ -434,18 +435,23 @@ def test_against_serve_repeats_in_rounds_keeps_each_run_and_survives_a_failed_st
         return pt, [f"http://127.0.0.1:{9000 + i}" for i in range(n)], [MeasuredBatch(["w0"], 0.01, 0.02, 1.0, 10)]
 
     monkeypatch.setattr(plan_real, "real_point", fake_real_point)
+    policies = ["fcfs", "flowprefill", "chunked:2048"]
     args = build_parser().parse_args(["--requests", "6", "--rate", "2", "--against-serve", "1", "--repeats", "2",
-                                      "--policies", "fcfs,flowprefill", "--out", str(tmp_path)])
+                                      "--policies", ",".join(policies), "--out", str(tmp_path)])
     w = head(azure_mix(), 6)
-    rows = against_serve(args, w, COST, EngineConfig(prefix_caching=False), ["fcfs", "flowprefill"],
-                         Console(file=None, quiet=True))
-    assert calls == [("fcfs", 1, "run-1"), ("flowprefill", 1, "run-1"), ("fcfs", 1, "run-2"),
-                     ("flowprefill", 1, "run-2")]
-    fcfs, flow = rows
+    rows = against_serve(args, w, COST, EngineConfig(prefix_caching=False), policies, Console(file=None, quiet=True))
+    assert calls == [(p, 1, f"run-{r}") for r in (1, 2) for p in policies]
+    fcfs, flow, chunked = rows
     assert fcfs["real"]["attainment"] == pytest.approx(0.625) and len(fcfs["real"]["runs"]) == 2
     assert [r["measured_factor_median"] for r in fcfs["real"]["runs"]] == pytest.approx([2.0, 2.0])
     assert fcfs["measured_factor_median"] == pytest.approx(2.0)  # the stale 100x log was not read
     assert flow["failed_runs"] == ["serve exited 2: address already in use"] and "runs" not in flow["real"]
+    refused = "serve exited 2: address already in use"
+    assert chunked == {"policy": "chunked:2048", "workers": 1, "failed_runs": [refused] * 2}
+    console = Console(record=True, width=300)
+    against_table(console, rows)
+    table = console.export_text()
+    assert "2 run(s) failed" in table and "62.5 % (50.0-75.0)" in table
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 if hasattr(os, "sched_getaffinity") else True,
