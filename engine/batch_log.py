@@ -39,7 +39,7 @@ class MeasuredBatch(NamedTuple):
     finished_at: float | None = None
 
 
-def measured(batch: PrefillBatch, now: float | None = None) -> MeasuredBatch:
+def measured(batch: PrefillBatch, now: float) -> MeasuredBatch:
     return MeasuredBatch([r.request_id for r in batch.requests], batch.steps.base_cost, batch.exec_s,
                          batch.steps.scale, batch.num_tokens, now)
 

@@ -3,6 +3,8 @@ interleaves decode steps at operator boundaries, and streams tokens back."""
 
 from __future__ import annotations
 
+import gc
+import itertools
 import logging
 import threading
 import time
@@ -30,6 +32,7 @@ from engine.scheduler import Policy, Scheduler, make_policy
 from engine.thread_cpu import ThreadCPU, readable
 
 log = logging.getLogger("flowprefill.engine")
+_GENERATED = itertools.count()  # `Engine.generate`'s request ids (an object's id() is reused once it is freed)
 
 
 class Engine:
@@ -156,19 +159,26 @@ class Engine:
             self._cv.notify()
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None,
+                 request_ids: list[str] | None = None, timeout_s: float | None = None,
                  **request_fields: object) -> list[Request]:
-        """Blocking convenience: run prompts to completion (the engine must be started)."""
+        """Blocking convenience: run prompts to completion (the engine must be started). Each request's
+        id is `request_ids`' or one no other call here has used (observers that pool measurements by
+        id, as `plan`'s engine pass does, must not see two prompts as one); past `timeout_s` seconds of
+        waiting for one, TimeoutError."""
         done = [threading.Event() for _ in prompts]
         reqs = []
         for i, ids in enumerate(prompts):
             event = done[i]
-            req = Request(request_id=f"gen-{id(done)}-{i}", prompt_token_ids=ids,
+            rid = request_ids[i] if request_ids else f"gen-{next(_GENERATED)}"
+            req = Request(request_id=rid, prompt_token_ids=ids,
                           sampling=sampling or SamplingParams(), **request_fields)  # type: ignore[arg-type]
             req.sink = lambda out, e=event: out.finish_reason and e.set()
             reqs.append(req)
             self.add_request(req)
-        for e in done:
-            e.wait()
+        for e, req in zip(done, reqs, strict=True):
+            if not e.wait(timeout_s):
+                raise TimeoutError(f"request {req.request_id} ({len(req.prompt_token_ids)} prompt tokens) did not "
+                                   f"finish in {timeout_s} s")
         return reqs
 
     @property
@@ -495,3 +505,12 @@ class Engine:
     def _fail_current(self, message: str) -> None:
         if self._current is not None:
             self._fail_batch(self._current, message)
+
+
+def release_memory() -> None:
+    """After the last reference to an Engine is dropped (`del engine`): its weights and KV cache (an 8B
+    model's take 50 GB of a GPU with the default cache) are freed only by a collection, as the engine
+    holds itself (its thread's target, the scheduler's bound methods)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

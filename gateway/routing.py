@@ -36,7 +36,6 @@ class Worker:
         self.errors = 0  # consecutive 5xx answers (`WorkerPool.record_error`)
         self.role = ""  # what the worker says it does (its /load): colocated, prefill or decode
         self.backlog_by_class: dict[str, float] = {}  # its waiting requests' predicted prefill s, per class
-        self.problem: str | None = None  # why its last health check failed
         self.problems_logged: set[str] = set()  # the reasons logged since it last passed (each once)
 
     def __repr__(self) -> str:
@@ -182,7 +181,7 @@ class WorkerPool:
             w = self.draining.pop(url, None)  # back before it drained: its requests in flight still count
             if w is None:
                 w = Worker(url)
-                w.healthy, w.checked, w.problem = False, False, "not checked yet"
+                w.healthy, w.checked = False, False
             log.info("worker %s joined the pool (%s)", url, source)
             joined.append(w)
         self.joined += len(joined)
@@ -312,12 +311,12 @@ class WorkerPool:
             if problem not in w.problems_logged:
                 log.warning("worker %s unhealthy: %s", w.url, problem)
                 w.problems_logged.add(problem)
-            w.healthy, w.problem = False, problem
+            w.healthy = False
             return
         w.problems_logged.clear()
         if not w.healthy and time.monotonic() >= w.down_until:
             log.info("worker %s %s", w.url, "healthy again" if w.checked else "healthy: in rotation")
-        w.healthy, w.problem = time.monotonic() >= w.down_until, None
+        w.healthy = time.monotonic() >= w.down_until
         w.checked = True
 
     async def _probe_server(self, w: Worker) -> str | None:

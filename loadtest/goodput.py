@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import json
 import statistics
 import threading
@@ -86,9 +85,7 @@ class Runner:
         self._engines: dict[str, Any] = {}
         self._ideal: dict[tuple[float, float], dict[str, Any]] = {}  # (rate, slo scale) -> bound point
         if kind == "real" or cost_name == "cpu":
-            import torch
-
-            from engine.engine import Engine
+            from engine.engine import Engine, release_memory
 
             # the cost model profiled on this machine; a simulation reads the cached profile as it
             # stands (at 3 req/s the same simulation gave 90.4 % and 83.2 % in two runs a minute
@@ -96,12 +93,8 @@ class Runner:
             probe = Engine(engine_cfg, policy="fcfs", record_profile=kind == "real")
             self.cost: OpCost = probe.cost
             self.model_name, self.vocab = probe.model.cfg.name, probe.model.cfg.vocab_size
-            # Its weights and KV cache (an 8B model's take 50 GB of a GPU with the default cache): the engine
-            # holds itself (its thread's target, the scheduler's bound methods), so only a collection frees it.
             del probe
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            release_memory()
         else:
             from engine.sim.costs import analytical
 

@@ -141,6 +141,19 @@ def assert_idle_and_free(eng: Engine) -> None:
     assert eng.num_decoding == 0 and not eng.answers.evicted
 
 
+def test_generate_names_each_request_anew_and_can_give_up_waiting(make_engine: Callable[..., Engine]) -> None:
+    """Sequential generate() calls never reuse a request id (they were named by a list's id(), which a
+    freed list hands on: `plan`'s engine pass once pooled 100 prompts as 43); a wait has a bound."""
+    eng = make_engine()
+    ids = [r.request_id for _ in range(20) for r in eng.generate([[1, 2, 3]], SamplingParams(max_tokens=1))]
+    assert len(set(ids)) == 20
+    named = eng.generate([[4, 5]], SamplingParams(max_tokens=1), request_ids=["mine"])
+    assert [r.request_id for r in named] == ["mine"] and named[0].finish_reason == "length"
+    idle = make_engine(start=False)  # never started: nothing is ever served
+    with pytest.raises(TimeoutError, match=r"did not finish in 0\.05 s"):
+        idle.generate([[1, 2]], SamplingParams(max_tokens=1), timeout_s=0.05)
+
+
 # -- validation --------------------------------------------------------------------------------
 
 def test_bad_input_raises_value_error(make_engine: Callable[..., Engine]) -> None:

@@ -204,7 +204,7 @@ def test_a_connection_reset_during_a_health_check_is_retried_on_a_new_connection
             pool = WorkerPool([url], c)
             pool.workers[0].healthy = False
             await pool.poll_once()
-            assert pool.workers[0].healthy and pool.workers[0].problem is None
+            assert pool.workers[0].healthy and not pool.workers[0].problems_logged
 
     with caplog.at_level(logging.WARNING, "flowprefill.gateway"):
         asyncio.run(main())

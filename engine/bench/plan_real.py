@@ -65,9 +65,7 @@ def real_point(policy: str, n: int, threads: int | None, w: Workload, schedule: 
     """`serve --workers n` on the schedule, its workers logging their batches in `logs`: its goodput
     point, its workers' URLs, and the batches they ran (request ids as the simulation's: `w{i}` for
     the schedule's i-th arrival)."""
-    for old in [*logs.glob("batches-*.jsonl"), *logs.glob("serve-*.log")]:  # a rerun into the same --out replaces them
-        old.unlink(missing_ok=True)
-    logs.mkdir(parents=True, exist_ok=True)
+    logs.mkdir(parents=True, exist_ok=True)  # against_serve emptied it: an earlier run's logs are not read
     proc, port, argv = _start_serve(policy, n, threads, logs)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -199,7 +197,7 @@ def compare(args: argparse.Namespace, w: Workload, schedule: list[Arrival], cost
     row["sim_measured_speed"] = planner.evaluate(policy, n, stop_early=False)
     row |= {"measured_requests": len(exact.factors), "measured_factor_median": exact.default,
             "measured_factor_by_size": speed_by_size(batches)}
-    for run, (_, _, bs) in zip(row["real"].get("runs", []) if len(runs) > 1 else [], runs, strict=False):
+    for run, (_, _, bs) in zip(row["real"].get("runs", []), runs, strict=False):  # one run has no "runs"
         run |= {"measured_factor_median": ExactCosts.from_batches(cost, bs).default,  # each run's own speed
                 "measured_factor_by_size": speed_by_size(bs)}
     if args.speed_from is not None:

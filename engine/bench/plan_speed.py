@@ -15,9 +15,8 @@ measured, a factor per batch size (`at_speed`, as `--speed-from` does with a pil
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import gc
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -29,17 +28,15 @@ from engine.sim.oracle import BatchCostRecorder, ExactCosts, at_speed, speed_by_
 from loadtest.goodput import make_requests
 from loadtest.workload import Workload, head
 
-ENGINE_PASS = 100  # prompts: 5-8 s on 2 EPYC cores for azure-mix's, and every size class it has
+ENGINE_PASS = 100  # prompts: about 4 s on 2 EPYC cores for azure-mix's, and every size class it has
 
 
 def engine_pass(engine_cfg: EngineConfig, cost: OpCost, w: Workload, n: int, vocab: int,
                 on_prompt: Callable[[int], None] = lambda _i: None) -> list[MeasuredBatch]:
     """The workload's first `n` prompts through a fresh engine, one at a time: each batch's seconds
     against what `cost` predicted for it."""
-    import torch
-
-    from engine.engine import Engine
-    from engine.request import Request, SamplingParams
+    from engine.engine import Engine, release_memory
+    from engine.request import SamplingParams
 
     engine = Engine(engine_cfg, policy="fcfs", record_profile=False)
     engine.cost = engine.scheduler.cost = copy.deepcopy(cost)  # predicted as the planner will (it corrects its copy)
@@ -47,26 +44,15 @@ def engine_pass(engine_cfg: EngineConfig, cost: OpCost, w: Workload, n: int, voc
     engine.observers.append(recorder)
     try:
         engine.start()
-        for i, prompt in enumerate(make_requests(head(w, n), DEFAULT_CLASSES, 1.0, 0.0, vocab)):
-            done = threading.Event()
-            req = Request(request_id=f"engine-pass-{i}", prompt_token_ids=prompt.prompt_token_ids,
-                          sampling=SamplingParams(max_tokens=1))
-            req.sink = lambda out, done=done: out.finish_reason and done.set()
-            try:
-                engine.add_request(req)
-            except ValueError:  # one the engine refuses (longer than its context): serve would answer 400
-                on_prompt(i)
-                continue
-            if not done.wait(timeout=600):
-                raise RuntimeError(f"engine pass: prompt {i} ({len(req.prompt_token_ids)} tokens) did not finish "
-                                   "in 600 s")
+        for i, req in enumerate(make_requests(head(w, n), DEFAULT_CLASSES, 1.0, 0.0, vocab)):
+            with contextlib.suppress(ValueError):  # one the engine refuses (longer than its context): serve's 400
+                engine.generate([req.prompt_token_ids], SamplingParams(max_tokens=1),
+                                request_ids=[f"engine-pass-{i}"], timeout_s=600)
             on_prompt(i)
     finally:
         engine.shutdown()
-        del engine  # its weights and KV cache: it holds itself through its thread, so only a collection frees it
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        del engine
+        release_memory()
     return recorder.batches
 
 
