@@ -420,3 +420,31 @@ def test_against_real_vllm(tmp_path: Path) -> None:
 def test_contender_names_are_stable() -> None:
     assert Contender(ServerSpec("flowprefill", "fcfs")).name == "flowprefill-fcfs"
     assert Contender(ServerSpec("vllm", "fcfs", 512), via_gateway=True).name == "gateway+vllm-fcfs-512"
+
+
+def test_worst_class_tail_at_the_knee() -> None:
+    """At the highest rate that kept 90 % overall, the class whose p99 TTFT is the most times its target:
+    a class starved behind a good overall figure fails the 3x target; every contender's is reported."""
+    def pts(p99_ms: dict[str, float], att: float = 0.95) -> list[dict[str, Any]]:
+        per = {c: {"attainment": att, "ttft_p99_ms": v} for c, v in p99_ms.items()}
+        return [{"rate": 4.0, "attainment": 1.0, "goodput_rps": 4.0, "order": 0,
+                 "per_class": {c: {"attainment": 1.0, "ttft_p99_ms": 1.0} for c in p99_ms}},
+                {"rate": 8.0, "attainment": att, "goodput_rps": 8 * att, "order": 0, "per_class": per},
+                {"rate": 12.0, "attainment": 0.5, "goodput_rps": 6.0, "order": 0,
+                 "per_class": {c: {"attainment": 0.5, "ttft_p99_ms": 1e6} for c in p99_ms}}]
+    cs = parse_contenders("vllm:priority:2048,flowprefill")
+    starved = {"interactive": 300.0, "batch": 6000 * 3.5}  # batch 3.5x its 6 s target at 8 req/s
+    doc = report.report({}, "http", "m", 1.0, {}, {"vllm-priority-2048": pts({"interactive": 500.0}, 0.9),
+                                                   "flowprefill": pts(starved)})
+    c = summary.comparison(doc, cs, "quiet")
+    tail = next(t for t in c["targets"] if t["name"].startswith("flowprefill worst class"))
+    assert (tail["value"], tail["met"]) == (pytest.approx(3.5), False) and "batch, 8 req/s" in tail["name"]
+    assert c["tails_at_knee"]["vllm-priority-2048"] == {"class": "interactive", "factor": 2.0, "rate": 8.0}
+    doc["policies"]["flowprefill"] = report.report({}, "http", "m", 1.0, {}, {
+        "flowprefill": pts({"interactive": 700.0, "batch": 6000.0})})["policies"]["flowprefill"]
+    ok = next(t for t in summary.comparison(doc, cs, "contended")["targets"] if "worst class" in t["name"])
+    assert (ok["value"], ok["met"]) == (pytest.approx(2.8), True) and "interactive" in ok["name"]
+    ours = doc["policies"]["flowprefill"]
+    ours["points"] = [p | {"attainment": 0.5} for p in ours["points"]]
+    none = next(t for t in summary.comparison(doc, cs, "quiet")["targets"] if "worst class" in t["name"])
+    assert (none["value"], none["met"]) == (None, False)  # never kept 90 %: no knee, not met
