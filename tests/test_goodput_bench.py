@@ -165,3 +165,13 @@ def test_goodput_bench_runs_the_real_engine_on_a_checkpoint(tmp_path: Path, tiny
     with pytest.raises(SystemExit) as exit_:
         main(["bench", "goodput", "--engine", "real", "--model", str(tmp_path / "missing")])
     assert exit_.value.code == 2
+
+
+def test_no_baseline_at_90_percent_is_no_ratio() -> None:
+    """A level where no baseline kept 90 % at any rate has no ratio (not `inf`, a win even where
+    FlowPrefill did not keep it either), and says whether FlowPrefill did."""
+    from loadtest.goodput_errors import over_best
+
+    assert over_best(3.0, "fcfs", 1.5) == {"best": "fcfs", "ratio": 2.0}
+    assert over_best(0.0, "fcfs", 0.0) == {"best": "fcfs", "ratio": None, "flowprefill_kept_90": False}
+    assert over_best(2.4, "fcfs", 0.0)["flowprefill_kept_90"] is True
