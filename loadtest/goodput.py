@@ -36,6 +36,7 @@ from engine.scheduler import make_policy
 from engine.sim import SimConfig, simulate
 from engine.sim.errors import DEFAULT_LEVELS, PredictionError
 from engine.sim.oracle import BatchCostRecorder, ExactCosts
+from engine.sim.simulator import BatchRecord
 from gateway.cli.common import CommandLineError
 from gateway.cli.options import add_engine_options, check_model, engine_config
 from loadtest import report
@@ -104,11 +105,12 @@ class Runner:
 
     def sim(self, policy: str, w: Workload, classes: dict[str, SLOClass], scale: float,
             cost: OpCost | None = None, exact: ExactCosts | None = None,
-            error: PredictionError | None = None, seed: int = 0) -> dict[str, Any]:
+            error: PredictionError | None = None, seed: int = 0, batches: list[BatchRecord] | None = None
+            ) -> dict[str, Any]:
         reqs = make_requests(w, classes, scale, 0.0, None)
         name = "flowprefill" if policy == IDEAL else policy
         cfg = sim_config(self.engine_cfg, ideal=policy == IDEAL, error=error, seed=seed)
-        pre = simulate(reqs, make_policy(name), cost or self.cost, cfg, exact=exact)
+        pre = simulate(reqs, make_policy(name), cost or self.cost, cfg, exact=exact, batches=batches)
         return report.point(w.rate, outcomes(reqs), pre)
 
     def real(self, policy: str, w: Workload, classes: dict[str, SLOClass], scale: float) -> dict[str, Any]:

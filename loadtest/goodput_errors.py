@@ -48,6 +48,7 @@ def sweep_errors(args: argparse.Namespace, console: Console, levels: list[Predic
     classes = DEFAULT_CLASSES
     runner = Runner("sim", engine_cfg, args.cost)
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    results_conv: dict[str, dict[str, Any]] = {}
     with Progress(console=console) as progress:
         task = progress.add_task("prediction-error sweep", total=len(levels) * len(policies) * len(rates))
         for level in levels:
@@ -62,13 +63,20 @@ def sweep_errors(args: argparse.Namespace, console: Console, levels: list[Predic
                     seeds = range(args.seeds if level.noise else 1)  # only noise draws from the seed
                     pts.append(median_point([runner.sim(pol, scale_to_rate(base, rate), classes, 1.0, error=level,
                                                         seed=seed) for seed in seeds]))
+    for level in (lv for lv in levels if lv.slowdown != 1.0 and "flowprefill" in policies):
+        conv = convergence(runner, base, level, min(rates), classes)
+        results_conv[level.label] = conv
+        console.print(f"{level.label}: after the step (FlowPrefill, {conv['rate']:g} req/s), batches until ten in a "
+                      f"row are predicted within 10 %: {conv['batches_to_converge']}")
     doc = {"workload": {"name": base.name, "source": base.source, "requests": len(base.requests),
                         "class_rule": base.class_rule},
            "engine": "sim", "model": runner.model_name, "cost_model": args.cost,
            "attainment_target": report.ATTAINMENT_TARGET,
            "classes": {k: {"ttft_ms": c.ttft_ms, "late_ms": c.late_bound_ms} for k, c in classes.items()},
            "late_share": runner.engine_cfg.late_share, "seeds": args.seeds,
-           "levels": {label: summarize(pols, classes) for label, pols in results.items()},
+           "levels": {label: summarize(pols, classes) | ({"convergence": results_conv[label]}
+                                                          if label in results_conv else {})
+                      for label, pols in results.items()},
            "machine": machine_info(), "command": "flowprefill bench goodput " + " ".join(argv or [])}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -78,6 +86,39 @@ def sweep_errors(args: argparse.Namespace, console: Console, levels: list[Predic
     plot(doc, out / f"{stem}.png")
     console.print(f"wrote {out / (stem + '.json')} and {out / (stem + '.png')}")
     return 0
+
+
+CONVERGED = 0.10  # a prediction within 10 % of what the batch took
+IN_A_ROW = 10
+SHOWN = 20  # batches after the step whose errors the JSON keeps
+
+
+def convergence(runner: Any, base: Any, level: PredictionError, rate: float, classes: dict[str, SLOClass]
+                ) -> dict[str, Any]:
+    """How the online correction follows a slowdown step: FlowPrefill at `rate`, every batch that began at
+    or after the step, in the order they ran, with its prediction error (predicted when it formed,
+    against what it took: +200 % is a batch predicted at the old speed after a 3x step) and size;
+    and how many of them ran before ten in a row were within 10 % (None: never)."""
+    w = scale_to_rate(base, rate)
+    log: list[Any] = []
+    runner.sim("flowprefill", w, classes, 1.0, error=level, batches=log)
+    first, last = w.requests[0].arrival_s, w.requests[-1].arrival_s
+    step_at = first + level.slowdown_at * (last - first)  # where the simulator puts the step
+    after = [b for b in log if b.start >= step_at]
+    errors = [b.measured_s / b.predicted_s - 1 for b in after if b.predicted_s > 0]
+    return {"policy": "flowprefill", "rate": rate, "step_at_s": round(step_at, 3), "batches_after": len(errors),
+            "errors": [round(e, 3) for e in errors[:SHOWN]], "tokens": [b.tokens for b in after[:SHOWN]],
+            "batches_to_converge": batches_to_converge(errors)}
+
+
+def batches_to_converge(errors: list[float]) -> int | None:
+    """How many batches ran before the first `IN_A_ROW` in a row predicted within `CONVERGED` (None: none)."""
+    run = 0
+    for i, e in enumerate(errors):
+        run = run + 1 if abs(e) <= CONVERGED else 0
+        if run == IN_A_ROW:
+            return i + 1 - IN_A_ROW
+    return None
 
 
 def median_point(points: list[dict[str, Any]]) -> dict[str, Any]:

@@ -102,6 +102,10 @@ def test_goodput_bench_under_prediction_error(tmp_path: Path) -> None:
         assert level["flowprefill/best"]["best"] == "fcfs" and "flowprefill/best, every class" in level
         fp = level["policies"]["flowprefill"]
         assert {"max_goodput_rps", "max_goodput_per_class_rps", "p99_over_target_at_knee", "points"} <= set(fp)
+    conv = doc["levels"]["slowdown:3"]["convergence"]  # the correction after the step, batch by batch
+    assert conv["rate"] == 10 and conv["batches_after"] > 10 and len(conv["errors"]) == len(conv["tokens"])
+    assert conv["batches_to_converge"] is not None and conv["batches_to_converge"] <= 5, conv["errors"]
+    assert "convergence" not in doc["levels"]["none"]
     assert (out / "goodput-sim-errors.png").stat().st_size > 10_000
     for bad in (["--errors", "bogus:1"], ["--engine", "real", "--errors"], ["--errors", "none", "--seeds", "0"]):
         with pytest.raises(SystemExit) as exit_:
@@ -175,3 +179,13 @@ def test_no_baseline_at_90_percent_is_no_ratio() -> None:
     assert over_best(3.0, "fcfs", 1.5) == {"best": "fcfs", "ratio": 2.0}
     assert over_best(0.0, "fcfs", 0.0) == {"best": "fcfs", "ratio": None, "flowprefill_kept_90": False}
     assert over_best(2.4, "fcfs", 0.0)["flowprefill_kept_90"] is True
+
+
+def test_batches_to_converge() -> None:
+    """Batches before the first ten in a row predicted within 10 % (a miss inside the ten restarts it)."""
+    from loadtest.goodput_errors import batches_to_converge
+
+    assert batches_to_converge([2.0, 0.01, 2.0] + [0.05] * 10) == 3
+    assert batches_to_converge([0.0] * 9 + [0.5] + [0.0] * 10) == 10
+    assert batches_to_converge([0.0] * 9) is None
+    assert batches_to_converge([-0.1] * 10) == 0

@@ -237,7 +237,7 @@ def test_prediction_error_levels_parse() -> None:
     step = PredictionError.parse("slowdown:3@0.25")
     assert (step.slowdown, step.slowdown_at) == (3.0, 0.25)
     assert PredictionError.parse("none") == PredictionError()
-    assert len([PredictionError.parse(x) for x in DEFAULT_LEVELS.split(",")]) == 7
+    assert len([PredictionError.parse(x) for x in DEFAULT_LEVELS.split(",")]) == 9
     for bad in ("noise", "bias:0", "slowdown:-2", "slowdown:2@1.5", "jitter:1", "none:1", "noise:x"):
         with pytest.raises(ValueError, match="prediction error"):
             PredictionError.parse(bad)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 KINDS = ("none", "noise", "bias", "slowdown")
 # What `bench goodput --engine sim --errors` sweeps by default: the levels.
-DEFAULT_LEVELS = "none,noise:0.2,noise:0.5,noise:1,slowdown:3,bias:0.2,bias:5"
+DEFAULT_LEVELS = "none,noise:0.2,noise:0.5,noise:1,slowdown:2,slowdown:3,slowdown:5,bias:0.2,bias:5"
 
 
 @dataclass(frozen=True)
