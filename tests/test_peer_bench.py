@@ -107,6 +107,22 @@ def test_a_vllm_contender_with_a_long_prefill_cap() -> None:
     assert argv[argv.index("--max-num-batched-tokens") + 1] == "2048"
 
 
+def test_peers_on_one_gpu_share_its_memory() -> None:
+    """On a GPU the servers stay up together: two vLLM servers (and an SGLang one) split the peers' share
+    of its memory; on a CPU none of them is told a GPU fraction."""
+    vllm_a, vllm_b, sglang = (c.server for c in parse_contenders("vllm:priority:2048,vllm:fcfs:2048,sglang:fcfs"))
+    pythons = {"vllm": "python", "sglang": "python"}
+    gpu = Launch(Path("m"), "float32", Placement((), 1, "cuda"), pythons, Path("logs"))
+    for spec in (vllm_a, vllm_b):
+        argv = gpu.argv(spec, 8000, peers_on_device=3)
+        assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.267"
+    argv = gpu.argv(sglang, 8000, peers_on_device=3)
+    assert argv[argv.index("--mem-fraction-static") + 1] == "0.267" and "--device" not in argv
+    cpu = Launch(Path("m"), "float32", Placement((1,), 1), pythons, Path("logs"))
+    assert "--gpu-memory-utilization" not in cpu.argv(vllm_a, 8000, 2)
+    assert "--mem-fraction-static" not in cpu.argv(sglang, 8000, 2)
+
+
 def test_the_gateway_contender_admits_by_the_peers_token_budget() -> None:
     """By default the gateway in front of a peer lets as many prompt tokens into prefill there as the
     peer's step budget (its batch stays full; the order is the gateway's); --gateway-tokens 0 counts

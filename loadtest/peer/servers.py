@@ -137,9 +137,15 @@ class Launch:
     vllm_kv_gib: int = 1
     gateway_concurrency: int = 64  # the peer benchmark's default (loadtest/peer/cli.py)
     gateway_tokens: int | None = None  # the gateway's --max-tokens-in-flight (None: the server's budget)
+    # On a GPU every server stays up for the whole sweep, on one device: vLLM takes 90 % of its memory by
+    # default (SGLang most of it too), so a second peer server could not start. The peers share this
+    # fraction, evenly; FlowPrefill's KV cache is a fixed number of tokens (engine/config.py).
+    gpu_share: float = 0.8
 
-    def argv(self, spec: ServerSpec, port: int) -> list[str]:
+    def argv(self, spec: ServerSpec, port: int, peers_on_device: int = 1) -> list[str]:
+        """`peers_on_device`: how many peer servers share the GPU (each gets its part of `gpu_share`)."""
         p = self.placement
+        fraction = f"{self.gpu_share / max(1, peers_on_device):.3f}"
         if spec.kind == "flowprefill":
             return [sys.executable, "-m", "gateway.cli", "serve", "--model", str(self.model), "--port", str(port),
                     "--threads", str(p.threads), "--dtype", self.dtype, "--device", p.device,
@@ -151,15 +157,15 @@ class Launch:
                     "--max-num-batched-tokens", str(spec.budget), "--no-enable-prefix-caching",
                     "--max-model-len", str(self.max_model_len), "--disable-log-stats",
                     "--uvicorn-log-level", "warning",
-                    *(["--long-prefill-token-threshold", str(spec.long_cap)] if spec.long_cap else [])]
+                    *(["--long-prefill-token-threshold", str(spec.long_cap)] if spec.long_cap else []),
+                    *(["--gpu-memory-utilization", fraction] if p.device != "cpu" else [])]
         # SGLang: lower priority values first, as vLLM (its default is the reverse); any priority
         # difference may preempt (its default threshold, 10, is more than our classes span).
         argv = [self.pythons["sglang"], "-m", "sglang.launch_server", "--model-path", str(self.model),
                 "--served-model-name", "peer", "--host", "127.0.0.1", "--port", str(port), "--dtype", self.dtype,
                 "--chunked-prefill-size", str(spec.budget), "--disable-radix-cache",
                 "--context-length", str(self.max_model_len)]
-        if p.device == "cpu":
-            argv += ["--device", "cpu"]
+        argv += ["--device", "cpu"] if p.device == "cpu" else ["--mem-fraction-static", fraction]
         if spec.policy == "priority":
             argv += ["--enable-priority-scheduling", "--schedule-low-priority-values-first",
                      "--priority-scheduling-preemption-threshold", "1"]
@@ -223,9 +229,11 @@ def fleet(contenders: list[Contender], launch: Launch, start_timeout_s: float = 
     servers: dict[ServerSpec, Process] = {}
     gateways: dict[str, Process] = {}
     try:
-        for spec in dict.fromkeys(c.server for c in contenders):
+        specs = list(dict.fromkeys(c.server for c in contenders))
+        peers = sum(spec.kind in PEERS for spec in specs)
+        for spec in specs:
             port = free_port(span=2)  # serve puts its worker on the next port
-            servers[spec] = Process(spec.name, launch.argv(spec, port), launch.env(spec), launch, port)
+            servers[spec] = Process(spec.name, launch.argv(spec, port, peers), launch.env(spec), launch, port)
         for p in servers.values():
             p.wait(start_timeout_s)
         for c in contenders:
