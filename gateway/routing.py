@@ -101,10 +101,11 @@ class WorkerPool:
         return self.gated and self.upstream.max_tokens_in_flight > 0
 
     def charge(self, prompt_tokens: int) -> int:
-        """What a request of `prompt_tokens` counts against a gated server's token budget: all of it,
-        up to the whole budget (a prompt longer than the server's step runs alone, in several steps);
-        nothing when no budget is set or the workers schedule themselves."""
-        return min(max(prompt_tokens, 1), self.upstream.max_tokens_in_flight) if self.charges_tokens else 0
+        """What a request of `prompt_tokens` counts against a gated server's token budget: all of it, up
+        to the budget less its reserve for shorter prompts (`Upstream.reserve_tokens`: a long prompt runs
+        in several steps, and shorter ones join its last); nothing when no budget is set or the workers
+        schedule themselves."""
+        return min(max(prompt_tokens, 1), self.upstream.long_prompt_charge) if self.charges_tokens else 0
 
     async def acquire(self, deadline: float, exclude: frozenset[str] | set[str] = frozenset(),
                       key: Prefix | None = None, late: Lateness | None = None, tokens: int = 0) -> Worker | None:

@@ -107,6 +107,20 @@ def test_a_vllm_contender_with_a_long_prefill_cap() -> None:
     assert argv[argv.index("--max-num-batched-tokens") + 1] == "2048"
 
 
+def test_a_gateway_contender_with_its_own_reserve() -> None:
+    """`gateway/N:vllm:...`: the gateway with --reserve-tokens N, a contender of its own beside the default."""
+    plain, zero = parse_contenders("gateway:vllm:priority:2048,gateway/0:vllm:priority:2048")
+    assert (plain.name, plain.reserve, zero.name, zero.reserve) == (
+        "gateway+vllm-priority-2048", None, "gateway-reserve0+vllm-priority-2048", 0)
+    launch = Launch(Path("m"), "float32", Placement((1,), 1), {"vllm": "python"}, Path("logs"))
+    assert "--reserve-tokens" not in launch.gateway_argv(plain.server, "http://x", 9000, plain.reserve)
+    argv = launch.gateway_argv(zero.server, "http://x", 9000, zero.reserve)
+    assert argv[argv.index("--reserve-tokens") + 1] == "0"
+    for bad in ("gateway/x:vllm", "vllm/3:priority", "gateway/-1:vllm"):
+        with pytest.raises(SpecError, match="reserve"):
+            parse_contenders(bad)
+
+
 def test_peers_on_one_gpu_share_its_memory() -> None:
     """On a GPU the servers stay up together: two vLLM servers (and an SGLang one) split the peers' share
     of its memory; on a CPU none of them is told a GPU fraction."""

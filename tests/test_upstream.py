@@ -220,8 +220,8 @@ def test_a_token_budget_fills_the_servers_step_in_deadline_order() -> None:
 
     async def main() -> None:
         async with httpx.AsyncClient() as client:
-            pool = WorkerPool(["http://a"], client,
-                              upstream=Upstream(kind="openai", max_concurrency=64, max_tokens_in_flight=2048))
+            pool = WorkerPool(["http://a"], client, upstream=Upstream(kind="openai", max_concurrency=64,
+                                                                      max_tokens_in_flight=2048, reserve_tokens=0))
             assert [pool.charge(n) for n in (0, 700, 5000)] == [1, 700, 2048]
             a, b = await pool.acquire(10.0, tokens=700), await pool.acquire(10.0, tokens=700)
             long = asyncio.ensure_future(pool.acquire(5.0, tokens=pool.charge(5000)))
@@ -241,6 +241,33 @@ def test_a_token_budget_fills_the_servers_step_in_deadline_order() -> None:
             assert (await short).tokens_in_flight == 100 and pool.queued == 0
 
     asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_a_long_prompt_leaves_a_reserve_to_shorter_ones() -> None:
+    """By default a prompt longer than the budget less a quarter counts as that: a short urgent prompt
+    still goes in beside it (joining its last chunk at the server), a longer one waits; reserve 0 is
+    the whole budget, and a reserve as large as the budget is refused."""
+    from gateway.routing import WorkerPool
+
+    async def main() -> None:
+        async with httpx.AsyncClient() as client:
+            pool = WorkerPool(["http://a"], client,
+                              upstream=Upstream(kind="openai", max_concurrency=64, max_tokens_in_flight=2048))
+            assert [pool.charge(n) for n in (700, 1536, 1800, 5000)] == [700, 1536, 1536, 1536]
+            w = await pool.acquire(10.0, tokens=pool.charge(5000))
+            short = await asyncio.wait_for(pool.acquire(1.0, tokens=pool.charge(400)), 1)
+            assert short is w and w.tokens_in_flight == 1936
+            wider = asyncio.ensure_future(pool.acquire(2.0, tokens=pool.charge(600)))
+            await asyncio.sleep(0)
+            assert not wider.done()  # 2,536 would be past the budget
+            pool.prefilled(w, 1536)
+            assert (await wider).tokens_in_flight == 1000
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+    assert Upstream(kind="openai", max_tokens_in_flight=2048, reserve_tokens=100).long_prompt_charge == 1948
+    for bad in (2048, -2):
+        with pytest.raises(ValueError, match="reserve_tokens"):
+            GatewayConfig(upstream=Upstream(kind="openai", max_tokens_in_flight=2048, reserve_tokens=bad)).check()
 
 
 def test_without_a_token_budget_nothing_is_charged() -> None:

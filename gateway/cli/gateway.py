@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="openai upstreams: prompt tokens in prefill per server, e.g. the server's step "
                              "budget, vLLM's max_num_batched_tokens (overrides the config; default "
                              f"{upstream.max_tokens_in_flight}: count requests only)")
+    parser.add_argument("--reserve-tokens", type=int, default=None, metavar="N",
+                        help="openai upstreams with a token budget: tokens of it a long prompt leaves to shorter "
+                             "ones (overrides the config; default -1: a quarter of the budget; 0: none)")
 
 
 def load_config(path: str | None, workers: list[str], prefill_workers: list[str] | None = None,
@@ -88,6 +91,6 @@ def run(args: argparse.Namespace) -> int:
         raise CommandLineError("--workers names no URL")
     cfg = load_config(args.config, args.workers_urls, args.prefill_urls, kind=args.upstream,
                       max_concurrency=args.max_concurrency,
-                      max_tokens_in_flight=args.max_tokens_in_flight)
+                      max_tokens_in_flight=args.max_tokens_in_flight, reserve_tokens=args.reserve_tokens)
     sock = bind(args.host, args.port, "the gateway")
     return serve_gateway(cfg, sock, f"http://{args.host}:{args.port}")

@@ -75,10 +75,12 @@ class Contender:
 
     server: ServerSpec
     via_gateway: bool = False
+    reserve: int | None = None  # the gateway's --reserve-tokens (None: its default)
 
     @property
     def name(self) -> str:
-        return f"gateway+{self.server.name}" if self.via_gateway else self.server.name
+        gateway = "gateway" if self.reserve is None else f"gateway-reserve{self.reserve}"
+        return f"{gateway}+{self.server.name}" if self.via_gateway else self.server.name
 
     @property
     def sends_priority(self) -> bool:
@@ -92,13 +94,17 @@ class Contender:
 
 
 def parse_contenders(spec: str) -> list[Contender]:
-    """`vllm:priority:512,vllm:fcfs:2048,gateway:vllm:priority:2048,flowprefill` (see --contenders)."""
+    """`vllm:priority:512,vllm:fcfs:2048,gateway:vllm:priority:2048,flowprefill` (see --contenders);
+    `gateway/N:...`: the gateway with `--reserve-tokens N`."""
     out: list[Contender] = []
     for item in (s.strip() for s in spec.split(",") if s.strip()):
         parts = item.split(":")
-        via = parts[0] == "gateway"
+        head, _, reserve = parts[0].partition("/")
+        via = head == "gateway"
         if via:
             parts = parts[1:]
+        if reserve and not (via and reserve.isdigit()):
+            raise SpecError(f"contender {item!r}: gateway/N takes the gateway's reserve in tokens, N >= 0")
         kind = parts[0] if parts else ""
         if kind == "flowprefill" and not via:
             out.append(Contender(ServerSpec("flowprefill", parts[1] if len(parts) > 1 else "flowprefill")))
@@ -116,7 +122,7 @@ def parse_contenders(spec: str) -> list[Contender]:
             raise SpecError(f"contender {item!r}: its token budget and long-prefill cap must be integers") from None
         if budget < 16 or not 0 <= cap <= budget:
             raise SpecError(f"contender {item!r}: token budget must be >= 16, the long-prefill cap within it")
-        out.append(Contender(ServerSpec(kind, policy, budget, cap), via))
+        out.append(Contender(ServerSpec(kind, policy, budget, cap), via, int(reserve) if reserve else None))
     if len({c.name for c in out}) != len(out):
         raise SpecError(f"contenders {spec!r} name one twice")
     if not out:
@@ -179,11 +185,13 @@ class Launch:
                     "SGLANG_CPU_OMP_THREADS_BIND": cores_arg(p.cores)}
         return env
 
-    def gateway_argv(self, upstream: ServerSpec, upstream_url: str, port: int) -> list[str]:
+    def gateway_argv(self, upstream: ServerSpec, upstream_url: str, port: int, reserve: int | None = None
+                     ) -> list[str]:
         tokens = (upstream.budget or 0) if self.gateway_tokens is None else self.gateway_tokens
         return [sys.executable, "-m", "gateway.cli", "gateway", "--workers", upstream_url, "--upstream", "openai",
                 "--port", str(port), "--max-concurrency", str(self.gateway_concurrency),
-                "--max-tokens-in-flight", str(tokens)]
+                "--max-tokens-in-flight", str(tokens), *(["--reserve-tokens", str(reserve)] if reserve is not None
+                                                         and tokens else [])]
 
 
 class Process:
@@ -239,7 +247,7 @@ def fleet(contenders: list[Contender], launch: Launch, start_timeout_s: float = 
         for c in contenders:
             if c.via_gateway:
                 port = free_port()
-                argv = launch.gateway_argv(c.server, servers[c.server].url, port)
+                argv = launch.gateway_argv(c.server, servers[c.server].url, port, c.reserve)
                 gateways[c.name] = Process(c.name, argv, {}, launch, port)
         for p in gateways.values():
             p.wait(start_timeout_s)
