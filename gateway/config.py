@@ -38,10 +38,10 @@ class Upstream(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # back at its first token, one not streamed at its end.
     max_tokens_in_flight: int = 0
     # openai, with a token budget: tokens of it that a long prompt leaves to shorter ones (-1: a quarter
-    # of the budget). A prompt longer than budget - reserve counts as that, so prompts of up to `reserve`
-    # tokens still go in beside it, as they would join its last chunk at the server; charged the whole
-    # budget, a long prompt kept every urgent request at the gateway until its first token, one server
-    # step later than vLLM alone serves them (docs/benchmarks.md, the gateway by prompt tokens).
+    # of the budget). A prompt longer than budget - reserve counts as budget - reserve, so prompts of up
+    # to `reserve` tokens still go in beside it, as they would join its last chunk at the server; charged
+    # the whole budget, a long prompt kept every urgent request at the gateway until its first token, a
+    # server step later than vLLM alone serves them (docs/benchmarks.md, the gateway by prompt tokens).
     reserve_tokens: int = -1
     max_queue: int = 1024  # openai: requests waiting at the gateway; past it, 503 queue_full
     priority_field: str = "priority"  # openai: body field for the class's priority ("" = send none)
@@ -51,9 +51,11 @@ class Upstream(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     def check(self) -> None:
         if self.max_concurrency < 1 or self.max_queue < 0 or self.max_tokens_in_flight < 0:
             raise ValueError("upstream: max_concurrency must be >= 1, max_queue and max_tokens_in_flight >= 0")
+        if self.reserve_tokens > 0 and not self.max_tokens_in_flight:
+            raise ValueError("upstream: reserve_tokens needs a token budget (max_tokens_in_flight > 0)")
         if not -1 <= self.reserve_tokens < max(1, self.max_tokens_in_flight):
-            raise ValueError("upstream: reserve_tokens must be -1 (a quarter of max_tokens_in_flight) or 0 up to "
-                             "less than max_tokens_in_flight")
+            raise ValueError(f"upstream: reserve_tokens must be -1 (a quarter of the budget) or from 0 to under "
+                             f"max_tokens_in_flight ({self.max_tokens_in_flight})")
 
     @property
     def long_prompt_charge(self) -> int:

@@ -198,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--errors", nargs="?", const=DEFAULT_LEVELS, default=None, metavar="LEVELS",
                    help="sim: sweep the rates once per injected prediction error instead (comma-separated: "
                         f"none, noise:SIGMA, bias:FACTOR, slowdown:FACTOR[@FRACTION]; alone: {DEFAULT_LEVELS})")
+    p.add_argument("--convergence-rate", type=float, default=None, metavar="R",
+                   help="--errors with a slowdown level: the rate at which FlowPrefill's correction is followed "
+                        "batch by batch after the step (default: the lowest of --rates)")
     p.add_argument("--seeds", type=int, default=1,
                    help="--errors: simulate each point of a noisy level with this many seeds and report the "
                         "median of each number (one run of one seed is one draw of the noise)")

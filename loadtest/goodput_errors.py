@@ -64,10 +64,11 @@ def sweep_errors(args: argparse.Namespace, console: Console, levels: list[Predic
                     pts.append(median_point([runner.sim(pol, scale_to_rate(base, rate), classes, 1.0, error=level,
                                                         seed=seed) for seed in seeds]))
     for level in (lv for lv in levels if lv.slowdown != 1.0 and "flowprefill" in policies):
-        conv = convergence(runner, base, level, min(rates), classes)
+        conv = convergence(runner, base, level, args.convergence_rate or min(rates), classes)
         results_conv[level.label] = conv
+        until = conv["batches_to_converge"]
         console.print(f"{level.label}: after the step (FlowPrefill, {conv['rate']:g} req/s), batches until ten in a "
-                      f"row are predicted within 10 %: {conv['batches_to_converge']}")
+                      f"row are predicted within 10 %: {'never' if until is None else until}")
     doc = {"workload": {"name": base.name, "source": base.source, "requests": len(base.requests),
                         "class_rule": base.class_rule},
            "engine": "sim", "model": runner.model_name, "cost_model": args.cost,
@@ -102,10 +103,10 @@ def convergence(runner: Any, base: Any, level: PredictionError, rate: float, cla
     w = scale_to_rate(base, rate)
     log: list[Any] = []
     runner.sim("flowprefill", w, classes, 1.0, error=level, batches=log)
-    first, last = w.requests[0].arrival_s, w.requests[-1].arrival_s
+    first, last = min(r.arrival_s for r in w.requests), max(r.arrival_s for r in w.requests)
     step_at = first + level.slowdown_at * (last - first)  # where the simulator puts the step
-    after = [b for b in log if b.start >= step_at]
-    errors = [b.measured_s / b.predicted_s - 1 for b in after if b.predicted_s > 0]
+    after = [b for b in log if b.start >= step_at and b.predicted_s > 0]
+    errors = [b.measured_s / b.predicted_s - 1 for b in after]
     return {"policy": "flowprefill", "rate": rate, "step_at_s": round(step_at, 3), "batches_after": len(errors),
             "errors": [round(e, 3) for e in errors[:SHOWN]], "tokens": [b.tokens for b in after[:SHOWN]],
             "batches_to_converge": batches_to_converge(errors)}

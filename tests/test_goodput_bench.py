@@ -181,6 +181,22 @@ def test_no_baseline_at_90_percent_is_no_ratio() -> None:
     assert over_best(2.4, "fcfs", 0.0)["flowprefill_kept_90"] is True
 
 
+def test_the_error_table_says_when_there_is_no_ratio() -> None:
+    from rich.console import Console
+
+    from loadtest.goodput_errors import over_best, table
+
+    pol = {"max_goodput_rps": 0.0, "max_goodput_per_class_rps": 0.0, "p99_over_target_at_knee": None, "points": []}
+    doc = {"workload": {"name": "w", "requests": 1}, "cost_model": "cpu", "levels": {
+        "slowdown:5": {"policies": {"flowprefill": pol, "fcfs": pol},
+                       "flowprefill/best": over_best(0.0, "fcfs", 0.0),
+                       "flowprefill/best, every class": over_best(1.0, "fcfs", 0.0)}}}
+    console = Console(record=True, width=200)
+    console.print(table(doc))
+    text = console.export_text()
+    assert "no baseline >= 90 %, nor flowprefill" in text and "│ no baseline >= 90 % │" in text
+
+
 def test_batches_to_converge() -> None:
     """Batches before the first ten in a row predicted within 10 % (a miss inside the ten restarts it)."""
     from loadtest.goodput_errors import batches_to_converge

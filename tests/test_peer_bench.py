@@ -116,9 +116,42 @@ def test_a_gateway_contender_with_its_own_reserve() -> None:
     assert "--reserve-tokens" not in launch.gateway_argv(plain.server, "http://x", 9000, plain.reserve)
     argv = launch.gateway_argv(zero.server, "http://x", 9000, zero.reserve)
     assert argv[argv.index("--reserve-tokens") + 1] == "0"
-    for bad in ("gateway/x:vllm", "vllm/3:priority", "gateway/-1:vllm"):
+    for bad in ("gateway/x:vllm", "vllm/3:priority", "gateway/-1:vllm", "gateway/:vllm", "gateway/²:vllm",
+                "gateway/2048:vllm:priority:2048"):
         with pytest.raises(SpecError, match="reserve"):
             parse_contenders(bad)
+
+
+def test_on_a_gpu_the_servers_start_one_at_a_time_and_only_peers_share_memory(monkeypatch: pytest.MonkeyPatch
+                                                                               ) -> None:
+    """Each server is up before the next starts (one sizing its KV cache while another loads counts that
+    one's memory as free), and FlowPrefill's server takes no share of the peers' memory."""
+    from loadtest.peer import servers
+
+    events: list[tuple[str, str]] = []
+    shares: dict[str, str] = {}
+
+    class Started:
+        def __init__(self, name: str, argv: list[str], env: dict[str, str], launch: Launch, port: int) -> None:
+            self.name, self.url = name, f"http://127.0.0.1:{port}"
+            events.append(("start", name))
+            if "--gpu-memory-utilization" in argv:
+                shares[name] = argv[argv.index("--gpu-memory-utilization") + 1]
+
+        def wait(self, timeout_s: float) -> None:
+            events.append(("wait", self.name))
+
+        def stop(self) -> None:
+            pass
+
+    monkeypatch.setattr(servers, "Process", Started)
+    contenders = parse_contenders("vllm:priority:2048,vllm:fcfs:2048,flowprefill")
+    launch = Launch(Path("m"), "float32", Placement((), 1, "cuda"), {"vllm": "python"}, Path("logs"))
+    with servers.fleet(contenders, launch):
+        pass
+    assert shares == {"vllm-priority-2048": "0.400", "vllm-fcfs-2048": "0.400"}
+    starts = [i for i, (what, _) in enumerate(events) if what == "start"]
+    assert all(events[i + 1] == ("wait", events[i][1]) for i in starts)  # up before the next one starts
 
 
 def test_peers_on_one_gpu_share_its_memory() -> None:
@@ -478,3 +511,9 @@ def test_worst_class_tail_at_the_knee() -> None:
     ours["points"] = [p | {"attainment": 0.5} for p in ours["points"]]
     none = next(t for t in summary.comparison(doc, cs, "quiet")["targets"] if "worst class" in t["name"])
     assert (none["value"], none["met"]) == (None, False)  # never kept 90 %: no knee, not met
+    starved = pts({"interactive": 300.0, "batch": 100.0})  # batch's p99 is fine, over the answers it got
+    starved[1]["per_class"]["batch"] |= {"n": 10, "failed": 2}
+    doc["policies"]["flowprefill"] = report.report({}, "http", "m", 1.0, {}, {"flowprefill": starved}
+                                                   )["policies"]["flowprefill"]
+    tail = next(t for t in summary.comparison(doc, cs, "quiet")["targets"] if "worst class" in t["name"])
+    assert (tail["value"], tail["met"]) == (None, False) and "batch" in tail["name"]

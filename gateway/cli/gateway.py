@@ -47,8 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "budget, vLLM's max_num_batched_tokens (overrides the config; default "
                              f"{upstream.max_tokens_in_flight}: count requests only)")
     parser.add_argument("--reserve-tokens", type=int, default=None, metavar="N",
-                        help="openai upstreams with a token budget: tokens of it a long prompt leaves to shorter "
-                             "ones (overrides the config; default -1: a quarter of the budget; 0: none)")
+                        help="openai upstreams with a token budget: a prompt longer than the budget less N counts "
+                             "as the budget less N, leaving N tokens to shorter ones (overrides the config; default "
+                             "-1: a quarter of the budget; 0: none)")
 
 
 def load_config(path: str | None, workers: list[str], prefill_workers: list[str] | None = None,

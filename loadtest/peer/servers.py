@@ -99,11 +99,11 @@ def parse_contenders(spec: str) -> list[Contender]:
     out: list[Contender] = []
     for item in (s.strip() for s in spec.split(",") if s.strip()):
         parts = item.split(":")
-        head, _, reserve = parts[0].partition("/")
+        head, slash, reserve = parts[0].partition("/")
         via = head == "gateway"
         if via:
             parts = parts[1:]
-        if reserve and not (via and reserve.isdigit()):
+        if slash and not (via and reserve.isdecimal() and reserve.isascii()):
             raise SpecError(f"contender {item!r}: gateway/N takes the gateway's reserve in tokens, N >= 0")
         kind = parts[0] if parts else ""
         if kind == "flowprefill" and not via:
@@ -122,6 +122,8 @@ def parse_contenders(spec: str) -> list[Contender]:
             raise SpecError(f"contender {item!r}: its token budget and long-prefill cap must be integers") from None
         if budget < 16 or not 0 <= cap <= budget:
             raise SpecError(f"contender {item!r}: token budget must be >= 16, the long-prefill cap within it")
+        if reserve and int(reserve) >= budget:
+            raise SpecError(f"contender {item!r}: the gateway's reserve must be under the token budget ({budget})")
         out.append(Contender(ServerSpec(kind, policy, budget, cap), via, int(reserve) if reserve else None))
     if len({c.name for c in out}) != len(out):
         raise SpecError(f"contenders {spec!r} name one twice")
@@ -144,8 +146,11 @@ class Launch:
     gateway_concurrency: int = 64  # the peer benchmark's default (loadtest/peer/cli.py)
     gateway_tokens: int | None = None  # the gateway's --max-tokens-in-flight (None: the server's budget)
     # On a GPU every server stays up for the whole sweep, on one device: vLLM takes 90 % of its memory by
-    # default (SGLang most of it too), so a second peer server could not start. The peers share this
-    # fraction, evenly; FlowPrefill's KV cache is a fixed number of tokens (engine/config.py).
+    # default (SGLang most of it too), so a second peer server could not start. Each peer server is given
+    # this fraction over their number (vLLM's --gpu-memory-utilization, a share of the device's memory;
+    # SGLang's --mem-fraction-static, measured against what is free when it starts), and the servers start
+    # one at a time there (`fleet`): one that sizes its KV cache while a neighbour loads counts the
+    # neighbour's memory as its own. FlowPrefill's KV cache is a fixed number of tokens (engine/config.py).
     gpu_share: float = 0.8
 
     def argv(self, spec: ServerSpec, port: int, peers_on_device: int = 1) -> list[str]:
@@ -191,7 +196,7 @@ class Launch:
         return [sys.executable, "-m", "gateway.cli", "gateway", "--workers", upstream_url, "--upstream", "openai",
                 "--port", str(port), "--max-concurrency", str(self.gateway_concurrency),
                 "--max-tokens-in-flight", str(tokens), *(["--reserve-tokens", str(reserve)] if reserve is not None
-                                                         and tokens else [])]
+                                                         else [])]
 
 
 class Process:
@@ -242,6 +247,8 @@ def fleet(contenders: list[Contender], launch: Launch, start_timeout_s: float = 
         for spec in specs:
             port = free_port(span=2)  # serve puts its worker on the next port
             servers[spec] = Process(spec.name, launch.argv(spec, port, peers), launch.env(spec), launch, port)
+            if launch.placement.device != "cpu":
+                servers[spec].wait(start_timeout_s)  # one device: each sizes its memory with the others loaded
         for p in servers.values():
             p.wait(start_timeout_s)
         for c in contenders:

@@ -4,6 +4,7 @@ and a plot."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -71,10 +72,11 @@ def comparison(doc: dict[str, Any], contenders: list[Contender], scenario: str) 
     tails = {name: t for name in pol if (t := worst_tail_at_knee(pol[name]["points"])) is not None}
     if "flowprefill" in pol:
         tail = tails.get("flowprefill")
+        value = tail["factor"] if tail else None
         targets.append({"name": "flowprefill worst class p99 TTFT / its target, at its highest rate >= 90 %"
                         + (f" ({tail['class']}, {tail['rate']:g} req/s)" if tail else ""),
-                        "value": tail and tail["factor"], "target": TAIL_TARGET_FACTOR, "lower_is_better": True,
-                        "met": tail is not None and tail["factor"] <= TAIL_TARGET_FACTOR})
+                        "value": value, "target": TAIL_TARGET_FACTOR, "lower_is_better": True,
+                        "met": value is not None and value <= TAIL_TARGET_FACTOR})
     if "flowprefill" in pol and scenario != "quiet":
         p99 = interactive_p99_at_knee(pol["flowprefill"]["points"])
         value = None if p99 is None else round(p99 / DEFAULT_CLASSES["interactive"].ttft_ms, 3)
@@ -108,16 +110,23 @@ def _knee(points: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 def worst_tail_at_knee(points: list[dict[str, Any]]) -> dict[str, Any] | None:
     """At the highest rate whose overall attainment is >= 90 %: the class whose p99 TTFT is the most
-    times its target, that factor and the rate (None: no such rate, or no class with a p99)."""
+    times its target, that factor and the rate (None: no such rate, or no class with a target). A class
+    with more than 1 % of its requests unanswered (failed) has no finite p99: factor None, and it is the
+    worst (a starved class must not vanish from the figure because its p99 counts answers only)."""
     knee = _knee(points)
     if knee is None:
         return None
-    factors = {name: c["ttft_p99_ms"] / _target_ms(name, c) for name, c in knee["per_class"].items()
-               if c.get("ttft_p99_ms") is not None and _target_ms(name, c)}
+    factors: dict[str, float | None] = {}
+    for name, c in knee["per_class"].items():
+        if (target := _target_ms(name, c)) is None:
+            continue
+        unanswered = c.get("failed", 0) > 0.01 * c.get("n", 0) or c.get("ttft_p99_ms") is None
+        factors[name] = None if unanswered else c["ttft_p99_ms"] / target
     if not factors:
         return None
-    worst = max(factors, key=lambda name: factors[name])
-    return {"class": worst, "factor": round(factors[worst], 3), "rate": knee["rate"]}
+    worst = max(factors, key=lambda name: math.inf if factors[name] is None else factors[name])
+    factor = factors[worst]
+    return {"class": worst, "factor": None if factor is None else round(factor, 3), "rate": knee["rate"]}
 
 
 def _target_ms(name: str, cls: dict[str, Any]) -> float | None:
@@ -157,7 +166,8 @@ def targets_table(doc: dict[str, Any]) -> Table:
     for name, tail in doc["peer"].get("tails_at_knee", {}).items():  # beside ours: every contender's tail
         if name != "flowprefill":
             t.add_row(f"{name} worst class p99 TTFT / its target, at its highest rate >= 90 % ({tail['class']}, "
-                      f"{tail['rate']:g} req/s)", f"{tail['factor']:.2f}", "-", "")
+                      f"{tail['rate']:g} req/s)", "unanswered" if tail["factor"] is None else f"{tail['factor']:.2f}",
+                      "-", "")
     return t
 
 
@@ -195,7 +205,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     n = len(doc["policies"])
     for i, (name, pol) in enumerate(doc["policies"].items()):
         pts = sorted(pol["points"], key=lambda p: p["rate"])
-        style = "-" if name == "flowprefill" else "--" if name.startswith("gateway+") else ":"
+        style = "-" if name == "flowprefill" else "--" if name.startswith("gateway") else ":"
         line, = a.plot([p["rate"] for p in pts], [p["attainment"] * 100 for p in pts], style, marker="o", label=name)
         spread = [(p["rate"], min(p["attainment_runs"]) * 100, max(p["attainment_runs"]) * 100) for p in pts
                   if p.get("attainment_runs")]  # --repeats: every run's attainment, the point the median
