@@ -13,7 +13,7 @@ import argparse
 import json
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import Progress
@@ -24,7 +24,11 @@ from engine.config import EngineConfig
 from engine.protocol.slo import DEFAULT_CLASSES, SLOClass
 from engine.sim.errors import PredictionError
 from loadtest import report
-from loadtest.workload import ClassRule, azure_mix, head, load_trace, scale_to_rate
+from loadtest.workload import ClassRule, Workload, azure_mix, head, load_trace, scale_to_rate
+
+if TYPE_CHECKING:
+    from engine.sim.simulator import BatchRecord
+    from loadtest.goodput import Runner  # which imports this module
 
 
 def levels_of(args: argparse.Namespace) -> list[PredictionError]:
@@ -94,17 +98,16 @@ IN_A_ROW = 10
 SHOWN = 20  # batches after the step whose errors the JSON keeps
 
 
-def convergence(runner: Any, base: Any, level: PredictionError, rate: float, classes: dict[str, SLOClass]
+def convergence(runner: Runner, base: Workload, level: PredictionError, rate: float, classes: dict[str, SLOClass]
                 ) -> dict[str, Any]:
     """How the online correction follows a slowdown step: FlowPrefill at `rate`, every batch that began at
     or after the step, in the order they ran, with its prediction error (predicted when it formed,
     against what it took: +200 % is a batch predicted at the old speed after a 3x step) and size;
     and how many of them ran before ten in a row were within 10 % (None: never)."""
     w = scale_to_rate(base, rate)
-    log: list[Any] = []
+    log: list[BatchRecord] = []
     runner.sim("flowprefill", w, classes, 1.0, error=level, batches=log)
-    first, last = min(r.arrival_s for r in w.requests), max(r.arrival_s for r in w.requests)
-    step_at = first + level.slowdown_at * (last - first)  # where the simulator puts the step
+    step_at = level.step_at(min(r.arrival_s for r in w.requests), max(r.arrival_s for r in w.requests))
     after = [b for b in log if b.start >= step_at and b.predicted_s > 0]
     errors = [b.measured_s / b.predicted_s - 1 for b in after]
     return {"policy": "flowprefill", "rate": rate, "step_at_s": round(step_at, 3), "batches_after": len(errors),
@@ -143,8 +146,7 @@ def summarize(policies: dict[str, list[dict[str, Any]]], classes: dict[str, SLOC
     """One level: each policy's max goodput, FlowPrefill over the best baseline, its p99s at its knee."""
     out: dict[str, Any] = {"policies": {}}
     for name, pts in policies.items():
-        knee = [p for p in pts if p["attainment"] >= report.ATTAINMENT_TARGET]
-        at = knee[-1] if knee else None
+        at = report.knee(pts)
         out["policies"][name] = {
             "max_goodput_rps": report.max_goodput(pts),
             "max_goodput_per_class_rps": report.max_goodput(pts, per_class=True),

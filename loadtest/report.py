@@ -41,6 +41,12 @@ def point(rate: float, outcomes: list[Outcome], preemptions: int = 0) -> dict[st
             "per_class": per_class, "preemptions": preemptions}
 
 
+def knee(points: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The point at the highest rate whose overall attainment is >= the target (None: no such rate)."""
+    ok = [p for p in points if p["attainment"] >= ATTAINMENT_TARGET]
+    return max(ok, key=lambda p: p["rate"]) if ok else None
+
+
 def max_goodput(points: list[dict[str, Any]], per_class: bool = False,
                 target: float = ATTAINMENT_TARGET) -> float:
     """Highest offered rate whose attainment (every class's, with per_class) is >= target,

@@ -306,7 +306,7 @@ def test_point_arithmetic() -> None:
 def _pts(att: dict[float, tuple[float, float]]) -> list[dict[str, Any]]:
     """Points with (overall, interactive) attainment per rate; interactive p99 = 200 ms x rate/4."""
     return [{"rate": r, "attainment": a, "goodput_rps": r * a, "order": 0,
-             "per_class": {"interactive": {"attainment": i, "ttft_p99_ms": 50.0 * r}}}
+             "per_class": {"interactive": {"attainment": i, "ttft_p99_ms": 50.0 * r, "ttft_target_ms": 250.0}}}
             for r, (a, i) in att.items()]
 
 
@@ -489,12 +489,14 @@ def test_worst_class_tail_at_the_knee() -> None:
     """At the highest rate that kept 90 % overall, the class whose p99 TTFT is the most times its target:
     a class starved behind a good overall figure fails the 3x target; every contender's is reported."""
     def pts(p99_ms: dict[str, float], att: float = 0.95) -> list[dict[str, Any]]:
-        per = {c: {"attainment": att, "ttft_p99_ms": v} for c, v in p99_ms.items()}
+        def cls(c: str, a: float, p99: float) -> dict[str, float]:  # as sweep.point records a class
+            return {"attainment": a, "ttft_p99_ms": p99, "ttft_target_ms": DEFAULT_CLASSES[c].ttft_ms}
         return [{"rate": 4.0, "attainment": 1.0, "goodput_rps": 4.0, "order": 0,
-                 "per_class": {c: {"attainment": 1.0, "ttft_p99_ms": 1.0} for c in p99_ms}},
-                {"rate": 8.0, "attainment": att, "goodput_rps": 8 * att, "order": 0, "per_class": per},
+                 "per_class": {c: cls(c, 1.0, 1.0) for c in p99_ms}},
+                {"rate": 8.0, "attainment": att, "goodput_rps": 8 * att, "order": 0,
+                 "per_class": {c: cls(c, att, v) for c, v in p99_ms.items()}},
                 {"rate": 12.0, "attainment": 0.5, "goodput_rps": 6.0, "order": 0,
-                 "per_class": {c: {"attainment": 0.5, "ttft_p99_ms": 1e6} for c in p99_ms}}]
+                 "per_class": {c: cls(c, 0.5, 1e6) for c in p99_ms}}]
     cs = parse_contenders("vllm:priority:2048,flowprefill")
     starved = {"interactive": 300.0, "batch": 6000 * 3.5}  # batch 3.5x its 6 s target at 8 req/s
     doc = report.report({}, "http", "m", 1.0, {}, {"vllm-priority-2048": pts({"interactive": 500.0}, 0.9),

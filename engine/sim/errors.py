@@ -52,9 +52,13 @@ class PredictionError:
             return cls(bias=x, label=spec)
         return cls(slowdown=x, slowdown_at=when, label=spec)
 
-    def machine(self, span_s: float, seed: int = 0) -> TrueSpeed:
-        """The machine of one run whose arrivals span `span_s` seconds."""
-        return TrueSpeed(self, self.slowdown_at * span_s, random.Random(seed))
+    def machine(self, span_s: float, seed: int = 0, start_s: float = 0.0) -> TrueSpeed:
+        """The machine of one run whose arrivals span `span_s` seconds from `start_s`."""
+        return TrueSpeed(self, self.step_at(start_s, start_s + span_s), random.Random(seed))
+
+    def step_at(self, first_s: float, last_s: float) -> float:
+        """When the slowdown step comes in a run whose arrivals go from `first_s` to `last_s`."""
+        return first_s + self.slowdown_at * (last_s - first_s)
 
 
 class TrueSpeed:

@@ -110,9 +110,7 @@ class Simulation:
         if span is None:
             span = (self.arrivals[0].arrival_time, self.arrivals[-1].arrival_time) if requests else (0.0, 0.0)
         first, last = span
-        machine = cfg.error.machine(last - first, cfg.seed + 1)
-        machine.slowdown_from_s += first
-        self.machine = machine
+        self.machine = cfg.error.machine(last - first, cfg.seed + 1, start_s=first)
         self.truth = copy.deepcopy(cost)  # what the machine does (times the error); never learns
         self.own_factor: dict[int, float] = {}  # batch id -> its own draw of the noise (exact: true s per planned s)
         if exact is None:

@@ -98,40 +98,28 @@ def _at_top(points: list[dict[str, Any]], every_class: bool) -> bool:
 
 def interactive_p99_at_knee(points: list[dict[str, Any]]) -> float | None:
     """Interactive p99 TTFT (ms) at the highest rate whose overall attainment is >= 90 %."""
-    knee = _knee([p for p in points if "interactive" in p["per_class"]])
+    knee = report.knee([p for p in points if "interactive" in p["per_class"]])
     return knee["per_class"]["interactive"]["ttft_p99_ms"] if knee else None
-
-
-def _knee(points: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The point at the highest rate whose overall attainment is >= 90 % (None: no such rate)."""
-    ok = [p for p in points if p["attainment"] >= report.ATTAINMENT_TARGET]
-    return max(ok, key=lambda p: p["rate"]) if ok else None
 
 
 def worst_tail_at_knee(points: list[dict[str, Any]]) -> dict[str, Any] | None:
     """At the highest rate whose overall attainment is >= 90 %: the class whose p99 TTFT is the most
-    times its target, that factor and the rate (None: no such rate, or no class with a target). A class
+    times its target, that factor and the rate (None: no such rate). A class
     with more than 1 % of its requests unanswered (failed) has no finite p99: factor None, and it is the
     worst (a starved class must not vanish from the figure because its p99 counts answers only)."""
-    knee = _knee(points)
+    knee = report.knee(points)
     if knee is None:
         return None
     factors: dict[str, float | None] = {}
     for name, c in knee["per_class"].items():
-        if (target := _target_ms(name, c)) is None:
-            continue
         unanswered = c.get("failed", 0) > 0.01 * c.get("n", 0) or c.get("ttft_p99_ms") is None
-        factors[name] = None if unanswered else c["ttft_p99_ms"] / target
+        factors[name] = None if unanswered else c["ttft_p99_ms"] / c["ttft_target_ms"]  # as `sweep.point` recorded it
     if not factors:
         return None
     worst = max(factors, key=lambda name: math.inf if factors[name] is None else factors[name])
     factor = factors[worst]
     return {"class": worst, "factor": None if factor is None else round(factor, 3), "rate": knee["rate"]}
 
-
-def _target_ms(name: str, cls: dict[str, Any]) -> float | None:
-    """A class's TTFT target as the point recorded it (`point`), else the default classes' own."""
-    return cls.get("ttft_target_ms") or (DEFAULT_CLASSES[name].ttft_ms if name in DEFAULT_CLASSES else None)
 
 
 def summary_table(doc: dict[str, Any]) -> Table:
