@@ -44,6 +44,10 @@ class Upstream(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # server step later than vLLM alone serves them (docs/benchmarks.md, the gateway by prompt tokens).
     reserve_tokens: int = -1
     max_queue: int = 1024  # openai: requests waiting at the gateway; past it, 503 queue_full
+    # openai: what a waiter's slack is. `observed`: its deadline less the time from dispatch to first
+    # token the gateway saw for streamed prompts of its size (gateway/late.py `ServiceTimes`); waiters
+    # go by that latest start and turn late once it passes. `deadline`: the deadline alone (EDF).
+    slack: Literal["observed", "deadline"] = "observed"
     priority_field: str = "priority"  # openai: body field for the class's priority ("" = send none)
     priority_order: Literal["lower_first", "higher_first"] = "lower_first"  # vLLM: lower first; SGLang: higher
     health_path: str = "/health"  # openai: what the health check GETs

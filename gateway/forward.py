@@ -99,13 +99,19 @@ class Job:
     deadline: float  # of its first token, fixed at the gateway's arrival
     key: Prefix | None  # prefix affinity's (gateway/affinity.py)
     tokens: int = 0  # what it counts against a gated server's token budget (`WorkerPool.charge`)
+    prompt_tokens: int = 0  # its prompt's estimated tokens (gated: the size its slack is judged by)
     held: int = 0  # of which the worker it is at holds now (until its first token, or its end)
+    sent_at: float = 0.0  # when the worker it is at got it, until its first token came back
     tried: set[str] = field(default_factory=set)
     shed: Upstream | None = None  # the last worker's answer that shed it
     failed: tuple[int, bytes] | None = None  # the last worker's 5xx answer (status, body)
 
     def prefilled(self, pool: WorkerPool, worker: Worker) -> None:
-        """Its first token is back: the prompt tokens it held at `worker` go back (once)."""
+        """Its first token is back: how long it took is seen, the prompt tokens it held at `worker`
+        go back (once)."""
+        if self.sent_at:
+            pool.first_token(self.prompt_tokens, time.monotonic() - self.sent_at)
+            self.sent_at = 0.0
         if self.held:
             pool.prefilled(worker, self.held)
             self.held = 0
@@ -178,24 +184,26 @@ class Forwarder:
                 "flowprefill.deadline_unix_ms": time.time() * 1000 + slo.ttft_ms - elapsed_ms,
                 "flowprefill.stream": bool(body.get("stream"))})
         # Where its prefix may be cached: the prefill workers' when disaggregated (decode imports KV).
+        prompt_tokens = estimate_prompt_tokens(view) if self.pool.gated else 0
         return Job(path, body, raw, slo, rid, {SLO_CLASS_HEADER: slo.name, REQUEST_ID_HEADER: rid}, upstream_headers,
                    arrival + slo.ttft_ms / 1000, prefix_key(view, self.cfg.prefix_affinity_chars),
-                   self.pool.charge(estimate_prompt_tokens(view)) if self.pool.charges_tokens else 0)
+                   self.pool.charge(prompt_tokens), prompt_tokens)
 
     async def _acquire(self, job: Job) -> Worker | None:
         """The next worker to try (in front of plain servers: once a slot is free, by deadline)."""
         late = Lateness(job.slo.late_bound_ms / 1000, job.slo.late == "shed")
         try:
             worker = await self.pool.acquire(job.deadline, job.tried, None if self.prefill is not None else job.key,
-                                             late, job.tokens)
+                                             late, job.tokens, job.prompt_tokens)
         except QueueFull:
             raise GatewayError(503, "the gateway's queue is full", "server_error", headers=job.ours | {
                 "retry-after": "1", DROPPED_REASON_HEADER: "queue_full"}) from None
         except LateShed:
-            raise GatewayError(429, f"the request's TTFT deadline ({job.slo.ttft_ms:g} ms, class "
-                               f"{job.slo.name!r}) passed while it waited at the gateway", "rate_limit_error",
+            raise GatewayError(429, f"the request's TTFT deadline ({job.slo.ttft_ms:g} ms, class {job.slo.name!r})"
+                               " could no longer be met while it waited at the gateway", "rate_limit_error",
                                headers=job.ours | {"retry-after": "1", DROPPED_REASON_HEADER: SHED_REASON}) from None
         job.held = job.tokens if worker is not None else 0
+        job.sent_at = time.monotonic() if worker is not None and job.body.get("stream") else 0.0
         return worker
 
     async def _try(self, job: Job, worker: Worker) -> Response | Stream | Next:

@@ -1,15 +1,19 @@
-"""What the gateway's EDF gate in front of plain OpenAI servers does with a request whose deadline
-passed while it waited there: the engine's late tier (engine/scheduler), as far as a gateway can see it.
+"""What the gateway's EDF gate in front of plain OpenAI servers does with a request that can no longer
+meet its deadline while it waits there: the engine's slack and late tier (engine/scheduler), as far as
+a gateway can see them.
 
 Plain EDF serves the request with the earliest deadline first, and under overload that is the one
 already late: each hopeless request served first makes the next one late too (EDF's domino effect),
 and every class misses. The engine decides a request is hopeless when its predicted slack turns
-negative; the gateway has no cost model of the server behind it, so it decides when the deadline
-itself passes while the request still waits. Then, as the request's SLO class says (`late`):
+negative. The gateway has no cost model of the server behind it, but it sees how long the server took
+from dispatch to first token for the prompts it sent (`ServiceTimes`, by prompt size): a waiter's
+*latest start* is its deadline less that time, waiters go in that order (slack-based EDF), and once
+its latest start has passed while it still waits (its deadline itself, before anything is seen), as
+the request's SLO class says (`late`):
 
 - `serve`: it keeps its place by its *late bound* (deadline + `late_bound_ms`, twice the target by
-  default) instead of its deadline: requests that can still make theirs go first, and it goes once
-  its bound is the earliest, so it is served within about that bound rather than never;
+  default) instead: requests that can still make theirs go first, and it goes once its bound is the
+  earliest, so it is served within about that bound rather than never;
 - `shed` (sheddable classes): it is refused at once, 429 with Retry-After and the reason, as the
   engine refuses a request that turned hopeless while queued, rather than spending the server on an
   answer that is already late.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+from collections import deque
 from typing import Any, NamedTuple
 
 
@@ -30,7 +35,7 @@ class Lateness(NamedTuple):
 
 
 class LateShed(Exception):
-    """A sheddable request's deadline passed while it waited at the gateway."""
+    """A sheddable request could no longer meet its deadline while it waited at the gateway."""
 
 
 class LateGate:
@@ -48,8 +53,8 @@ class LateGate:
             fut.add_done_callback(lambda done: self._policy.pop(done, None))
 
     def rekey(self, waiting: list[Any], now: float) -> list[Any]:
-        """`waiting` (a heap of (key, seq, ..., fut)) with every waiter whose deadline has passed
-        moved to its late bound, or shed; the same list when none is due (the common case: one
+        """`waiting` (a heap of (latest start, seq, ..., fut)) with every waiter whose latest start has
+        passed moved to its late bound, or shed; the same list when none is due (the common case: one
         look at the earliest key)."""
         if not waiting or waiting[0][0] > now:
             return waiting
@@ -70,3 +75,45 @@ class LateGate:
         if changed:
             heapq.heapify(out)
         return out
+
+
+class ServiceTimes:
+    """How long the servers behind the gate took from dispatch to first token, by prompt size (powers
+    of two of its tokens): the cost a waiter's slack is judged by. Each size's estimate is a low
+    quantile of its last `WINDOW` streamed requests, so a waiter is called hopeless only where the
+    server was rarely faster; a size with fewer than `MIN_SEEN` answers borrows the largest estimate
+    of the shorter sizes (a longer prompt takes at least as long), and none at all is no cost (plain
+    deadlines, as before anything is seen). The window forgets a slower or faster server within
+    `WINDOW` answers of a size."""
+
+    WINDOW = 64
+    MIN_SEEN = 8
+    QUANTILE = 0.25
+
+    def __init__(self) -> None:
+        self._seen: dict[int, deque[float]] = {}
+        self._estimate: dict[int, float] = {}  # by size, until that size sees another answer
+
+    @staticmethod
+    def size(tokens: int) -> int:
+        return max(tokens, 1).bit_length()
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """A request of `tokens` prompt tokens had its first token `seconds` after it was dispatched."""
+        size = self.size(tokens)
+        self._seen.setdefault(size, deque(maxlen=self.WINDOW)).append(max(seconds, 0.0))
+        self._estimate.clear()  # a size's estimate reads the shorter sizes' too
+
+    def estimate(self, tokens: int) -> float:
+        """Seconds from dispatch to first token that a prompt of `tokens` tokens should expect at least."""
+        size = self.size(tokens)
+        if (cached := self._estimate.get(size)) is None:
+            cached = self._estimate[size] = max(
+                (self._quantile(seen) for s, seen in self._seen.items() if s <= size and len(seen) >= self.MIN_SEEN),
+                default=0.0)
+        return cached
+
+    @classmethod
+    def _quantile(cls, seen: deque[float]) -> float:
+        ordered = sorted(seen)
+        return ordered[min(len(ordered) - 1, int(cls.QUANTILE * len(ordered)))]

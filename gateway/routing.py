@@ -18,7 +18,7 @@ from gateway.affinity import Prefix, PrefixTable
 from gateway.config import Discovery as DiscoverySettings
 from gateway.config import Upstream
 from gateway.discovery import Discovery, split_sources
-from gateway.late import LateGate, Lateness
+from gateway.late import LateGate, Lateness, ServiceTimes
 
 log = logging.getLogger("flowprefill.gateway")
 
@@ -46,7 +46,7 @@ class QueueFull(Exception):
     pass
 
 
-# (order key, seq, workers excluded, prefix, tokens charged, the waiter's future)
+# (latest start, seq, workers excluded, prefix, tokens charged, the waiter's future)
 Waiting = tuple[float, int, frozenset[str], "Prefix | None", int, "asyncio.Future[Worker]"]
 
 
@@ -89,6 +89,7 @@ class WorkerPool:
         self._seq = itertools.count()
         self._waiting: list[Waiting] = []
         self._late = LateGate()
+        self.service = ServiceTimes()  # dispatch to first token, by prompt size: a waiter's slack
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -108,10 +109,12 @@ class WorkerPool:
         return min(max(prompt_tokens, 1), self.upstream.long_prompt_charge) if self.charges_tokens else 0
 
     async def acquire(self, deadline: float, exclude: frozenset[str] | set[str] = frozenset(),
-                      key: Prefix | None = None, late: Lateness | None = None, tokens: int = 0) -> Worker | None:
+                      key: Prefix | None = None, late: Lateness | None = None, tokens: int = 0,
+                      prompt_tokens: int = 0) -> Worker | None:
         """A worker for this request, counted in flight there (give it back with `release`).
-        None when no healthy worker is left to try. Gated: waits its turn in deadline order, and
-        once its deadline has passed while it waits, as its class's `late` says (`LateGate`).
+        None when no healthy worker is left to try. Gated: waits its turn by its latest start (its
+        deadline less the service time seen for `prompt_tokens`, `ServiceTimes`), and once that has
+        passed while it waits, as its class's `late` says (`LateGate`).
         `key`: the request's prefix key (gateway/affinity.py), if it has one. `tokens`: its
         `charge`, held against the worker's token budget until `release` or `prefilled`."""
         exclude = frozenset(exclude)
@@ -129,7 +132,8 @@ class WorkerPool:
             raise QueueFull
         fut: asyncio.Future[Worker] = asyncio.get_running_loop().create_future()
         self._late.track(fut, deadline, late)
-        heapq.heappush(self._waiting, (deadline, next(self._seq), exclude, key, tokens, fut))
+        start_by = deadline - self.service.estimate(prompt_tokens) if self.upstream.slack == "observed" else deadline
+        heapq.heappush(self._waiting, (start_by, next(self._seq), exclude, key, tokens, fut))
         if tokens:
             self._dispatch()  # ahead of a waiter too long for the room left, it may fit now
         try:
@@ -151,6 +155,11 @@ class WorkerPool:
         if tokens:
             w.tokens_in_flight -= tokens
             self._dispatch()
+
+    def first_token(self, prompt_tokens: int, seconds: float) -> None:
+        """A streamed request of `prompt_tokens` had its first token `seconds` after it was dispatched."""
+        if self.gated:
+            self.service.observe(prompt_tokens, seconds)
 
     def release(self, w: Worker, tokens: int = 0) -> None:
         """`w`'s request is done; `tokens`: what it still holds of its `charge` there."""
@@ -213,8 +222,8 @@ class WorkerPool:
         return min(free, key=lambda w: w.in_flight)
 
     def _dispatch(self) -> None:
-        """Hand free slots to waiters, earliest deadline first; a waiter whose deadline has passed
-        goes by its late bound instead, or is shed (`LateGate`). A waiter too long for the room its
+        """Hand free slots to waiters, earliest latest start first; a waiter whose latest start has
+        passed goes by its late bound instead, or is shed (`LateGate`). A waiter too long for the room its
         workers have left holds those workers back for itself (strict order: shorter prompts behind
         it must not starve it); later waiters may still take the others."""
         self._waiting = self._late.rekey(self._waiting, time.monotonic())

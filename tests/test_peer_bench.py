@@ -107,18 +107,27 @@ def test_a_vllm_contender_with_a_long_prefill_cap() -> None:
     assert argv[argv.index("--max-num-batched-tokens") + 1] == "2048"
 
 
-def test_a_gateway_contender_with_its_own_reserve() -> None:
-    """`gateway/N:vllm:...`: the gateway with --reserve-tokens N, a contender of its own beside the default."""
-    plain, zero = parse_contenders("gateway:vllm:priority:2048,gateway/0:vllm:priority:2048")
+def test_a_gateway_contender_with_its_own_options() -> None:
+    """`gateway/N:vllm:...`: the gateway with --reserve-tokens N, a contender of its own beside the default;
+    `tokens=N` its --max-tokens-in-flight, `slack=...` its --slack, combined with `/`."""
+    plain, zero, both = parse_contenders("gateway:vllm:priority:2048,gateway/0:vllm:priority:2048,"
+                                         "gateway/tokens=3072/slack=deadline/256:vllm:priority:2048")
     assert (plain.name, plain.reserve, zero.name, zero.reserve) == (
         "gateway+vllm-priority-2048", None, "gateway-reserve0+vllm-priority-2048", 0)
+    assert both.name == "gateway-reserve256-tokens3072-slackdeadline+vllm-priority-2048"
     launch = Launch(Path("m"), "float32", Placement((1,), 1), {"vllm": "python"}, Path("logs"))
-    assert "--reserve-tokens" not in launch.gateway_argv(plain.server, "http://x", 9000, plain.reserve)
-    argv = launch.gateway_argv(zero.server, "http://x", 9000, zero.reserve)
+    argv = launch.gateway_argv(plain, "http://x", 9000)
+    assert "--reserve-tokens" not in argv and "--slack" not in argv
+    assert argv[argv.index("--max-tokens-in-flight") + 1] == "2048"  # the server's budget
+    argv = launch.gateway_argv(zero, "http://x", 9000)
     assert argv[argv.index("--reserve-tokens") + 1] == "0"
+    argv = launch.gateway_argv(both, "http://x", 9000)
+    assert [argv[argv.index(flag) + 1] for flag in ("--reserve-tokens", "--max-tokens-in-flight", "--slack")] == [
+        "256", "3072", "deadline"]
     for bad in ("gateway/x:vllm", "vllm/3:priority", "gateway/-1:vllm", "gateway/:vllm", "gateway/²:vllm",
-                "gateway/2048:vllm:priority:2048"):
-        with pytest.raises(SpecError, match="reserve"):
+                "gateway/2048:vllm:priority:2048", "gateway/tokens=1024/1024:vllm:priority:2048",
+                "gateway/slack=fast:vllm", "gateway/budget=5:vllm", "gateway/tokens=:vllm"):
+        with pytest.raises(SpecError, match=r"reserve|gateway"):
             parse_contenders(bad)
 
 
@@ -174,11 +183,11 @@ def test_the_gateway_contender_admits_by_the_peers_token_budget() -> None:
     """By default the gateway in front of a peer lets as many prompt tokens into prefill there as the
     peer's step budget (its batch stays full; the order is the gateway's); --gateway-tokens 0 counts
     requests only."""
-    spec = ServerSpec("vllm", "priority", 512)
+    contender = Contender(ServerSpec("vllm", "priority", 512), via_gateway=True)
     for tokens, expected in ((None, "512"), (0, "0"), (4096, "4096")):
         launch = Launch(Path("m"), "float32", Placement((1,), 1), {"vllm": "python"}, Path("logs"),
                         gateway_tokens=tokens)
-        argv = launch.gateway_argv(spec, "http://127.0.0.1:8000", 9000)
+        argv = launch.gateway_argv(contender, "http://127.0.0.1:8000", 9000)
         assert argv[argv.index("--max-tokens-in-flight") + 1] == expected
         assert argv[argv.index("--upstream") + 1] == "openai" and argv[argv.index("--max-concurrency") + 1] == "64"
 

@@ -209,7 +209,7 @@ def test_a_sheddable_request_late_at_the_gateway_gets_429(tmp_path: Path) -> Non
     assert first.status_code == 200 and patient.status_code == 200
     assert hasty.status_code == 429, hasty.text
     assert hasty.headers["x-flowprefill-dropped-reason"] == "predicted_slo_miss" and hasty.headers["retry-after"]
-    assert "passed while it waited at the gateway" in hasty.json()["error"]["message"]
+    assert "could no longer be met while it waited at the gateway" in hasty.json()["error"]["message"]
 
 
 def test_a_token_budget_fills_the_servers_step_in_deadline_order() -> None:

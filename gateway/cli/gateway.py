@@ -50,6 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="openai upstreams with a token budget: a prompt longer than the budget less N counts "
                              "as the budget less N, leaving N tokens to shorter ones (overrides the config; default "
                              "-1: a quarter of the budget; 0: none)")
+    parser.add_argument("--slack", choices=typing.get_args(typing.get_type_hints(Upstream)["slack"]), default=None,
+                        help="openai upstreams: waiters go by their deadline less the time to first token seen for "
+                             "prompts of their size, and turn late once that has passed (observed), or by their "
+                             f"deadline alone (deadline) (overrides the config; default {upstream.slack})")
 
 
 def load_config(path: str | None, workers: list[str], prefill_workers: list[str] | None = None,
@@ -92,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
         raise CommandLineError("--workers names no URL")
     cfg = load_config(args.config, args.workers_urls, args.prefill_urls, kind=args.upstream,
                       max_concurrency=args.max_concurrency,
-                      max_tokens_in_flight=args.max_tokens_in_flight, reserve_tokens=args.reserve_tokens)
+                      max_tokens_in_flight=args.max_tokens_in_flight, reserve_tokens=args.reserve_tokens,
+                      slack=args.slack)
     sock = bind(args.host, args.port, "the gateway")
     return serve_gateway(cfg, sock, f"http://{args.host}:{args.port}")

@@ -76,10 +76,13 @@ class Contender:
     server: ServerSpec
     via_gateway: bool = False
     reserve: int | None = None  # the gateway's --reserve-tokens (None: its default)
+    tokens: int | None = None  # the gateway's --max-tokens-in-flight (None: the launch's, `Launch.gateway_tokens`)
+    slack: str | None = None  # the gateway's --slack (None: its default)
 
     @property
     def name(self) -> str:
-        gateway = "gateway" if self.reserve is None else f"gateway-reserve{self.reserve}"
+        options = {"reserve": self.reserve, "tokens": self.tokens, "slack": self.slack}
+        gateway = "gateway" + "".join(f"-{k}{v}" for k, v in options.items() if v is not None)
         return f"{gateway}+{self.server.name}" if self.via_gateway else self.server.name
 
     @property
@@ -93,18 +96,37 @@ class Contender:
         return self.server.kind in PEERS and not self.via_gateway
 
 
+GATEWAY_OPTIONS = "gateway/N (its --reserve-tokens), gateway/tokens=N, gateway/slack=observed|deadline"
+
+
+def gateway_options(item: str, options: list[str]) -> dict[str, int | str]:
+    """`gateway/512/tokens=3072/slack=deadline:...`'s options, as `Contender` fields."""
+    out: dict[str, int | str] = {}
+    for option in options:
+        name, value = option.split("=", 1) if "=" in option else ("reserve", option)
+        if name == "slack" and value in ("observed", "deadline"):
+            out[name] = value
+        elif name in ("reserve", "tokens") and value.isdecimal() and value.isascii():
+            out[name] = int(value)
+        else:
+            raise SpecError(f"contender {item!r}: {option!r} is not one of {GATEWAY_OPTIONS} (N >= 0)")
+    return out
+
+
 def parse_contenders(spec: str) -> list[Contender]:
     """`vllm:priority:512,vllm:fcfs:2048,gateway:vllm:priority:2048,flowprefill` (see --contenders);
-    `gateway/N:...`: the gateway with `--reserve-tokens N`."""
+    `gateway/N:...`: the gateway with `--reserve-tokens N`; `gateway/tokens=N:...` with
+    `--max-tokens-in-flight N`, `gateway/slack=deadline:...` with `--slack deadline` (combined with `/`)."""
     out: list[Contender] = []
     for item in (s.strip() for s in spec.split(",") if s.strip()):
         parts = item.split(":")
-        head, slash, reserve = parts[0].partition("/")
+        head, *options = parts[0].split("/")
         via = head == "gateway"
         if via:
             parts = parts[1:]
-        if slash and not (via and reserve.isdecimal() and reserve.isascii()):
-            raise SpecError(f"contender {item!r}: gateway/N takes the gateway's reserve in tokens, N >= 0")
+        elif options:
+            raise SpecError(f"contender {item!r}: only the gateway takes options ({GATEWAY_OPTIONS})")
+        gateway = gateway_options(item, options)
         kind = parts[0] if parts else ""
         if kind == "flowprefill" and not via:
             out.append(Contender(ServerSpec("flowprefill", parts[1] if len(parts) > 1 else "flowprefill")))
@@ -122,9 +144,9 @@ def parse_contenders(spec: str) -> list[Contender]:
             raise SpecError(f"contender {item!r}: its token budget and long-prefill cap must be integers") from None
         if budget < 16 or not 0 <= cap <= budget:
             raise SpecError(f"contender {item!r}: token budget must be >= 16, the long-prefill cap within it")
-        if reserve and int(reserve) >= budget:
-            raise SpecError(f"contender {item!r}: the gateway's reserve must be under the token budget ({budget})")
-        out.append(Contender(ServerSpec(kind, policy, budget, cap), via, int(reserve) if reserve else None))
+        if (reserve := int(gateway.get("reserve", 0))) and reserve >= int(gateway.get("tokens", budget)):
+            raise SpecError(f"contender {item!r}: the gateway's reserve must be under its token budget")
+        out.append(Contender(ServerSpec(kind, policy, budget, cap), via, **gateway))  # type: ignore[arg-type]
     if len({c.name for c in out}) != len(out):
         raise SpecError(f"contenders {spec!r} name one twice")
     if not out:
@@ -190,13 +212,14 @@ class Launch:
                     "SGLANG_CPU_OMP_THREADS_BIND": cores_arg(p.cores)}
         return env
 
-    def gateway_argv(self, upstream: ServerSpec, upstream_url: str, port: int, reserve: int | None = None
-                     ) -> list[str]:
-        tokens = (upstream.budget or 0) if self.gateway_tokens is None else self.gateway_tokens
+    def gateway_argv(self, contender: Contender, upstream_url: str, port: int) -> list[str]:
+        tokens = contender.tokens if contender.tokens is not None else self.gateway_tokens
+        tokens = (contender.server.budget or 0) if tokens is None else tokens
         return [sys.executable, "-m", "gateway.cli", "gateway", "--workers", upstream_url, "--upstream", "openai",
                 "--port", str(port), "--max-concurrency", str(self.gateway_concurrency),
-                "--max-tokens-in-flight", str(tokens), *(["--reserve-tokens", str(reserve)] if reserve is not None
-                                                         else [])]
+                "--max-tokens-in-flight", str(tokens),
+                *(["--reserve-tokens", str(contender.reserve)] if contender.reserve is not None else []),
+                *(["--slack", contender.slack] if contender.slack is not None else [])]
 
 
 class Process:
@@ -254,7 +277,7 @@ def fleet(contenders: list[Contender], launch: Launch, start_timeout_s: float = 
         for c in contenders:
             if c.via_gateway:
                 port = free_port()
-                argv = launch.gateway_argv(c.server, servers[c.server].url, port, c.reserve)
+                argv = launch.gateway_argv(c, servers[c.server].url, port)
                 gateways[c.name] = Process(c.name, argv, {}, launch, port)
         for p in gateways.values():
             p.wait(start_timeout_s)

@@ -123,7 +123,7 @@ class Sweep:
                     pt = run_point(self.targets[name], schedule, rate, scenario, self.max_tokens, self.drain_s)
                     runs.setdefault(name, []).append(pt | {"order": position})
                     time.sleep(self.pause_s)  # the last answers' work, then the next contender starts cold alike
-                    progress(what, 1)
+                    progress(f"{what}: {pt['attainment']:.1%} on time", 1)
             for name, mine in runs.items():
                 points[name].append(median_point(mine))
         return points

@@ -1,0 +1,115 @@
+"""The gateway's slack in front of plain OpenAI servers (gateway/late.py `ServiceTimes`): a waiter's
+latest start is its deadline less the time to first token seen for prompts of its size, waiters go in
+that order, and one whose latest start has passed is late (served by its bound, or shed) before its
+deadline itself has passed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from processes import free_port, start, stop, wait_healthy
+from test_upstream import StreamingOpenAI
+
+from gateway.config import Upstream
+from gateway.late import Lateness, LateShed, ServiceTimes
+
+pytestmark = pytest.mark.gateway_only
+
+
+def test_service_times_are_a_low_quantile_per_prompt_size() -> None:
+    times = ServiceTimes()
+    for _ in range(ServiceTimes.MIN_SEEN - 1):
+        times.observe(100, 0.2)
+    assert times.estimate(100) == 0.0  # too few answers of its size: no cost, plain deadlines
+    times.observe(100, 0.2)
+    assert times.estimate(100) == pytest.approx(0.2)
+    for seconds in (0.05, 0.06, 0.07, 1.0, 2.0, 3.0, 4.0, 5.0):  # 16 in all: the quarter-way one is 0.2
+        times.observe(90, seconds)
+    assert times.estimate(100) == pytest.approx(0.2)
+    assert times.estimate(4000) == pytest.approx(0.2)  # unseen size: the shorter sizes' largest estimate
+    assert times.estimate(10) == 0.0  # shorter than anything seen: nothing to go by
+    for _ in range(ServiceTimes.WINDOW):  # a faster server: the window forgets the old answers
+        times.observe(100, 0.01)
+    assert times.estimate(100) == pytest.approx(0.01)
+    for _ in range(ServiceTimes.MIN_SEEN):
+        times.observe(3000, 0.9)
+    assert times.estimate(4000) == pytest.approx(0.9) and times.estimate(200) == pytest.approx(0.01)
+
+
+@pytest.mark.parametrize("slack", ["observed", "deadline"])
+def test_a_waiter_whose_latest_start_passed_is_late_before_its_deadline(slack: str) -> None:
+    """A 1 s slot in use; behind it, prompts of 1,000 tokens, whose first token has come 0.6 s after
+    dispatch. Waiter A (deadline in 1.3 s) must start by 0.7 s: when the slot frees at 1 s it is hopeless,
+    so B (deadline 1.8 s, latest start 1.2 s) goes first and A goes by its late bound; a sheddable C
+    of the same deadline is refused. With `slack = "deadline"` A goes first, as plain EDF would."""
+    from gateway.routing import WorkerPool
+
+    async def main() -> None:
+        async with httpx.AsyncClient() as client:
+            pool = WorkerPool(["http://a"], client, upstream=Upstream(kind="openai", max_concurrency=1, slack=slack))
+            for _ in range(ServiceTimes.MIN_SEEN):
+                pool.first_token(1000, 0.6)
+            now = time.monotonic()
+            held = await pool.acquire(now + 10)
+            a = asyncio.ensure_future(pool.acquire(now + 1.3, late=Lateness(5.0, False), prompt_tokens=1000))
+            c = asyncio.ensure_future(pool.acquire(now + 1.3, late=Lateness(5.0, True), prompt_tokens=1000))
+            b = asyncio.ensure_future(pool.acquire(now + 1.8, late=Lateness(5.0, False), prompt_tokens=1000))
+            await asyncio.sleep(max(0.0, now + 1.0 - time.monotonic()))
+            pool.release(held)
+            first = await asyncio.wait_for(b if slack == "observed" else a, 1)
+            assert not (a if slack == "observed" else b).done()
+            if slack == "observed":
+                with pytest.raises(LateShed):
+                    await c
+                assert pool._late.shed == 1 and pool._late.late == 1
+            pool.release(first)
+            while pending := [f for f in (a, b, c) if not f.done()]:  # the rest, one at a time
+                done, _ = await asyncio.wait(pending, timeout=1, return_when=asyncio.FIRST_COMPLETED)
+                assert len(done) == 1
+                pool.release(done.pop().result())
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_through_the_gateway_a_shed_class_is_refused_once_its_deadline_is_out_of_reach(tmp_path: Path) -> None:
+    """The real gateway in front of a streaming server whose first token comes after 0.3 s: once it
+    has seen that, a request of a sheddable class with a 0.5 s target that waits 0.3 s behind another
+    cannot make it (0.3 s left, 0.3 s needed) and is refused with 429 when the slot frees, where plain
+    EDF would have sent it to be answered late; `--slack deadline` sends it."""
+    from processes import uvicorn_thread
+
+    cfg = tmp_path / "gw.toml"
+    cfg.write_text('[upstream]\nkind = "openai"\nmax_concurrency = 1\n'
+                   '[classes.hasty]\nttft_ms = 500\ntbt_ms = 100\npriority = 9\nsheddable = true\nlate = "shed"\n')
+    codes = {}
+    with uvicorn_thread(StreamingOpenAI(prefill_s=0.3, hold_s=0.0)) as up_port:
+        for slack in ("observed", "deadline"):
+            port = free_port()
+            gw = start("gateway", "--workers", f"http://127.0.0.1:{up_port}", "--port", str(port), "--config",
+                       str(cfg), "--slack", slack)
+            try:
+                wait_healthy(f"http://127.0.0.1:{port}", gw)
+                codes[slack] = asyncio.run(_seen_then_queued(port))
+            finally:
+                stop(gw)
+    assert codes == {"observed": (200, 429), "deadline": (200, 200)}
+
+
+async def _seen_then_queued(port: int) -> tuple[int, int]:
+    """Eight streamed requests one by one (the gateway sees 0.3 s to first token), then two at once:
+    the first's status and the one queued behind it."""
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+        async def send(cls: str = "batch") -> int:
+            r = await c.post("/v1/completions", headers={"x-slo-class": cls},
+                             json={"prompt": list(range(50)), "max_tokens": 1, "stream": True})
+            return r.status_code
+        for _ in range(ServiceTimes.MIN_SEEN):
+            assert await send() == 200
+        first = asyncio.ensure_future(send())
+        await asyncio.sleep(0.05)
+        queued = asyncio.ensure_future(send("hasty"))
+        return await first, await queued
