@@ -26,7 +26,7 @@ class LengthRule(msgspec.Struct, frozen=True):
 class Upstream(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """What the workers are. `flowprefill`: engine workers (they schedule by SLO themselves; the
     gateway routes on their /load). `openai`: unmodified OpenAI-compatible servers (vLLM, SGLang, …)
-    that schedule first-come first-served: the gateway holds requests in an EDF queue and lets at
+    that schedule first-come first-served: the gateway holds requests in a slack-ordered queue and lets at
     most `max_concurrency` run on each, so urgent requests overtake, and maps the class to the
     upstream's priority field."""
 

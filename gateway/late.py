@@ -1,4 +1,4 @@
-"""What the gateway's EDF gate in front of plain OpenAI servers does with a request that can no longer
+"""What the gateway's gate in front of plain OpenAI servers does with a request that can no longer
 meet its deadline while it waits there: the engine's slack and late tier (engine/scheduler), as far as
 a gateway can see them.
 
@@ -112,6 +112,11 @@ class ServiceTimes:
                 (self._quantile(seen) for s, seen in self._seen.items() if s <= size and len(seen) >= self.MIN_SEEN),
                 default=0.0)
         return cached
+
+    def estimates(self) -> dict[int, float]:
+        """Each size seen often enough, as its largest prompt (2**size - 1 tokens), and its estimate."""
+        return {2 ** size - 1: self.estimate(2 ** size - 1) for size, seen in sorted(self._seen.items())
+                if len(seen) >= self.MIN_SEEN}
 
     @classmethod
     def _quantile(cls, seen: deque[float]) -> float:

@@ -56,9 +56,9 @@ class WorkerPool:
     health check passes again.
 
     In front of plain OpenAI servers (`upstream.kind = "openai"`), which serve first come first
-    served, the pool is also an EDF gate: at most `max_concurrency` requests run on each server (and,
+    served, the pool is also a gate: at most `max_concurrency` requests run on each server (and,
     with `max_tokens_in_flight`, at most that many prompt tokens in prefill there) and the rest wait
-    here in deadline order, so an urgent request overtakes the queued ones."""
+    here by latest start (slack-based EDF, gateway/late.py), so an urgent request overtakes the queued ones."""
 
     def __init__(self, urls: list[str], client: httpx.AsyncClient, poll_s: float = 1.0,
                  per_request_s: float = 0.05, upstream: Upstream | None = None,
@@ -88,7 +88,7 @@ class WorkerPool:
         self._rr = itertools.count()
         self._seq = itertools.count()
         self._waiting: list[Waiting] = []
-        self._late = LateGate()
+        self.late = LateGate()  # waiters that can no longer make their deadline (counted: metrics)
         self.service = ServiceTimes()  # dispatch to first token, by prompt size: a waiter's slack
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -131,7 +131,7 @@ class WorkerPool:
         if self.queued >= self.upstream.max_queue:
             raise QueueFull
         fut: asyncio.Future[Worker] = asyncio.get_running_loop().create_future()
-        self._late.track(fut, deadline, late)
+        self.late.track(fut, deadline, late)
         start_by = deadline - self.service.estimate(prompt_tokens) if self.upstream.slack == "observed" else deadline
         heapq.heappush(self._waiting, (start_by, next(self._seq), exclude, key, tokens, fut))
         if tokens:
@@ -226,7 +226,7 @@ class WorkerPool:
         passed goes by its late bound instead, or is shed (`LateGate`). A waiter too long for the room its
         workers have left holds those workers back for itself (strict order: shorter prompts behind
         it must not starve it); later waiters may still take the others."""
-        self._waiting = self._late.rekey(self._waiting, time.monotonic())
+        self._waiting = self.late.rekey(self._waiting, time.monotonic())
         later = []
         held: set[str] = set()  # workers kept for an earlier waiter's prompt
         while self._waiting:

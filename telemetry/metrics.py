@@ -193,7 +193,7 @@ class GatewayMetrics:
         self.shed = Counter("flowprefill_gateway_shed", "Requests refused (shed) instead of served",
                             ["slo_class", "reason"], registry=r)
         self.queued = Gauge("flowprefill_gateway_requests_queued",
-                            "Requests waiting in the gateway's EDF queue (plain OpenAI upstreams)", registry=r)
+                            "Requests waiting in the gateway's queue (plain OpenAI upstreams)", registry=r)
 
     def track_queue(self, depth: Callable[[], int]) -> None:
         self.queued.set_function(depth)
@@ -260,6 +260,12 @@ class _PoolCollector(Collector):
         in_flight = GaugeMetricFamily("flowprefill_gateway_in_flight",
                                       "Sent to a pool's workers and not yet answered: requests, and prompt tokens "
                                       "still in prefill against upstream.max_tokens_in_flight", labels=["pool", "unit"])
+        late = CounterMetricFamily("flowprefill_gateway_late", "Waiters at the gateway (plain OpenAI upstreams) "
+                                   "that could no longer meet their deadline: served by their late bound, or shed",
+                                   labels=["pool", "outcome"])
+        first_token = GaugeMetricFamily("flowprefill_gateway_first_token_estimate_seconds",
+                                        "Dispatch to first token a waiter's slack is judged by, by prompt size "
+                                        "(upstream.slack = observed)", labels=["pool", "prompt_tokens_le"])
         for name, pool in self.pools.items():
             healthy = sum(w.healthy for w in pool.workers)
             size.add_metric([name, "healthy"], healthy)
@@ -270,6 +276,8 @@ class _PoolCollector(Collector):
             workers = [*pool.workers, *pool.draining.values()]
             in_flight.add_metric([name, "requests"], sum(w.in_flight for w in workers))
             in_flight.add_metric([name, "prompt_tokens"], sum(w.tokens_in_flight for w in workers))
-        yield size
-        yield changes
-        yield in_flight
+            late.add_metric([name, "served_late"], pool.late.late)
+            late.add_metric([name, "shed"], pool.late.shed)
+            for tokens, seconds in pool.service.estimates().items():
+                first_token.add_metric([name, str(tokens)], seconds)
+        yield from (size, changes, in_flight, late, first_token)

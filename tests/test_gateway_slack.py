@@ -16,6 +16,7 @@ from test_upstream import StreamingOpenAI
 
 from gateway.config import Upstream
 from gateway.late import Lateness, LateShed, ServiceTimes
+from telemetry.metrics import GatewayMetrics
 
 pytestmark = pytest.mark.gateway_only
 
@@ -65,7 +66,14 @@ def test_a_waiter_whose_latest_start_passed_is_late_before_its_deadline(slack: s
             if slack == "observed":
                 with pytest.raises(LateShed):
                     await c
-                assert pool._late.shed == 1 and pool._late.late == 1
+                assert pool.late.shed == 1 and pool.late.late == 1
+                metrics = GatewayMetrics()
+                metrics.track_pools({"workers": pool})
+                text = metrics.render().decode()  # what an operator sees of it
+                assert 'flowprefill_gateway_late_total{outcome="served_late",pool="workers"} 1.0' in text
+                assert 'flowprefill_gateway_late_total{outcome="shed",pool="workers"} 1.0' in text
+                assert 'flowprefill_gateway_first_token_estimate_seconds{pool="workers",prompt_tokens_le="1023"} 0.6' \
+                    in text
             pool.release(first)
             while pending := [f for f in (a, b, c) if not f.done()]:  # the rest, one at a time
                 done, _ = await asyncio.wait(pending, timeout=1, return_when=asyncio.FIRST_COMPLETED)

@@ -158,7 +158,7 @@ def test_late_waiters_go_by_their_bound_or_are_shed() -> None:
             assert (await overdue).url == "http://a" and not fresh.done()
             pool.release(await overdue)
             assert (await fresh).url == "http://a"
-            assert pool._late.late == 2 and pool._late.shed == 1 and pool.queued == 0
+            assert pool.late.late == 2 and pool.late.shed == 1 and pool.queued == 0
 
     asyncio.run(asyncio.wait_for(main(), 10))
 

@@ -125,7 +125,7 @@ def _sweep(args: argparse.Namespace, base: Workload, chosen: list[Contender], ta
             def show(what: str, done: int, task: TaskID = task) -> None:
                 progress.update(task, description=what, advance=done)
                 if done and not console.is_terminal:  # a log file: a line per run instead of a live bar
-                    console.print(f"done: {what}", highlight=False)
+                    console.print(f"done: {what}", highlight=False, soft_wrap=True)  # a line each, unbroken
                     console.file.flush()  # else a file's buffer held all 72 lines of a 33-minute sweep to its end
 
             points = sweep.run(rates, scenario, show)
