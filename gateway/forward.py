@@ -190,7 +190,7 @@ class Forwarder:
                    self.pool.charge(prompt_tokens), prompt_tokens)
 
     async def _acquire(self, job: Job) -> Worker | None:
-        """The next worker to try (in front of plain servers: once a slot is free, by deadline)."""
+        """The next worker to try (in front of plain servers: once a slot is free, by latest start)."""
         late = Lateness(job.slo.late_bound_ms / 1000, job.slo.late == "shed")
         try:
             worker = await self.pool.acquire(job.deadline, job.tried, None if self.prefill is not None else job.key,
@@ -263,6 +263,8 @@ class Forwarder:
     async def _answer(self, job: Job, worker: Worker, up: Upstream) -> Response | Stream:
         """The worker's answer to the client, whole or streamed."""
         self.pool.record_ok(worker)
+        if up.status_code != 200 or job.path == RESPONSES:  # a quick refusal, or events before any token:
+            job.sent_at = 0.0  # its first bytes tell nothing of the time to first token
         if job.key is not None and self.prefill is None and up.status_code == 200:
             self.pool.prefixes.record(job.key, worker.url)  # its prompt is cached there now
         # (the content type travels as the response's media type: a header too would send it twice;

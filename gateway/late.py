@@ -84,7 +84,7 @@ class ServiceTimes:
     server was rarely faster; a size with fewer than `MIN_SEEN` answers borrows the largest estimate
     of the shorter sizes (a longer prompt takes at least as long), and none at all is no cost (plain
     deadlines, as before anything is seen). The window forgets a slower or faster server within
-    `WINDOW` answers of a size."""
+    `WINDOW` answers of a size (a size that stops arriving keeps its last estimate until it returns)."""
 
     WINDOW = 64
     MIN_SEEN = 8
@@ -96,10 +96,14 @@ class ServiceTimes:
 
     @staticmethod
     def size(tokens: int) -> int:
+        """The size class of a prompt of `tokens` tokens: 1 for 1, 2 for 2-3, 3 for 4-7, ..."""
         return max(tokens, 1).bit_length()
 
     def observe(self, tokens: int, seconds: float) -> None:
-        """A request of `tokens` prompt tokens had its first token `seconds` after it was dispatched."""
+        """A request of `tokens` prompt tokens had its first token `seconds` after it was dispatched. A
+        prompt of no countable tokens (an image only, text estimated at none) tells nothing of its size."""
+        if tokens < 1:
+            return
         size = self.size(tokens)
         self._seen.setdefault(size, deque(maxlen=self.WINDOW)).append(max(seconds, 0.0))
         self._estimate.clear()  # a size's estimate reads the shorter sizes' too
@@ -108,9 +112,13 @@ class ServiceTimes:
         """Seconds from dispatch to first token that a prompt of `tokens` tokens should expect at least."""
         size = self.size(tokens)
         if (cached := self._estimate.get(size)) is None:
-            cached = self._estimate[size] = max(
-                (self._quantile(seen) for s, seen in self._seen.items() if s <= size and len(seen) >= self.MIN_SEEN),
-                default=0.0)
+            own = self._seen.get(size)
+            if own is not None and len(own) >= self.MIN_SEEN:
+                cached = self._quantile(own)
+            else:
+                cached = max((self._quantile(seen) for s, seen in self._seen.items()
+                              if s < size and len(seen) >= self.MIN_SEEN), default=0.0)
+            self._estimate[size] = cached
         return cached
 
     def estimates(self) -> dict[int, float]:

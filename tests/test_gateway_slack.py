@@ -38,28 +38,36 @@ def test_service_times_are_a_low_quantile_per_prompt_size() -> None:
     assert times.estimate(100) == pytest.approx(0.01)
     for _ in range(ServiceTimes.MIN_SEEN):
         times.observe(3000, 0.9)
+        times.observe(1000, 0.5)
+        times.observe(0, 9.0)  # a prompt of no countable tokens (an image only): not a size
     assert times.estimate(4000) == pytest.approx(0.9) and times.estimate(200) == pytest.approx(0.01)
+    assert times.estimate(2000) == pytest.approx(0.5)  # its own answers: none yet, the shorter sizes' largest
+    for _ in range(ServiceTimes.MIN_SEEN):  # size 1,024-2,047: what it was seen to take, not the shorter ones'
+
+        times.observe(1500, 0.2)
+    assert times.estimate(2000) == pytest.approx(0.2) and times.estimate(1) == 0.0
 
 
 @pytest.mark.parametrize("slack", ["observed", "deadline"])
 def test_a_waiter_whose_latest_start_passed_is_late_before_its_deadline(slack: str) -> None:
-    """A 1 s slot in use; behind it, prompts of 1,000 tokens, whose first token has come 0.6 s after
-    dispatch. Waiter A (deadline in 1.3 s) must start by 0.7 s: when the slot frees at 1 s it is hopeless,
-    so B (deadline 1.8 s, latest start 1.2 s) goes first and A goes by its late bound; a sheddable C
-    of the same deadline is refused. With `slack = "deadline"` A goes first, as plain EDF would."""
+    """A slot in use for 1.5 s; behind it, prompts of 1,000 tokens, whose first token has come 1 s after
+    dispatch. Waiter A (deadline in 2.2 s) must start by 1.2 s: when the slot frees at 1.5 s it is
+    hopeless, so B (deadline 3.5 s, latest start 2.5 s) goes first and A goes by its late bound; a
+    sheddable C of A's deadline is refused. With `slack = "deadline"` A goes first, as plain EDF would.
+    (Each side of every comparison has 0.3 s or more to spare for a slow machine.)"""
     from gateway.routing import WorkerPool
 
     async def main() -> None:
         async with httpx.AsyncClient() as client:
             pool = WorkerPool(["http://a"], client, upstream=Upstream(kind="openai", max_concurrency=1, slack=slack))
             for _ in range(ServiceTimes.MIN_SEEN):
-                pool.first_token(1000, 0.6)
+                pool.first_token(1000, 1.0)
             now = time.monotonic()
             held = await pool.acquire(now + 10)
-            a = asyncio.ensure_future(pool.acquire(now + 1.3, late=Lateness(5.0, False), prompt_tokens=1000))
-            c = asyncio.ensure_future(pool.acquire(now + 1.3, late=Lateness(5.0, True), prompt_tokens=1000))
-            b = asyncio.ensure_future(pool.acquire(now + 1.8, late=Lateness(5.0, False), prompt_tokens=1000))
-            await asyncio.sleep(max(0.0, now + 1.0 - time.monotonic()))
+            a = asyncio.ensure_future(pool.acquire(now + 2.2, late=Lateness(5.0, False), prompt_tokens=1000))
+            c = asyncio.ensure_future(pool.acquire(now + 2.2, late=Lateness(5.0, True), prompt_tokens=1000))
+            b = asyncio.ensure_future(pool.acquire(now + 3.5, late=Lateness(5.0, False), prompt_tokens=1000))
+            await asyncio.sleep(max(0.0, now + 1.5 - time.monotonic()))
             pool.release(held)
             first = await asyncio.wait_for(b if slack == "observed" else a, 1)
             assert not (a if slack == "observed" else b).done()
@@ -72,7 +80,7 @@ def test_a_waiter_whose_latest_start_passed_is_late_before_its_deadline(slack: s
                 text = metrics.render().decode()  # what an operator sees of it
                 assert 'flowprefill_gateway_late_total{outcome="served_late",pool="workers"} 1.0' in text
                 assert 'flowprefill_gateway_late_total{outcome="shed",pool="workers"} 1.0' in text
-                assert 'flowprefill_gateway_first_token_estimate_seconds{pool="workers",prompt_tokens_le="1023"} 0.6' \
+                assert 'flowprefill_gateway_first_token_estimate_seconds{pool="workers",prompt_tokens_le="1023"} 1.0' \
                     in text
             pool.release(first)
             while pending := [f for f in (a, b, c) if not f.done()]:  # the rest, one at a time
@@ -84,17 +92,18 @@ def test_a_waiter_whose_latest_start_passed_is_late_before_its_deadline(slack: s
 
 
 def test_through_the_gateway_a_shed_class_is_refused_once_its_deadline_is_out_of_reach(tmp_path: Path) -> None:
-    """The real gateway in front of a streaming server whose first token comes after 0.3 s: once it
-    has seen that, a request of a sheddable class with a 0.5 s target that waits 0.3 s behind another
-    cannot make it (0.3 s left, 0.3 s needed) and is refused with 429 when the slot frees, where plain
-    EDF would have sent it to be answered late; `--slack deadline` sends it."""
+    """The real gateway in front of a streaming server whose first token comes after 0.5 s: once it
+    has seen that, a request of a sheddable class with a 0.7 s target that waits about 0.45 s behind
+    another cannot make it (its latest start passed about 0.25 s before the slot frees) and is refused
+    with 429 then, where plain EDF would have sent it to be answered late (its deadline is still 0.25 s
+    away then); `--slack deadline` sends it."""
     from processes import uvicorn_thread
 
     cfg = tmp_path / "gw.toml"
     cfg.write_text('[upstream]\nkind = "openai"\nmax_concurrency = 1\n'
-                   '[classes.hasty]\nttft_ms = 500\ntbt_ms = 100\npriority = 9\nsheddable = true\nlate = "shed"\n')
+                   '[classes.hasty]\nttft_ms = 700\ntbt_ms = 100\npriority = 9\nsheddable = true\nlate = "shed"\n')
     codes = {}
-    with uvicorn_thread(StreamingOpenAI(prefill_s=0.3, hold_s=0.0)) as up_port:
+    with uvicorn_thread(StreamingOpenAI(prefill_s=0.5, hold_s=0.0)) as up_port:
         for slack in ("observed", "deadline"):
             port = free_port()
             gw = start("gateway", "--workers", f"http://127.0.0.1:{up_port}", "--port", str(port), "--config",
@@ -108,7 +117,7 @@ def test_through_the_gateway_a_shed_class_is_refused_once_its_deadline_is_out_of
 
 
 async def _seen_then_queued(port: int) -> tuple[int, int]:
-    """Eight streamed requests one by one (the gateway sees 0.3 s to first token), then two at once:
+    """Eight streamed requests one by one (the gateway sees 0.5 s to first token), then two at once:
     the first's status and the one queued behind it."""
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
         async def send(cls: str = "batch") -> int:
@@ -121,3 +130,37 @@ async def _seen_then_queued(port: int) -> tuple[int, int]:
         await asyncio.sleep(0.05)
         queued = asyncio.ensure_future(send("hasty"))
         return await first, await queued
+
+
+class RefusingOpenAI:
+    """A plain OpenAI server that refuses every completion at once (400), as vLLM refuses a prompt past
+    its context."""
+
+    async def __call__(self, scope: dict, receive: object, send: object) -> None:  # type: ignore[type-arg]
+        if scope["type"] != "http":
+            return
+        status = 400 if scope["path"] == "/v1/completions" else 200
+        await send({"type": "http.response.start", "status": status,  # type: ignore[operator]
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": b'{"error": {"message": "too long"}}'})  # type: ignore[operator]
+
+
+def test_a_refusal_is_not_a_time_to_first_token() -> None:
+    """Streamed requests the server refuses at once say nothing of how long a prompt takes: the
+    gateway's estimates stay empty (else their near-zero times would pull every estimate down)."""
+    from processes import uvicorn_thread
+
+    with uvicorn_thread(RefusingOpenAI()) as up_port:
+        port = free_port()
+        gw = start("gateway", "--workers", f"http://127.0.0.1:{up_port}", "--port", str(port), "--upstream", "openai")
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}", gw)
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+                codes = {c.post("/v1/completions", json={"prompt": list(range(50)), "max_tokens": 1,
+                                                         "stream": True}).status_code
+                         for _ in range(ServiceTimes.MIN_SEEN + 2)}
+                metrics = c.get("/metrics").text
+        finally:
+            stop(gw)
+    assert codes == {400}
+    assert "flowprefill_gateway_first_token_estimate_seconds{" not in metrics

@@ -124,10 +124,15 @@ def test_a_gateway_contender_with_its_own_options() -> None:
     argv = launch.gateway_argv(both, "http://x", 9000)
     assert [argv[argv.index(flag) + 1] for flag in ("--reserve-tokens", "--max-tokens-in-flight", "--slack")] == [
         "256", "3072", "deadline"]
-    for bad in ("gateway/x:vllm", "vllm/3:priority", "gateway/-1:vllm", "gateway/:vllm", "gateway/²:vllm",
-                "gateway/2048:vllm:priority:2048", "gateway/tokens=1024/1024:vllm:priority:2048",
-                "gateway/slack=fast:vllm", "gateway/budget=5:vllm", "gateway/tokens=:vllm"):
-        with pytest.raises(SpecError, match=r"reserve|gateway"):
+    not_an_option = "is not one of gateway/N"
+    for bad, why in (("gateway/x:vllm", not_an_option), ("vllm/3:priority", "only the gateway takes options"),
+                     ("gateway/-1:vllm", not_an_option), ("gateway/:vllm", not_an_option),
+                     ("gateway/²:vllm", not_an_option), ("gateway/slack=fast:vllm", not_an_option),
+                     ("gateway/budget=5:vllm", not_an_option), ("gateway/tokens=:vllm", not_an_option),
+                     ("gateway/2048:vllm:priority:2048", "reserve must be under its token budget"),
+                     ("gateway/tokens=1024/1024:vllm:priority:2048", "reserve must be under its token budget"),
+                     ("gateway/1/2:vllm", "reserve is given twice")):
+        with pytest.raises(SpecError, match=why):
             parse_contenders(bad)
 
 

@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=None,
                         help="what the workers are (overrides the config's [upstream] kind; default "
                              f"{upstream.kind}): openai = plain OpenAI-compatible servers (vLLM, SGLang) behind "
-                             "an EDF queue at the gateway")
+                             "a slack-ordered queue at the gateway")
     parser.add_argument("--max-concurrency", type=int, default=None, metavar="N",
                         help="openai upstreams: requests in flight per server (overrides the config; default "
                              f"{upstream.max_concurrency})")

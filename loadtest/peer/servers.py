@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from gateway.processes import free_port, wait_healthy
 
@@ -99,18 +100,26 @@ class Contender:
 GATEWAY_OPTIONS = "gateway/N (its --reserve-tokens), gateway/tokens=N, gateway/slack=observed|deadline"
 
 
-def gateway_options(item: str, options: list[str]) -> dict[str, int | str]:
-    """`gateway/512/tokens=3072/slack=deadline:...`'s options, as `Contender` fields."""
-    out: dict[str, int | str] = {}
-    for option in options:
-        name, value = option.split("=", 1) if "=" in option else ("reserve", option)
-        if name == "slack" and value in ("observed", "deadline"):
-            out[name] = value
-        elif name in ("reserve", "tokens") and value.isdecimal() and value.isascii():
-            out[name] = int(value)
-        else:
-            raise SpecError(f"contender {item!r}: {option!r} is not one of {GATEWAY_OPTIONS} (N >= 0)")
-    return out
+class GatewayOptions(NamedTuple):
+    """`gateway/512/tokens=3072/slack=deadline:...`: the gateway's own flags for one contender (None: its default)."""
+
+    reserve: int | None = None
+    tokens: int | None = None
+    slack: str | None = None
+
+    @classmethod
+    def parse(cls, item: str, options: list[str]) -> GatewayOptions:
+        given: dict[str, str] = {}
+        for option in options:
+            name, value = option.split("=", 1) if "=" in option else ("reserve", option)
+            if name in given:
+                raise SpecError(f"contender {item!r}: the gateway's {name} is given twice")
+            if not ((name == "slack" and value in ("observed", "deadline"))
+                    or (name in ("reserve", "tokens") and value.isdecimal() and value.isascii())):
+                raise SpecError(f"contender {item!r}: {option!r} is not one of {GATEWAY_OPTIONS} (N >= 0)")
+            given[name] = value
+        number = {k: int(v) for k, v in given.items() if k != "slack"}
+        return cls(number.get("reserve"), number.get("tokens"), given.get("slack"))
 
 
 def parse_contenders(spec: str) -> list[Contender]:
@@ -126,7 +135,7 @@ def parse_contenders(spec: str) -> list[Contender]:
             parts = parts[1:]
         elif options:
             raise SpecError(f"contender {item!r}: only the gateway takes options ({GATEWAY_OPTIONS})")
-        gateway = gateway_options(item, options)
+        gateway = GatewayOptions.parse(item, options)
         kind = parts[0] if parts else ""
         if kind == "flowprefill" and not via:
             out.append(Contender(ServerSpec("flowprefill", parts[1] if len(parts) > 1 else "flowprefill")))
@@ -144,9 +153,9 @@ def parse_contenders(spec: str) -> list[Contender]:
             raise SpecError(f"contender {item!r}: its token budget and long-prefill cap must be integers") from None
         if budget < 16 or not 0 <= cap <= budget:
             raise SpecError(f"contender {item!r}: token budget must be >= 16, the long-prefill cap within it")
-        if (reserve := int(gateway.get("reserve", 0))) and reserve >= int(gateway.get("tokens", budget)):
+        if gateway.reserve and gateway.reserve >= (budget if gateway.tokens is None else gateway.tokens):
             raise SpecError(f"contender {item!r}: the gateway's reserve must be under its token budget")
-        out.append(Contender(ServerSpec(kind, policy, budget, cap), via, **gateway))  # type: ignore[arg-type]
+        out.append(Contender(ServerSpec(kind, policy, budget, cap), via, *gateway))
     if len({c.name for c in out}) != len(out):
         raise SpecError(f"contenders {spec!r} name one twice")
     if not out:
