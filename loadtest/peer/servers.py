@@ -155,7 +155,7 @@ def parse_contenders(spec: str) -> list[Contender]:
             raise SpecError(f"contender {item!r}: token budget must be >= 16, the long-prefill cap within it")
         if gateway.reserve and gateway.reserve >= (budget if gateway.tokens is None else gateway.tokens):
             raise SpecError(f"contender {item!r}: the gateway's reserve must be under its token budget")
-        out.append(Contender(ServerSpec(kind, policy, budget, cap), via, *gateway))
+        out.append(Contender(ServerSpec(kind, policy, budget, cap), via, **gateway._asdict()))
     if len({c.name for c in out}) != len(out):
         raise SpecError(f"contenders {spec!r} name one twice")
     if not out:
