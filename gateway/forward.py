@@ -106,11 +106,13 @@ class Job:
     shed: Upstream | None = None  # the last worker's answer that shed it
     failed: tuple[int, bytes] | None = None  # the last worker's 5xx answer (status, body)
 
-    def prefilled(self, pool: WorkerPool, worker: Worker) -> None:
+    def prefilled(self, pool: WorkerPool, worker: Worker, metrics: GatewayMetrics) -> None:
         """Its first token is back: how long it took is seen, the prompt tokens it held at `worker`
         go back (once)."""
         if self.sent_at:
-            pool.first_token(self.prompt_tokens, time.monotonic() - self.sent_at)
+            seconds = time.monotonic() - self.sent_at
+            pool.first_token(self.prompt_tokens, seconds)
+            metrics.first_token(self.slo.name, seconds)
             self.sent_at = 0.0
         if self.held:
             pool.prefilled(worker, self.held)
@@ -203,6 +205,8 @@ class Forwarder:
                                " could no longer be met while it waited at the gateway", "rate_limit_error",
                                headers=job.ours | {"retry-after": "1", DROPPED_REASON_HEADER: SHED_REASON}) from None
         job.held = job.tokens if worker is not None else 0
+        if worker is not None and not job.tried:  # its wait at the gateway (a retry's is not a new one)
+            self.metrics.waited(job.slo.name, time.monotonic() - (job.deadline - job.slo.ttft_ms / 1000))
         job.sent_at = time.monotonic() if worker is not None and job.body.get("stream") else 0.0
         return worker
 
@@ -277,7 +281,7 @@ class Forwarder:
                                  "http.upstream.status_code": up.status_code})
         self.metrics.answered(job.slo.name, up.status_code)
         if job.body.get("stream"):
-            return Stream(relay(up, worker, self.pool, job), status_code=up.status_code, headers=headers,
+            return Stream(relay(up, worker, self.pool, job, self.metrics), status_code=up.status_code, headers=headers,
                           media_type=up.headers.get("content-type", "text/event-stream"))
         try:
             content = await up.aread()
@@ -359,12 +363,13 @@ class PrefillFirst:
         return first
 
 
-async def relay(up: Upstream, worker: Worker, pool: WorkerPool, job: Job) -> AsyncIterator[bytes]:
+async def relay(up: Upstream, worker: Worker, pool: WorkerPool, job: Job,
+                metrics: GatewayMetrics) -> AsyncIterator[bytes]:
     """Pass the worker's SSE through; a stream cut by a dead worker ends with a clean error event.
     Its first chunk means the prompt is prefilled: the tokens it held at the worker go back then."""
     try:
         async for chunk in up.aiter_raw():
-            job.prefilled(pool, worker)
+            job.prefilled(pool, worker, metrics)
             yield chunk
     except httpx.HTTPError:
         err = error_body(f"worker {worker.url} went away mid-stream", "server_error")

@@ -194,6 +194,15 @@ class GatewayMetrics:
                             ["slo_class", "reason"], registry=r)
         self.queued = Gauge("flowprefill_gateway_requests_queued",
                             "Requests waiting in the gateway's queue (plain OpenAI upstreams)", registry=r)
+        # Where a request's time to first token goes: waiting at the gateway, then at the worker (the
+        # rest, client TTFT less both, is the gateway's own path and the network's).
+        self.queue_wait = Histogram("flowprefill_gateway_queue_wait_seconds",
+                                    "Arrival at the gateway to dispatch to a worker (first try), by class",
+                                    ["slo_class"], buckets=TTFT_BUCKETS, registry=r)
+        self.upstream_first_token = Histogram(
+            "flowprefill_gateway_upstream_first_token_seconds",
+            "Dispatch to the worker's first streamed bytes, by class (streamed completions and chats answered 200)",
+            ["slo_class"], buckets=TTFT_BUCKETS, registry=r)
 
     def track_queue(self, depth: Callable[[], int]) -> None:
         self.queued.set_function(depth)
@@ -202,6 +211,12 @@ class GatewayMetrics:
         """The pools' sizes and membership changes, read at each scrape (`pools`: by the option that
         lists them: workers, prefill_workers)."""
         self.registry.register(_PoolCollector({name: p for name, p in pools.items() if p is not None}))
+
+    def waited(self, slo_class: str, seconds: float) -> None:
+        self.queue_wait.labels(slo_class).observe(seconds)
+
+    def first_token(self, slo_class: str, seconds: float) -> None:
+        self.upstream_first_token.labels(slo_class).observe(seconds)
 
     def answered(self, slo_class: str, code: int, shed_reason: str | None = None) -> None:
         self.requests.labels(slo_class, str(code)).inc()

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from loadtest import report
+from loadtest.peer import split
 from loadtest.peer.busy import BusyLoad
 from loadtest.peer.client import Arrival, Target, replay, ttft_target_s
 from loadtest.results import Record, outcomes
@@ -57,11 +58,15 @@ def run_point(target: Target, schedule: list[Arrival], rate: float, scenario: Sc
         busy = BusyLoad(scenario.cores, scenario.duty, scenario.period_ms).start(paused=scenario.name == "step")
         if scenario.name == "step":
             at.append((schedule[len(schedule) // 2].due_s if schedule else 0.0, busy.resume))
+    before = split.read(target.url)
     try:
         records = asyncio.run(replay(target, schedule, max_tokens, drain_s, at))
     finally:
         load = busy.stop() if busy else None
     pt = point(rate, records)
+    for cls, parts in split.split(before, split.read(target.url)).items():  # a gateway: where the time went
+        if cls in pt["per_class"]:
+            pt["per_class"][cls] |= parts
     pt["loadavg_1m"] = round(os.getloadavg()[0], 2)  # how busy the machine was, whatever else runs on it
     if load:
         pt["busy"] = load
