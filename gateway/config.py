@@ -48,6 +48,10 @@ class Upstream(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # token the gateway saw for streamed prompts of its size (gateway/late.py `ServiceTimes`); waiters
     # go by that latest start and turn late once it passes. `deadline`: the deadline alone (EDF).
     slack: Literal["observed", "deadline"] = "observed"
+    # openai, with a token budget: a waiter may take room that an earlier one, too long for it, cannot
+    # use yet, if it is expected back before that one must start (backfilling; gateway/routing.py).
+    # False: strict order.
+    backfill: bool = True
     priority_field: str = "priority"  # openai: body field for the class's priority ("" = send none)
     priority_order: Literal["lower_first", "higher_first"] = "lower_first"  # vLLM: lower first; SGLang: higher
     health_path: str = "/health"  # openai: what the health check GETs

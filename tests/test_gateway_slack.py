@@ -164,3 +164,43 @@ def test_a_refusal_is_not_a_time_to_first_token() -> None:
             stop(gw)
     assert codes == {400}
     assert "flowprefill_gateway_first_token_estimate_seconds{" not in metrics
+
+
+@pytest.mark.parametrize("backfill", [True, False])
+def test_a_short_waiter_backfills_room_a_longer_one_cannot_use_yet(backfill: bool) -> None:
+    """A 1,000-token budget with 600 in flight; prompts of ~100 tokens have come back in 0.1 s. H (700
+    tokens, latest start about 4.9 s away) does not fit and holds the server. B (100 tokens, behind it
+    by latest start) fits the 400 left and is expected back long before H must start: it goes at once
+    (EASY backfilling), in strict order (`backfill = false`) it waits. C (100 tokens) behind a holder
+    that must start within 0.05 s would make it late, so it waits either way."""
+    from gateway.routing import WorkerPool
+
+    async def main() -> None:
+        async with httpx.AsyncClient() as client:
+            upstream = Upstream(kind="openai", max_concurrency=8, max_tokens_in_flight=1000, reserve_tokens=0,
+                                backfill=backfill)
+            pool = WorkerPool(["http://a"], client, upstream=upstream)
+            for _ in range(ServiceTimes.MIN_SEEN):
+                pool.first_token(100, 0.1)
+            now = time.monotonic()
+            held = await pool.acquire(now + 60, tokens=600, prompt_tokens=600)
+            h = asyncio.ensure_future(pool.acquire(now + 5, tokens=700, prompt_tokens=700))
+            b = asyncio.ensure_future(pool.acquire(now + 30, tokens=100, prompt_tokens=100))
+            await asyncio.sleep(0.05)
+            assert not h.done() and b.done() is backfill
+            pool.release(held, 600)
+            assert (await asyncio.wait_for(h, 1)) is held  # room for it now
+            if not backfill:
+                await asyncio.wait_for(b, 1)  # 700 + 100 fit
+            pool.release(held, 700)
+            pool.release(held, 100)
+            held = await pool.acquire(now + 60, tokens=600, prompt_tokens=600)
+            h = asyncio.ensure_future(pool.acquire(time.monotonic() + 0.15, tokens=700, prompt_tokens=700))
+            c = asyncio.ensure_future(pool.acquire(now + 30, tokens=100, prompt_tokens=100))
+            await asyncio.sleep(0.02)
+            assert not h.done() and not c.done()  # C would still be in flight when H must start
+            h.cancel()
+            c.cancel()
+            pool.release(held, 600)
+
+    asyncio.run(asyncio.wait_for(main(), 10))

@@ -109,25 +109,31 @@ def test_a_vllm_contender_with_a_long_prefill_cap() -> None:
 
 def test_a_gateway_contender_with_its_own_options() -> None:
     """`gateway/N:vllm:...`: the gateway with --reserve-tokens N, a contender of its own beside the default;
-    `tokens=N` its --max-tokens-in-flight, `slack=...` its --slack, combined with `/`."""
-    plain, zero, both = parse_contenders("gateway:vllm:priority:2048,gateway/0:vllm:priority:2048,"
-                                         "gateway/tokens=3072/slack=deadline/256:vllm:priority:2048")
+    `tokens=N` its --max-tokens-in-flight, `slack=...` its --slack, `backfill=...` its --backfill,
+    combined with `/`."""
+    plain, zero, both, strict = parse_contenders("gateway:vllm:priority:2048,gateway/0:vllm:priority:2048,"
+                                                 "gateway/tokens=3072/slack=deadline/256:vllm:priority:2048,"
+                                                 "gateway/backfill=off:vllm:priority:2048")
     assert (plain.name, plain.reserve, zero.name, zero.reserve) == (
         "gateway+vllm-priority-2048", None, "gateway-reserve0+vllm-priority-2048", 0)
     assert both.name == "gateway-reserve256-tokens3072-slackdeadline+vllm-priority-2048"
     launch = Launch(Path("m"), "float32", Placement((1,), 1), {"vllm": "python"}, Path("logs"))
     argv = launch.gateway_argv(plain, "http://x", 9000)
-    assert "--reserve-tokens" not in argv and "--slack" not in argv
+    assert "--reserve-tokens" not in argv and "--slack" not in argv and "--backfill" not in argv
     assert argv[argv.index("--max-tokens-in-flight") + 1] == "2048"  # the server's budget
     argv = launch.gateway_argv(zero, "http://x", 9000)
     assert argv[argv.index("--reserve-tokens") + 1] == "0"
     argv = launch.gateway_argv(both, "http://x", 9000)
     assert [argv[argv.index(flag) + 1] for flag in ("--reserve-tokens", "--max-tokens-in-flight", "--slack")] == [
         "256", "3072", "deadline"]
+    assert strict.name == "gateway-backfilloff+vllm-priority-2048"
+    argv = launch.gateway_argv(strict, "http://x", 9000)
+    assert argv[argv.index("--backfill") + 1] == "off"
     not_an_option = "is not one of gateway/N"
     for bad, why in (("gateway/x:vllm", not_an_option), ("vllm/3:priority", "only the gateway takes options"),
                      ("gateway/-1:vllm", not_an_option), ("gateway/:vllm", not_an_option),
                      ("gateway/²:vllm", not_an_option), ("gateway/slack=fast:vllm", not_an_option),
+                     ("gateway/backfill=no:vllm", not_an_option), ("gateway/slack=off:vllm", not_an_option),
                      ("gateway/budget=5:vllm", not_an_option), ("gateway/tokens=:vllm", not_an_option),
                      ("gateway/2048:vllm:priority:2048", "reserve must be under its token budget"),
                      ("gateway/tokens=1024/1024:vllm:priority:2048", "reserve must be under its token budget"),

@@ -54,6 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="openai upstreams: waiters go by their deadline less the time to first token seen for "
                              "prompts of their size, and turn late once that has passed (observed), or by their "
                              f"deadline alone (deadline) (overrides the config; default {upstream.slack})")
+    parser.add_argument("--backfill", choices=("on", "off"), default=None,
+                        help="openai upstreams with a token budget: a waiter may take budget that an earlier, "
+                             "longer one cannot use yet, if it is expected back before that one must start (on), "
+                             f"or waiters go in strict order (off) (overrides the config; default "
+                             f"{'on' if upstream.backfill else 'off'})")
 
 
 def load_config(path: str | None, workers: list[str], prefill_workers: list[str] | None = None,
@@ -97,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.workers_urls, args.prefill_urls, kind=args.upstream,
                       max_concurrency=args.max_concurrency,
                       max_tokens_in_flight=args.max_tokens_in_flight, reserve_tokens=args.reserve_tokens,
-                      slack=args.slack)
+                      slack=args.slack,
+                      backfill=None if args.backfill is None else args.backfill == "on")
     sock = bind(args.host, args.port, "the gateway")
     return serve_gateway(cfg, sock, f"http://{args.host}:{args.port}")

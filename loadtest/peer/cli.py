@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--contenders", default=None,
                    help=f"comma-separated: vllm|sglang[:priority|fcfs[:TOKENS]] (chunked-prefill budget), "
                         f"gateway:vllm:... (options: gateway/512/tokens=3072/slack=deadline:vllm:...: its "
-                        f"--reserve-tokens, --max-tokens-in-flight, --slack), flowprefill[:POLICY] "
+                        f"--reserve-tokens, --max-tokens-in-flight, --slack; backfill=off: --backfill off), "
+                        f"flowprefill[:POLICY] "
                         f"(default {DEFAULT_CONTENDERS}; with "
                         "--sglang-python also sglang:priority:2048)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

@@ -79,10 +79,11 @@ class Contender:
     reserve: int | None = None  # the gateway's --reserve-tokens (None: its default)
     tokens: int | None = None  # the gateway's --max-tokens-in-flight (None: the launch's, `Launch.gateway_tokens`)
     slack: str | None = None  # the gateway's --slack (None: its default)
+    backfill: str | None = None  # the gateway's --backfill (None: its default)
 
     @property
     def name(self) -> str:
-        options = {"reserve": self.reserve, "tokens": self.tokens, "slack": self.slack}
+        options = {"reserve": self.reserve, "tokens": self.tokens, "slack": self.slack, "backfill": self.backfill}
         gateway = "gateway" + "".join(f"-{k}{v}" for k, v in options.items() if v is not None)
         return f"{gateway}+{self.server.name}" if self.via_gateway else self.server.name
 
@@ -97,7 +98,9 @@ class Contender:
         return self.server.kind in PEERS and not self.via_gateway
 
 
-GATEWAY_OPTIONS = "gateway/N (its --reserve-tokens), gateway/tokens=N, gateway/slack=observed|deadline"
+GATEWAY_OPTIONS = ("gateway/N (its --reserve-tokens), gateway/tokens=N, gateway/slack=observed|deadline, "
+                   "gateway/backfill=on|off")
+CHOICES = {"slack": ("observed", "deadline"), "backfill": ("on", "off")}
 
 
 class GatewayOptions(NamedTuple):
@@ -106,6 +109,7 @@ class GatewayOptions(NamedTuple):
     reserve: int | None = None
     tokens: int | None = None
     slack: str | None = None
+    backfill: str | None = None
 
     @classmethod
     def parse(cls, item: str, options: list[str]) -> GatewayOptions:
@@ -114,18 +118,19 @@ class GatewayOptions(NamedTuple):
             name, value = option.split("=", 1) if "=" in option else ("reserve", option)
             if name in given:
                 raise SpecError(f"contender {item!r}: the gateway's {name} is given twice")
-            if not ((name == "slack" and value in ("observed", "deadline"))
+            if not (value in CHOICES.get(name, ())
                     or (name in ("reserve", "tokens") and value.isdecimal() and value.isascii())):
                 raise SpecError(f"contender {item!r}: {option!r} is not one of {GATEWAY_OPTIONS} (N >= 0)")
             given[name] = value
-        number = {k: int(v) for k, v in given.items() if k != "slack"}
-        return cls(number.get("reserve"), number.get("tokens"), given.get("slack"))
+        number = {k: int(v) for k, v in given.items() if k not in CHOICES}
+        return cls(number.get("reserve"), number.get("tokens"), given.get("slack"), given.get("backfill"))
 
 
 def parse_contenders(spec: str) -> list[Contender]:
     """`vllm:priority:512,vllm:fcfs:2048,gateway:vllm:priority:2048,flowprefill` (see --contenders);
     `gateway/N:...`: the gateway with `--reserve-tokens N`; `gateway/tokens=N:...` with
-    `--max-tokens-in-flight N`, `gateway/slack=deadline:...` with `--slack deadline` (combined with `/`)."""
+    `--max-tokens-in-flight N`, `gateway/slack=deadline:...` with `--slack deadline`, `gateway/backfill=off:...` with
+    `--backfill off` (combined with `/`)."""
     out: list[Contender] = []
     for item in (s.strip() for s in spec.split(",") if s.strip()):
         parts = item.split(":")
@@ -228,7 +233,8 @@ class Launch:
                 "--port", str(port), "--max-concurrency", str(self.gateway_concurrency),
                 "--max-tokens-in-flight", str(tokens),
                 *(["--reserve-tokens", str(contender.reserve)] if contender.reserve is not None else []),
-                *(["--slack", contender.slack] if contender.slack is not None else [])]
+                *(["--slack", contender.slack] if contender.slack is not None else []),
+                *(["--backfill", contender.backfill] if contender.backfill is not None else [])]
 
 
 class Process:
