@@ -196,7 +196,7 @@ class Forwarder:
         late = Lateness(job.slo.late_bound_ms / 1000, job.slo.late == "shed")
         try:
             worker = await self.pool.acquire(job.deadline, job.tried, None if self.prefill is not None else job.key,
-                                             late, job.tokens, job.prompt_tokens)
+                                             late, job.tokens, job.prompt_tokens, bool(job.body.get("stream")))
         except QueueFull:
             raise GatewayError(503, "the gateway's queue is full", "server_error", headers=job.ours | {
                 "retry-after": "1", DROPPED_REASON_HEADER: "queue_full"}) from None

@@ -45,12 +45,17 @@ class LateGate:
         self._policy: dict[asyncio.Future[Any], tuple[float, Lateness]] = {}
         self.late = 0  # waiters re-keyed to their late bound, since start
         self.shed = 0  # waiters shed, since start
+        self._rekeyed: set[asyncio.Future[Any]] = set()  # waiting on their late bound now
 
     def track(self, fut: asyncio.Future[Any], deadline: float, late: Lateness | None) -> None:
         """Watch a waiter until it is served, leaves, or turns late (then it needs watching no more)."""
         if late is not None:
             self._policy[fut] = (deadline, late)
             fut.add_done_callback(lambda done: self._policy.pop(done, None))
+
+    def is_late(self, fut: asyncio.Future[Any]) -> bool:
+        """Is this waiter waiting on its late bound (its latest start passed)?"""
+        return fut in self._rekeyed
 
     def rekey(self, waiting: list[Any], now: float) -> list[Any]:
         """`waiting` (a heap of (latest start, seq, ..., fut)) with every waiter whose latest start has
@@ -71,6 +76,8 @@ class LateGate:
                 fut.set_exception(LateShed())
                 continue
             self.late += 1
+            self._rekeyed.add(fut)
+            fut.add_done_callback(self._rekeyed.discard)
             out.append((deadline + late.bound_s, *item[1:]))
         if changed:
             heapq.heapify(out)
@@ -89,10 +96,11 @@ class ServiceTimes:
     WINDOW = 64
     MIN_SEEN = 8
     QUANTILE = 0.25
+    HIGH_QUANTILE = 0.9  # what a request is expected back by, for backfilling (gateway/routing.py)
 
     def __init__(self) -> None:
         self._seen: dict[int, deque[float]] = {}
-        self._estimate: dict[int, float] = {}  # by size, until that size sees another answer
+        self._estimate: dict[tuple[int, float], float] = {}  # by (size, quantile), until another answer
 
     @staticmethod
     def size(tokens: int) -> int:
@@ -108,17 +116,18 @@ class ServiceTimes:
         self._seen.setdefault(size, deque(maxlen=self.WINDOW)).append(max(seconds, 0.0))
         self._estimate.clear()  # a size's estimate reads the shorter sizes' too
 
-    def estimate(self, tokens: int) -> float:
-        """Seconds from dispatch to first token that a prompt of `tokens` tokens should expect at least."""
+    def estimate(self, tokens: int, quantile: float = QUANTILE) -> float:
+        """Seconds from dispatch to first token that a prompt of `tokens` tokens should expect at least
+        (at the default quantile; a higher one: what it should be back by)."""
         size = self.size(tokens)
-        if (cached := self._estimate.get(size)) is None:
+        if (cached := self._estimate.get((size, quantile))) is None:
             own = self._seen.get(size)
             if own is not None and len(own) >= self.MIN_SEEN:
-                cached = self._quantile(own)
+                cached = self._quantile(own, quantile)
             else:
-                cached = max((self._quantile(seen) for s, seen in self._seen.items()
+                cached = max((self._quantile(seen, quantile) for s, seen in self._seen.items()
                               if s < size and len(seen) >= self.MIN_SEEN), default=0.0)
-            self._estimate[size] = cached
+            self._estimate[(size, quantile)] = cached
         return cached
 
     def estimates(self) -> dict[int, float]:
@@ -126,7 +135,7 @@ class ServiceTimes:
         return {2 ** size - 1: self.estimate(2 ** size - 1) for size, seen in sorted(self._seen.items())
                 if len(seen) >= self.MIN_SEEN}
 
-    @classmethod
-    def _quantile(cls, seen: deque[float]) -> float:
+    @staticmethod
+    def _quantile(seen: deque[float], quantile: float) -> float:
         ordered = sorted(seen)
-        return ordered[min(len(ordered) - 1, int(cls.QUANTILE * len(ordered)))]
+        return ordered[min(len(ordered) - 1, int(quantile * len(ordered)))]

@@ -47,8 +47,8 @@ class QueueFull(Exception):
     pass
 
 
-# (latest start, seq, workers excluded, prefix, tokens charged, the waiter's future)
-Waiting = tuple[float, int, frozenset[str], "Prefix | None", int, "asyncio.Future[Worker]"]
+# (latest start, seq, workers excluded, prefix, tokens charged, may backfill, the waiter's future)
+Waiting = tuple[float, int, frozenset[str], "Prefix | None", int, bool, "asyncio.Future[Worker]"]
 
 
 class WorkerPool:
@@ -111,13 +111,14 @@ class WorkerPool:
 
     async def acquire(self, deadline: float, exclude: frozenset[str] | set[str] = frozenset(),
                       key: Prefix | None = None, late: Lateness | None = None, tokens: int = 0,
-                      prompt_tokens: int = 0) -> Worker | None:
+                      prompt_tokens: int = 0, streamed: bool = False) -> Worker | None:
         """A worker for this request, counted in flight there (give it back with `release`).
         None when no healthy worker is left to try. Gated: waits its turn by its latest start (its
         deadline less the service time seen for `prompt_tokens`, `ServiceTimes`), and once that has
         passed while it waits, as its class's `late` says (`LateGate`).
         `key`: the request's prefix key (gateway/affinity.py), if it has one. `tokens`: its
-        `charge`, held against the worker's token budget until `release` or `prefilled`."""
+        `charge`, held against the worker's token budget until `release` or `prefilled`. `streamed`:
+        it gives its tokens back at its first token, so it may backfill (`_backfills`)."""
         exclude = frozenset(exclude)
         if not self.gated:
             w = self.pick(exclude, key)
@@ -134,7 +135,7 @@ class WorkerPool:
         fut: asyncio.Future[Worker] = asyncio.get_running_loop().create_future()
         self.late.track(fut, deadline, late)
         start_by = deadline - self.service.estimate(prompt_tokens) if self.upstream.slack == "observed" else deadline
-        heapq.heappush(self._waiting, (start_by, next(self._seq), exclude, key, tokens, fut))
+        heapq.heappush(self._waiting, (start_by, next(self._seq), exclude, key, tokens, streamed, fut))
         if tokens:
             self._dispatch()  # ahead of a waiter too long for the room left, it may fit now
         try:
@@ -208,9 +209,12 @@ class WorkerPool:
         if self.gated:
             self._dispatch()
 
-    def _free(self, exclude: frozenset[str], key: Prefix | None = None, tokens: int = 0) -> Worker | None:
-        """A live worker with a free slot and room for `tokens` (an idle one always has room)."""
+    def _free(self, exclude: frozenset[str], key: Prefix | None = None, tokens: int = 0,
+              spare_slot: bool = False) -> Worker | None:
+        """A live worker with a free slot and room for `tokens` (an idle one always has room);
+        `spare_slot`: with a slot left over after this one (a backfill must not take a holder's last)."""
         now, cap, budget = time.monotonic(), self.upstream.max_concurrency, self.upstream.max_tokens_in_flight
+        cap -= spare_slot
         live = [w for w in self.workers if w.url not in exclude and w.healthy and w.down_until <= now]
         free = [w for w in live if w.in_flight < cap
                 and (not tokens or not w.in_flight or w.tokens_in_flight + tokens <= budget)]
@@ -232,22 +236,23 @@ class WorkerPool:
         self._waiting = self.late.rekey(self._waiting, now)
         later = []
         held: set[str] = set()  # workers kept for an earlier waiter's prompt
-        reserved_until = math.inf  # the earliest latest start of the waiters holding them
+        reserved_until = math.inf  # by when the waiters holding them must start (now: one is late already)
         while self._waiting:
             item = heapq.heappop(self._waiting)
-            start_by, _, exclude, key, tokens, fut = item
+            start_by, _, exclude, key, tokens, streamed, fut = item
             if fut.done():
                 continue
             w = self._free(exclude | held, key, tokens)
-            if w is None and held and self._backfills(tokens, now, reserved_until):
-                w = self._free(exclude, key, tokens)
+            if w is None and held and streamed and self._backfills(tokens, now, reserved_until):
+                w = self._free(exclude, key, tokens, spare_slot=True)
             if w is None:
                 later.append(item)
                 if tokens:
                     held |= {x.url for x in self.workers if x.url not in exclude}
-                    reserved_until = min(reserved_until, start_by)
-                if self._free(frozenset(held)) is None and not self._backfills(1, now, reserved_until):
-                    break  # no slot outside those held, and none of their room to lend: the rest wait too
+                    reserved_until = min(reserved_until, now if self.late.is_late(fut) else start_by)
+                if self._free(frozenset()) is None or (self._free(frozenset(held)) is None
+                                                       and reserved_until <= now):
+                    break  # no slot anywhere, or none outside those held and no room of theirs to lend
                 continue
             self._take(w, tokens)
             fut.set_result(w)
@@ -255,14 +260,17 @@ class WorkerPool:
             heapq.heappush(self._waiting, item)
 
     def _backfills(self, tokens: int, now: float, reserved_until: float) -> bool:
-        """May a waiter of `tokens` (its charge) take room that an earlier waiter, too long for it, holds
-        (EASY backfilling, with that waiter's latest start as its reservation)? Only a prompt shorter
-        than a long one's charge, expected back (its size's time to first token) before the holder must
-        start, so the holder is not made late by it. Measured in front of vLLM at 14 req/s (azure-mix,
-        2,048-token budget): in strict order someone waited at the gateway 46 % of the time, three
-        quarters of it with 512 tokens or more of the budget unused."""
-        return (self.upstream.backfill and 0 < tokens < self.upstream.long_prompt_charge
-                and now + self.service.estimate(tokens) <= reserved_until)
+        """May a streamed waiter of `tokens` (its charge) take room that an earlier waiter, too long for
+        it, holds (EASY backfilling, with that waiter's latest start as its reservation)? Only a prompt
+        shorter than a long one's charge, of a size seen often enough to have a time to first token,
+        expected back by the high quantile of that time before the holder must start, and never ahead
+        of a holder that is late already. Measured in front of vLLM at 14 req/s (azure-mix, 2,048-token
+        budget): in strict order someone waited at the gateway 46 % of the time, three quarters of it
+        with 512 tokens or more of the budget unused."""
+        if not self.upstream.backfill or not 0 < tokens < self.upstream.long_prompt_charge:
+            return False
+        back_in = self.service.estimate(tokens, ServiceTimes.HIGH_QUANTILE)
+        return back_in > 0 and now + back_in <= reserved_until
 
     def pick(self, exclude: frozenset[str] | set[str] = frozenset(), key: Prefix | None = None) -> Worker | None:
         ranked = self.ranked(exclude, key)

@@ -170,8 +170,9 @@ def test_a_refusal_is_not_a_time_to_first_token() -> None:
 def test_a_short_waiter_backfills_room_a_longer_one_cannot_use_yet(backfill: bool) -> None:
     """A 1,000-token budget with 600 in flight; prompts of ~100 tokens have come back in 0.1 s. H (700
     tokens, latest start about 4.9 s away) does not fit and holds the server. B (100 tokens, behind it
-    by latest start) fits the 400 left and is expected back long before H must start: it goes at once
-    (EASY backfilling), in strict order (`backfill = false`) it waits. C (100 tokens) behind a holder
+    by latest start, streamed) fits the 400 left and is expected back long before H must start: it goes
+    at once (EASY backfilling), in strict order (`backfill = false`) it waits; D, the same but not
+    streamed (its tokens would come back at its end), waits either way. C (100 tokens) behind a holder
     that must start within 0.05 s would make it late, so it waits either way."""
     from gateway.routing import WorkerPool
 
@@ -184,19 +185,23 @@ def test_a_short_waiter_backfills_room_a_longer_one_cannot_use_yet(backfill: boo
                 pool.first_token(100, 0.1)
             now = time.monotonic()
             held = await pool.acquire(now + 60, tokens=600, prompt_tokens=600)
-            h = asyncio.ensure_future(pool.acquire(now + 5, tokens=700, prompt_tokens=700))
-            b = asyncio.ensure_future(pool.acquire(now + 30, tokens=100, prompt_tokens=100))
+            h = asyncio.ensure_future(pool.acquire(now + 5, tokens=700, prompt_tokens=700, streamed=True))
+            d = asyncio.ensure_future(pool.acquire(now + 20, tokens=100, prompt_tokens=100))  # not streamed
+            b = asyncio.ensure_future(pool.acquire(now + 30, tokens=100, prompt_tokens=100, streamed=True))
             await asyncio.sleep(0.05)
             assert not h.done() and b.done() is backfill
+            assert not d.done()  # it would hold its tokens to its answer's end, not its first token
             pool.release(held, 600)
             assert (await asyncio.wait_for(h, 1)) is held  # room for it now
+            await asyncio.wait_for(d, 1)  # 700 + 100 fit
+            pool.release(held, 100)
             if not backfill:
-                await asyncio.wait_for(b, 1)  # 700 + 100 fit
+                await asyncio.wait_for(b, 1)
             pool.release(held, 700)
             pool.release(held, 100)
             held = await pool.acquire(now + 60, tokens=600, prompt_tokens=600)
             h = asyncio.ensure_future(pool.acquire(time.monotonic() + 0.15, tokens=700, prompt_tokens=700))
-            c = asyncio.ensure_future(pool.acquire(now + 30, tokens=100, prompt_tokens=100))
+            c = asyncio.ensure_future(pool.acquire(now + 30, tokens=100, prompt_tokens=100, streamed=True))
             await asyncio.sleep(0.02)
             assert not h.done() and not c.done()  # C would still be in flight when H must start
             h.cancel()
@@ -204,3 +209,24 @@ def test_a_short_waiter_backfills_room_a_longer_one_cannot_use_yet(backfill: boo
             pool.release(held, 600)
 
     asyncio.run(asyncio.wait_for(main(), 10))
+
+
+def test_a_waiter_rekeyed_late_is_known_late_until_it_is_served() -> None:
+    """`LateGate.is_late`: what backfilling reads, so that nothing is backfilled ahead of a holder that
+    is late already (its key, its late bound, would otherwise read as time to spare)."""
+    from gateway.late import LateGate
+
+    async def main() -> None:
+        gate = LateGate()
+        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        now = time.monotonic()
+        gate.track(fut, now + 0.1, Lateness(5.0, False))
+        waiting = gate.rekey([(now + 0.05, 0, fut)], now)  # not yet due
+        assert not gate.is_late(fut)
+        waiting = gate.rekey(waiting, now + 0.06)
+        assert gate.is_late(fut) and waiting[0][0] == pytest.approx(now + 5.1)
+        fut.set_result("served")
+        await asyncio.sleep(0)  # done callbacks run on the loop
+        assert not gate.is_late(fut)
+
+    asyncio.run(main())

@@ -55,8 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "prompts of their size, and turn late once that has passed (observed), or by their "
                              f"deadline alone (deadline) (overrides the config; default {upstream.slack})")
     parser.add_argument("--backfill", choices=("on", "off"), default=None,
-                        help="openai upstreams with a token budget: a waiter may take budget that an earlier, "
-                             "longer one cannot use yet, if it is expected back before that one must start (on), "
+                        help="openai upstreams with a token budget: a streamed waiter may take budget that an "
+                             "earlier, longer one cannot use yet, if it is expected back before that one must "
+                             "start (on), "
                              f"or waiters go in strict order (off) (overrides the config; default "
                              f"{'on' if upstream.backfill else 'off'})")
 

@@ -17,12 +17,13 @@ PARTS = (("flowprefill_gateway_queue_wait_seconds", "gateway_wait"),
 Totals = dict[tuple[str, str, str], float]  # (histogram, class, "sum" | "count" | "le=BOUND") -> value
 
 
-def read(url: str) -> Totals:
-    """The histograms' sums, counts and buckets by class; empty when the target does not serve them."""
+def read(url: str) -> Totals | None:
+    """The histograms' sums, counts and buckets by class; empty when the target does not serve them,
+    None when it could not be read (a run's split then is none, rather than since the gateway started)."""
     try:
         r = httpx.get(f"{url}/metrics", timeout=10)
     except httpx.HTTPError:
-        return {}
+        return None
     if r.status_code != 200:
         return {}
     wanted = dict(PARTS)
@@ -40,8 +41,10 @@ def read(url: str) -> Totals:
     return out
 
 
-def split(before: Totals, after: Totals) -> dict[str, dict[str, float]]:
+def split(before: Totals | None, after: Totals | None) -> dict[str, dict[str, float]]:
     """Per class, each part's mean and 90th percentile (ms) over what was observed between the reads."""
+    if before is None or after is None:
+        return {}
     delta = {key: value - before.get(key, 0.0) for key, value in after.items()}
     out: dict[str, dict[str, float]] = {}
     for (name, cls, key), count in delta.items():
