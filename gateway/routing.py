@@ -213,8 +213,8 @@ class WorkerPool:
               spare_slot: bool = False) -> Worker | None:
         """A live worker with a free slot and room for `tokens` (an idle one always has room);
         `spare_slot`: with a slot left over after this one (a backfill must not take a holder's last)."""
-        now, cap, budget = time.monotonic(), self.upstream.max_concurrency, self.upstream.max_tokens_in_flight
-        cap -= spare_slot
+        now, budget = time.monotonic(), self.upstream.max_tokens_in_flight
+        cap = self.upstream.max_concurrency - (1 if spare_slot else 0)
         live = [w for w in self.workers if w.url not in exclude and w.healthy and w.down_until <= now]
         free = [w for w in live if w.in_flight < cap
                 and (not tokens or not w.in_flight or w.tokens_in_flight + tokens <= budget)]

@@ -195,7 +195,7 @@ class GatewayMetrics:
         self.queued = Gauge("flowprefill_gateway_requests_queued",
                             "Requests waiting in the gateway's queue (plain OpenAI upstreams)", registry=r)
         # Where a request's time to first token goes: waiting at the gateway, then at the worker (the
-        # rest, client TTFT less both, is the gateway's own path and the network's).
+        # rest, client TTFT less both, is roughly the gateway's own path and the network's).
         self.queue_wait = Histogram("flowprefill_gateway_queue_wait_seconds",
                                     "Arrival at the gateway to dispatch to a worker (first try), by class",
                                     ["slo_class"], buckets=TTFT_BUCKETS, registry=r)

@@ -1,8 +1,9 @@
 """Where a gateway contender's time to first token went, from the gateway's own /metrics read before
 and after a run: per class, the wait at the gateway (arrival to dispatch) and at the server (dispatch
 to its first streamed bytes), each as a mean and a 90th percentile (interpolated within the histogram's
-buckets, as Prometheus' histogram_quantile does). The rest of the client's TTFT is the gateway's path
-and the network. A contender without those metrics (a server alone) has no split."""
+buckets, as Prometheus' histogram_quantile does). The rest of the client's TTFT is roughly the
+gateway's path and the network (docs/deploy.md says what the two leave out). A contender without
+those metrics (a server alone) has no split."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import math
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-# (the gateway's histogram, what the report calls it)
-PARTS = (("flowprefill_gateway_queue_wait_seconds", "gateway_wait"),
-         ("flowprefill_gateway_upstream_first_token_seconds", "server_first_token"))
+# the gateway's histogram: what the report calls it
+PARTS = {"flowprefill_gateway_queue_wait_seconds": "gateway_wait",
+         "flowprefill_gateway_upstream_first_token_seconds": "server_first_token"}
 Totals = dict[tuple[str, str, str], float]  # (histogram, class, "sum" | "count" | "le=BOUND") -> value
 
 
@@ -26,11 +27,10 @@ def read(url: str) -> Totals | None:
         return None
     if r.status_code != 200:
         return {}
-    wanted = dict(PARTS)
     out: Totals = {}
     try:
         for family in text_string_to_metric_families(r.text):
-            if family.name not in wanted:
+            if family.name not in PARTS:
                 continue
             for s in family.samples:
                 part = s.name.removeprefix(family.name + "_")
@@ -45,15 +45,16 @@ def split(before: Totals | None, after: Totals | None) -> dict[str, dict[str, fl
     """Per class, each part's mean and 90th percentile (ms) over what was observed between the reads."""
     if before is None or after is None:
         return {}
-    delta = {key: value - before.get(key, 0.0) for key, value in after.items()}
+    seen: dict[tuple[str, str], dict[str, float]] = {}  # (histogram, class) -> its deltas
+    for (name, cls, key), value in after.items():
+        seen.setdefault((name, cls), {})[key] = value - before.get((name, cls, key), 0.0)
     out: dict[str, dict[str, float]] = {}
-    for (name, cls, key), count in delta.items():
-        if key != "count" or count <= 0:
+    for (name, cls), delta in seen.items():
+        if (count := delta.get("count", 0.0)) <= 0:
             continue
-        label = dict(PARTS)[name]
-        buckets = sorted((float(le.removeprefix("le=")), n) for (nm, c, le), n in delta.items()
-                         if nm == name and c == cls and le.startswith("le="))
-        out.setdefault(cls, {}).update({f"{label}_ms": round(delta[(name, cls, "sum")] / count * 1000, 1),
+        buckets = sorted((float(k.removeprefix("le=")), n) for k, n in delta.items() if k.startswith("le="))
+        label = PARTS[name]
+        out.setdefault(cls, {}).update({f"{label}_ms": round(delta["sum"] / count * 1000, 1),
                                         f"{label}_p90_ms": round(quantile(buckets, 0.9) * 1000, 1)})
     return out
 
