@@ -125,6 +125,23 @@ def test_serve_passes_every_engine_option_to_its_workers(tiny_checkpoint: Callab
     assert to_argv(build_parser().parse_args(["serve"]), worker_options()) == []  # defaults stay implicit
 
 
+def test_serve_turns_prefix_affinity_off_where_its_workers_cache_no_prefixes(caplog: pytest.LogCaptureFixture) -> None:
+    """With `--no-prefix-caching` affinity saves nothing and only overrides load: the gateway `serve`
+    starts routes by load alone (once said in the log); with caching on, the configuration's value stands."""
+    from gateway.cli.serve import without_pointless_affinity
+    from gateway.config import GatewayConfig
+
+    parser = build_parser()
+    configured = GatewayConfig(prefix_affinity_chars=2048)
+    with caplog.at_level("INFO", logger="flowprefill.serve"):
+        off = without_pointless_affinity(configured, parser.parse_args(["serve", "--no-prefix-caching"]))
+    assert off.prefix_affinity_chars == 0 and configured.prefix_affinity_chars == 2048
+    assert [r.getMessage() for r in caplog.records] == [
+        "prefix affinity off: the workers run without prefix caching (prefix_affinity_chars 2048 ignored)"]
+    assert without_pointless_affinity(configured, parser.parse_args(["serve"])) is configured
+    assert without_pointless_affinity(GatewayConfig(), parser.parse_args(["serve"])).prefix_affinity_chars == 1024
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["serve", "--model", "/nonexistent/model"], "model directory /nonexistent/model does not exist"),
     (["worker", "--model", "/nonexistent/model"], "model directory /nonexistent/model does not exist"),

@@ -454,6 +454,40 @@ def test_against_serve_repeats_in_rounds_keeps_each_run_and_survives_a_failed_st
     assert "2 run(s) failed" in table and "62.5 % (50.0-75.0)" in table
 
 
+def test_against_serve_simulates_the_real_fleet_routed_by_load_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The `serve --no-prefix-caching` it starts routes without prefix affinity (gateway/cli/serve.py), so
+    its simulated twin does too, whatever `--prefix-affinity-chars` the plan itself uses: with affinity,
+    which ports two workers got moved a simulated fleet's attainment by 16 points."""
+    from rich.console import Console
+
+    from engine.batch_log import MeasuredBatch
+    from engine.bench import plan_real
+    from engine.bench.plan import Planner, build_parser
+    from loadtest.workload import azure_mix, head
+
+    def fake_real_point(policy, n, threads, w, schedule, logs):  # type: ignore[no-untyped-def]
+        per_class = {"interactive": {"n": len(schedule), "attainment": 1.0, "ttft_p50_ms": 1.0, "ttft_p99_ms": 2.0}}
+        pt = {"rate": w.rate, "attainment": 1.0, "goodput_rps": 0.0, "per_class": per_class, "preemptions": 0,
+              "failed": 0, "command": "flowprefill serve"}
+        return pt, [f"http://127.0.0.1:{9000 + i}" for i in range(n)], [MeasuredBatch(["w0"], 0.01, 0.02, 1.0, 10)]
+
+    keys: list[object] = []
+
+    class Spy(Planner):
+        def __init__(self, *a, **kw) -> None:  # type: ignore[no-untyped-def]
+            keys.append(kw.get("key_of"))
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(plan_real, "real_point", fake_real_point)
+    monkeypatch.setattr(plan_real, "Planner", Spy)
+    args = build_parser().parse_args(["--requests", "6", "--rate", "2", "--against-serve", "2", "--policies", "fcfs",
+                                      "--prefix-affinity-chars", "1024", "--out", str(tmp_path)])
+    rows = plan_real.against_serve(args, head(azure_mix(), 6), COST, EngineConfig(prefix_caching=False), ["fcfs"],
+                                   Console(file=None, quiet=True))
+    assert rows[0]["real"]["attainment"] == 1.0 and keys == [None]
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 if hasattr(os, "sched_getaffinity") else True,
                     reason="needs two cores and CPU affinity")
 def test_the_load_generator_leaves_a_lone_worker_its_core_and_gets_its_own_back() -> None:

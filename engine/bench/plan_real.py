@@ -3,9 +3,9 @@
 For each policy and each N: `flowprefill serve --workers N` (the gateway and N engine workers, each
 `--threads` torch threads, prefix caching off as in the simulation) is started, the workload's
 arrivals are sent to it open loop (bench peer's client: streamed completions of one token, TTFT at
-the client), and the planner simulates the same arrivals on N instances with the same prompts (so
-the gateway's prefix keys, and with the workers' own URLs their rendezvous homes, are the real
-ones) and the cost model profiled here. Per class, the two attainments side by side, and a third: the
+the client), and the planner simulates the same arrivals on N instances with the same prompts, routed
+by load alone as that gateway routes them (serve turns prefix affinity off where its workers cache no
+prefixes), and the cost model profiled here. Per class, the two attainments side by side, and a third: the
 same fleet simulated with each request charged what the real workers measured for it (their batch
 logs, engine/batch_log.py, replayed as engine/sim/oracle.py's ExactCosts), and a fourth: the cost
 model run at the speed those logs measured, a factor per batch size (what `--speed-from` does).
@@ -40,7 +40,6 @@ from engine.batch_log import ENV as BATCH_LOG
 from engine.batch_log import MeasuredBatch
 from engine.batch_log import read as read_batch_log
 from engine.bench.plan import Planner, measured_speed, workers_of
-from engine.bench.plan_routing import prompt_key
 from engine.config import EngineConfig
 from engine.model.plan import OpCost
 from engine.protocol.slo import DEFAULT_CLASSES
@@ -180,10 +179,10 @@ def compare(args: argparse.Namespace, w: Workload, schedule: list[Arrival], cost
             r.prompt_token_ids = a.prompt
         return reqs
 
-    urls = runs[0][1]  # the workers' names: each run's own would give each its own rendezvous homes
+    urls = runs[0][1]  # the workers' names (routing by load alone does not hash them)
     batches = [b for _, _, bs in runs for b in bs]
     planner = Planner(w, copy.deepcopy(cost), engine_cfg, args.target, args.every_class,
-                      key_of=prompt_key(args.prefix_affinity_chars) if args.prefix_affinity_chars else None,
+                      key_of=None,  # `serve --no-prefix-caching`'s gateway routes by load alone (gateway/cli/serve.py)
                       poll_s=args.poll_s, requests=same_prompts, urls=lambda _n: urls)
     row: dict[str, Any] = {"policy": policy, "workers": n, "real": median_run([pt for pt, _, _ in runs]),
                            "sim": planner.evaluate(policy, n, stop_early=False)}

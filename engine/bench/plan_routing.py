@@ -25,8 +25,8 @@ DEFAULTS = GatewayConfig()
 
 
 def prompt_key(chars: int = DEFAULTS.prefix_affinity_chars) -> KeyOf:
-    """The key the gateway computes from a request's body: its prompt's token ids (the validation's
-    requests carry the very prompts the real gateway was sent)."""
+    """The key the gateway computes from a request's body: its prompt's token ids (for simulated
+    requests that carry the very prompts a real gateway was sent)."""
     return lambda r: prefix_key({"prompt": r.prompt_token_ids}, chars)
 
 
