@@ -172,6 +172,14 @@ class EngineConfig:
     # Automatic prefix caching: a prompt whose leading KV blocks another request computed starts
     # after them (engine/kv_cache.py); blocks are reused at the granularity of kv_block_size.
     prefix_caching: bool = setting(True, "reuse the KV of prompt prefixes other requests computed, by KV block")
+    # Each start-up times the operators and the profile is the median of the last five start-ups'
+    # timings (engine/predictor.py); on 2 EPYC cores five of them differed by up to 13 % per operator,
+    # so two workers started minutes apart predict differently. Off, a worker predicts with the cached
+    # profile as it stands, as every other worker started meanwhile does (`plan --against-serve`
+    # replays its workers' logs against its own profile).
+    calibrate: bool = setting(True, "time the operators at start-up and add them to this machine's cached "
+                                    "profile (--no-calibrate: predict with the cached profile as it stands, "
+                                    "timed only where none is cached)")
     # The scheduler's late tier (engine/scheduler/slack.py): while requests that can no longer meet
     # their TTFT target and requests that still can both wait, the late ones get this share of the
     # engine, so none waits without bound behind a stream of on-time ones. 0: the paper's S-EDF.

@@ -82,7 +82,7 @@ class Engine:
         self.model, self.tokenizer = load_model(cfg)
         self.kv = KVCache(self.model.cfg, cfg.kv_block_size, cfg.kv_capacity_tokens, getattr(torch, cfg.dtype),
                           torch.device(cfg.device))
-        self.cost = load_cost(self.model, record=self.record_profile)
+        self.cost = load_cost(self.model, record=self.record_profile and cfg.calibrate)
         if self.model.activations is not None:  # the longest prompt's buffers mapped before it arrives
             self.model.activations.warm(min(self.model.cfg.max_position_embeddings, cfg.kv_capacity_tokens))
         if self.model.graphs is not None:

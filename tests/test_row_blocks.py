@@ -177,6 +177,23 @@ def test_a_simulator_reads_the_profile_without_adding_to_it(tmp_path, monkeypatc
     assert load_cost(model).ffn_s_per_row == pytest.approx(base.ffn_s_per_row * 1.2)  # a start-up at x3 counts
 
 
+def test_an_engine_told_not_to_calibrate_predicts_with_the_cached_profile(tmp_path, monkeypatch) -> None:
+    """`--no-calibrate` (EngineConfig.calibrate): the worker adds no start-up to the profile and predicts
+    with the cached one as it stands, as the planner reading it does (`plan --against-serve`'s workers)."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
+    monkeypatch.setenv("FLOWPREFILL_CACHE", str(tmp_path))
+    Engine(EngineConfig(num_threads=1), policy="fcfs")  # a start-up: calibrated and recorded
+    (path,) = tmp_path.glob("opcost-*.json")
+    cached = path.read_text()
+    pinned = Engine(EngineConfig(num_threads=1, calibrate=False), policy="fcfs")
+    assert path.read_text() == cached and len(json.loads(cached)["calibrations"]) == 1
+    assert pinned.cost == Engine(EngineConfig(num_threads=1), policy="fcfs", record_profile=False).cost
+    Engine(EngineConfig(num_threads=1), policy="fcfs")
+    assert len(json.loads(path.read_text())["calibrations"]) == 2
+
+
 def test_on_the_line_blocks_are_even() -> None:
     """Without a staircase (a CPU) a row-wise op is cut into as many blocks as the budget needs, of
     even size: 512 rows of the FFN as 320 + 192 ran 5 % slower than as 256 + 256 on one AVX-512 core

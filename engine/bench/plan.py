@@ -4,12 +4,12 @@ per policy.
 For each policy, N instances are simulated behind the gateway's own routing (least predicted backlog
 from each instance's GET /load, polled as the gateway polls it, plus its requests in flight; prefix
 affinity within its slack), each instance the real scheduler and policy on one shared virtual clock
-(engine/sim/fleet.py), with a cost model (`cpu`: this machine profiled, as `bench goodput` does, at
-the speed an engine pass over the workload's first prompts ran, engine/bench/plan_speed.py;
-`MODEL@GPU`: roofline). The smallest N that meets the target is found by doubling, then bisection
-(attainment grows with N); a run whose certain misses already put it far below the target stops
-early. Reported at that N: attainment and goodput per class, the instances FlowPrefill saves
-against each other policy, and the cost per million requests at a price per instance-hour.
+(engine/sim/fleet.py), with a cost model (`cpu`: this machine profiled, as `bench goodput` does, at the
+speed a short pilot of the real `serve` ran the workload's first requests, per policy,
+engine/bench/plan_speed.py; `MODEL@GPU`: roofline). The smallest N that meets the target is found by
+doubling, then bisection (attainment grows with N); a run whose certain misses already put it far below
+the target stops early. Reported at that N: attainment and goodput per class, the instances FlowPrefill
+saves against each other policy, and the cost per million requests at a price per instance-hour.
 
 Writes <out>/plan.json, <out>/plan.png (attainment vs N per policy) and prints the table.
 """
@@ -29,7 +29,7 @@ from rich.progress import Progress
 from engine.bench.console import results_console
 from engine.bench.machine import machine_info
 from engine.bench.plan_routing import DEFAULTS, GatewayRouter, KeyOf, trace_key
-from engine.bench.plan_speed import ENGINE_PASS
+from engine.bench.plan_speed import ENGINE_PASS, PILOT, planning_costs
 from engine.config import EngineConfig
 from engine.model.plan import OpCost
 from engine.protocol.slo import DEFAULT_CLASSES, SLOClass
@@ -207,26 +207,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "speed its machines ran, the median of measured over predicted prefill seconds (relative "
                         "to the workers' own calibration: the cost model should be theirs, e.g. --cost cpu on the "
                         "machine that ran the pilot)")
+    p.add_argument("--pilot", type=int, default=PILOT, metavar="N",
+                   help="cpu: first send the workload's first N requests, at their arrival times, to a real "
+                        "`flowprefill serve --workers 1` of each policy (with --threads; its batch log in "
+                        "<out>/pilot/<policy>/) and plan each policy at the speed its worker ran, a factor per batch "
+                        "size (a worker served 7-15 %% slower than an engine pass one prompt at a time read); "
+                        "0: no pilot. Ignored with --speed-from")
     p.add_argument("--engine-pass", type=int, default=ENGINE_PASS, metavar="N",
-                   help="cpu: first run the workload's first N prompts through the engine (with --threads), one at "
-                        "a time, and plan at the speed it ran, a factor per batch size (the operator profile alone "
-                        "was 1.2-1.4x optimistic); 0: plan from the profile alone. Ignored with --speed-from")
+                   help="cpu, with --pilot 0: first run the workload's first N prompts through the engine (with "
+                        "--threads), one at a time in this process, and plan at the speed it ran, a factor per batch "
+                        "size (the operator profile alone was 1.2-1.4x optimistic); 0: plan from the profile alone")
     p.add_argument("--headroom", type=float, default=0.0, metavar="F",
                    help="plan for a machine F slower than measured (0.2: every prefill 20 %% longer), so that the "
                         "fleet still meets the target when the machine's speed drifts (on 2 shared cores it moved "
                         "by up to a quarter between runs minutes apart)")
     p.add_argument("--out", default="bench-results", help="directory for plan.json and plan.png")
     return p
-
-
-def measured_speed(cost: OpCost, folder: Path) -> tuple[OpCost, dict[str, Any]]:
-    """`cost` at the speed a pilot's batch logs in `folder` measured (engine/batch_log.py): a factor
-    per batch size where the logs say sizes, else the median factor by which its requests ran slower
-    than `cost` predicts; and what it rests on."""
-    from engine.batch_log import read
-    from engine.bench.plan_speed import at_measured_speed
-
-    return at_measured_speed(cost, read(folder))
 
 
 def check_args(args: argparse.Namespace) -> str | None:
@@ -239,8 +235,8 @@ def check_args(args: argparse.Namespace) -> str | None:
         return "--rate must be > 0"
     if args.skip < 0:
         return "--skip must be >= 0"
-    if args.engine_pass < 0:
-        return "--engine-pass must be >= 0 (0: plan from the profile alone)"
+    if args.engine_pass < 0 or args.pilot < 0:
+        return "--pilot and --engine-pass must be >= 0 (0: none)"
     if not 0 <= args.headroom <= 10:
         return "--headroom must be in [0, 10] (0.2: plan for a machine 20 % slower)"
     if args.repeats < 1:
@@ -300,18 +296,22 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(f"--cost {args.cost}: {exc}")
     key_of = trace_key(args.prefix_affinity_chars, PREFIX_BLOCK_TOKENS) if args.prefix_affinity_chars else None
-    cost, speed_key, speed = planning_cost(args, w, runner, engine_cfg, console)
-    predicted = cost  # what the plan predicts the fleet does, before any headroom
-    if args.headroom:
-        cost = replace(cost, scale=cost.scale * (1 + args.headroom))
-        console.print(f"planning with {args.headroom:.0%} headroom: every prefill {1 + args.headroom:.2f}x as long")
-    planner = Planner(w, cost, engine_cfg, args.target, args.every_class, key_of=key_of, poll_s=args.poll_s)
     policies = [x for x in args.policies.split(",") if x]
+    try:
+        predicted, speed_key, speed = planning_costs(args, w, runner.cost, runner.vocab, engine_cfg, policies, console)
+    except RuntimeError as exc:  # a pilot's serve did not start, or served nothing
+        parser.error(f"--pilot: {exc} (--pilot 0 plans without one)")
+    costs = predicted  # what the plan predicts each policy's fleet does, before any headroom
+    if args.headroom:
+        costs = {pol: replace(c, scale=c.scale * (1 + args.headroom)) for pol, c in predicted.items()}
+        console.print(f"planning with {args.headroom:.0%} headroom: every prefill {1 + args.headroom:.2f}x as long")
+    planner = Planner(w, runner.cost, engine_cfg, args.target, args.every_class, key_of=key_of, poll_s=args.poll_s)
     started = time.perf_counter()
     results: dict[str, dict[str, Any]] = {}
     with Progress(console=console) as progress:
         task = progress.add_task("planning", total=len(policies))
         for pol in policies:
+            planner.cost = costs[pol]
             results[pol] = plan_policy(planner, pol, args.max_instances, lambda n, pol=pol: progress.update(
                 task, description=f"{pol}: {n} instance(s) ({planner.sims} fleets simulated)"))
             results[pol]["cost_per_million_requests"] = cost_per_million(results[pol]["instances"], args.price, w)
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         from engine.bench.plan_real import against_serve
 
         doc["against_serve"] = against_serve(args, w, runner.cost, engine_cfg, policies, console,
-                                             planned=predicted if speed_key == "engine_pass" else None)
+                                             planned=predicted if speed_key in ("pilot", "engine_pass") else None)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(json.dumps(doc, indent=2))
@@ -331,33 +331,6 @@ def main(argv: list[str] | None = None) -> int:
     plot(doc, out / "plan.png")
     console.print(f"wrote {out / 'plan.json'} and {out / 'plan.png'}")
     return 0
-
-
-def planning_cost(args: argparse.Namespace, w: Workload, runner: Runner, engine_cfg: EngineConfig, console: Any
-                  ) -> tuple[OpCost, str | None, dict[str, Any] | None]:
-    """The cost model the plan simulates: the profile (or roofline) at the speed a pilot's logs measured
-    (`--speed-from`), or for `--cost cpu` at the speed the engine ran the workload's first prompts
-    (`--engine-pass`); where that came from (plan.json's key: "speed_from", "engine_pass", or None for
-    the cost model as it is) and what it rests on."""
-    from engine.bench.plan_speed import at_measured_speed, engine_pass
-
-    if args.speed_from is not None:
-        cost, measured = measured_speed(runner.cost, Path(args.speed_from))
-        source, key, origin = f"a pilot's logs ({args.speed_from})", "speed_from", args.speed_from
-    elif args.cost == "cpu" and args.engine_pass and runner.vocab:
-        n = min(args.engine_pass, len(w.requests))
-        with Progress(console=console, transient=True) as progress:
-            task = progress.add_task(f"engine pass: the workload's first {n} prompts, one at a time", total=n)
-            batches = engine_pass(engine_cfg, runner.cost, w, n, runner.vocab, lambda _i: progress.advance(task))
-        cost, measured = at_measured_speed(runner.cost, batches)
-        source, key, origin = f"an engine pass over the workload's first {n} prompts", "engine_pass", f"{n} prompts"
-    else:
-        return runner.cost, None, None
-    sizes = measured["by_size"]
-    by_size = "" if sizes is None else " by batch size " + "/".join(f"{f:.2f}" for f in sizes)
-    console.print(f"simulating at the speed {source} measured: {measured['factor']:.2f}x the cost model's seconds "
-                  f"(median of {measured['requests']} requests){by_size}")
-    return cost, key, {"from": origin} | measured
 
 
 def document(args: argparse.Namespace, argv: list[str] | None, w: Workload, model: str,

@@ -1,23 +1,24 @@
 """`flowprefill plan --against-serve N,N`: the planner's fleet against the real one on this machine.
 
 For each policy and each N: `flowprefill serve --workers N` (the gateway and N engine workers, each
-`--threads` torch threads, prefix caching off as in the simulation) is started, the workload's
-arrivals are sent to it open loop (bench peer's client: streamed completions of one token, TTFT at
-the client), and the planner simulates the same arrivals on N instances with the same prompts, routed
-by load alone as that gateway routes them (serve turns prefix affinity off where its workers cache no
-prefixes), and the cost model profiled here. Per class, the two attainments side by side, and a third: the
-same fleet simulated with each request charged what the real workers measured for it (their batch
-logs, engine/batch_log.py, replayed as engine/sim/oracle.py's ExactCosts), and a fourth: the cost
-model run at the speed those logs measured, a factor per batch size (what `--speed-from` does).
-Where the third agrees with the real run and the second does not, the cost model is what is off, not
-the fleet's mechanics (routing, polling, admission, queueing); the fourth says how much of that
-knowledge of the machine's speed fixes. Those two learn from the run they are compared with; the fifth,
-with `--speed-from` a pilot's logs, does not: the cost model at the speed an earlier run of the same
-fleet measured on other arrivals (each point's logs are kept in `<out>/batch-logs/<policy>-w<n>/` to
-be such a pilot), which is what a planner knows before the fleet exists. With `--cost cpu`, the plan
-itself runs at an engine pass's speed (engine/bench/plan_speed.py): that fleet, "as planned", is the
-planner's own prediction. `--repeats R` runs each real fleet R times, in rounds, and compares with the
-median of its runs per class (each run's logs in `run-<r>/`).
+`--threads` torch threads, prefix caching off as in the simulation) is started, the workload's arrivals
+are sent to it open loop (bench peer's client: streamed completions of one token, TTFT at the client),
+and the planner simulates the same arrivals on N instances with the same prompts, routed by load alone
+as that gateway routes them (serve turns prefix affinity off where its workers cache no prefixes), and
+the cost model profiled here. Per class, the two attainments side by side, and a third: the same fleet
+simulated with each request charged what the real workers measured for it (their batch logs,
+engine/batch_log.py, replayed as engine/sim/oracle.py's ExactCosts), and a fourth: the cost model run at
+the speed those logs measured, a factor per batch size (what `--speed-from` does). Where the third
+agrees with the real run and the second does not, the cost model is what is off, not the fleet's
+mechanics (routing, polling, admission, queueing); the fourth says how much of that knowledge of the
+machine's speed fixes. Those two learn from the run they are compared with; the fifth, with
+`--speed-from` a pilot's logs, does not: the cost model at the speed an earlier run of the same fleet
+measured on other arrivals (each point's logs are kept in `<out>/batch-logs/<policy>-w<n>/` to be such a
+pilot), which is what a planner knows before the fleet exists. With `--cost cpu`, the plan itself runs
+at the speed of each policy's own short `serve` pilot on the workload's first requests
+(engine/bench/plan_speed.py): that fleet, "as planned", is the planner's own prediction. `--repeats R`
+runs each real fleet R times, in rounds, and compares with the median of its runs per class (each run's
+logs in `run-<r>/`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from rich.console import Console
 from engine.batch_log import ENV as BATCH_LOG
 from engine.batch_log import MeasuredBatch
 from engine.batch_log import read as read_batch_log
-from engine.bench.plan import Planner, measured_speed, workers_of
+from engine.bench.plan import Planner, workers_of
+from engine.bench.plan_speed import measured_speed
 from engine.config import EngineConfig
 from engine.model.plan import OpCost
 from engine.protocol.slo import DEFAULT_CLASSES
@@ -108,8 +110,10 @@ def _start_serve(policy: str, n: int, threads: int | None, logs: Path, tries: in
     port is tried. Any other early exit is an error that names serve's own last line."""
     for attempt in range(tries):
         port = free_port(span=n + 1)
+        # --no-calibrate: the workers predict with the profile this planner reads (not each a start-up of its
+        # own, 13 % apart per operator on 2 EPYC cores), so their logged speeds carry over to its cost model
         argv = ["serve", "--port", str(port), "--workers", str(n), "--policy", policy, "--no-prefix-caching",
-                *(["--threads", str(threads)] if threads else [])]
+                "--no-calibrate", *(["--threads", str(threads)] if threads else [])]
         log = logs / f"serve-{attempt}.log"  # its own: an earlier attempt's last line is not this one's cause
         proc = start(*argv, env={BATCH_LOG: str(logs)}, stderr_to=log)
         try:
@@ -134,11 +138,12 @@ def _sim_id(worker_id: str) -> str:
 
 
 def against_serve(args: argparse.Namespace, w: Workload, cost: OpCost, engine_cfg: EngineConfig,
-                  policies: list[str], console: Console, planned: OpCost | None = None) -> list[dict[str, Any]]:
-    """`cost`: the cost model as profiled; `planned`: the one the plan simulated, where that is another
-    (at an engine pass's speed), whose fleet is then the planner's own prediction. With `--repeats R`
-    each fleet runs R times, in rounds (every fleet once per round, so that the machine's drift falls on
-    all of them), and is compared per class with the median of its runs."""
+                  policies: list[str], console: Console, planned: dict[str, OpCost] | None = None
+                  ) -> list[dict[str, Any]]:
+    """`cost`: the cost model as profiled; `planned`: per policy the one the plan simulated, where that
+    is another (at its pilot's or an engine pass's speed), whose fleet is then the planner's own
+    prediction. With `--repeats R` each fleet runs R times, in rounds (every fleet once per round, so that
+    the machine's drift falls on all of them), and is compared per class with the median of its runs."""
     schedule = arrivals(w)
     fleets = [(policy, n) for policy in policies for n in workers_of(args.against_serve)]
     root = Path(args.out) / "batch-logs"
@@ -160,7 +165,7 @@ def against_serve(args: argparse.Namespace, w: Workload, cost: OpCost, engine_cf
     rows = []
     for policy, n in fleets:
         done, errors = runs[(policy, n)], failed[(policy, n)]
-        row = compare(args, w, schedule, cost, planned, engine_cfg, policy, n, done) if done else {
+        row = compare(args, w, schedule, cost, (planned or {}).get(policy), engine_cfg, policy, n, done) if done else {
             "policy": policy, "workers": n}  # serve never started for it
         rows.append(row | ({"failed_runs": errors} if errors else {}))
     return rows

@@ -48,7 +48,7 @@ def against_table(console: Console, rows: list[dict[str, Any]]) -> None:
     pilot = any("sim_pilot_speed" in row for row in rows)
     planned = any("sim_planned" in row for row in rows)
     t = Table(title="the planner against `flowprefill serve` on this machine (per-class attainment; the same fleet "
-                    "simulated with the cost model, " + ("as the plan simulated it (engine pass), " if planned else "")
+                    "simulated with the cost model, " + ("as the plan simulated it, " if planned else "")
                     + "at the speed the real workers ran, charged what they measured per request"
                     + (", and at a pilot's speed)" if pilot else ")"))
     sims = [("cost model", "sim"), *([("as planned", "sim_planned")] if planned else []),

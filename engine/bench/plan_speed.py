@@ -11,14 +11,31 @@ optimistic per class at one instance's knee (docs/benchmarks.md). So the planner
 `--engine-pass` prompts of the workload through a fresh engine in this process, one at a time (no
 queueing: only the engine's speed is measured, not the schedule), and simulates at the speed it
 measured, a factor per batch size (`at_speed`, as `--speed-from` does with a pilot's logs).
+
+One at a time in a bare engine is still not how a worker runs: on 2026-12-05 (2 AMD EPYC cores, one
+torch thread, azure-mix at 16 req/s) real `serve --workers 1` spent 7-15 % more time in its batches than
+the engine pass's speed per size predicts for them, in twelve runs: the worker's HTTP server and its
+streams share the engine's core, and requests arrive open loop into batches of every shape. So the
+default is a **pilot** (`--pilot N`, `serve_pilot`): the workload's first N requests sent at their own
+arrival times to a real `flowprefill serve --workers 1 --no-calibrate` of each policy (bench peer's
+client, as `--against-serve` sends them; the worker predicts with the profile this planner reads), and
+each policy planned at the speed its pilot's worker logged (engine/batch_log.py). 100 requests took
+14-16 s per policy at 16 req/s. Against three `--against-serve` runs (16, 16 and 12 req/s, three real
+runs per fleet), the plan at the pilots' speed was a mean 2.4 points off per class at one worker (max
+4.8), at the engine pass's 4.9 (max 17.5), measured just before the same runs (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+from rich.console import Console
+from rich.progress import Progress
 
 from engine.batch_log import MeasuredBatch
 from engine.config import EngineConfig
@@ -29,6 +46,7 @@ from loadtest.goodput import make_requests
 from loadtest.workload import Workload, head
 
 ENGINE_PASS = 100  # prompts: about 4 s on 2 EPYC cores for azure-mix's, and every size class it has
+PILOT = 100  # requests per policy: 14-16 s through `serve` at 16 req/s on 2 EPYC cores
 
 
 def engine_pass(engine_cfg: EngineConfig, cost: OpCost, w: Workload, n: int, vocab: int,
@@ -62,3 +80,84 @@ def at_measured_speed(cost: OpCost, batches: list[MeasuredBatch]) -> tuple[OpCos
     exact = ExactCosts.from_batches(cost, batches)
     return at_speed(cost, batches, exact.default), {"factor": exact.default, "requests": len(exact.factors),
                                                     "by_size": speed_by_size(batches)}
+
+
+def serve_pilot(policy: str, threads: int | None, w: Workload, n: int, logs: Path) -> tuple[list[MeasuredBatch],
+                                                                                            dict[str, Any]]:
+    """The workload's first `n` requests, at their own arrival times, through a real `flowprefill serve
+    --workers 1 --policy <policy>` (`--threads`, prefix caching off, its batch log in `logs`): the
+    batches its worker ran, and the pilot's own goodput point (what it rests on, for plan.json)."""
+    import shutil
+
+    from engine.bench.plan_real import real_point  # (plan_real builds on plan, which builds on this module)
+    from loadtest.peer.client import arrivals
+
+    shutil.rmtree(logs, ignore_errors=True)  # an earlier pilot's logs are not this one's
+    pilot = head(w, n)
+    pt, _urls, batches = real_point(policy, 1, threads, pilot, arrivals(pilot), logs)
+    return batches, {"sent": n, "attainment": pt["attainment"], "failed": pt["failed"], "logs": str(logs)}
+
+
+def measured_speed(cost: OpCost, folder: Path) -> tuple[OpCost, dict[str, Any]]:
+    """`cost` at the speed a pilot's batch logs in `folder` measured (engine/batch_log.py): a factor
+    per batch size where the logs say sizes, else the median factor by which its requests ran slower
+    than `cost` predicts; and what it rests on."""
+    from engine.batch_log import read
+
+    return at_measured_speed(cost, read(folder))
+
+
+Speeds = tuple[dict[str, OpCost], str | None, dict[str, Any] | None]  # per policy; plan.json's key; what they rest on
+
+
+def planning_costs(args: argparse.Namespace, w: Workload, cost: OpCost, vocab: int | None, engine_cfg: EngineConfig,
+                   policies: list[str], console: Console) -> Speeds:
+    """The cost model each policy's plan simulates: `cost` (the profile, or roofline) at the speed a
+    pilot's logs measured (`--speed-from`), or for `--cost cpu` at the speed each policy's own `serve`
+    pilot ran (`--pilot`), or an engine pass (`--engine-pass`, with `--pilot 0`); where that came from
+    (plan.json's key: "speed_from", "pilot", "engine_pass", or None for the cost model as it is)."""
+    if args.speed_from is not None:
+        at, measured = measured_speed(cost, Path(args.speed_from))
+        return _same(policies, at, "speed_from", {"from": args.speed_from} | measured, console,
+                     f"a pilot's logs ({args.speed_from})")
+    if args.cost != "cpu" or not vocab:
+        return dict.fromkeys(policies, cost), None, None
+    if args.pilot:
+        return _pilots(args, w, cost, policies, console)
+    if args.engine_pass:
+        n = min(args.engine_pass, len(w.requests))
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task(f"engine pass: the workload's first {n} prompts, one at a time", total=n)
+            batches = engine_pass(engine_cfg, cost, w, n, vocab, lambda _i: progress.advance(task))
+        at, measured = at_measured_speed(cost, batches)
+        return _same(policies, at, "engine_pass", {"from": f"{n} prompts"} | measured, console,
+                     f"an engine pass over the workload's first {n} prompts")
+    return dict.fromkeys(policies, cost), None, None
+
+
+def _pilots(args: argparse.Namespace, w: Workload, cost: OpCost, policies: list[str], console: Console) -> Speeds:
+    n = min(args.pilot, len(w.requests))
+    costs, said = {}, {}
+    for policy in policies:
+        console.print(f"pilot: serve --workers 1 --policy {policy}, the workload's first {n} requests "
+                      f"over {w.requests[n - 1].arrival_s:.0f} s")
+        batches, run = serve_pilot(policy, args.threads, w, n, Path(args.out) / "pilot" / policy.replace(":", "-"))
+        if not batches:
+            raise RuntimeError(f"{policy}'s pilot ran no batch ({run['failed']} of its {n} requests failed; "
+                               f"its log: {run['logs']})")
+        costs[policy], measured = at_measured_speed(cost, batches)
+        said[policy] = {"from": f"serve --workers 1, {n} requests"} | measured | run
+        _say(console, f"{policy}'s pilot", measured)
+    return costs, "pilot", said
+
+
+def _same(policies: list[str], cost: OpCost, key: str, said: dict[str, Any], console: Console, source: str) -> Speeds:
+    _say(console, source, said)
+    return dict.fromkeys(policies, cost), key, said
+
+
+def _say(console: Console, source: str, measured: dict[str, Any]) -> None:
+    sizes = measured["by_size"]
+    by_size = "" if sizes is None else " by batch size " + "/".join(f"{f:.2f}" for f in sizes)
+    console.print(f"simulating at the speed {source} measured: {measured['factor']:.2f}x the cost model's seconds "
+                  f"(median of {measured['requests']} requests){by_size}")
