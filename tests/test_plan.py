@@ -302,9 +302,10 @@ def test_against_serve_starts_serve_on_another_port_when_its_port_was_taken(
     ports = iter([taken.getsockname()[1], free_port(span=2)])
     monkeypatch.setattr(plan_real, "free_port", lambda span=1: next(ports))
     try:
-        proc, port, _argv = plan_real._start_serve("fcfs", 1, 1, tmp_path)
+        proc, port, argv = plan_real._start_serve("fcfs", 1, 1, tmp_path)
         try:
             assert port != taken.getsockname()[1] and healthy(f"http://127.0.0.1:{port}")
+            assert "--no-calibrate" in argv  # its workers predict with the planner's profile
             assert "in use" in (tmp_path / "serve-0.log").read_text()
         finally:
             stop(proc)
@@ -357,47 +358,6 @@ def test_plan_on_this_cpu_plans_at_the_engine_pass_speed_unless_told_not_to(tmp_
     assert "pilot" not in with_pass and "pilot" not in alone
 
 
-def test_plan_on_this_cpu_pilots_each_policy_through_a_real_serve_first(tmp_path: Path) -> None:
-    """The default for `--cost cpu`: the workload's first requests, at their arrival times, through a real
-    `serve --workers 1` of each policy; each policy planned at the speed its own worker logged."""
-    from engine.batch_log import read
-    from engine.bench.plan_real import _sim_id
-    from engine.bench.plan_speed import at_measured_speed
-    from gateway.cli import main
-    from loadtest.goodput import Runner
-
-    argv = ["plan", "--requests", "12", "--cost", "cpu", "--threads", "1", "--rate", "8", "--policies",
-            "fcfs,chunked:256", "--max-instances", "2", "--pilot", "6", "--out", str(tmp_path)]
-    assert main(argv) == 0
-    doc = json.loads((tmp_path / "plan.json").read_text())
-    assert set(doc["pilot"]) == {"fcfs", "chunked:256"} and "engine_pass" not in doc
-    profile = Runner("sim", EngineConfig(prefix_caching=False, num_threads=1), "cpu").cost
-    for policy, folder in (("fcfs", "fcfs"), ("chunked:256", "chunked-256")):
-        said = doc["pilot"][policy]
-        assert said["from"] == "serve --workers 1, 6 requests" and said["sent"] == 6 and said["failed"] == 0
-        batches = [b._replace(ids=[_sim_id(rid) for rid in b.ids])  # its worker's own log, the replay's ids
-                   for b in read(tmp_path / "pilot" / folder)]
-        assert {rid for b in batches for rid in b.ids} == {f"w{i}" for i in range(6)}  # every pilot request
-        assert said["by_size"] == at_measured_speed(profile, batches)[1]["by_size"]
-        assert said["requests"] == 6 and said["logs"] == str(tmp_path / "pilot" / folder)
-
-
-def test_a_pilot_that_serves_nothing_stops_the_plan_with_its_reason(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """A pilot whose worker ran no batch gives no speed to plan at: one line and exit 2, not a plan at
-    the profile's speed that looks like a pilot's."""
-    from engine.bench import plan, plan_speed
-
-    monkeypatch.setattr(plan_speed, "serve_pilot", lambda policy, threads, w, n, logs: (
-        [], {"sent": n, "attainment": 0.0, "failed": n, "logs": str(logs)}))
-    with pytest.raises(SystemExit) as exited:
-        plan.main(["--requests", "20", "--cost", "cpu", "--threads", "1", "--rate", "2", "--policies", "fcfs",
-                   "--pilot", "5", "--out", str(tmp_path)])
-    assert exited.value.code == 2
-    assert (f"--pilot: fcfs's pilot ran no batch (5 of its 5 requests failed; its log: {tmp_path / 'pilot' / 'fcfs'})"
-            f" (--pilot 0 plans without one)") in capsys.readouterr().err
-
-
 def test_repeated_real_runs_are_compared_by_their_median_per_class() -> None:
     """`--against-serve --repeats 3`: per class and overall the median of the runs, each run kept."""
     from engine.bench.plan_real import median_run
@@ -417,57 +377,6 @@ def test_repeated_real_runs_are_compared_by_their_median_per_class() -> None:
     assert med["per_class"]["standard"]["ttft_p50_ms"] is None and med["failed"] == 1
     assert [r["per_class"]["standard"] for r in med["runs"]] == [0.5, 0.9, 0.6]
     assert _real_cell(med, "standard") == "60.0 % (50.0-90.0)" and _real_cell(one, "all") == "70.0 %"
-
-
-def test_each_policy_is_planned_at_its_own_pilot_s_speed_and_compared_so_with_serve(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Pilots whose batches ran 2x (fcfs) and 3x (chunked) the profile: each policy's plan predicts at its
-    own pilot's speed, plan.json says so under `pilot`, and `--against-serve` gets those cost models as the
-    planner's own prediction. With `--pilot 0` an engine pass (here 2x) stands for every policy."""
-    from engine.batch_log import MeasuredBatch
-    from engine.bench import plan, plan_real, plan_speed
-
-    def batches(factor: float) -> list[MeasuredBatch]:
-        return [MeasuredBatch([f"w{i}"], 0.01 * (i + 1), factor * 0.01 * (i + 1), 1.0, 100 * (i + 1))
-                for i in range(20)]
-
-    factors = {"fcfs": 2.0, "chunked:512": 3.0}
-    pilots: list[tuple[str, int, Path]] = []
-
-    def fake_pilot(policy, threads, w, n, logs):  # type: ignore[no-untyped-def]
-        pilots.append((policy, n, logs))
-        return batches(factors[policy]), {"sent": n, "attainment": 1.0, "failed": 0, "logs": str(logs)}
-
-    monkeypatch.setattr(plan_speed, "serve_pilot", fake_pilot)
-    monkeypatch.setattr(plan_speed, "engine_pass", lambda *_a, **_k: batches(2.0))
-    seen: dict[str, object] = {}
-
-    def fake_against_serve(args, w, cost, engine_cfg, policies, console, planned=None):  # type: ignore[no-untyped-def]
-        seen.update(profile=cost, planned=planned)
-        return []
-
-    monkeypatch.setattr(plan_real, "against_serve", fake_against_serve)
-    argv = ["--requests", "20", "--cost", "cpu", "--threads", "1", "--rate", "2", "--policies", "fcfs,chunked:512",
-            "--max-instances", "2", "--against-serve", "1", "--pilot", "8", "--out", str(tmp_path)]
-    assert plan.main(argv) == 0
-    doc = json.loads((tmp_path / "plan.json").read_text())
-    assert pilots == [("fcfs", 8, tmp_path / "pilot" / "fcfs"), ("chunked:512", 8, tmp_path / "pilot" / "chunked-512")]
-    assert {p: doc["pilot"][p]["factor"] for p in factors} == pytest.approx(factors) and "engine_pass" not in doc
-
-    def assert_planned_at(expected: dict[str, float]) -> None:
-        profile, planned = seen["profile"], seen["planned"]
-        assert set(planned) == set(expected)  # type: ignore[arg-type]
-        for policy, factor in expected.items():
-            for tokens in (100, 1000, 4000):
-                assert planned[policy].prefill_s([SeqSpan(0, tokens)]) == pytest.approx(  # type: ignore[index]
-                    factor * profile.prefill_s([SeqSpan(0, tokens)]), rel=0.05)  # type: ignore[attr-defined]
-        # (not exactly the factor: a plan at 3x the cost is cut into more steps, each with its fixed cost)
-
-    assert_planned_at(factors)
-    assert plan.main([*argv, "--pilot", "0"]) == 0
-    doc = json.loads((tmp_path / "plan.json").read_text())
-    assert doc["engine_pass"]["factor"] == pytest.approx(2.0) and "pilot" not in doc and len(pilots) == 2
-    assert_planned_at({"fcfs": 2.0, "chunked:512": 2.0})
 
 
 def test_against_serve_repeats_in_rounds_keeps_each_run_and_survives_a_failed_start(

@@ -47,6 +47,11 @@ from loadtest.workload import Workload, head
 
 ENGINE_PASS = 100  # prompts: about 4 s on 2 EPYC cores for azure-mix's, and every size class it has
 PILOT = 100  # requests per policy: 14-16 s through `serve` at 16 req/s on 2 EPYC cores
+Speeds = tuple[dict[str, OpCost], str | None, dict[str, Any] | None]  # per policy; plan.json's key; what they rest on
+
+
+class PilotError(RuntimeError):
+    """A pilot gave no speed to plan at: its serve did not start, or ran nothing."""
 
 
 def engine_pass(engine_cfg: EngineConfig, cost: OpCost, w: Workload, n: int, vocab: int,
@@ -82,10 +87,10 @@ def at_measured_speed(cost: OpCost, batches: list[MeasuredBatch]) -> tuple[OpCos
                                                     "by_size": speed_by_size(batches)}
 
 
-def serve_pilot(policy: str, threads: int | None, w: Workload, n: int, logs: Path) -> tuple[list[MeasuredBatch],
-                                                                                            dict[str, Any]]:
-    """The workload's first `n` requests, at their own arrival times, through a real `flowprefill serve
-    --workers 1 --policy <policy>` (`--threads`, prefix caching off, its batch log in `logs`): the
+def serve_pilot(policy: str, threads: int | None, pilot: Workload, logs: Path
+                ) -> tuple[list[MeasuredBatch], dict[str, Any]]:
+    """`pilot`'s requests, at their own arrival times, through a real `flowprefill serve --workers 1
+    --policy <policy>` (`--threads`, prefix caching off, `--no-calibrate`, its batch log in `logs`): the
     batches its worker ran, and the pilot's own goodput point (what it rests on, for plan.json)."""
     import shutil
 
@@ -93,8 +98,13 @@ def serve_pilot(policy: str, threads: int | None, w: Workload, n: int, logs: Pat
     from loadtest.peer.client import arrivals
 
     shutil.rmtree(logs, ignore_errors=True)  # an earlier pilot's logs are not this one's
-    pilot = head(w, n)
-    pt, _urls, batches = real_point(policy, 1, threads, pilot, arrivals(pilot), logs)
+    try:  # prompts of their own: none is one a compared real run sends
+        pt, _urls, batches = real_point(policy, 1, threads, pilot, arrivals(pilot, seed="pilot"), logs)
+    except RuntimeError as exc:  # serve did not start
+        raise PilotError(f"{policy}'s pilot: {exc}") from None
+    n = len(pilot.requests)
+    if not batches:
+        raise PilotError(f"{policy}'s pilot ran no batch ({pt['failed']} of its {n} requests failed; its log: {logs})")
     return batches, {"sent": n, "attainment": pt["attainment"], "failed": pt["failed"], "logs": str(logs)}
 
 
@@ -107,15 +117,13 @@ def measured_speed(cost: OpCost, folder: Path) -> tuple[OpCost, dict[str, Any]]:
     return at_measured_speed(cost, read(folder))
 
 
-Speeds = tuple[dict[str, OpCost], str | None, dict[str, Any] | None]  # per policy; plan.json's key; what they rest on
-
-
-def planning_costs(args: argparse.Namespace, w: Workload, cost: OpCost, vocab: int | None, engine_cfg: EngineConfig,
-                   policies: list[str], console: Console) -> Speeds:
+def planning_costs(args: argparse.Namespace, w: Workload, pilot: tuple[Workload, str], cost: OpCost,
+                   vocab: int | None, engine_cfg: EngineConfig, policies: list[str], console: Console) -> Speeds:
     """The cost model each policy's plan simulates: `cost` (the profile, or roofline) at the speed a
     pilot's logs measured (`--speed-from`), or for `--cost cpu` at the speed each policy's own `serve`
     pilot ran (`--pilot`), or an engine pass (`--engine-pass`, with `--pilot 0`); where that came from
-    (plan.json's key: "speed_from", "pilot", "engine_pass", or None for the cost model as it is)."""
+    (plan.json's key: "speed_from", "pilot", "engine_pass", or None for the cost model as it is).
+    `pilot`: the pilot's requests and where in the trace they come from (plan.py's `pilot_workload`)."""
     if args.speed_from is not None:
         at, measured = measured_speed(cost, Path(args.speed_from))
         return _same(policies, at, "speed_from", {"from": args.speed_from} | measured, console,
@@ -123,7 +131,7 @@ def planning_costs(args: argparse.Namespace, w: Workload, cost: OpCost, vocab: i
     if args.cost != "cpu" or not vocab:
         return dict.fromkeys(policies, cost), None, None
     if args.pilot:
-        return _pilots(args, w, cost, policies, console)
+        return _pilots(args, pilot, cost, policies, console)
     if args.engine_pass:
         n = min(args.engine_pass, len(w.requests))
         with Progress(console=console, transient=True) as progress:
@@ -135,18 +143,16 @@ def planning_costs(args: argparse.Namespace, w: Workload, cost: OpCost, vocab: i
     return dict.fromkeys(policies, cost), None, None
 
 
-def _pilots(args: argparse.Namespace, w: Workload, cost: OpCost, policies: list[str], console: Console) -> Speeds:
-    n = min(args.pilot, len(w.requests))
+def _pilots(args: argparse.Namespace, pilot: tuple[Workload, str], cost: OpCost, policies: list[str],
+            console: Console) -> Speeds:
+    """Each policy at the speed its own pilot's worker ran (`serve_pilot`)."""
+    w, where = pilot
     costs, said = {}, {}
     for policy in policies:
-        console.print(f"pilot: serve --workers 1 --policy {policy}, the workload's first {n} requests "
-                      f"over {w.requests[n - 1].arrival_s:.0f} s")
-        batches, run = serve_pilot(policy, args.threads, w, n, Path(args.out) / "pilot" / policy.replace(":", "-"))
-        if not batches:
-            raise RuntimeError(f"{policy}'s pilot ran no batch ({run['failed']} of its {n} requests failed; "
-                               f"its log: {run['logs']})")
+        console.print(f"pilot: serve --workers 1 --policy {policy}, {where}, over {w.duration_s:.0f} s")
+        batches, run = serve_pilot(policy, args.threads, w, Path(args.out) / "pilot" / policy.replace(":", "-"))
         costs[policy], measured = at_measured_speed(cost, batches)
-        said[policy] = {"from": f"serve --workers 1, {n} requests"} | measured | run
+        said[policy] = {"from": f"serve --workers 1, {where}"} | measured | run
         _say(console, f"{policy}'s pilot", measured)
     return costs, "pilot", said
 
