@@ -318,6 +318,30 @@ def test_a_shed_class_needs_to_be_sheddable() -> None:
     assert SLOClass("x", ttft_ms=100, tbt_ms=100, priority=0, late_ms=50).late_bound_ms == 50
 
 
+def test_a_waiting_request_s_prediction_is_remembered_until_its_prompt_or_the_correction_moves(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every decision judges every waiting request: `predict_s` computes each once, and again when the
+    cost model's correction, its step budget or the request's prompt left changes (or the model itself)."""
+    s, _, _ = make_scheduler("flowprefill")
+    s.cost = copy.deepcopy(COST)
+    r = req("doc", 4000, "relaxed", 0.0)
+    computed: list[float] = []
+    real = s.predict_batch_s
+    monkeypatch.setattr(s, "predict_batch_s", lambda reqs: computed.append(real(reqs)) or computed[-1])
+    first = s.predict_s(r)
+    assert s.predict_s(r) == first and len(computed) == 1
+    s.cost.machine = 2.0  # the correction learned a 2x slowdown
+    slower = s.predict_s(r)
+    assert slower == pytest.approx(2 * first, rel=0.02) and len(computed) == 2
+    r.num_computed_tokens = 2048  # a chunk ran
+    assert s.predict_s(r) < slower and len(computed) == 3
+    s.cost.budget_s = (s.cost.budget_s or 0.002) * 2
+    s.predict_s(r)
+    s.cost = copy.deepcopy(s.cost)  # another model, the same numbers: asked anew
+    s.predict_s(r)
+    assert len(computed) == 5 and s.predict_s(r) == computed[-1] and len(computed) == 5
+
+
 def test_the_backlog_is_predicted_with_the_correction_as_it_is_now() -> None:
     """GET /load's backlog, which the gateway routes on: a formed batch's remaining work on the scale
     of the waiting requests' predictions, the correction now, not as it was when the batch was planned."""

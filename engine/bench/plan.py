@@ -3,13 +3,14 @@ per policy.
 
 For each policy, N instances are simulated behind the gateway's own routing (least predicted backlog
 from each instance's GET /load, polled as the gateway polls it, plus its requests in flight; prefix
-affinity within its slack), each instance the real scheduler and policy on one shared virtual clock
-(engine/sim/fleet.py), with a cost model (`cpu`: this machine profiled, as `bench goodput` does, at the
-speed a short pilot of the real `serve` ran the workload's first requests, per policy,
-engine/bench/plan_speed.py; `MODEL@GPU`: roofline). The smallest N that meets the target is found by
-doubling, then bisection (attainment grows with N); a run whose certain misses already put it far below
-the target stops early. Reported at that N: attainment and goodput per class, the instances FlowPrefill
-saves against each other policy, and the cost per million requests at a price per instance-hour.
+affinity within its slack where the trace names its prompts' blocks), each instance the real scheduler
+and policy on one shared virtual clock (engine/sim/fleet.py), with a cost model (`cpu`: this machine
+profiled, as `bench goodput` does, at the speed a short pilot of the real `serve` ran the workload's
+first requests, per policy, engine/bench/plan_speed.py; `MODEL@GPU`: roofline). The smallest N that
+meets the target is found by doubling, then bisection (attainment grows with N); a run whose certain
+misses already put it far below the target stops early. Reported at that N: attainment and goodput per
+class, the instances FlowPrefill saves against each other policy, and the cost per million requests at a
+price per instance-hour.
 
 Writes <out>/plan.json, <out>/plan.png (attainment vs N per policy) and prints the table.
 """
@@ -210,11 +211,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "to the workers' own calibration: the cost model should be theirs, e.g. --cost cpu on the "
                         "machine that ran the pilot)")
     p.add_argument("--pilot", type=int, default=PILOT, metavar="N",
-                   help="cpu: first send the workload's first N requests, at their arrival times, to a real "
-                        "`flowprefill serve --workers 1` of each policy (with --threads; its batch log in "
-                        "<out>/pilot/<policy>/) and plan each policy at the speed its worker ran, a factor per batch "
-                        "size (a worker served 7-15 %% slower than an engine pass one prompt at a time read); "
-                        "0: no pilot. Ignored with --speed-from")
+                   help="cpu: first send N requests, at their arrival times, to a real `flowprefill serve "
+                        "--workers 1` of each policy (with --threads, --no-calibrate; its batch log in "
+                        "<out>/pilot/<policy>/, : written -) and plan each policy at the speed its worker ran, a "
+                        "factor per batch size (a worker served 7-15 %% slower than an engine pass one prompt at a "
+                        "time read). The requests: the trace's N before the planned ones where --skip leaves "
+                        "them (out of sample), else the planned ones' first N. 0: no pilot. Ignored with "
+                        "--speed-from")
     p.add_argument("--engine-pass", type=int, default=ENGINE_PASS, metavar="N",
                    help="cpu, with --pilot 0: first run the workload's first N prompts through the engine (with "
                         "--threads), one at a time in this process, and plan at the speed it ran, a factor per batch "
