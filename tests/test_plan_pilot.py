@@ -100,13 +100,18 @@ def test_each_policy_is_planned_at_its_own_pilot_s_speed_and_compared_so_with_se
     assert {p: doc["pilot"][p]["factor"] for p in factors} == pytest.approx(factors) and "engine_pass" not in doc
 
     def assert_planned_at(expected: dict[str, float]) -> None:
+        """Each policy's cost model is its own pilot's speed on the profile, about that many times it (not
+        exactly: a plan at 3x the cost is cut into more steps, each with its fixed cost, 6 % at 1,000 tokens
+        on one profile)."""
         profile, planned = seen["profile"], seen["planned"]
         assert set(planned) == set(expected)  # type: ignore[arg-type]
         for policy, factor in expected.items():
+            own = plan_speed.at_measured_speed(profile, batches(factor))[0]  # type: ignore[arg-type]
             for tokens in (100, 1000, 4000):
-                assert planned[policy].prefill_s([SeqSpan(0, tokens)]) == pytest.approx(  # type: ignore[index]
-                    factor * profile.prefill_s([SeqSpan(0, tokens)]), rel=0.05)  # type: ignore[attr-defined]
-        # (not exactly the factor: a plan at 3x the cost is cut into more steps, each with its fixed cost)
+                span = [SeqSpan(0, tokens)]
+                assert planned[policy].prefill_s(span) == own.prefill_s(span)  # type: ignore[index]
+                assert planned[policy].prefill_s(span) == pytest.approx(  # type: ignore[index]
+                    factor * profile.prefill_s(span), rel=0.15)  # type: ignore[attr-defined]
 
     assert_planned_at(factors)
     assert plan.main([*argv, "--pilot", "0"]) == 0
