@@ -343,8 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         has_prefixes else None
     policies = [x for x in args.policies.split(",") if x]
     try:
-        predicted, speed_key, speed = planning_costs(args, w, pilot_workload(args, w), runner.cost, runner.vocab,
-                                                     engine_cfg, policies, console)
+        predicted, speed_key, speed = planning_costs(args, w, lambda: pilot_workload(args, w), runner.cost,
+                                                     runner.vocab, engine_cfg, policies, console)
     except PilotError as exc:
         parser.error(f"--pilot: {exc} (--pilot 0 plans without one)")
     costs = predicted  # what the plan predicts each policy's fleet does, before any headroom

@@ -117,13 +117,14 @@ def measured_speed(cost: OpCost, folder: Path) -> tuple[OpCost, dict[str, Any]]:
     return at_measured_speed(cost, read(folder))
 
 
-def planning_costs(args: argparse.Namespace, w: Workload, pilot: tuple[Workload, str], cost: OpCost,
+def planning_costs(args: argparse.Namespace, w: Workload, pilot: Callable[[], tuple[Workload, str]], cost: OpCost,
                    vocab: int | None, engine_cfg: EngineConfig, policies: list[str], console: Console) -> Speeds:
     """The cost model each policy's plan simulates: `cost` (the profile, or roofline) at the speed a
     pilot's logs measured (`--speed-from`), or for `--cost cpu` at the speed each policy's own `serve`
     pilot ran (`--pilot`), or an engine pass (`--engine-pass`, with `--pilot 0`); where that came from
     (plan.json's key: "speed_from", "pilot", "engine_pass", or None for the cost model as it is).
-    `pilot`: the pilot's requests and where in the trace they come from (plan.py's `pilot_workload`)."""
+    `pilot`: the pilot's requests and where in the trace they come from (plan.py's `pilot_workload`), asked
+    only where a pilot runs."""
     if args.speed_from is not None:
         at, measured = measured_speed(cost, Path(args.speed_from))
         return _same(policies, at, "speed_from", {"from": args.speed_from} | measured, console,
@@ -143,10 +144,10 @@ def planning_costs(args: argparse.Namespace, w: Workload, pilot: tuple[Workload,
     return dict.fromkeys(policies, cost), None, None
 
 
-def _pilots(args: argparse.Namespace, pilot: tuple[Workload, str], cost: OpCost, policies: list[str],
+def _pilots(args: argparse.Namespace, pilot: Callable[[], tuple[Workload, str]], cost: OpCost, policies: list[str],
             console: Console) -> Speeds:
     """Each policy at the speed its own pilot's worker ran (`serve_pilot`)."""
-    w, where = pilot
+    w, where = pilot()
     costs, said = {}, {}
     for policy in policies:
         console.print(f"pilot: serve --workers 1 --policy {policy}, {where}, over {w.duration_s:.0f} s")
