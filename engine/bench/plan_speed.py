@@ -20,9 +20,11 @@ default is a **pilot** (`--pilot N`, `serve_pilot`): the workload's first N requ
 arrival times to a real `flowprefill serve --workers 1 --no-calibrate` of each policy (bench peer's
 client, as `--against-serve` sends them; the worker predicts with the profile this planner reads), and
 each policy planned at the speed its pilot's worker logged (engine/batch_log.py). 100 requests took
-14-16 s per policy at 16 req/s. Against three `--against-serve` runs (16, 16 and 12 req/s, three real
-runs per fleet), the plan at the pilots' speed was a mean 2.4 points off per class at one worker (max
-4.8), at the engine pass's 4.9 (max 17.5), measured just before the same runs (docs/benchmarks.md).
+14-16 s per policy at 16 req/s. Against four `--against-serve` runs (three real runs per fleet), the
+plan at the pilots' speed was a mean 2.4 points off per class at one worker in the first three (max
+4.8) and 4.1 in the fourth, at the speed of an engine pass measured just before the same runs 4.9 (max
+17.5) and 5.5. Neither foresees the machine's drift: out of sample, in a run during which this shared
+machine slowed down, the pilots were a minute off and 16.2 points (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -159,11 +161,13 @@ def _pilots(args: argparse.Namespace, pilot: Callable[[], tuple[Workload, str]],
 
 
 def _same(policies: list[str], cost: OpCost, key: str, said: dict[str, Any], console: Console, source: str) -> Speeds:
+    """Every policy at one speed (a pilot's logs, or the engine pass), said once."""
     _say(console, source, said)
     return dict.fromkeys(policies, cost), key, said
 
 
 def _say(console: Console, source: str, measured: dict[str, Any]) -> None:
+    """The speed a plan runs at, by batch size, as the command prints it."""
     sizes = measured["by_size"]
     by_size = "" if sizes is None else " by batch size " + "/".join(f"{f:.2f}" for f in sizes)
     console.print(f"simulating at the speed {source} measured: {measured['factor']:.2f}x the cost model's seconds "
