@@ -24,7 +24,8 @@ each policy planned at the speed its pilot's worker logged (engine/batch_log.py)
 plan at the pilots' speed was a mean 2.4 points off per class at one worker in the first three (max
 4.8) and 4.1 in the fourth, at the speed of an engine pass measured just before the same runs 4.9 (max
 17.5) and 5.5. Neither foresees the machine's drift: out of sample, in a run during which this shared
-machine slowed down, the pilots were a minute off and 16.2 points (docs/benchmarks.md).
+machine slowed down, the plan at pilots taken a minute before the fleets ran was 16.2 points off per class
+at one worker (docs/benchmarks.md).
 """
 
 from __future__ import annotations

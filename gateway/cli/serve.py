@@ -163,7 +163,7 @@ def without_pointless_affinity(cfg: GatewayConfig, args: argparse.Namespace) -> 
     is 0.25 s behind. Simulated at 2 workers on azure-mix at 16 req/s (engine/sim/fleet.py, the
     gateway's own WorkerPool), which 2 ports the workers got moved attainment between 81.5 and 97.5 %
     (87.5 % by load alone)."""
-    if getattr(args, "prefix_caching", True) or not cfg.prefix_affinity_chars:
+    if args.prefix_caching or not cfg.prefix_affinity_chars:
         return cfg
     log.info("prefix affinity off: the workers run without prefix caching (prefix_affinity_chars %d ignored)",
              cfg.prefix_affinity_chars)
