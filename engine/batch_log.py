@@ -4,7 +4,7 @@ names a folder (one file per worker process): what `flowprefill plan --against-s
 
 A line: [request ids, the calibrated model's seconds for the batch's plan, the seconds it took, the
 correction its plan was made with, the prompt tokens it computed, when it finished on the engine's
-clock]. One line per batch, written on
+clock, when its first step began, when each of its requests arrived]. One line per batch, written on
 the engine thread (a few microseconds: a diagnostic, off unless asked for).
 """
 
@@ -37,11 +37,17 @@ class MeasuredBatch(NamedTuple):
     # When it finished, on the engine's clock (seconds; None: a log written before it was said): when in a
     # run a worker ran slow decides attainment at an instance's knee, which no speed per size carries.
     finished_at: float | None = None
+    # When its first step began, and when each of its requests arrived at the worker (the engine's clock;
+    # None: an older log): the worker's own time between batches, and each request's time in the
+    # worker, which the client's TTFT exceeds by what the gateway and the HTTP hops add.
+    began_at: float | None = None
+    arrived_at: Sequence[float] | None = None
 
 
 def measured(batch: PrefillBatch, now: float) -> MeasuredBatch:
     return MeasuredBatch([r.request_id for r in batch.requests], batch.steps.base_cost, batch.exec_s,
-                         batch.steps.scale, batch.num_tokens, now)
+                         batch.steps.scale, batch.num_tokens, now, batch.began_at,
+                         [r.arrival_time for r in batch.requests])
 
 
 class BatchLog(EngineObserver):
@@ -67,5 +73,10 @@ def attach(engine: Engine, name: str = "") -> BatchLog | None:
 
 def read(folder: Path) -> list[MeasuredBatch]:
     """Every batch the workers logged in `folder` and its subfolders (`plan --against-serve` keeps one per fleet)."""
-    return [MeasuredBatch(*json.loads(line)) for path in sorted(folder.rglob("batches-*.jsonl"))
-            for line in path.read_text().splitlines() if line]
+    return [b for worker in read_workers(folder) for b in worker]
+
+
+def read_workers(folder: Path) -> list[list[MeasuredBatch]]:
+    """`read`'s batches, a list per worker process (a file each), in the order it logged them."""
+    return [[MeasuredBatch(*json.loads(line)) for line in path.read_text().splitlines() if line]
+            for path in sorted(folder.rglob("batches-*.jsonl"))]

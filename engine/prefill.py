@@ -95,6 +95,7 @@ class PrefillBatch:
         self._run = run
         self._device = RunAhead(device or torch.device("cpu"))
         self.segment_start: float | None = None
+        self.began_at: float | None = None  # its first step's start (the engine's clock)
 
     @classmethod
     def on_model(cls, requests: list[Request], spans: list[SeqSpan], model: LlamaModel, kv: KVCache,
@@ -210,6 +211,8 @@ class PrefillBatch:
     # -- bookkeeping of execution segments and suspensions (what telemetry reports) -------------
     def begin_segment(self, now: float) -> None:
         self.segment_start = now
+        if self.began_at is None:
+            self.began_at = now
         for r in self.requests:
             if r.state.done:  # cancelled while in this batch: it stays cancelled
                 continue

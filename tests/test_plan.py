@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from test_sim import COST, requests, trace
 
-from engine.bench.plan import Planner, smallest, with_prefixes
+from engine.bench.plan_fleet import Planner, smallest, with_prefixes
 from engine.bench.plan_routing import GatewayRouter, distinct_key, prompt_key, trace_key
 from engine.config import EngineConfig
 from engine.model.plan import SeqSpan
@@ -197,6 +197,9 @@ def test_a_worker_s_batch_log_is_what_the_planner_replays(tmp_path: Path, monkey
     assert [b[1:] for b in logged] == [b[1:] for b in recorder.batches]
     finished = [b.finished_at for b in logged]  # on the engine's clock (time.monotonic), in order
     assert all(f is not None and t0 <= f <= t1 for f in finished) and finished == sorted(finished)  # type: ignore[operator]
+    for b in logged:  # its first step after its requests arrived, its end after that (the same clock)
+        assert b.arrived_at is not None and len(b.arrived_at) == len(b.ids)
+        assert b.began_at is not None and t0 <= max(b.arrived_at) <= b.began_at <= b.finished_at  # type: ignore[operator]
     assert _sim_id("peer-1764000000000-17") == "w17" and _sim_id("peer-1764000000000-17-0a1b2c3d") == "w17"
     monkeypatch.delenv(batch_log.ENV)
     assert batch_log.attach(engine) is None
@@ -215,7 +218,7 @@ def test_a_pilot_twice_as_slow_as_the_model_needs_a_bigger_fleet(tmp_path: Path)
     assert main([*base, "--speed-from", str(logs), "--out", str(tmp_path / "pilot-speed")]) == 0
     model, pilot = (json.loads((tmp_path / d / "plan.json").read_text()) for d in ("model", "pilot-speed"))
     assert pilot["speed_from"] == {"from": str(logs), "factor": pytest.approx(2.0), "requests": 5,  # the median
-                                   "by_size": None}  # logs that do not say the batches' sizes
+                                   "by_size": None, "spread": None}  # logs that do not say the batches' sizes
     assert pilot["policies"]["flowprefill"]["instances"] > model["policies"]["flowprefill"]["instances"]
 
 
@@ -437,7 +440,8 @@ def test_against_serve_simulates_the_real_fleet_routed_by_load_alone(
 
     from engine.batch_log import MeasuredBatch
     from engine.bench import plan_real
-    from engine.bench.plan import Planner, build_parser
+    from engine.bench.plan import build_parser
+    from engine.bench.plan_fleet import Planner
     from loadtest.workload import azure_mix, head
 
     def fake_real_point(policy, n, threads, w, schedule, logs):  # type: ignore[no-untyped-def]

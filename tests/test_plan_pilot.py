@@ -19,7 +19,8 @@ def test_plan_on_this_cpu_pilots_each_policy_through_a_real_serve_first(
     `serve --workers 1` of each policy, each policy planned at the speed its own worker logged. Without
     --threads the workers get the planner's thread count, and with `--no-calibrate` they predict with its
     profile: the cache holds one profile and one start-up when the plan is done."""
-    from engine.batch_log import read
+    from engine.batch_log import read, read_workers
+    from engine.bench.plan_measured import net_of_serving
     from engine.bench.plan_real import _sim_id
     from engine.bench.plan_speed import at_measured_speed
     from gateway.cli import main
@@ -39,7 +40,13 @@ def test_plan_on_this_cpu_pilots_each_policy_through_a_real_serve_first(
         assert said["sent"] == 6 and said["failed"] == 0 and said["logs"] == str(out / "pilot" / folder)
         batches = [b._replace(ids=[_sim_id(rid) for rid in b.ids]) for b in read(out / "pilot" / folder)]
         assert {rid for b in batches for rid in b.ids} == {f"w{i}" for i in range(6)}  # every pilot request
-        assert said["by_size"] == at_measured_speed(COST, batches)[1]["by_size"] and said["requests"] == 6
+        # the worker's own time per batch, the requests' time outside it as the pilot's client saw it, and
+        # the serving side's CPU per request (its worker's /metrics), which its batches are measured net of
+        assert said["outside_worker_ms"] > 0 and (said["worker_host_ms"] is None or said["worker_host_ms"] > 0)
+        assert said["serving_cpu_ms"] > 0
+        net = [b for worker in read_workers(out / "pilot" / folder)
+               for b in net_of_serving(worker, said["serving_cpu_ms"] / 1000)]
+        assert said["by_size"] == at_measured_speed(COST, net)[1]["by_size"] and said["requests"] == 6
 
 
 def test_with_skip_the_pilot_sends_the_trace_s_requests_before_the_planned_ones() -> None:
@@ -67,9 +74,11 @@ def test_with_skip_the_pilot_sends_the_trace_s_requests_before_the_planned_ones(
 
 def test_each_policy_is_planned_at_its_own_pilot_s_speed_and_compared_so_with_serve(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Pilots whose batches ran 2x (fcfs) and 3x (chunked) the profile: each policy's plan predicts at its
-    own pilot's speed, plan.json says so under `pilot`, and `--against-serve` gets those cost models as the
-    planner's own prediction. With `--pilot 0` an engine pass (here 2x) stands for every policy."""
+    """Pilots whose batches ran 2x (fcfs) and 3x (chunked) the profile on one worker, a tenth slower on
+    two: each policy's plan predicts at its own one-worker pilot's speed, with its worker's host time per
+    batch and its requests' time outside the worker less that; plan.json says so under `pilot`, and
+    `--against-serve 1,2` gets those as the planner's own prediction, its two-worker fleets the pilots of
+    two workers. With `--pilot 0` an engine pass (here 2x) stands for every policy, with nothing outside."""
     from engine.bench import plan, plan_real, plan_speed
 
     def batches(factor: float) -> list[MeasuredBatch]:
@@ -77,11 +86,14 @@ def test_each_policy_is_planned_at_its_own_pilot_s_speed_and_compared_so_with_se
                 for i in range(20)]
 
     factors = {"fcfs": 2.0, "chunked:512": 3.0}
-    pilots: list[tuple[str, int, Path]] = []
+    on_two = 1.1  # two workers on one machine run slower
+    pilots: list[tuple[str, int, Path, int]] = []
 
-    def fake_pilot(policy, threads, w, logs):  # type: ignore[no-untyped-def]
-        pilots.append((policy, len(w.requests), logs))
-        return batches(factors[policy]), {"sent": len(w.requests), "attainment": 1.0, "failed": 0, "logs": str(logs)}
+    def fake_pilot(policy, threads, w, logs, workers):  # type: ignore[no-untyped-def]
+        pilots.append((policy, len(w.requests), logs, workers))
+        return batches(factors[policy] * (on_two if workers == 2 else 1.0)), {
+            "sent": len(w.requests), "attainment": 1.0, "failed": 0, "logs": str(logs),
+            "worker_host_ms": 1.0 + workers, "outside_worker_ms": 10.0}
 
     monkeypatch.setattr(plan_speed, "serve_pilot", fake_pilot)
     monkeypatch.setattr(plan_speed, "engine_pass", lambda *_a, **_k: batches(2.0))
@@ -93,31 +105,40 @@ def test_each_policy_is_planned_at_its_own_pilot_s_speed_and_compared_so_with_se
 
     monkeypatch.setattr(plan_real, "against_serve", fake_against_serve)
     argv = ["--requests", "20", "--cost", "cpu", "--threads", "1", "--rate", "2", "--policies", "fcfs,chunked:512",
-            "--max-instances", "2", "--against-serve", "1", "--pilot", "8", "--out", str(tmp_path)]
+            "--max-instances", "2", "--against-serve", "1,2", "--pilot", "8", "--out", str(tmp_path)]
     assert plan.main(argv) == 0
     doc = json.loads((tmp_path / "plan.json").read_text())
-    assert pilots == [("fcfs", 8, tmp_path / "pilot" / "fcfs"), ("chunked:512", 8, tmp_path / "pilot" / "chunked-512")]
+    assert pilots == [("fcfs", 8, tmp_path / "pilot" / "fcfs", 1), ("fcfs", 8, tmp_path / "pilot" / "fcfs-w2", 2),
+                      ("chunked:512", 8, tmp_path / "pilot" / "chunked-512", 1),
+                      ("chunked:512", 8, tmp_path / "pilot" / "chunked-512-w2", 2)]
     assert {p: doc["pilot"][p]["factor"] for p in factors} == pytest.approx(factors) and "engine_pass" not in doc
+    assert {p: doc["pilot"][p]["fleets"]["2"]["factor"] for p in factors} == pytest.approx(
+        {p: f * on_two for p, f in factors.items()})
 
-    def assert_planned_at(expected: dict[str, float]) -> None:
+    def assert_planned_at(expected: dict[str, float], host_s: float, outside_s: float, workers: int = 1) -> None:
         """Each policy's cost model is its own pilot's speed on the profile, about that many times it (not
         exactly: a plan at 3x the cost is cut into more steps, each with its fixed cost, 6 % at 1,000 tokens
         on one profile)."""
-        profile, planned = seen["profile"], seen["planned"]
-        assert set(planned) == set(expected)  # type: ignore[arg-type]
+        profile, speeds = seen["profile"], seen["planned"]
+        planned = speeds.planned if workers == 1 else {p: speeds.fleets[(p, workers)] for p in expected}  # type: ignore[attr-defined]
+        assert set(planned) == set(expected)
         for policy, factor in expected.items():
             own = plan_speed.at_measured_speed(profile, batches(factor))[0]  # type: ignore[arg-type]
+            assert planned[policy].cost.batch_host_s == pytest.approx(host_s)
+            assert planned[policy].outside_s == pytest.approx(outside_s)
             for tokens in (100, 1000, 4000):
                 span = [SeqSpan(0, tokens)]
-                assert planned[policy].prefill_s(span) == own.prefill_s(span)  # type: ignore[index]
-                assert planned[policy].prefill_s(span) == pytest.approx(  # type: ignore[index]
+                assert planned[policy].cost.prefill_s(span) == own.prefill_s(span)
+                assert planned[policy].cost.prefill_s(span) == pytest.approx(
                     factor * profile.prefill_s(span), rel=0.15)  # type: ignore[attr-defined]
 
-    assert_planned_at(factors)
+    assert_planned_at(factors, 0.002, 0.008)
+    assert_planned_at({p: f * on_two for p, f in factors.items()}, 0.003, 0.007, workers=2)
     assert plan.main([*argv, "--pilot", "0"]) == 0
     doc = json.loads((tmp_path / "plan.json").read_text())
-    assert doc["engine_pass"]["factor"] == pytest.approx(2.0) and "pilot" not in doc and len(pilots) == 2
-    assert_planned_at({"fcfs": 2.0, "chunked:512": 2.0})
+    assert doc["engine_pass"]["factor"] == pytest.approx(2.0) and "pilot" not in doc and len(pilots) == 4
+    assert_planned_at({"fcfs": 2.0, "chunked:512": 2.0}, 0.0, 0.0)
+    assert not seen["planned"].fleets  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("how", ["no batch", "no start"])
@@ -141,3 +162,147 @@ def test_a_pilot_that_serves_nothing_stops_the_plan_with_its_reason(
     why = {"no batch": f"fcfs's pilot ran no batch (5 of its 5 requests failed; its log: {log})",
            "no start": "fcfs's pilot: flowprefill serve: exited with code 2: address already in use"}[how]
     assert f"--pilot: {why} (--pilot 0 plans without one)" in capsys.readouterr().err
+
+
+def _batch(ids: list[str], began: float, end: float, arrived: list[float]) -> MeasuredBatch:
+    return MeasuredBatch(ids, 0.01, end - began, 1.0, 100, end, began, arrived)
+
+
+def test_a_worker_s_own_time_between_batches_counts_only_where_work_was_waiting() -> None:
+    """From one batch's end to the next one's first step: counted where the next one's requests had all
+    arrived before (3 ms and 2 ms here), not where the worker waited for an arrival, nor across a batch
+    left suspended (b's 50 ms after c ended ran the rest of b, not the host)."""
+    from engine.bench.plan_measured import host_gaps
+
+    worker = [_batch(["a"], 0.0, 0.100, [0.0]),
+              _batch(["b"], 0.103, 0.300, [0.05]),  # waited for: counted, 3 ms
+              _batch(["c"], 0.150, 0.200, [0.149]),  # preempted b: began while b ran
+              _batch(["d"], 0.302, 0.400, [0.2]),  # after b's end, 2 ms: counted
+              _batch(["e"], 0.500, 0.600, [0.45]),  # arrived after d ended: the worker waited for it
+              _batch(["f"], 0.700, 0.800, [0.55, 0.65])]  # one of two arrived after e ended: not counted
+    assert host_gaps(worker) == pytest.approx([0.003, 0.002])
+    assert host_gaps([MeasuredBatch(["x"], 0.01, 0.02, 1.0, 100, 1.0)]) == []  # an older log says nothing
+
+
+def test_time_outside_the_worker_is_the_client_s_ttft_less_the_request_s_time_in_it() -> None:
+    """A request's time in the worker: its arrival there to the end of its last batch (a chunked prompt's
+    last chunk). What the client waited beyond that is the gateway's and the HTTP hops' (and sampling's);
+    the plan charges it less the host time the simulator puts before each first token."""
+    from engine.bench.plan_measured import outside_worker, overheads, planned_with
+
+    batches = [_batch(["w0", "w1"], 1.0, 1.1, [0.98, 0.99]), _batch(["w1"], 1.103, 1.2, [0.99])]
+    ttfts = {"w0": 0.130, "w1": 0.221, "w9": 0.5}  # w9: never logged (a refused request)
+    assert sorted(outside_worker(ttfts, batches)) == pytest.approx([0.010, 0.011])
+    said = overheads([batches], ttfts)
+    assert said == pytest.approx({"worker_host_ms": 3.0, "outside_worker_ms": 10.5})
+    planned = planned_with(COST, said)  # type: ignore[arg-type]
+    assert planned.cost.batch_host_s == pytest.approx(0.003) and planned.outside_s == pytest.approx(0.0075)
+    assert overheads([[]], {}) == {"worker_host_ms": None, "outside_worker_ms": None}
+    assert planned_with(COST, {"worker_host_ms": None, "outside_worker_ms": None}).outside_s == 0.0
+
+
+def test_time_outside_the_instances_comes_out_of_every_request_s_ttft_budget() -> None:
+    """Lone requests that the simulated instance answers with some time to spare meet their target with
+    1 ms less than that spent outside the instances, and miss it with 1 ms more."""
+    from engine.bench.plan_fleet import Planner
+    from engine.bench.plan_measured import Planned
+    from engine.config import EngineConfig
+    from loadtest.workload import TraceRequest, Workload
+
+    w = Workload("two", "test", "fixed", [TraceRequest(t, 1000, 1, "interactive") for t in (0.0, 10.0)])
+    planner = Planner(w, COST, EngineConfig(prefix_caching=False), 0.9, False)
+    alone = planner.evaluate("fcfs", 1)
+    assert alone["attainment"] == 1.0
+    spare = 0.250 - alone["per_class"]["interactive"]["ttft_p99_ms"] / 1000
+    planner.use(Planned(COST, spare - 0.001))
+    assert planner.evaluate("fcfs", 1, stop_early=False)["attainment"] == 1.0
+    planner.use(Planned(COST, spare + 0.001))
+    assert planner.evaluate("fcfs", 1, stop_early=False)["attainment"] == 0.0
+
+
+def test_a_batch_s_spread_is_measured_around_its_own_size_s_median() -> None:
+    """Small batches run 3x the profile and large ones 1.5x, each a factor e^0.1 either way: the spread
+    is 0.1 (not the gap between the sizes); logs that do not say sizes give none."""
+    import math
+
+    from engine.bench.plan_measured import spread
+
+    batches = [MeasuredBatch([f"s{i}"], 0.01, 0.03 * math.exp(d), 1.0, 50) for i, d in enumerate((-0.1, 0, 0.1))]
+    batches += [MeasuredBatch([f"l{i}"], 1.0, 1.5 * math.exp(d), 1.0, 4000) for i, d in enumerate((-0.1, 0, 0.1))]
+    assert spread(batches) == pytest.approx(math.sqrt(2 / 3) * 0.1)
+    assert spread([MeasuredBatch(["x"], 0.01, 0.03, 1.0)]) is None
+
+
+def test_with_noise_a_fleet_is_judged_on_several_draws_pooled() -> None:
+    """A planner with a spread of batch speeds runs the fleet NOISE_DRAWS times, each with its own draws,
+    and reports their outcomes pooled: the per-class counts are the workload's, the attainment the mean of
+    the draws'. Without noise, one run."""
+    from engine.bench.plan_fleet import NOISE_DRAWS, Planner
+    from engine.bench.plan_measured import Planned
+    from engine.config import EngineConfig
+    from loadtest.workload import TraceRequest, Workload
+
+    w = Workload("burst", "test", "fixed", [TraceRequest(0.04 * i, 500, 1, "interactive") for i in range(10)])
+    planner = Planner(w, COST, EngineConfig(prefix_caching=False), 0.9, False)
+    planner.evaluate("fcfs", 1, stop_early=False)
+    assert planner.sims == 1
+    planner.use(Planned(COST, noise=0.5))
+    pooled = planner.evaluate("fcfs", 1, stop_early=False)
+    assert planner.sims == 1 + NOISE_DRAWS and pooled["per_class"]["interactive"]["n"] == 10
+    draws = []
+    for seed in range(NOISE_DRAWS):
+        reqs, _fleet, _router = planner._run("fcfs", 1, seed, False, None)  # type: ignore[misc]
+        draws.append(sum(r.ttft is not None and r.ttft <= r.ttft_target_s for r in reqs) / len(reqs))
+    assert pooled["attainment"] == pytest.approx(sum(draws) / NOISE_DRAWS)
+    assert len(set(draws)) > 1  # the draws differ
+
+
+def test_a_batch_is_measured_net_of_the_serving_cpu_its_arrivals_took() -> None:
+    """Two requests arrived at the worker while batch a ran whole, one while b ran for half of its span
+    (suspended the other half): a loses 2 x 4 ms, b 0.5 x 4 ms; c, with no arrival during it, nothing;
+    without a serving cost, or in an older log, the batches are as logged."""
+    from engine.bench.plan_measured import net_of_serving
+
+    a = _batch(["x"], 0.0, 0.100, [0.0])
+    b = MeasuredBatch(["y"], 0.01, 0.100, 1.0, 100, 0.400, 0.200, [0.05])
+    c = _batch(["z"], 0.500, 0.600, [0.45])
+    others = [_batch([f"o{i}"], 1.0, 1.1, [t]) for i, t in enumerate((0.02, 0.05, 0.3))]  # their arrivals
+    net = net_of_serving([a, b, c, *others], 0.004)
+    assert [n.exec_s for n in net[:3]] == pytest.approx([0.100 - 0.008, 0.100 - 0.002, 0.100])
+    assert net_of_serving([a, b], 0.0) == [a, b]
+    old = MeasuredBatch(["x"], 0.01, 0.02, 1.0, 100, 1.0)
+    assert net_of_serving([old], 0.004) == [old]
+
+
+def test_a_step_that_requests_arrive_in_ends_later_by_their_serving_cpu() -> None:
+    """A long prefill with ten short requests arriving during it: with 10 ms of serving CPU per arrival
+    its first token comes about 0.1 s later than without (every arrival stretches its running step; the
+    short ones wait behind it in fcfs), in a lone simulation and as a fleet's one instance alike."""
+    from dataclasses import replace
+
+    from engine.bench.plan_fleet import Planner
+    from engine.bench.plan_measured import Planned
+    from engine.config import EngineConfig
+    from engine.protocol.slo import DEFAULT_CLASSES
+    from engine.scheduler import make_policy
+    from engine.sim.simulator import SimConfig, simulate
+    from loadtest.goodput import make_requests
+    from loadtest.workload import TraceRequest, Workload
+
+    w = Workload("long and short", "test", "fixed",
+                 [TraceRequest(0.0, 4000, 1, "batch")] + [TraceRequest(0.01 * (i + 1), 50, 1, "interactive")
+                                                          for i in range(10)])
+
+    def long_ttft(arrival_cpu_s: float) -> float:
+        reqs = make_requests(w, DEFAULT_CLASSES, 1.0, 0.0, None)
+        simulate(reqs, make_policy("fcfs"), COST, replace(SimConfig(), arrival_cpu_s=arrival_cpu_s))
+        return reqs[0].ttft  # type: ignore[return-value]
+
+    assert long_ttft(0.010) - long_ttft(0.0) == pytest.approx(0.100, abs=0.002)
+    planner = Planner(w, COST, EngineConfig(prefix_caching=False), 0.9, False)
+
+    def fleet_ttft(serving_s: float) -> float:
+        planner.use(Planned(COST, serving_s=serving_s))
+        return planner.evaluate("fcfs", 1, stop_early=False)["per_class"]["batch"]["ttft_p50_ms"] / 1000
+
+    assert fleet_ttft(0.010) - fleet_ttft(0.0) == pytest.approx(0.100, abs=0.002)

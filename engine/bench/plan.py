@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -29,18 +28,14 @@ from rich.progress import Progress
 
 from engine.bench.console import results_console
 from engine.bench.machine import machine_info
-from engine.bench.plan_routing import DEFAULTS, GatewayRouter, KeyOf, trace_key
+from engine.bench.plan_fleet import Planner, plan_policy
+from engine.bench.plan_routing import DEFAULTS, trace_key
 from engine.bench.plan_speed import ENGINE_PASS, PILOT, PilotError, planning_costs
 from engine.config import EngineConfig
-from engine.model.plan import OpCost
-from engine.protocol.slo import DEFAULT_CLASSES, SLOClass
-from engine.request import Request
 from engine.scheduler import make_policy
-from engine.sim.fleet import Fleet
-from engine.sim.oracle import ExactCosts
 from gateway.cli.common import Parser
 from loadtest import report
-from loadtest.goodput import DEFAULT_POLICIES, Runner, make_requests, outcomes, sim_config
+from loadtest.goodput import DEFAULT_POLICIES, Runner
 from loadtest.workload import (
     PREFIX_BLOCK_TOKENS,
     ClassRule,
@@ -53,103 +48,7 @@ from loadtest.workload import (
     skip,
 )
 
-# A run is stopped once its certain misses put it this far below the target: it fails either way, and
-# an overloaded fleet (a queue of thousands, at the policy's cost per decision) is the slowest to finish.
-STOP_BELOW = 0.25
 DEFAULT_PRICE = 3.0  # USD per instance-hour: about an on-demand H100's in 2026 (a placeholder: pass yours)
-
-
-class Planner:
-    """Simulates the workload on N instances of a policy. `cost`: the cost model; `key_of`: each
-    request's prefix key as the gateway would compute it; `urls`: the instances' names."""
-
-    def __init__(self, w: Workload, cost: OpCost, engine_cfg: EngineConfig, target: float, every_class: bool,
-                 classes: dict[str, SLOClass] = DEFAULT_CLASSES, key_of: KeyOf | None = None,
-                 poll_s: float = 1.0, requests: Callable[[], list[Request]] | None = None,
-                 urls: Callable[[int], list[str]] | None = None) -> None:
-        self.w, self.cost, self.engine_cfg, self.classes = w, cost, engine_cfg, classes
-        self.target, self.every_class = target, every_class
-        self.key_of, self.poll_s, self.urls = key_of, poll_s, urls
-        self.requests = requests or (lambda: with_prefixes(w, make_requests(w, classes, 1.0, 0.0, None)))
-        self.prefix_blocks = PREFIX_BLOCK_TOKENS if any(r.prefix for r in w.requests) else None
-        self.sheddable = frozenset(name for name, c in classes.items() if c.sheddable)
-        self.sims = 0
-
-    def evaluate(self, policy: str, n: int, stop_early: bool = True, exact: ExactCosts | None = None) -> dict[str, Any]:
-        """One fleet of n instances on the whole workload: the goodput point (bench goodput's, with
-        goodput per class), or, stopped early, the most attainment it could still have reached.
-        `exact`: charge and predict each request what a real run measured (engine/sim/oracle.py)."""
-        reqs = self.requests()
-        router = GatewayRouter(n, self.key_of, self.poll_s, urls=self.urls(n) if self.urls else None)
-        fleet = Fleet(reqs, n, policy, self.cost, sim_config(self.engine_cfg), router, exact=exact,
-                      sheddable=self.sheddable, max_waiting=self.engine_cfg.max_waiting,
-                      prefix_block_tokens=self.prefix_blocks)
-        self.sims += 1
-        counts = {c: sum(r.slo_class == c for r in reqs) for c in {r.slo_class for r in reqs}}
-        floor = self.target - STOP_BELOW
-        if not fleet.run(self._hopeless(counts, floor) if stop_early else None):
-            at_most = {c: 1 - fleet.misses.get(c, 0) / k for c, k in counts.items()}
-            overall = 1 - sum(fleet.misses.values()) / len(reqs)
-            return {"instances": n, "stopped_early": True, "attainment_at_most": overall,
-                    "per_class_at_most": dict(sorted(at_most.items()))}
-        pt = report.point(self.w.rate, outcomes(reqs), fleet.preemptions)
-        for c in pt["per_class"].values():
-            c["goodput_rps"] = self.w.rate * c["n"] / len(reqs) * c["attainment"]
-        pt |= {"instances": n, "stopped_early": False, "refused": len(fleet.refused),
-               "prefix_matched_chars": router.matched_chars}
-        return pt
-
-    def _hopeless(self, counts: dict[str, int], floor: float) -> Callable[[dict[str, int]], bool]:
-        total = sum(counts.values())
-        if self.every_class:
-            return lambda misses: any(m > (1 - floor) * counts[c] for c, m in misses.items())
-        return lambda misses: sum(misses.values()) > (1 - floor) * total
-
-    def meets(self, pt: dict[str, Any]) -> bool:
-        if pt["stopped_early"]:
-            return False
-        if self.every_class:
-            return min(c["attainment"] for c in pt["per_class"].values()) >= self.target
-        return bool(pt["attainment"] >= self.target)
-
-
-def with_prefixes(w: Workload, reqs: list[Request]) -> list[Request]:
-    """The trace's prompt blocks (Mooncake's hash ids) as the requests' block hashes."""
-    for r, tr in zip(reqs, w.requests, strict=True):
-        if tr.prefix:
-            r.block_hashes = [h.to_bytes(8, "little", signed=True) for h in tr.prefix]
-    return reqs
-
-
-def smallest(meets: Callable[[int], bool], max_n: int) -> int | None:
-    """The smallest n in [1, max_n] for which `meets(n)`, for a `meets` that stays true once true:
-    doubling from 1 to the first n that meets it, then bisection below it. None: not even max_n."""
-    lo, hi = 0, 1  # lo: known to fail (no instance serves nothing)
-    while not meets(hi):
-        if hi >= max_n:
-            return None
-        lo, hi = hi, min(2 * hi, max_n)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if meets(mid):
-            hi = mid
-        else:
-            lo = mid
-    return hi
-
-
-def plan_policy(planner: Planner, policy: str, max_n: int, on_point: Callable[[int], None]) -> dict[str, Any]:
-    """The smallest fleet for one policy, with every fleet size simulated on the way."""
-    points: dict[int, dict[str, Any]] = {}
-
-    def meets(n: int) -> bool:
-        on_point(n)
-        points[n] = planner.evaluate(policy, n)
-        return planner.meets(points[n])
-
-    n = smallest(meets, max_n)
-    return {"instances": n, "at_instances": points.get(n) if n else None,
-            "points": [points[k] for k in sorted(points)]}
 
 
 def cost_per_million(n: int | None, price: float, w: Workload) -> float | None:
@@ -344,13 +243,14 @@ def main(argv: list[str] | None = None) -> int:
     key_of = trace_key(args.prefix_affinity_chars, PREFIX_BLOCK_TOKENS) if routed_by_prefix else None
     policies = [x for x in args.policies.split(",") if x]
     try:
-        predicted, speed_key, speed = planning_costs(args, w, lambda: pilot_workload(args, w), runner.cost,
-                                                     runner.vocab, engine_cfg, policies, console)
+        speeds = planning_costs(args, w, lambda: pilot_workload(args, w), runner.cost, runner.vocab, engine_cfg,
+                                policies, console)
     except PilotError as exc:
         parser.error(f"--pilot: {exc} (--pilot 0 plans without one)")
-    costs = predicted  # what the plan predicts each policy's fleet does, before any headroom
+    costs = speeds.planned  # what the plan predicts each policy's fleet does, before any headroom
     if args.headroom:
-        costs = {pol: replace(c, scale=c.scale * (1 + args.headroom)) for pol, c in predicted.items()}
+        costs = {pol: p._replace(cost=replace(p.cost, scale=p.cost.scale * (1 + args.headroom)))
+                 for pol, p in costs.items()}
         console.print(f"planning with {args.headroom:.0%} headroom: every prefill {1 + args.headroom:.2f}x as long")
     planner = Planner(w, runner.cost, engine_cfg, args.target, args.every_class, key_of=key_of, poll_s=args.poll_s)
     started = time.perf_counter()
@@ -358,19 +258,20 @@ def main(argv: list[str] | None = None) -> int:
     with Progress(console=console) as progress:
         task = progress.add_task("planning", total=len(policies))
         for pol in policies:
-            planner.cost = costs[pol]
+            planner.use(costs[pol])
             results[pol] = plan_policy(planner, pol, args.max_instances, lambda n, pol=pol: progress.update(
                 task, description=f"{pol}: {n} instance(s) ({planner.sims} fleets simulated)"))
             results[pol]["cost_per_million_requests"] = cost_per_million(results[pol]["instances"], args.price, w)
             progress.advance(task)
     doc = document(args, argv, w, runner.model_name, results, time.perf_counter() - started, planner.sims)
-    if speed_key is not None:
-        doc[speed_key] = speed
+    if speeds.key is not None:
+        doc[speeds.key] = speeds.said
     if args.against_serve is not None:
         from engine.bench.plan_real import against_serve
 
+        own = speeds.key in ("pilot", "engine_pass")  # the planner's own prediction (not one learned from a run)
         doc["against_serve"] = against_serve(args, w, runner.cost, engine_cfg, policies, console,
-                                             planned=predicted if speed_key in ("pilot", "engine_pass") else None)
+                                             planned=speeds if own else None)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(json.dumps(doc, indent=2))

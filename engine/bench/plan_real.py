@@ -38,10 +38,11 @@ from typing import Any
 from rich.console import Console
 
 from engine.batch_log import ENV as BATCH_LOG
-from engine.batch_log import MeasuredBatch
-from engine.batch_log import read as read_batch_log
-from engine.bench.plan import Planner, workers_of
-from engine.bench.plan_speed import measured_speed
+from engine.batch_log import MeasuredBatch, read_workers
+from engine.bench.plan import workers_of
+from engine.bench.plan_fleet import Planner
+from engine.bench.plan_measured import Planned, net_of_serving, overheads, planned_with, spread
+from engine.bench.plan_speed import Speeds, measured_speed
 from engine.config import EngineConfig
 from engine.model.plan import OpCost
 from engine.protocol.slo import DEFAULT_CLASSES
@@ -52,6 +53,7 @@ from loadtest import report
 from loadtest.goodput import make_requests
 from loadtest.peer.client import Arrival, Target, arrivals, model_name, replay
 from loadtest.results import outcomes
+from loadtest.server import ServerCounters
 from loadtest.workload import Workload
 
 Run = tuple[dict[str, Any], list[str], list[MeasuredBatch]]  # a real run: its point, its workers' URLs, its batches
@@ -64,19 +66,27 @@ def fleet_name(policy: str, n: int) -> str:
 
 def real_point(policy: str, n: int, threads: int | None, w: Workload, schedule: list[Arrival], logs: Path) -> Run:
     """`serve --workers n` on the schedule, its workers logging their batches in `logs`: its goodput
-    point, its workers' URLs, and the batches they ran (request ids as the simulation's: `w{i}` for
-    the schedule's i-th arrival)."""
+    point (with the workers' host time per batch, the requests' time outside them, and the serving
+    side's CPU per request), its workers' URLs, and the batches they ran, each less what the serving
+    side took from it (`net_of_serving`; request ids as the simulation's: `w{i}` for the schedule's
+    i-th arrival)."""
     logs.mkdir(parents=True, exist_ok=True)  # against_serve emptied it: an earlier run's logs are not read
     proc, port, argv = _start_serve(policy, n, threads, logs)
     url = f"http://127.0.0.1:{port}"
     try:
+        counters = ServerCounters(url)  # the workers' CPU: their serving side's share is the runs' too
         with off_the_workers_cores(n, threads):
             records = asyncio.run(replay(Target(url, model_name(url)), schedule, max_tokens=1, drain_s=120))
+        _, cpu = counters.stop()
     finally:
         stop(proc)
-    batches = [b._replace(ids=[_sim_id(rid) for rid in b.ids]) for b in read_batch_log(logs)]
+    workers = [[b._replace(ids=[_sim_id(rid) for rid in b.ids]) for b in bs] for bs in read_workers(logs)]
     failed = sum(not r.ok for r in records)
     pt = report.point(w.rate, outcomes(records)) | {"failed": failed, "command": "flowprefill " + " ".join(argv)}
+    pt |= overheads(workers, {f"w{r.index}": r.ttft_s for r in records if r.ttft_s is not None and r.ok})
+    pt["serving_cpu_ms"] = cpu["serving_s"] * 1000 / len(records) if cpu and records else None
+    serving_s = (pt["serving_cpu_ms"] or 0.0) / 1000
+    batches = [b for bs in workers for b in net_of_serving(bs, serving_s)]
     return pt, [f"http://127.0.0.1:{port + 1 + i}" for i in range(n)], batches
 
 
@@ -138,11 +148,11 @@ def _sim_id(worker_id: str) -> str:
 
 
 def against_serve(args: argparse.Namespace, w: Workload, cost: OpCost, engine_cfg: EngineConfig,
-                  policies: list[str], console: Console, planned: dict[str, OpCost] | None = None
+                  policies: list[str], console: Console, planned: Speeds | None = None
                   ) -> list[dict[str, Any]]:
-    """`cost`: the cost model as profiled; `planned`: per policy the one the plan simulated, where that
-    is another (at its pilot's or an engine pass's speed), whose fleet is then the planner's own
-    prediction. With `--repeats R` each fleet runs R times, in rounds (every fleet once per round, so that
+    """`cost`: the cost model as profiled; `planned`: what the plan simulated per policy (at its pilot's or
+    an engine pass's speed), or per fleet where a pilot of its shape ran, whose simulation is then the
+    planner's own prediction. With `--repeats R` each fleet runs R times, in rounds (every fleet once per round, so that
     the machine's drift falls on all of them), and is compared per class with the median of its runs."""
     schedule = arrivals(w)
     fleets = [(policy, n) for policy in policies for n in workers_of(args.against_serve)]
@@ -165,13 +175,22 @@ def against_serve(args: argparse.Namespace, w: Workload, cost: OpCost, engine_cf
     rows = []
     for policy, n in fleets:
         done, errors = runs[(policy, n)], failed[(policy, n)]
-        row = compare(args, w, schedule, cost, (planned or {}).get(policy), engine_cfg, policy, n, done) if done else {
+        own = own_prediction(planned, policy, n)
+        row = compare(args, w, schedule, cost, own, engine_cfg, policy, n, done) if done else {
             "policy": policy, "workers": n}  # serve never started for it
         rows.append(row | ({"failed_runs": errors} if errors else {}))
     return rows
 
 
-def compare(args: argparse.Namespace, w: Workload, schedule: list[Arrival], cost: OpCost, planned: OpCost | None,
+def own_prediction(speeds: Speeds | None, policy: str, n: int) -> Planned | None:
+    """What the planner simulates a fleet of n workers of `policy` with: its shape's own pilot where one
+    ran, else the policy's."""
+    if speeds is None:
+        return None
+    return (speeds.fleets or {}).get((policy, n)) or speeds.planned.get(policy)
+
+
+def compare(args: argparse.Namespace, w: Workload, schedule: list[Arrival], cost: OpCost, planned: Planned | None,
             engine_cfg: EngineConfig, policy: str, n: int,
             runs: list[Run]) -> dict[str, Any]:
     """One fleet's real runs (their median per class) beside its simulations: with the cost model, as
@@ -192,12 +211,14 @@ def compare(args: argparse.Namespace, w: Workload, schedule: list[Arrival], cost
     row: dict[str, Any] = {"policy": policy, "workers": n, "real": median_run([pt for pt, _, _ in runs]),
                            "sim": planner.evaluate(policy, n, stop_early=False)}
     if planned is not None:
-        planner.cost = copy.deepcopy(planned)
+        planner.use(planned._replace(cost=copy.deepcopy(planned.cost)))
         row["sim_planned"] = planner.evaluate(policy, n, stop_early=False)
+    # the replays charge what the runs measured: each request's seconds, or their speed per size, with
+    # the runs' own host time per batch and time outside the workers
     exact = ExactCosts.from_batches(cost, batches)
-    planner.cost = copy.deepcopy(cost)
+    planner.use(planned_with(copy.deepcopy(cost), row["real"]))
     row["sim_measured_costs"] = planner.evaluate(policy, n, stop_early=False, exact=exact)
-    planner.cost = at_speed(cost, batches, exact.default)  # the machine's speed, as --speed-from
+    planner.use(planned_with(at_speed(cost, batches, exact.default), row["real"], spread(batches)))  # its speed
     row["sim_measured_speed"] = planner.evaluate(policy, n, stop_early=False)
     row |= {"measured_requests": len(exact.factors), "measured_factor_median": exact.default,
             "measured_factor_by_size": speed_by_size(batches)}
@@ -224,6 +245,8 @@ def median_run(points: list[dict[str, Any]]) -> dict[str, Any]:
     return {"rate": points[0]["rate"], "attainment": attainment, "goodput_rps": points[0]["rate"] * attainment,
             "per_class": per_class, "preemptions": statistics.median(p["preemptions"] for p in points),
             "failed": sum(p["failed"] for p in points), "command": points[0]["command"],
+            **{k: statistics.median(xs) if (xs := [p[k] for p in points if p.get(k) is not None]) else None
+               for k in ("worker_host_ms", "outside_worker_ms", "serving_cpu_ms")},
             "runs": [{"attainment": p["attainment"], "failed": p["failed"],
                       "per_class": {c: x["attainment"] for c, x in p["per_class"].items()}} for p in points]}
 
@@ -237,5 +260,6 @@ def at_pilot_speed(planner: Planner, cost: OpCost, pilot: Path, policy: str, n: 
     """The fleet simulated at the speed a pilot measured: its run of the same fleet where it has one
     (an earlier --against-serve's `batch-logs/<policy>-w<n>/`), else all its logs."""
     folder = pilot_folder(pilot, policy, n)
-    planner.cost, measured = measured_speed(cost, folder)
+    at, measured = measured_speed(cost, folder)
+    planner.use(Planned(at, noise=measured["spread"] or 0.0))
     return {"sim_pilot_speed": planner.evaluate(policy, n, stop_early=False), "pilot": {"from": str(folder)} | measured}

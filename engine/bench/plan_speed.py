@@ -26,6 +26,12 @@ plan at the pilots' speed was a mean 2.4 points off per class at one worker in t
 17.5) and 5.5. Neither foresees the machine's drift: out of sample, in a run during which this shared
 machine slowed down, the plan at pilots taken a minute before the fleets ran was 16.2 points off per class
 at one worker (docs/benchmarks.md).
+
+Speed per size is not all a pilot measures (engine/bench/plan_measured.py): also the worker's own time
+between batches, the time a request spends outside the worker, how far one batch's speed strays from
+its size's, and the CPU the worker's HTTP side takes from the batches requests arrive in; the plan
+simulates with all of them. And with `--against-serve`, each fleet of n > 1 workers sharing this machine
+gets a pilot of its own shape.
 """
 
 from __future__ import annotations
@@ -35,12 +41,13 @@ import contextlib
 import copy
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from rich.console import Console
 from rich.progress import Progress
 
 from engine.batch_log import MeasuredBatch
+from engine.bench.plan_measured import Planned, planned_with, spread
 from engine.config import EngineConfig
 from engine.model.plan import OpCost
 from engine.protocol.slo import DEFAULT_CLASSES
@@ -50,11 +57,20 @@ from loadtest.workload import Workload, head
 
 ENGINE_PASS = 100  # prompts: about 4 s on 2 EPYC cores for azure-mix's, and every size class it has
 PILOT = 100  # requests per policy: 14-16 s through `serve` at 16 req/s on 2 EPYC cores
-Speeds = tuple[dict[str, OpCost], str | None, dict[str, Any] | None]  # per policy; plan.json's key; what they rest on
 
 
 class PilotError(RuntimeError):
     """A pilot gave no speed to plan at: its serve did not start, or ran nothing."""
+
+
+class Speeds(NamedTuple):
+    """What each policy is planned with, where that came from (plan.json's key) and what it rests on;
+    with `--against-serve`, each real fleet's own (policy, workers) where a pilot of its shape ran."""
+
+    planned: dict[str, Planned]
+    key: str | None = None
+    said: dict[str, Any] | None = None
+    fleets: dict[tuple[str, int], Planned] | None = None
 
 
 def engine_pass(engine_cfg: EngineConfig, cost: OpCost, w: Workload, n: int, vocab: int,
@@ -87,14 +103,15 @@ def at_measured_speed(cost: OpCost, batches: list[MeasuredBatch]) -> tuple[OpCos
     median factor of their requests; and what it rests on (for plan.json)."""
     exact = ExactCosts.from_batches(cost, batches)
     return at_speed(cost, batches, exact.default), {"factor": exact.default, "requests": len(exact.factors),
-                                                    "by_size": speed_by_size(batches)}
+                                                    "by_size": speed_by_size(batches), "spread": spread(batches)}
 
 
-def serve_pilot(policy: str, threads: int | None, pilot: Workload, logs: Path
+def serve_pilot(policy: str, threads: int | None, pilot: Workload, logs: Path, workers: int = 1
                 ) -> tuple[list[MeasuredBatch], dict[str, Any]]:
-    """`pilot`'s requests, at their own arrival times, through a real `flowprefill serve --workers 1
+    """`pilot`'s requests, at their own arrival times, through a real `flowprefill serve --workers <workers>
     --policy <policy>` (`--threads`, prefix caching off, `--no-calibrate`, its batch log in `logs`): the
-    batches its worker ran, and the pilot's own goodput point (what it rests on, for plan.json)."""
+    batches its workers ran, and the pilot's own goodput point with its workers' host time per batch and
+    its requests' time outside them (what it rests on, for plan.json)."""
     import shutil
 
     from engine.bench.plan_real import real_point  # (plan_real builds on plan, which builds on this module)
@@ -102,13 +119,14 @@ def serve_pilot(policy: str, threads: int | None, pilot: Workload, logs: Path
 
     shutil.rmtree(logs, ignore_errors=True)  # an earlier pilot's logs are not this one's
     try:  # prompts of their own: none is one a compared real run sends
-        pt, _urls, batches = real_point(policy, 1, threads, pilot, arrivals(pilot, seed="pilot"), logs)
+        pt, _urls, batches = real_point(policy, workers, threads, pilot, arrivals(pilot, seed="pilot"), logs)
     except RuntimeError as exc:  # serve did not start
         raise PilotError(f"{policy}'s pilot: {exc}") from None
     n = len(pilot.requests)
     if not batches:
         raise PilotError(f"{policy}'s pilot ran no batch ({pt['failed']} of its {n} requests failed; its log: {logs})")
-    return batches, {"sent": n, "attainment": pt["attainment"], "failed": pt["failed"], "logs": str(logs)}
+    return batches, {"sent": n, "attainment": pt["attainment"], "failed": pt["failed"], "logs": str(logs)} | {
+        k: pt.get(k) for k in ("worker_host_ms", "outside_worker_ms", "serving_cpu_ms")}
 
 
 def measured_speed(cost: OpCost, folder: Path) -> tuple[OpCost, dict[str, Any]]:
@@ -122,18 +140,19 @@ def measured_speed(cost: OpCost, folder: Path) -> tuple[OpCost, dict[str, Any]]:
 
 def planning_costs(args: argparse.Namespace, w: Workload, pilot: Callable[[], tuple[Workload, str]], cost: OpCost,
                    vocab: int | None, engine_cfg: EngineConfig, policies: list[str], console: Console) -> Speeds:
-    """The cost model each policy's plan simulates: `cost` (the profile, or roofline) at the speed a
-    pilot's logs measured (`--speed-from`), or for `--cost cpu` at the speed each policy's own `serve`
-    pilot ran (`--pilot`), or an engine pass (`--engine-pass`, with `--pilot 0`); where that came from
-    (plan.json's key: "speed_from", "pilot", "engine_pass", or None for the cost model as it is).
-    `pilot`: the pilot's requests and where in the trace they come from (plan.py's `pilot_workload`), asked
-    only where a pilot runs."""
+    """What each policy's plan simulates: `cost` (the profile, or roofline) at the speed a pilot's logs
+    measured (`--speed-from`), or for `--cost cpu` as each policy's own `serve` pilot ran (`--pilot`), or
+    at an engine pass's speed (`--engine-pass`, with `--pilot 0`); where that came from (plan.json's key:
+    "speed_from", "pilot", "engine_pass", or None for the cost model as it is). `pilot`: the pilot's
+    requests and where in the trace they come from (plan.py's `pilot_workload`), asked only where a pilot
+    runs."""
     if args.speed_from is not None:
         at, measured = measured_speed(cost, Path(args.speed_from))
-        return _same(policies, at, "speed_from", {"from": args.speed_from} | measured, console,
+        return _same(policies, Planned(at, noise=measured["spread"] or 0.0), "speed_from",
+                     {"from": args.speed_from} | measured, console,
                      f"a pilot's logs ({args.speed_from})")
     if args.cost != "cpu" or not vocab:
-        return dict.fromkeys(policies, cost), None, None
+        return Speeds(dict.fromkeys(policies, Planned(cost)))
     if args.pilot:
         return _pilots(args, pilot, cost, policies, console)
     if args.engine_pass:
@@ -142,34 +161,55 @@ def planning_costs(args: argparse.Namespace, w: Workload, pilot: Callable[[], tu
             task = progress.add_task(f"engine pass: the workload's first {n} prompts, one at a time", total=n)
             batches = engine_pass(engine_cfg, cost, w, n, vocab, lambda _i: progress.advance(task))
         at, measured = at_measured_speed(cost, batches)
-        return _same(policies, at, "engine_pass", {"from": f"{n} prompts"} | measured, console,
+        return _same(policies, Planned(at, noise=measured["spread"] or 0.0), "engine_pass",
+                     {"from": f"{n} prompts"} | measured, console,
                      f"an engine pass over the workload's first {n} prompts")
-    return dict.fromkeys(policies, cost), None, None
+    return Speeds(dict.fromkeys(policies, Planned(cost)))
 
 
 def _pilots(args: argparse.Namespace, pilot: Callable[[], tuple[Workload, str]], cost: OpCost, policies: list[str],
             console: Console) -> Speeds:
-    """Each policy at the speed its own pilot's worker ran (`serve_pilot`)."""
+    """Each policy as its own pilot ran (`serve_pilot`): one worker for the plan, whose instances have
+    their machines to themselves; and for each `--against-serve` fleet of n > 1, a pilot of that fleet,
+    whose workers share this machine's cores with each other and the gateway as its real runs' will (on
+    2 EPYC cores two workers' batches ran 5.6-13.5 % slower per size than one worker's)."""
+    from engine.bench.plan import workers_of
+    from engine.bench.plan_real import fleet_name
+
     w, where = pilot()
-    costs, said = {}, {}
+    shared = [n for n in workers_of(args.against_serve) if n > 1] if args.against_serve else []
+    planned, fleets, said = {}, {}, {}
     for policy in policies:
-        console.print(f"pilot: serve --workers 1 --policy {policy}, {where}, over {w.duration_s:.0f} s")
-        batches, run = serve_pilot(policy, args.threads, w, Path(args.out) / "pilot" / policy.replace(":", "-"))
-        costs[policy], measured = at_measured_speed(cost, batches)
-        said[policy] = {"from": f"serve --workers 1, {where}"} | measured | run
-        _say(console, f"{policy}'s pilot", measured)
-    return costs, "pilot", said
+        for n in [1, *shared]:
+            console.print(f"pilot: serve --workers {n} --policy {policy}, {where}, over {w.duration_s:.0f} s")
+            folder = Path(args.out) / "pilot" / (policy.replace(":", "-") if n == 1 else fleet_name(policy, n))
+            batches, run = serve_pilot(policy, args.threads, w, folder, n)
+            at, measured = at_measured_speed(cost, batches)
+            fleets[(policy, n)] = planned_with(at, run, measured["spread"])
+            said.setdefault(policy, {}).setdefault("fleets", {})[str(n)] = (
+                {"from": f"serve --workers {n}, {where}"} | measured | run)
+            _say(console, f"{policy}'s pilot on {n} worker(s)", measured, fleets[(policy, n)])
+        planned[policy] = fleets[(policy, 1)]
+        said[policy] |= said[policy]["fleets"].pop("1")
+        if not said[policy]["fleets"]:
+            del said[policy]["fleets"]
+    return Speeds(planned, "pilot", said, fleets)
 
 
-def _same(policies: list[str], cost: OpCost, key: str, said: dict[str, Any], console: Console, source: str) -> Speeds:
+def _same(policies: list[str], planned: Planned, key: str, said: dict[str, Any], console: Console,
+          source: str) -> Speeds:
     """Every policy at one speed (a pilot's logs, or the engine pass), said once."""
-    _say(console, source, said)
-    return dict.fromkeys(policies, cost), key, said
+    _say(console, source, said, planned)
+    return Speeds(dict.fromkeys(policies, planned), key, said)
 
 
-def _say(console: Console, source: str, measured: dict[str, Any]) -> None:
-    """The speed a plan runs at, by batch size, as the command prints it."""
+def _say(console: Console, source: str, measured: dict[str, Any], planned: Planned) -> None:
+    """The speed a plan runs at, by batch size, and the time outside the batches, as the command prints it."""
     sizes = measured["by_size"]
     by_size = "" if sizes is None else " by batch size " + "/".join(f"{f:.2f}" for f in sizes)
+    extra = (f"; {planned.cost.batch_host_s * 1000:.1f} ms of the worker's own per batch"
+             if planned.cost.batch_host_s else "")
+    extra += f", {planned.outside_s * 1000:.1f} ms outside it per request" if planned.outside_s else ""
+    extra += f", each batch's speed spread by a sigma of {planned.noise:.2f}" if planned.noise else ""
     console.print(f"simulating at the speed {source} measured: {measured['factor']:.2f}x the cost model's seconds "
-                  f"(median of {measured['requests']} requests){by_size}")
+                  f"(median of {measured['requests']} requests){by_size}{extra}")

@@ -40,6 +40,9 @@ class SimConfig:
     seed: int = 0
     error: PredictionError = field(default_factory=PredictionError)  # true costs against predictions
     late_share: float = 0.5  # the scheduler's (EngineConfig.late_share)
+    # CPU a request's arrival costs the instance's own core (a CPU worker's HTTP side beside its engine
+    # loop): a step running when it arrives ends this much later (engine/bench/plan_speed.py's net_of_serving)
+    arrival_cpu_s: float = 0.0
 
 
 class _Clock:
@@ -165,8 +168,11 @@ class Simulation:
             self.sched.on_timer()
 
     def arrive(self, req: Request, t: float) -> None:
-        """`req` arrives here at t (its own arrival, or a fleet's router sending it here)."""
+        """`req` arrives here at t (its own arrival, or a fleet's router sending it here); a step running
+        then ends `arrival_cpu_s` later."""
         self.clock.t = max(self.clock.t, t)
+        if self.cfg.arrival_cpu_s and self.step_end is not None and t < self.step_end and not self.cfg.ideal:
+            self.step_end += self.cfg.arrival_cpu_s
         self.sched.on_arrival(req)
 
     def run(self) -> int:
@@ -180,8 +186,8 @@ class Simulation:
                 self.cut(t)
                 self.fire(t)
                 continue
-            while self.next_event() <= end:  # events during a step are decided at their own time and
-                self.fire(self.next_event())  # acted on at the next boundary
+            while self.next_event() <= self.step_end:  # events during a step are decided at their own time
+                self.fire(self.next_event())  # and acted on at the next boundary (an arrival may delay its end)
             self.end_step()
         self.finish()
         return self.preemptions

@@ -1,0 +1,116 @@
+"""What a real run's batch logs and its client say about a worker beyond its speed per batch size: its own
+time between batches, the time a request spends outside it, how far a batch's speed strays from its
+size's, and what its HTTP side's CPU takes from the batches requests arrive in. A `serve` pilot measures
+them (engine/bench/plan_speed.py), and the planner simulates with them (`Planned`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+from typing import Any, NamedTuple
+
+from engine.batch_log import MeasuredBatch
+from engine.model.plan import OpCost, size_class
+
+
+class Planned(NamedTuple):
+    """What a policy's fleet is simulated with: the cost model (at a pilot's speed, with its worker's host
+    time per batch); the time a request spends outside the worker's batches that no cost model holds
+    (the gateway's hop, the worker's HTTP, the first token's way back to the client), which comes out of
+    every request's TTFT budget (`outside_s`, as the pilot's client measured it); how far one batch's
+    speed strays from its size's (`noise`), which queues feel even where the median is right; and the CPU
+    a request costs the worker's HTTP side (`serving_s`), on the engine's own core, so that a step that
+    requests arrive in runs that much longer (`net_of_serving`)."""
+
+    cost: OpCost
+    outside_s: float = 0.0
+    noise: float = 0.0  # the sigma of a batch's lognormal speed around its size's (engine/sim/errors.py)
+    serving_s: float = 0.0  # the worker's serving side's CPU per request, taken from the step it arrives in
+
+def host_gaps(worker: Sequence[MeasuredBatch]) -> list[float]:
+    """One worker's own time between batches: from the end of the last batch it ran to the next batch's
+    first step, where no batch was left suspended across that time (a resumed one's segments are not
+    logged) and every request of the next one was already at the worker (it waited for nothing but
+    itself): the first token sampled and sent, the next decision, the next batch formed."""
+    timed = sorted((b.began_at, b.finished_at, max(b.arrived_at)) for b in worker
+                   if b.began_at is not None and b.finished_at is not None and b.arrived_at)
+    gaps, last_end = [], -math.inf  # the latest end of the batches begun so far
+    for began, end, arrived in timed:
+        if arrived < last_end <= began:
+            gaps.append(began - last_end)
+        last_end = max(last_end, end)
+    return gaps
+
+
+def outside_worker(ttfts: dict[str, float], batches: Iterable[MeasuredBatch]) -> list[float]:
+    """Per answered request (`ttfts`: its id, its TTFT at the client), the client's TTFT less the
+    request's time in the worker: from its arrival there to the end of its last batch."""
+    last: dict[str, tuple[float, float]] = {}
+    for b in batches:
+        if b.finished_at is None or not b.arrived_at:
+            continue
+        for rid, arrived in zip(b.ids, b.arrived_at, strict=True):
+            if rid not in last or b.finished_at > last[rid][0]:
+                last[rid] = (b.finished_at, arrived)
+    return [ttft - (done - arrived) for rid, ttft in ttfts.items() if (x := last.get(rid)) for done, arrived in [x]]
+
+
+def overheads(workers: Sequence[Sequence[MeasuredBatch]], ttfts: dict[str, float]) -> dict[str, float | None]:
+    """A real run's medians of `host_gaps` over its workers and of `outside_worker` (ms; None: its logs
+    do not say), as plan.json keeps them."""
+    gaps = [g for w in workers for g in host_gaps(w)]
+    outside = outside_worker(ttfts, [b for w in workers for b in w])
+    return {"worker_host_ms": statistics.median(gaps) * 1000 if gaps else None,
+            "outside_worker_ms": statistics.median(outside) * 1000 if outside else None}
+
+
+def planned_with(cost: OpCost, run: dict[str, Any], noise: float | None = 0.0) -> Planned:
+    """`cost` (at a pilot's speed) with the pilot's host time per batch, its time outside the worker less
+    that host time (the simulator charges a batch's host time before its first token), and its serving
+    side's CPU per request."""
+    host_s = (run.get("worker_host_ms") or 0.0) / 1000
+    outside_s = (run.get("outside_worker_ms") or 0.0) / 1000
+    return Planned(replace(cost, batch_host_s=host_s), max(0.0, outside_s - host_s), noise or 0.0,
+                   (run.get("serving_cpu_ms") or 0.0) / 1000)
+
+
+def net_of_serving(worker: Sequence[MeasuredBatch], serving_s: float) -> list[MeasuredBatch]:
+    """One worker's batches, each less the CPU its serving side took from it: `serving_s` for every
+    request that arrived at the worker while the batch ran (in proportion to the batch's own share of
+    that time, where it was suspended for part of it). The HTTP side and the engine loop share one core
+    and one GIL: on 2 EPYC cores a request cost it 3.5-4 ms (`serve`'s worker /metrics,
+    `flowprefill_worker_cpu_seconds_total{threads="serving"}`), and a `chunked:2048` batch ran 2.8-6.0 ms
+    longer for each arrival during it (a fit over three runs' 300-450 batches). The simulator charges it
+    back where requests arrive (`SimConfig.arrival_cpu_s`), so a burst slows the steps it lands in, as
+    it did the real worker's, and a quiet minute does not."""
+    arrived = sorted({a for b in worker for a in (b.arrived_at or ())})
+    if not serving_s or not arrived:
+        return list(worker)
+    out = []
+    for b in worker:
+        if b.began_at is None or b.finished_at is None or b.finished_at <= b.began_at:
+            out.append(b)
+            continue
+        during = bisect.bisect_left(arrived, b.finished_at) - bisect.bisect_right(arrived, b.began_at)
+        share = min(1.0, b.exec_s / (b.finished_at - b.began_at))
+        out.append(b._replace(exec_s=max(b.exec_s - serving_s * during * share, b.exec_s / 2)))
+    return out
+
+
+def spread(batches: Iterable[MeasuredBatch]) -> float | None:
+    """How far a batch's speed strays from its size's: the standard deviation of the log of its measured
+    over calibrated seconds, less its size class's median (`speed_by_size`'s). On 2 EPYC cores through
+    `serve`: 0.10-0.12 for one worker, 0.15-0.18 for two on 2 cores. Charged every batch the median of
+    its size, a simulated worker had no slow batch to queue behind: at 16 req/s, two FlowPrefill workers'
+    `standard` class read 11 points better than their runs at the runs' own speed per size, 2 points with
+    this spread drawn (mean of five draws). None: the logs do not say the batches' sizes."""
+    by_class: dict[int, list[float]] = {}
+    for b in batches:
+        if b.tokens and b.base_s > 0 and b.exec_s > 0:
+            by_class.setdefault(size_class(b.tokens), []).append(math.log(b.exec_s / b.base_s))
+    off = [x - statistics.median(xs) for xs in by_class.values() for x in xs]
+    return statistics.pstdev(off) if len(off) > 1 else None
