@@ -70,17 +70,6 @@ def start(*args: str, env: dict[str, str] | None = None, core: int | None = None
                                 preexec_fn=pin if core is not None else None, stdout=out, stderr=err)
 
 
-def cpu_s(pid: int) -> float:
-    """CPU seconds a process of this machine has run, its own threads' (not its children's): Linux's
-    /proc; 0.0 where it cannot be read."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        fields = stat[stat.rindex(")") + 2:].split()  # after the name, which may hold spaces
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
-    except (OSError, ValueError, IndexError):
-        return 0.0
-
-
 def last_line(path: Path) -> str:
     """The last non-empty line of a log (a command's one-line error, a traceback's exception)."""
     lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()] if path.exists() else []

@@ -36,9 +36,8 @@ class Planner:
     """Simulates the workload on N instances of a policy. `cost`: the cost model; `key_of`: each
     request's prefix key as the gateway would compute it; `urls`: the instances' names; `outside_s`:
     each request's time outside the instances' batches, out of its TTFT budget, `noise`: the spread of
-    batches' speeds around the cost model's, `serving_s`: the CPU an arrival takes from the step it
-    lands in, and `colocated_s`: what it takes from every running step where the gateway shares the
-    instances' cores (all plan_measured.Planned's)."""
+    batches' speeds around the cost model's, and `serving_s`: the CPU an arrival takes from the step it
+    lands in (all plan_measured.Planned's)."""
 
     def __init__(self, w: Workload, cost: OpCost, engine_cfg: EngineConfig, target: float, every_class: bool,
                  classes: dict[str, SLOClass] = DEFAULT_CLASSES, key_of: KeyOf | None = None,
@@ -50,12 +49,12 @@ class Planner:
         self.requests = requests or (lambda: with_prefixes(w, make_requests(w, classes, 1.0, 0.0, None)))
         self.prefix_blocks = PREFIX_BLOCK_TOKENS if any(r.prefix for r in w.requests) else None
         self.sheddable = frozenset(name for name, c in classes.items() if c.sheddable)
-        self.outside_s = self.noise = self.serving_s = self.colocated_s = 0.0
+        self.outside_s = self.noise = self.serving_s = 0.0
         self.sims = 0
 
     def use(self, planned: Planned) -> None:
         """Simulate with `planned`'s cost model, time outside the instances, noise and serving CPU from now on."""
-        self.cost, self.outside_s, self.noise, self.serving_s, self.colocated_s = planned
+        self.cost, self.outside_s, self.noise, self.serving_s = planned
 
 
     def evaluate(self, policy: str, n: int, stop_early: bool = True, exact: ExactCosts | None = None) -> dict[str, Any]:
@@ -91,7 +90,7 @@ class Planner:
             r.deadline -= self.outside_s
         router = GatewayRouter(n, self.key_of, self.poll_s, urls=self.urls(n) if self.urls else None)
         cfg = replace(sim_config(self.engine_cfg, error=PredictionError(noise=self.noise), seed=seed),
-                      arrival_cpu_s=self.serving_s, colocated_cpu_s=self.colocated_s)
+                      arrival_cpu_s=self.serving_s)
         fleet = Fleet(reqs, n, policy, self.cost, cfg, router, exact=exact, sheddable=self.sheddable,
                       max_waiting=self.engine_cfg.max_waiting, prefix_block_tokens=self.prefix_blocks)
         self.sims += 1

@@ -16,9 +16,6 @@ from typing import Any, NamedTuple
 from engine.batch_log import MeasuredBatch
 from engine.model.plan import OpCost, size_class
 
-# What a real run's point says of its workers beyond their speed (`overheads`, plan_real's real_point)
-OVERHEADS = ("worker_host_ms", "outside_worker_ms", "serving_cpu_ms", "colocated_cpu_ms")
-
 
 class Planned(NamedTuple):
     """What a policy's fleet is simulated with: the cost model (at a pilot's speed, with its worker's host
@@ -27,15 +24,12 @@ class Planned(NamedTuple):
     every request's TTFT budget (`outside_s`, as the pilot's client measured it); how far one batch's
     speed strays from its size's (`noise`), which queues feel even where the median is right; and the CPU
     a request costs the worker's HTTP side (`serving_s`), on the engine's own core, so that a step that
-    requests arrive in runs that much longer (`net_of_serving`), and where the gateway and the clients
-    run on the workers' cores (`serve --workers 2` on 2 cores), their CPU per request, a worker's share
-    (`colocated_s`), which every step running when a request arrives anywhere gives up."""
+    requests arrive in runs that much longer (`net_of_serving`)."""
 
     cost: OpCost
     outside_s: float = 0.0
     noise: float = 0.0  # the sigma of a batch's lognormal speed around its size's (engine/sim/errors.py)
     serving_s: float = 0.0  # the worker's serving side's CPU per request, taken from the step it arrives in
-    colocated_s: float = 0.0  # the gateway's and clients' per request, taken from every running step
 
 def host_gaps(worker: Sequence[MeasuredBatch]) -> list[float]:
     """One worker's own time between batches: from the end of the last batch it ran to the next batch's
@@ -81,11 +75,10 @@ def planned_with(cost: OpCost, run: dict[str, Any], noise: float | None = 0.0) -
     host_s = (run.get("worker_host_ms") or 0.0) / 1000
     outside_s = (run.get("outside_worker_ms") or 0.0) / 1000
     return Planned(replace(cost, batch_host_s=host_s), max(0.0, outside_s - host_s), noise or 0.0,
-                   (run.get("serving_cpu_ms") or 0.0) / 1000, (run.get("colocated_cpu_ms") or 0.0) / 1000)
+                   (run.get("serving_cpu_ms") or 0.0) / 1000)
 
 
-def net_of_serving(worker: Sequence[MeasuredBatch], serving_s: float, fleet_arrived: Sequence[float] = (),
-                   colocated_s: float = 0.0) -> list[MeasuredBatch]:
+def net_of_serving(worker: Sequence[MeasuredBatch], serving_s: float) -> list[MeasuredBatch]:
     """One worker's batches, each less the CPU its serving side took from it: `serving_s` for every
     request that arrived at the worker while the batch ran (in proportion to the batch's own share of
     that time, where it was suspended for part of it). The HTTP side and the engine loop share one core
@@ -93,25 +86,18 @@ def net_of_serving(worker: Sequence[MeasuredBatch], serving_s: float, fleet_arri
     `flowprefill_worker_cpu_seconds_total{threads="serving"}`), and a `chunked:2048` batch ran 2.8-6.0 ms
     longer for each arrival during it (a fit over three runs' 300-450 batches). The simulator charges it
     back where requests arrive (`SimConfig.arrival_cpu_s`), so a burst slows the steps it lands in, as
-    it did the real worker's, and a quiet minute does not. Where the gateway and the clients share the
-    workers' cores (`fleet_arrived`: every arrival at the fleet, sorted), each arrival anywhere also
-    took `colocated_s` from the batch (`SimConfig.colocated_cpu_s`): on 2 EPYC cores with two workers, an
-    arrival at the other worker slowed a batch by 2.9-6.0 ms (a fit over three runs each)."""
-    own = sorted({a for b in worker for a in (b.arrived_at or ())})
-    if not (serving_s and own) and not (colocated_s and fleet_arrived):
+    it did the real worker's, and a quiet minute does not."""
+    arrived = sorted({a for b in worker for a in (b.arrived_at or ())})
+    if not serving_s or not arrived:
         return list(worker)
-
-    def during(arrived: Sequence[float], b: MeasuredBatch) -> int:
-        return bisect.bisect_left(arrived, b.finished_at) - bisect.bisect_right(arrived, b.began_at)
-
     out = []
     for b in worker:
         if b.began_at is None or b.finished_at is None or b.finished_at <= b.began_at:
             out.append(b)
             continue
+        during = bisect.bisect_left(arrived, b.finished_at) - bisect.bisect_right(arrived, b.began_at)
         share = min(1.0, b.exec_s / (b.finished_at - b.began_at))
-        taken = (serving_s * during(own, b) + colocated_s * during(fleet_arrived, b)) * share
-        out.append(b._replace(exec_s=max(b.exec_s - taken, b.exec_s / 2)))
+        out.append(b._replace(exec_s=max(b.exec_s - serving_s * during * share, b.exec_s / 2)))
     return out
 
 

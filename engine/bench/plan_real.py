@@ -30,7 +30,6 @@ import os
 import shutil
 import statistics
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,14 +41,14 @@ from engine.batch_log import ENV as BATCH_LOG
 from engine.batch_log import MeasuredBatch, read_workers
 from engine.bench.plan import workers_of
 from engine.bench.plan_fleet import Planner
-from engine.bench.plan_measured import OVERHEADS, Planned, net_of_serving, overheads, planned_with, spread
+from engine.bench.plan_measured import Planned, net_of_serving, overheads, planned_with, spread
 from engine.bench.plan_speed import Speeds, measured_speed
 from engine.config import EngineConfig
 from engine.model.plan import OpCost
 from engine.protocol.slo import DEFAULT_CLASSES
 from engine.request import Request
 from engine.sim.oracle import ExactCosts, at_speed, speed_by_size
-from gateway.processes import cpu_s, free_port, last_line, start, stop, wait_healthy
+from gateway.processes import free_port, last_line, start, stop, wait_healthy
 from loadtest import report
 from loadtest.goodput import make_requests
 from loadtest.peer.client import Arrival, Target, arrivals, model_name, replay
@@ -76,10 +75,8 @@ def real_point(policy: str, n: int, threads: int | None, w: Workload, schedule: 
     url = f"http://127.0.0.1:{port}"
     try:
         counters = ServerCounters(url)  # the workers' CPU: their serving side's share is the runs' too
-        with off_the_workers_cores(n, threads) as apart:
-            around = cpu_s(proc.pid), time.process_time()  # the gateway's and the load generator's
+        with off_the_workers_cores(n, threads):
             records = asyncio.run(replay(Target(url, model_name(url)), schedule, max_tokens=1, drain_s=120))
-            beside = cpu_s(proc.pid) - around[0] + time.process_time() - around[1]
         _, cpu = counters.stop()
     finally:
         stop(proc)
@@ -87,35 +84,30 @@ def real_point(policy: str, n: int, threads: int | None, w: Workload, schedule: 
     failed = sum(not r.ok for r in records)
     pt = report.point(w.rate, outcomes(records)) | {"failed": failed, "command": "flowprefill " + " ".join(argv)}
     pt |= overheads(workers, {f"w{r.index}": r.ttft_s for r in records if r.ttft_s is not None and r.ok})
-    per_request = 1000 / max(1, len(records))
-    pt["serving_cpu_ms"] = cpu["serving_s"] * per_request if cpu else None
-    # what the gateway and the load generator took per request from each worker's core, where they share them
-    pt["colocated_cpu_ms"] = 0.0 if apart else beside * per_request / n
-    fleet = sorted(a for bs in workers for b in bs for a in (b.arrived_at or ()))
-    batches = [b for bs in workers for b in net_of_serving(bs, (pt["serving_cpu_ms"] or 0.0) / 1000,
-                                                             fleet, pt["colocated_cpu_ms"] / 1000)]
+    pt["serving_cpu_ms"] = cpu["serving_s"] * 1000 / len(records) if cpu and records else None
+    serving_s = (pt["serving_cpu_ms"] or 0.0) / 1000
+    batches = [b for bs in workers for b in net_of_serving(bs, serving_s)]
     return pt, [f"http://127.0.0.1:{port + 1 + i}" for i in range(n)], batches
 
 
 @contextmanager
-def off_the_workers_cores(n: int, threads: int | None) -> Iterator[bool]:
+def off_the_workers_cores(n: int, threads: int | None) -> Iterator[None]:
     """The load generator (this process) on the gateway's cores while `serve --workers n` runs, where
     serve pins its workers to cores of their own (it keeps the first core for the gateway when the
     rest hold every worker: on 2 cores, one worker of one thread), as a deployment's clients are not on
     its workers' cores. Unpinned, the replay's own Python shared the one worker's core at 16 req/s.
-    (The calling thread is pinned, and so the replay's event loop and any thread it starts.) Yields
-    whether they are apart from the workers' cores."""
+    (The calling thread is pinned, and so the replay's event loop and any thread it starts.)"""
     from gateway.cli.serve import Cores, worker_threads
 
     serve_args = argparse.Namespace(device="cpu", cpu_cores=None, workers=n, num_threads=threads)
     cores = Cores.plan(serve_args, worker_threads(serve_args))  # serve's own split of this machine's cores
     if cores is None or cores.shared & set().union(*cores.own):
-        yield False  # the gateway shares the workers' cores: nowhere else to go
+        yield  # the gateway shares the workers' cores: nowhere else to go
         return
     before = os.sched_getaffinity(0)
     os.sched_setaffinity(0, cores.shared)
     try:
-        yield True
+        yield
     finally:
         os.sched_setaffinity(0, before)
 
@@ -254,7 +246,7 @@ def median_run(points: list[dict[str, Any]]) -> dict[str, Any]:
             "per_class": per_class, "preemptions": statistics.median(p["preemptions"] for p in points),
             "failed": sum(p["failed"] for p in points), "command": points[0]["command"],
             **{k: statistics.median(xs) if (xs := [p[k] for p in points if p.get(k) is not None]) else None
-               for k in OVERHEADS},
+               for k in ("worker_host_ms", "outside_worker_ms", "serving_cpu_ms")},
             "runs": [{"attainment": p["attainment"], "failed": p["failed"],
                       "per_class": {c: x["attainment"] for c, x in p["per_class"].items()}} for p in points]}
 

@@ -165,8 +165,6 @@ class Fleet:
         self._shed_seen[i] = len(s.sched.shed)
 
     def _dispatch(self, req: Request, t: float) -> None:
-        for s in self.sims:  # the gateway's and clients' CPU for it, where they share the instances' cores
-            s.stretch(t, s.cfg.colocated_cpu_s)
         tried: set[int] = set()
         while (i := self.router.pick(req, t, tried)) is not None:
             tried.add(i)

@@ -43,9 +43,6 @@ class SimConfig:
     # CPU a request's arrival costs the instance's own core (a CPU worker's HTTP side beside its engine
     # loop): a step running when it arrives ends this much later (engine/bench/plan_speed.py's net_of_serving)
     arrival_cpu_s: float = 0.0
-    # CPU an arrival anywhere in a fleet costs each instance's core (a gateway and clients on the instances'
-    # cores): every instance's running step ends this much later (engine/sim/fleet.py)
-    colocated_cpu_s: float = 0.0
 
 
 class _Clock:
@@ -174,13 +171,9 @@ class Simulation:
         """`req` arrives here at t (its own arrival, or a fleet's router sending it here); a step running
         then ends `arrival_cpu_s` later."""
         self.clock.t = max(self.clock.t, t)
-        self.stretch(t, self.cfg.arrival_cpu_s)
+        if self.cfg.arrival_cpu_s and self.step_end is not None and t < self.step_end and not self.cfg.ideal:
+            self.step_end += self.cfg.arrival_cpu_s
         self.sched.on_arrival(req)
-
-    def stretch(self, t: float, cpu_s: float) -> None:
-        """Something else took `cpu_s` of this instance's core at t: a step running then ends that much later."""
-        if cpu_s and self.step_end is not None and t < self.step_end and not self.cfg.ideal:
-            self.step_end += cpu_s
 
     def run(self) -> int:
         while self.sched.chosen is not None or self.arrivals:
