@@ -16,6 +16,9 @@ from typing import Any, NamedTuple
 from engine.batch_log import MeasuredBatch
 from engine.model.plan import OpCost, size_class
 
+# What a real run's point says of its workers beyond their speed (plan_real's real_point)
+OVERHEADS = ("worker_host_ms", "outside_worker_ms", "serving_cpu_ms")
+
 
 class Planned(NamedTuple):
     """What a policy's fleet is simulated with: the cost model (at a pilot's speed, with its worker's host

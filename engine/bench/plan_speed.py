@@ -47,7 +47,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from engine.batch_log import MeasuredBatch
-from engine.bench.plan_measured import Planned, planned_with, spread
+from engine.bench.plan_measured import OVERHEADS, Planned, planned_with, spread
 from engine.config import EngineConfig
 from engine.model.plan import OpCost
 from engine.protocol.slo import DEFAULT_CLASSES
@@ -126,7 +126,7 @@ def serve_pilot(policy: str, threads: int | None, pilot: Workload, logs: Path, w
     if not batches:
         raise PilotError(f"{policy}'s pilot ran no batch ({pt['failed']} of its {n} requests failed; its log: {logs})")
     return batches, {"sent": n, "attainment": pt["attainment"], "failed": pt["failed"], "logs": str(logs)} | {
-        k: pt.get(k) for k in ("worker_host_ms", "outside_worker_ms", "serving_cpu_ms")}
+        k: pt.get(k) for k in OVERHEADS}
 
 
 def measured_speed(cost: OpCost, folder: Path) -> tuple[OpCost, dict[str, Any]]:
