@@ -85,7 +85,7 @@ def net_of_serving(worker: Sequence[MeasuredBatch], serving_s: float) -> list[Me
     """One worker's batches, each less the CPU its serving side took from it: `serving_s` for every
     request that arrived at the worker while the batch ran (in proportion to the batch's own share of
     that time, where it was suspended for part of it). The HTTP side and the engine loop share one core
-    and one GIL: on 2 EPYC cores a request cost it 3.5-4 ms (`serve`'s worker /metrics,
+    and one GIL: on 2 EPYC cores a request cost it 1.9-3.0 ms in 24 pilots (`serve`'s worker /metrics,
     `flowprefill_worker_cpu_seconds_total{threads="serving"}`), and a `chunked:2048` batch ran 2.8-6.0 ms
     longer for each arrival during it (a fit over three runs' 300-450 batches). The simulator charges it
     back where requests arrive (`SimConfig.arrival_cpu_s`), so a burst slows the steps it lands in, as
@@ -107,7 +107,7 @@ def net_of_serving(worker: Sequence[MeasuredBatch], serving_s: float) -> list[Me
 def spread(batches: Iterable[MeasuredBatch]) -> float | None:
     """How far a batch's speed strays from its size's: the standard deviation of the log of its measured
     over calibrated seconds, less its size class's median (`speed_by_size`'s). On 2 EPYC cores through
-    `serve`: 0.10-0.12 for one worker, 0.15-0.18 for two on 2 cores. Charged every batch the median of
+    `serve`: 0.09-0.14 for one worker, 0.11-0.24 for two on 2 cores (14 pilots each). Charged every batch the median of
     its size, a simulated worker had no slow batch to queue behind: at 16 req/s, two FlowPrefill workers'
     `standard` class read 11 points better than their runs at the runs' own speed per size, 2 points with
     this spread drawn (mean of five draws). None: the logs do not say the batches' sizes."""
