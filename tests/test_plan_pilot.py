@@ -34,7 +34,7 @@ def test_plan_on_this_cpu_pilots_each_policy_through_a_real_serve_first(
     assert set(doc["pilot"]) == {"fcfs", "chunked:256"} and "engine_pass" not in doc
     (profile,) = (tmp_path / "cache").glob("opcost-*.json")  # the planner's thread count is the workers'
     assert len(json.loads(profile.read_text())["calibrations"]) == 1  # the planner's probe's; none of theirs
-    for policy, folder in (("fcfs", "fcfs"), ("chunked:256", "chunked-256")):
+    for policy, folder in (("fcfs", "fcfs-w1"), ("chunked:256", "chunked-256-w1")):
         said = doc["pilot"][policy]
         assert said["from"] == "serve --workers 1, the workload's first 6 requests"
         assert said["sent"] == 6 and said["failed"] == 0 and said["logs"] == str(out / "pilot" / folder)
@@ -108,8 +108,8 @@ def test_each_policy_is_planned_at_its_own_pilot_s_speed_and_compared_so_with_se
             "--max-instances", "2", "--against-serve", "1,2", "--pilot", "8", "--out", str(tmp_path)]
     assert plan.main(argv) == 0
     doc = json.loads((tmp_path / "plan.json").read_text())
-    assert pilots == [("fcfs", 8, tmp_path / "pilot" / "fcfs", 1), ("fcfs", 8, tmp_path / "pilot" / "fcfs-w2", 2),
-                      ("chunked:512", 8, tmp_path / "pilot" / "chunked-512", 1),
+    assert pilots == [("fcfs", 8, tmp_path / "pilot" / "fcfs-w1", 1), ("fcfs", 8, tmp_path / "pilot" / "fcfs-w2", 2),
+                      ("chunked:512", 8, tmp_path / "pilot" / "chunked-512-w1", 1),
                       ("chunked:512", 8, tmp_path / "pilot" / "chunked-512-w2", 2)]
     assert {p: doc["pilot"][p]["factor"] for p in factors} == pytest.approx(factors) and "engine_pass" not in doc
     assert {p: doc["pilot"][p]["fleets"]["2"]["factor"] for p in factors} == pytest.approx(
@@ -158,7 +158,7 @@ def test_a_pilot_that_serves_nothing_stops_the_plan_with_its_reason(
         plan.main(["--requests", "20", "--cost", "cpu", "--threads", "1", "--rate", "2", "--policies", "fcfs",
                    "--pilot", "5", "--out", str(tmp_path)])
     assert exited.value.code == 2
-    log = tmp_path / "pilot" / "fcfs"
+    log = tmp_path / "pilot" / "fcfs-w1"
     why = {"no batch": f"fcfs's pilot ran no batch (5 of its 5 requests failed; its log: {log})",
            "no start": "fcfs's pilot: flowprefill serve: exited with code 2: address already in use"}[how]
     assert f"--pilot: {why} (--pilot 0 plans without one)" in capsys.readouterr().err
@@ -306,3 +306,67 @@ def test_a_step_that_requests_arrive_in_ends_later_by_their_serving_cpu() -> Non
         return planner.evaluate("fcfs", 1, stop_early=False)["per_class"]["batch"]["ttft_p50_ms"] / 1000
 
     assert fleet_ttft(0.010) - fleet_ttft(0.0) == pytest.approx(0.100, abs=0.002)
+
+
+def test_with_noise_a_fleet_stops_early_only_when_its_draws_pooled_cannot_reach_the_floor() -> None:
+    """Five pooled draws: a draw stops early once the misses of the draws so far and its own, with the
+    draws to come all met, could not lift the pool to the floor (target less STOP_BELOW), not when that
+    draw alone falls below it. An overload that one instance misses nearly whole (40 requests of 0.56 s
+    each, 20 a second): alone, its draw stops; as the first of five it runs on (at most 40 of 200 missed,
+    the floor allows 70); after 60 misses in earlier draws it stops.
+    Evaluated, the pool stops early with at most what the misses leave, under the floor."""
+    from engine.bench.plan_fleet import NOISE_DRAWS, STOP_BELOW, Planner
+    from engine.bench.plan_measured import Planned
+    from engine.config import EngineConfig
+    from loadtest.workload import TraceRequest, Workload
+
+    burst = Workload("overload", "test", "fixed", [TraceRequest(0.05 * i, 2000, 1, "interactive") for i in range(40)])
+    planner = Planner(burst, COST, EngineConfig(prefix_caching=False), 0.9, False)
+    planner.use(Planned(COST, noise=0.1))
+    assert isinstance(planner._run("fcfs", 1, 0, True, None), dict)  # one draw alone: stopped
+    assert isinstance(planner._run("fcfs", 1, 0, True, None, {}, NOISE_DRAWS), tuple)  # first of five: runs on
+    assert isinstance(planner._run("fcfs", 1, 1, True, None, {"interactive": 60}, NOISE_DRAWS), dict)
+    pooled = planner.evaluate("fcfs", 1)
+    assert pooled["stopped_early"] and pooled["attainment_at_most"] < 0.9 - STOP_BELOW
+
+
+def test_an_arrival_during_a_stretched_step_stretches_that_step_too() -> None:
+    """A prefill ends at D0 alone. One short request arrives 1 ms before D0 and one 3 ms after: with 5 ms
+    of serving CPU per arrival, the first stretches the prefill's last step to D0 + 5 ms, so the second
+    arrives while it still runs and stretches it again: the first token at D0 + 10 ms, not D0 + 5 ms
+    with the second's CPU left to the next batch."""
+    from dataclasses import replace
+
+    from engine.protocol.slo import DEFAULT_CLASSES
+    from engine.scheduler import make_policy
+    from engine.sim.simulator import SimConfig, simulate
+    from loadtest.goodput import make_requests
+    from loadtest.workload import TraceRequest, Workload
+
+    def ttft_of_the_long(arrival_cpu_s: float, d0: float = 0.0) -> float:
+        w = Workload("one and two", "test", "fixed", [TraceRequest(0.0, 500, 1, "batch"),
+                                                        TraceRequest(d0 - 0.001, 50, 1, "interactive"),
+                                                        TraceRequest(d0 + 0.003, 50, 1, "interactive")])
+        reqs = make_requests(w, DEFAULT_CLASSES, 1.0, 0.0, None)
+        simulate(reqs, make_policy("fcfs"), COST, replace(SimConfig(), arrival_cpu_s=arrival_cpu_s))
+        return reqs[0].ttft  # type: ignore[return-value]
+
+    d0 = ttft_of_the_long(0.0, 1.0)  # the short ones long after: it runs alone
+    assert ttft_of_the_long(0.005, d0) == pytest.approx(d0 + 0.010)
+
+
+def test_noise_around_a_median_speed_has_median_one() -> None:
+    """The planner's noise is drawn around the pilot's median speed per size: its draws' median is one
+    (the mean e^(sigma^2/2)); `--errors noise`'s keep mean one."""
+    import random
+    import statistics
+
+    from engine.sim.errors import PredictionError, TrueSpeed
+
+    def draws(mean_one: bool) -> list[float]:
+        speed = TrueSpeed(PredictionError(noise=0.3, noise_mean_one=mean_one), 0.0, random.Random(7))
+        return [speed.batch_factor() for _ in range(20000)]
+
+    assert statistics.median(draws(False)) == pytest.approx(1.0, abs=0.01)
+    assert statistics.fmean(draws(True)) == pytest.approx(1.0, abs=0.01)
+    assert statistics.fmean(draws(False)) == pytest.approx(2.718281828 ** (0.3 ** 2 / 2), abs=0.01)

@@ -182,7 +182,7 @@ def _pilots(args: argparse.Namespace, pilot: Callable[[], tuple[Workload, str]],
     for policy in policies:
         for n in [1, *shared]:
             console.print(f"pilot: serve --workers {n} --policy {policy}, {where}, over {w.duration_s:.0f} s")
-            folder = Path(args.out) / "pilot" / (policy.replace(":", "-") if n == 1 else fleet_name(policy, n))
+            folder = Path(args.out) / "pilot" / fleet_name(policy, n)  # as --speed-from finds a fleet's own
             batches, run = serve_pilot(policy, args.threads, w, folder, n)
             at, measured = at_measured_speed(cost, batches)
             fleets[(policy, n)] = planned_with(at, run, measured["spread"])

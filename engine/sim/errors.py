@@ -28,6 +28,9 @@ class PredictionError:
     slowdown: float = 1.0
     slowdown_at: float = 0.5
     label: str = "none"
+    # The noise's draws have mean one (what a prediction of the mean expects), or, False, median one (a
+    # speed per size taken as the median of measured batches, as `flowprefill plan`'s pilot takes it)
+    noise_mean_one: bool = True
 
     @classmethod
     def parse(cls, spec: str) -> PredictionError:
@@ -70,7 +73,9 @@ class TrueSpeed:
     def batch_factor(self) -> float:
         """A new batch's own draw (noise only): the rest of its factor depends on the time it runs."""
         sigma = self.error.noise
-        return self.rng.lognormvariate(-sigma * sigma / 2, sigma) if sigma else 1.0
+        if not sigma:
+            return 1.0
+        return self.rng.lognormvariate(-sigma * sigma / 2 if self.error.noise_mean_one else 0.0, sigma)
 
     def at(self, t: float) -> float:
         """The machine's factor at virtual time t (the slowdown step)."""
