@@ -14,7 +14,8 @@ from dataclasses import replace
 from typing import Any, NamedTuple
 
 from engine.batch_log import MeasuredBatch
-from engine.model.plan import OpCost, size_class
+from engine.model.plan import OpCost
+from engine.sim.oracle import factors_by_size
 
 # What a real run's point says of its workers beyond their speed (plan_real's real_point)
 OVERHEADS = ("worker_host_ms", "outside_worker_ms", "serving_cpu_ms")
@@ -33,6 +34,7 @@ class Planned(NamedTuple):
     outside_s: float = 0.0
     noise: float = 0.0  # the sigma of a batch's lognormal speed around its size's (engine/sim/errors.py)
     serving_s: float = 0.0  # the worker's serving side's CPU per request, taken from the step it arrives in
+
 
 def host_gaps(worker: Sequence[MeasuredBatch]) -> list[float]:
     """One worker's own time between batches: from the end of the last batch it ran to the next batch's
@@ -59,7 +61,7 @@ def outside_worker(ttfts: dict[str, float], batches: Iterable[MeasuredBatch]) ->
         for rid, arrived in zip(b.ids, b.arrived_at, strict=True):
             if rid not in last or b.finished_at > last[rid][0]:
                 last[rid] = (b.finished_at, arrived)
-    return [ttft - (done - arrived) for rid, ttft in ttfts.items() if (x := last.get(rid)) for done, arrived in [x]]
+    return [ttft - (last[rid][0] - last[rid][1]) for rid, ttft in ttfts.items() if rid in last]
 
 
 def overheads(workers: Sequence[Sequence[MeasuredBatch]], ttfts: dict[str, float]) -> dict[str, float | None]:
@@ -107,13 +109,11 @@ def net_of_serving(worker: Sequence[MeasuredBatch], serving_s: float) -> list[Me
 def spread(batches: Iterable[MeasuredBatch]) -> float | None:
     """How far a batch's speed strays from its size's: the standard deviation of the log of its measured
     over calibrated seconds, less its size class's median (`speed_by_size`'s). On 2 EPYC cores through
-    `serve`: 0.09-0.14 for one worker, 0.11-0.24 for two on 2 cores (14 pilots each). Charged every batch the median of
-    its size, a simulated worker had no slow batch to queue behind: at 16 req/s, two FlowPrefill workers'
-    `standard` class read 11 points better than their runs at the runs' own speed per size, 2 points with
-    this spread drawn (mean of five draws). None: the logs do not say the batches' sizes."""
-    by_class: dict[int, list[float]] = {}
-    for b in batches:
-        if b.tokens and b.base_s > 0 and b.exec_s > 0:
-            by_class.setdefault(size_class(b.tokens), []).append(math.log(b.exec_s / b.base_s))
-    off = [x - statistics.median(xs) for xs in by_class.values() for x in xs]
+    `serve`: 0.09-0.14 for one worker, 0.11-0.24 for two on 2 cores (14 pilots each). Charged every
+    batch the median of its size, a simulated worker had no slow batch to queue behind: at 16 req/s, two
+    FlowPrefill workers' `standard` class read 11 points better than their runs at the runs' own speed
+    per size, 2 points with this spread drawn (mean of five draws). None: the logs do not say the
+    batches' sizes."""
+    logs = [[math.log(f) for f in factors] for factors in factors_by_size(batches) if factors]
+    off = [x - statistics.median(xs) for xs in logs for x in xs]
     return statistics.pstdev(off) if len(off) > 1 else None

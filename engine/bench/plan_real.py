@@ -152,8 +152,9 @@ def against_serve(args: argparse.Namespace, w: Workload, cost: OpCost, engine_cf
                   ) -> list[dict[str, Any]]:
     """`cost`: the cost model as profiled; `planned`: what the plan simulated per policy (at its pilot's or
     an engine pass's speed), or per fleet where a pilot of its shape ran, whose simulation is then the
-    planner's own prediction. With `--repeats R` each fleet runs R times, in rounds (every fleet once per round, so that
-    the machine's drift falls on all of them), and is compared per class with the median of its runs."""
+    planner's own prediction. With `--repeats R` each fleet runs R times, in rounds (every fleet once per
+    round, so that the machine's drift falls on all of them), and is compared per class with the median
+    of its runs."""
     schedule = arrivals(w)
     fleets = [(policy, n) for policy in policies for n in workers_of(args.against_serve)]
     root = Path(args.out) / "batch-logs"

@@ -106,16 +106,23 @@ class OracleScheduler(Scheduler):
         """Exact costs need no correction."""
 
 
+def factors_by_size(batches: Iterable[MeasuredBatch]) -> list[list[float]]:
+    """Per batch size class (`SIZE_CLASSES`), the measured over calibrated seconds of the batches of that
+    size (none where the logs do not say the batches' sizes)."""
+    by_class: list[list[float]] = [[] for _ in range(len(SIZE_CLASSES) + 1)]
+    for b in (MeasuredBatch(*entry) for entry in batches):
+        if b.tokens and b.base_s > 0 and b.exec_s > 0:
+            by_class[size_class(b.tokens)].append(b.exec_s / b.base_s)
+    return by_class
+
+
 def speed_by_size(batches: Iterable[MeasuredBatch]) -> list[float] | None:
     """Per batch size class (`SIZE_CLASSES`), the median of measured over calibrated seconds of the
     batches of that size; a class no batch measured takes its nearest measured one's (the longer on a
     tie). None: the logs do not say the batches' sizes. The factor falls with the size: on 2 EPYC cores
     through `serve`, 2.9-4.4x for batches predicted under 10 ms, 1.6-2.0x over 0.8 s, so one median
     for the machine (about 2, most requests being short) charged long prompts a fifth too much."""
-    by_class: list[list[float]] = [[] for _ in range(len(SIZE_CLASSES) + 1)]
-    for b in (MeasuredBatch(*entry) for entry in batches):
-        if b.tokens and b.base_s > 0 and b.exec_s > 0:
-            by_class[size_class(b.tokens)].append(b.exec_s / b.base_s)
+    by_class = factors_by_size(batches)
     seen = [k for k, factors in enumerate(by_class) if factors]
     if not seen:
         return None
