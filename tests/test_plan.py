@@ -110,6 +110,40 @@ def test_the_fleet_routes_by_the_gateways_pool(monkeypatch: pytest.MonkeyPatch) 
     assert fleet.placed["r1"] == fleet.placed["r0"]
 
 
+def test_where_the_polls_fall_decides_how_a_burst_is_shared() -> None:
+    """A 6000-token prompt at 0, ten 100-token ones at once at 0.5 s: polled at 0.2 s, the pool saw the long
+    one's backlog and sends them all to the other instance; first polled after them, it saw two idle
+    instances and shares them by requests in flight. The planner draws the first poll per simulation."""
+    def burst(first_poll_s: float) -> Fleet:
+        reqs = requests([(0.0, 6000, "batch")] + [(0.5 + 0.0001 * i, 100, "interactive") for i in range(10)])
+        fleet = Fleet(reqs, 2, "fcfs", COST, SimConfig(), GatewayRouter(2, None, first_poll_s=first_poll_s))
+        assert fleet.run()
+        return fleet
+
+    early, late = burst(0.2), burst(0.9)
+    assert [early.placed[f"r{i}"] != early.placed["r0"] for i in range(1, 11)] == [True] * 10
+    assert sum(late.placed[f"r{i}"] == late.placed["r0"] for i in range(1, 11)) >= 4
+
+
+def test_the_planner_draws_where_the_gateways_polls_fall(monkeypatch: pytest.MonkeyPatch) -> None:
+    import engine.bench.plan_fleet as plan_fleet
+
+    firsts: list[float] = []
+
+    class Recording(GatewayRouter):
+        def __init__(self, *args: object, first_poll_s: float = 0.0, **kwargs: object) -> None:
+            firsts.append(first_poll_s)
+            super().__init__(*args, first_poll_s=first_poll_s, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(plan_fleet, "GatewayRouter", Recording)
+    planner = Planner(bursts(seconds=4), COST, EngineConfig(prefix_caching=False), 0.9, False, poll_s=0.5)
+    for seed in range(5):
+        planner._run("fcfs", 2, seed, False, None)
+    assert len(set(firsts)) == 5 and all(0 <= f < 0.5 for f in firsts)
+    planner._run("fcfs", 2, 0, False, None)
+    assert firsts[-1] == firsts[0]  # a draw's is its own, run after run
+
+
 def _conversation() -> list:  # type: ignore[type-arg]
     """A prompt, its next turn (the same prompt and more) 3 s later, an unrelated prompt just after."""
     reqs = requests([(0.0, 2000, "relaxed"), (3.0, 2500, "relaxed"), (3.1, 1500, "relaxed")], tokens=True)

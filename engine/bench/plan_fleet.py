@@ -6,6 +6,7 @@ sets a fleet beside the real one.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -49,7 +50,8 @@ class Planner:
         self.requests = requests or (lambda: with_prefixes(w, make_requests(w, classes, 1.0, 0.0, None)))
         self.prefix_blocks = PREFIX_BLOCK_TOKENS if any(r.prefix for r in w.requests) else None
         self.sheddable = frozenset(name for name, c in classes.items() if c.sheddable)
-        self.outside_s = self.noise = self.serving_s = 0.0
+        self.outside_s = self.serving_s = 0.0
+        self.noise: tuple[float, ...] = ()
         self.sims = 0
 
     def use(self, planned: Planned) -> None:
@@ -62,7 +64,7 @@ class Planner:
         goodput per class), or, stopped early, the most attainment it could still have reached.
         `exact`: charge and predict each request what a real run measured (engine/sim/oracle.py). With
         `noise`, the workload runs `NOISE_DRAWS` times, each with its own draws, and the point pools them."""
-        draws = NOISE_DRAWS if self.noise and exact is None else 1
+        draws = NOISE_DRAWS if any(self.noise) and exact is None else 1
         done: list[Request] = []
         missed: dict[str, int] = {}  # by class, in the draws run so far
         preemptions = refused = matched = 0
@@ -96,9 +98,12 @@ class Planner:
         for r in reqs if self.outside_s else ():
             r.ttft_target_s -= self.outside_s
             r.deadline -= self.outside_s
-        router = GatewayRouter(n, self.key_of, self.poll_s, urls=self.urls(n) if self.urls else None)
+        # where the gateway's polls fall against the trace, drawn as the noise is (GatewayRouter)
+        first_poll_s = random.Random(f"poll:{seed}").random() * self.poll_s
+        router = GatewayRouter(n, self.key_of, self.poll_s, urls=self.urls(n) if self.urls else None,
+                               first_poll_s=first_poll_s)
         # the noise around the pilot's median speed per size: median one, not mean one
-        error = PredictionError(noise=self.noise, noise_mean_one=False)
+        error = PredictionError(noise_by_size=self.noise, noise_mean_one=False)
         cfg = replace(sim_config(self.engine_cfg, error=error, seed=seed), arrival_cpu_s=self.serving_s)
         fleet = Fleet(reqs, n, policy, self.cost, cfg, router, exact=exact, sheddable=self.sheddable,
                       max_waiting=self.engine_cfg.max_waiting, prefix_block_tokens=self.prefix_blocks)

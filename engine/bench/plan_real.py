@@ -77,12 +77,13 @@ def real_point(policy: str, n: int, threads: int | None, w: Workload, schedule: 
         counters = ServerCounters(url)  # the workers' CPU: their serving side's share is the runs' too
         with off_the_workers_cores(n, threads):
             records = asyncio.run(replay(Target(url, model_name(url)), schedule, max_tokens=1, drain_s=120))
-        _, cpu = counters.stop()
+        preempted, cpu = counters.stop()
     finally:
         stop(proc)
     workers = [[b._replace(ids=[_sim_id(rid) for rid in b.ids]) for b in bs] for bs in read_workers(logs)]
     failed = sum(not r.ok for r in records)
-    pt = report.point(w.rate, outcomes(records)) | {"failed": failed, "command": "flowprefill " + " ".join(argv)}
+    pt = report.point(w.rate, outcomes(records), sum((preempted or {}).values())) | {
+        "failed": failed, "command": "flowprefill " + " ".join(argv)}
     pt |= overheads(workers, {f"w{r.index}": r.ttft_s for r in records if r.ttft_s is not None and r.ok})
     pt["serving_cpu_ms"] = cpu["serving_s"] * 1000 / len(records) if cpu and records else None
     serving_s = (pt["serving_cpu_ms"] or 0.0) / 1000
@@ -262,5 +263,5 @@ def at_pilot_speed(planner: Planner, cost: OpCost, pilot: Path, policy: str, n: 
     (an earlier --against-serve's `batch-logs/<policy>-w<n>/`), else all its logs."""
     folder = pilot_folder(pilot, policy, n)
     at, measured = measured_speed(cost, folder)
-    planner.use(Planned(at, noise=measured["spread"] or 0.0))
+    planner.use(Planned(at, noise=tuple(measured["spread"] or ())))
     return {"sim_pilot_speed": planner.evaluate(policy, n, stop_early=False), "pilot": {"from": str(folder)} | measured}
