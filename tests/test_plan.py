@@ -113,7 +113,7 @@ def test_the_fleet_routes_by_the_gateways_pool(monkeypatch: pytest.MonkeyPatch) 
 def test_where_the_polls_fall_decides_how_a_burst_is_shared() -> None:
     """A 6000-token prompt at 0, ten 100-token ones at once at 0.5 s: polled at 0.2 s, the pool saw the long
     one's backlog and sends them all to the other instance; first polled after them, it saw two idle
-    instances and shares them by requests in flight. The planner draws the first poll per simulation."""
+    instances and shares them by requests in flight."""
     def burst(first_poll_s: float) -> Fleet:
         reqs = requests([(0.0, 6000, "batch")] + [(0.5 + 0.0001 * i, 100, "interactive") for i in range(10)])
         fleet = Fleet(reqs, 2, "fcfs", COST, SimConfig(), GatewayRouter(2, None, first_poll_s=first_poll_s))
@@ -125,8 +125,12 @@ def test_where_the_polls_fall_decides_how_a_burst_is_shared() -> None:
     assert sum(late.placed[f"r{i}"] == late.placed["r0"] for i in range(1, 11)) >= 4
 
 
-def test_the_planner_draws_where_the_gateways_polls_fall(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_planner_spreads_its_draws_over_where_the_gateways_polls_fall(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each of a noisy plan's draws has the gateway's first poll at its own share of the poll interval;
+    a plan of one draw polls at the interval's middle."""
     import engine.bench.plan_fleet as plan_fleet
+    from engine.bench.plan_fleet import NOISE_DRAWS
+    from engine.bench.plan_measured import Planned
 
     firsts: list[float] = []
 
@@ -136,12 +140,12 @@ def test_the_planner_draws_where_the_gateways_polls_fall(monkeypatch: pytest.Mon
             super().__init__(*args, first_poll_s=first_poll_s, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(plan_fleet, "GatewayRouter", Recording)
-    planner = Planner(bursts(seconds=4), COST, EngineConfig(prefix_caching=False), 0.9, False, poll_s=0.5)
-    for seed in range(5):
-        planner._run("fcfs", 2, seed, False, None)
-    assert len(set(firsts)) == 5 and all(0 <= f < 0.5 for f in firsts)
-    planner._run("fcfs", 2, 0, False, None)
-    assert firsts[-1] == firsts[0]  # a draw's is its own, run after run
+    planner = Planner(bursts(seconds=2), COST, EngineConfig(prefix_caching=False), 0.9, False, poll_s=0.5)
+    planner.evaluate("fcfs", 2, stop_early=False)
+    assert firsts == [0.25]
+    planner.use(Planned(COST, noise=(0.1,)))
+    planner.evaluate("fcfs", 2, stop_early=False)
+    assert firsts[1:] == pytest.approx([(k + 0.5) / NOISE_DRAWS * 0.5 for k in range(NOISE_DRAWS)])
 
 
 def _conversation() -> list:  # type: ignore[type-arg]

@@ -84,7 +84,7 @@ class GatewayRouter:
     burst is shared: between two polls every request goes to the instance the last one saw least
     loaded, until its requests in flight outweigh the difference. Two `flowprefill` workers at 16 req/s
     (azure-mix, 200 requests, the runs' own speed) met 37.8-53.6 of their 63 `standard` requests as the
-    first poll moved from 0 to 0.75 s; the planner draws it (`Planner`)."""
+    first poll moved from 0 to 0.75 s; the planner spreads its draws over it (`Planner`)."""
 
     def __init__(self, n: int, key_of: KeyOf | None = None, poll_s: float = 1.0,
                  slack_s: float = DEFAULTS.prefix_affinity_slack_s, urls: Sequence[str] | None = None,
