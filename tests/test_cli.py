@@ -89,6 +89,7 @@ def test_loadtest_goodput_and_plan_options_have_help() -> None:
     (["--skip", "-1"], "--skip must be >= 0"),
     (["--engine-pass", "-1"], "--pilot and --engine-pass must be >= 0"),
     (["--pilot", "-1"], "--pilot and --engine-pass must be >= 0"),
+    (["--pilot-runs", "0"], "--pilot-runs must be >= 1"),
     (["--repeats", "0"], "--repeats must be >= 1"),
     (["--repeats", "3"], "it needs --against-serve"),
     (["--headroom", "-0.1"], "--headroom must be in [0, 10]"),

@@ -392,3 +392,31 @@ def test_the_noise_has_a_sigma_per_batch_size() -> None:
     assert {speed.batch_factor(1000) for _ in range(100)} == {1.0}
     assert {speed.batch_factor(50_000) for _ in range(100)} == {1.0}
     assert statistics.pstdev(math.log(f) for f in short) == pytest.approx(0.4, abs=0.03)
+
+
+def test_a_pilot_run_several_times_pools_its_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--pilot-runs 3`: three fresh serves, each logging in its own run-<r>/ (an earlier pilot's runs
+    removed first), their batches pooled and each overhead the median of the runs'; one run is the
+    pilot itself, in its folder."""
+    from engine.bench import plan_speed
+
+    calls: list[Path] = []
+
+    def serve_pilot(policy, threads, pilot, logs, workers):  # type: ignore[no-untyped-def]
+        calls.append(logs)
+        r = len(calls)
+        return [MeasuredBatch([f"p{r}"], 0.01, 0.01 * r, 1.0, 100)], {
+            "sent": 5, "attainment": 0.5 + 0.1 * r, "failed": r - 1, "logs": str(logs),
+            "worker_host_ms": float(r), "outside_worker_ms": None if r == 2 else 4.0 * r, "serving_cpu_ms": 2.0}
+
+    monkeypatch.setattr(plan_speed, "serve_pilot", serve_pilot)
+    stale = tmp_path / "fcfs-w2" / "run-9"
+    stale.mkdir(parents=True)
+    batches, said = plan_speed.repeated_pilot("fcfs", 1, None, tmp_path / "fcfs-w2", 2, 3)  # type: ignore[arg-type]
+    assert calls == [tmp_path / "fcfs-w2" / f"run-{r}" for r in (1, 2, 3)] and not stale.exists()
+    assert [b.exec_s for b in batches] == pytest.approx([0.01, 0.02, 0.03])
+    assert said == pytest.approx({"sent": 5, "attainment": 0.7, "failed": 3, "logs": str(tmp_path / "fcfs-w2"),
+                                  "runs": 3, "worker_host_ms": 2.0, "outside_worker_ms": 8.0, "serving_cpu_ms": 2.0})
+    calls.clear()
+    _, alone = plan_speed.repeated_pilot("fcfs", 1, None, tmp_path / "fcfs-w1", 1, 1)  # type: ignore[arg-type]
+    assert calls == [tmp_path / "fcfs-w1"] and "runs" not in alone

@@ -112,11 +112,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pilot", type=int, default=PILOT, metavar="N",
                    help="cpu: first send N requests, at their arrival times, to a real `flowprefill serve "
                         "--workers 1` of each policy (with --threads, --no-calibrate; its batch log in "
-                        "<out>/pilot/<policy>/, : written -) and plan each policy at the speed its worker ran, a "
+                        "<out>/pilot/<policy>-w1/, : written -) and plan each policy at the speed its worker ran, a "
                         "factor per batch size (a worker served 7-15 %% slower than an engine pass one prompt at a "
                         "time read). The requests: the trace's N before the planned ones where --skip leaves "
                         "them (out of sample), else the planned ones' first N. 0: no pilot. Ignored with "
                         "--speed-from")
+    p.add_argument("--pilot-runs", type=int, default=1, metavar="R",
+                   help="run each pilot R times (a fresh serve each, logs in run-<r>/) and plan at their batches "
+                        "pooled: on a shared machine one pilot is one sample of a speed that moves from run to run "
+                        "(two workers on 2 EPYC cores: 8 %% per batch size between five runs of one fleet)")
     p.add_argument("--engine-pass", type=int, default=ENGINE_PASS, metavar="N",
                    help="cpu, with --pilot 0: first run the workload's first N prompts through the engine (with "
                         "--threads), one at a time in this process, and plan at the speed it ran, a factor per batch "
@@ -150,6 +154,8 @@ def check_args(args: argparse.Namespace) -> str | None:
         return "--skip must be >= 0"
     if args.engine_pass < 0 or args.pilot < 0:
         return "--pilot and --engine-pass must be >= 0 (0: none)"
+    if args.pilot_runs < 1:
+        return "--pilot-runs must be >= 1"
     if not 0 <= args.headroom <= 10:
         return "--headroom must be in [0, 10] (0.2: plan for a machine 20 % slower)"
     if args.repeats < 1:

@@ -129,6 +129,26 @@ def serve_pilot(policy: str, threads: int | None, pilot: Workload, logs: Path, w
         k: pt.get(k) for k in OVERHEADS}
 
 
+def repeated_pilot(policy: str, threads: int | None, pilot: Workload, logs: Path, workers: int, runs: int
+                   ) -> tuple[list[MeasuredBatch], dict[str, Any]]:
+    """`serve_pilot` `runs` times, each a fresh serve logging in `logs/run-<r>/`: their batches pooled
+    (a request's factor its seconds summed over the runs, as --against-serve pools a fleet's runs), and
+    per overhead the median of the runs'. One run is `serve_pilot` itself."""
+    import shutil
+    import statistics
+
+    if runs == 1:
+        return serve_pilot(policy, threads, pilot, logs, workers)
+    shutil.rmtree(logs, ignore_errors=True)  # an earlier pilot's run-<r>/ folders are not this one's
+    done = [serve_pilot(policy, threads, pilot, logs / f"run-{r + 1}", workers) for r in range(runs)]
+    said = [run for _, run in done]
+    return [b for bs, _ in done for b in bs], {
+        "sent": said[0]["sent"], "attainment": statistics.median(run["attainment"] for run in said),
+        "failed": sum(run["failed"] for run in said), "logs": str(logs), "runs": len(said)} | {
+        k: statistics.median(xs) if (xs := [run[k] for run in said if run.get(k) is not None]) else None
+        for k in OVERHEADS}
+
+
 def measured_speed(cost: OpCost, folder: Path) -> tuple[OpCost, dict[str, Any]]:
     """`cost` at the speed a pilot's batch logs in `folder` measured (engine/batch_log.py): a factor
     per batch size where the logs say sizes, else the median factor by which its requests ran slower
@@ -183,7 +203,7 @@ def _pilots(args: argparse.Namespace, pilot: Callable[[], tuple[Workload, str]],
         for n in [1, *shared]:
             console.print(f"pilot: serve --workers {n} --policy {policy}, {where}, over {w.duration_s:.0f} s")
             folder = Path(args.out) / "pilot" / fleet_name(policy, n)  # as --speed-from finds a fleet's own
-            batches, run = serve_pilot(policy, args.threads, w, folder, n)
+            batches, run = repeated_pilot(policy, args.threads, w, folder, n, args.pilot_runs)
             at, measured = at_measured_speed(cost, batches)
             fleets[(policy, n)] = planned_with(at, run, measured["spread"])
             said.setdefault(policy, {}).setdefault("fleets", {})[str(n)] = (
