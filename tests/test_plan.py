@@ -143,7 +143,7 @@ def test_the_planner_spreads_its_draws_over_where_the_gateways_polls_fall(monkey
     planner = Planner(bursts(seconds=2), COST, EngineConfig(prefix_caching=False), 0.9, False, poll_s=0.5)
     planner.evaluate("fcfs", 2, stop_early=False)
     assert firsts == [0.25]
-    planner.use(Planned(COST, noise=(0.1,)))
+    planner.use(Planned(COST, noise=0.1))
     planner.evaluate("fcfs", 2, stop_early=False)
     assert firsts[1:] == pytest.approx([(k + 0.5) / NOISE_DRAWS * 0.5 for k in range(NOISE_DRAWS)])
 

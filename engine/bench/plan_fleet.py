@@ -51,8 +51,7 @@ class Planner:
         self.requests = requests or (lambda: with_prefixes(w, make_requests(w, classes, 1.0, 0.0, None)))
         self.prefix_blocks = PREFIX_BLOCK_TOKENS if any(r.prefix for r in w.requests) else None
         self.sheddable = frozenset(name for name, c in classes.items() if c.sheddable)
-        self.outside_s = self.serving_s = 0.0
-        self.noise: tuple[float, ...] = ()
+        self.outside_s = self.noise = self.serving_s = 0.0
         self.sims = 0
 
     def use(self, planned: Planned) -> None:
@@ -65,7 +64,7 @@ class Planner:
         goodput per class), or, stopped early, the most attainment it could still have reached.
         `exact`: charge and predict each request what a real run measured (engine/sim/oracle.py). With
         `noise`, the workload runs `NOISE_DRAWS` times, each with its own draws, and the point pools them."""
-        draws = NOISE_DRAWS if any(self.noise) and exact is None else 1
+        draws = NOISE_DRAWS if self.noise and exact is None else 1
         done: list[Request] = []
         missed: dict[str, int] = {}  # by class, in the draws run so far
         preemptions = refused = matched = 0
@@ -104,7 +103,7 @@ class Planner:
         router = GatewayRouter(n, self.key_of, self.poll_s, urls=self.urls(n) if self.urls else None,
                                first_poll_s=first_poll_s)
         # the noise around the pilot's median speed per size: median one, not mean one
-        error = PredictionError(noise_by_size=self.noise, noise_mean_one=False)
+        error = PredictionError(noise=self.noise, noise_mean_one=False)
         cfg = replace(sim_config(self.engine_cfg, error=error, seed=seed), arrival_cpu_s=self.serving_s)
         fleet = Fleet(reqs, n, policy, self.cost, cfg, router, exact=exact, sheddable=self.sheddable,
                       max_waiting=self.engine_cfg.max_waiting, prefix_block_tokens=self.prefix_blocks)

@@ -19,7 +19,6 @@ from engine.sim.oracle import factors_by_size
 
 # What a real run's point says of its workers beyond their speed (plan_real's real_point)
 OVERHEADS = ("worker_host_ms", "outside_worker_ms", "serving_cpu_ms")
-SPREAD_MIN_BATCHES = 5  # a size class's spread from fewer batches is its nearest class's
 
 
 class Planned(NamedTuple):
@@ -33,7 +32,7 @@ class Planned(NamedTuple):
 
     cost: OpCost
     outside_s: float = 0.0
-    noise: tuple[float, ...] = ()  # per size class, the sigma of a batch's lognormal speed around its size's
+    noise: float = 0.0  # the sigma of a batch's lognormal speed around its size's (engine/sim/errors.py)
     serving_s: float = 0.0  # the worker's serving side's CPU per request, taken from the step it arrives in
 
 
@@ -74,13 +73,13 @@ def overheads(workers: Sequence[Sequence[MeasuredBatch]], ttfts: dict[str, float
             "outside_worker_ms": statistics.median(outside) * 1000 if outside else None}
 
 
-def planned_with(cost: OpCost, run: dict[str, Any], noise: Sequence[float] | None = ()) -> Planned:
+def planned_with(cost: OpCost, run: dict[str, Any], noise: float | None = 0.0) -> Planned:
     """`cost` (at a pilot's speed) with the pilot's host time per batch, its time outside the worker less
     that host time (the simulator charges a batch's host time before its first token), and its serving
     side's CPU per request."""
     host_s = (run.get("worker_host_ms") or 0.0) / 1000
     outside_s = (run.get("outside_worker_ms") or 0.0) / 1000
-    return Planned(replace(cost, batch_host_s=host_s), max(0.0, outside_s - host_s), tuple(noise or ()),
+    return Planned(replace(cost, batch_host_s=host_s), max(0.0, outside_s - host_s), noise or 0.0,
                    (run.get("serving_cpu_ms") or 0.0) / 1000)
 
 
@@ -107,20 +106,14 @@ def net_of_serving(worker: Sequence[MeasuredBatch], serving_s: float) -> list[Me
     return out
 
 
-def spread(batches: Iterable[MeasuredBatch]) -> list[float] | None:
-    """How far a batch's speed strays from its size's, per batch size class (`SIZE_CLASSES`): the
-    standard deviation of the log of the class's measured over calibrated seconds; a class of fewer than
-    `SPREAD_MIN_BATCHES` takes its nearest such class's (the longer on a tie). Charged every batch the
-    median of its size, a simulated worker had no slow batch to queue behind: at 16 req/s, two
-    FlowPrefill workers' `standard` class read 11 points better than their runs at the runs' own speed per
-    size, 2 points with one spread for all sizes drawn. But a short batch strays further than a long one
-    (two workers through `serve` on 2 EPYC cores, nine runs: 0.29 under 128 tokens, 0.18 to 512, 0.12
-    to 2K, 0.08 beyond), and a pilot is mostly short batches: its one sigma (0.21) charged the long
-    batches that queues wait behind twice their own, and the plan read 11.6 points pessimistic. None:
-    the logs do not say the batches' sizes."""
-    sigmas = [statistics.pstdev(math.log(f) for f in factors) if len(factors) >= SPREAD_MIN_BATCHES else None
-              for factors in factors_by_size(batches)]
-    seen = [k for k, s in enumerate(sigmas) if s is not None]
-    if not seen:
-        return None
-    return [sigmas[min(seen, key=lambda j: (abs(j - k), -j))] or 0.0 for k in range(len(sigmas))]
+def spread(batches: Iterable[MeasuredBatch]) -> float | None:
+    """How far a batch's speed strays from its size's: the standard deviation of the log of its measured
+    over calibrated seconds, less its size class's median (`speed_by_size`'s). On 2 EPYC cores through
+    `serve`: 0.09-0.14 for one worker, 0.11-0.24 for two on 2 cores (14 pilots each). Charged every
+    batch the median of its size, a simulated worker had no slow batch to queue behind: at 16 req/s, two
+    FlowPrefill workers' `standard` class read 11 points better than their runs at the runs' own speed
+    per size, 2 points with this spread drawn (mean of five draws). None: the logs do not say the
+    batches' sizes."""
+    logs = [[math.log(f) for f in factors] for factors in factors_by_size(batches) if factors]
+    off = [x - statistics.median(xs) for xs in logs for x in xs]
+    return statistics.pstdev(off) if len(off) > 1 else None

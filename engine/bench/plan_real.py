@@ -263,5 +263,5 @@ def at_pilot_speed(planner: Planner, cost: OpCost, pilot: Path, policy: str, n: 
     (an earlier --against-serve's `batch-logs/<policy>-w<n>/`), else all its logs."""
     folder = pilot_folder(pilot, policy, n)
     at, measured = measured_speed(cost, folder)
-    planner.use(Planned(at, noise=tuple(measured["spread"] or ())))
+    planner.use(Planned(at, noise=measured["spread"] or 0.0))
     return {"sim_pilot_speed": planner.evaluate(policy, n, stop_early=False), "pilot": {"from": str(folder)} | measured}

@@ -168,7 +168,7 @@ def planning_costs(args: argparse.Namespace, w: Workload, pilot: Callable[[], tu
     runs."""
     if args.speed_from is not None:
         at, measured = measured_speed(cost, Path(args.speed_from))
-        return _same(policies, Planned(at, noise=tuple(measured["spread"] or ())), "speed_from",
+        return _same(policies, Planned(at, noise=measured["spread"] or 0.0), "speed_from",
                      {"from": args.speed_from} | measured, console,
                      f"a pilot's logs ({args.speed_from})")
     if args.cost != "cpu" or not vocab:
@@ -181,7 +181,7 @@ def planning_costs(args: argparse.Namespace, w: Workload, pilot: Callable[[], tu
             task = progress.add_task(f"engine pass: the workload's first {n} prompts, one at a time", total=n)
             batches = engine_pass(engine_cfg, cost, w, n, vocab, lambda _i: progress.advance(task))
         at, measured = at_measured_speed(cost, batches)
-        return _same(policies, Planned(at, noise=tuple(measured["spread"] or ())), "engine_pass",
+        return _same(policies, Planned(at, noise=measured["spread"] or 0.0), "engine_pass",
                      {"from": f"{n} prompts"} | measured, console,
                      f"an engine pass over the workload's first {n} prompts")
     return Speeds(dict.fromkeys(policies, Planned(cost)))
@@ -230,7 +230,6 @@ def _say(console: Console, source: str, measured: dict[str, Any], planned: Plann
     extra = (f"; {planned.cost.batch_host_s * 1000:.1f} ms of the worker's own per batch"
              if planned.cost.batch_host_s else "")
     extra += f", {planned.outside_s * 1000:.1f} ms outside it per request" if planned.outside_s else ""
-    extra += (", each batch's speed spread by a sigma of " + "/".join(f"{s:.2f}" for s in planned.noise)
-              + " by batch size") if any(planned.noise) else ""
+    extra += f", each batch's speed spread by a sigma of {planned.noise:.2f}" if planned.noise else ""
     console.print(f"simulating at the speed {source} measured: {measured['factor']:.2f}x the cost model's seconds "
                   f"(median of {measured['requests']} requests){by_size}{extra}")

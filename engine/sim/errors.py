@@ -9,8 +9,6 @@ import math
 import random
 from dataclasses import dataclass
 
-from engine.model.plan import size_class
-
 KINDS = ("none", "noise", "bias", "slowdown")
 # What `bench goodput --engine sim --errors` sweeps by default: the issue's levels.
 DEFAULT_LEVELS = "none,noise:0.2,noise:0.5,noise:1,slowdown:2,slowdown:3,slowdown:5,bias:0.2,bias:5"
@@ -33,17 +31,6 @@ class PredictionError:
     # The noise's draws have mean one (what a prediction of the mean expects), or, False, median one (a
     # speed per size taken as the median of measured batches, as `flowprefill plan`'s pilot takes it)
     noise_mean_one: bool = True
-    # A sigma per batch size class (engine/model/plan.py's SIZE_CLASSES, the last for longer batches) in
-    # place of `noise`: a short batch's speed strays further than a long one's (through `serve` on 2 EPYC
-    # cores: 0.24-0.47 under 128 tokens, 0.04-0.12 from 512), and one sigma for all charged a 2K batch the
-    # spread of the short ones that make up most of a pilot.
-    noise_by_size: tuple[float, ...] = ()
-
-    def sigma(self, tokens: int) -> float:
-        """The noise's sigma for a batch of `tokens` prompt tokens."""
-        if self.noise_by_size:
-            return self.noise_by_size[min(size_class(tokens), len(self.noise_by_size) - 1)]
-        return self.noise
 
     @classmethod
     def parse(cls, spec: str) -> PredictionError:
@@ -83,10 +70,9 @@ class TrueSpeed:
     def __init__(self, error: PredictionError, slowdown_from_s: float, rng: random.Random) -> None:
         self.error, self.slowdown_from_s, self.rng = error, slowdown_from_s, rng
 
-    def batch_factor(self, tokens: int = 0) -> float:
-        """A new batch's own draw (noise only), for a batch of `tokens` prompt tokens: the rest of its
-        factor depends on the time it runs."""
-        sigma = self.error.sigma(tokens)
+    def batch_factor(self) -> float:
+        """A new batch's own draw (noise only): the rest of its factor depends on the time it runs."""
+        sigma = self.error.noise
         if not sigma:
             return 1.0
         return self.rng.lognormvariate(-sigma * sigma / 2 if self.error.noise_mean_one else 0.0, sigma)

@@ -143,7 +143,7 @@ class Simulation:
         steps = plan_prefill(planner, spans, self.cfg.step_budget_s, last_token_only=True)
         batch = PrefillBatch(reqs, spans, steps, VirtualRun(len(steps)))  # type: ignore[arg-type]
         if self.exact is None:
-            self.own_factor[batch.batch_id] = self.machine.batch_factor(batch.num_tokens)
+            self.own_factor[batch.batch_id] = self.machine.batch_factor()
         else:  # true seconds per planned second: the measured factor over the plan's own scale
             self.own_factor[batch.batch_id] = self.exact.for_requests(reqs).scale / steps.scale
         return batch
