@@ -45,6 +45,7 @@ from engine.protocol.openai import (
     new_id,
 )
 from engine.protocol.slo import SHED_REASON, SLOClass, requested_slo, shed_reason
+from engine.protocol.worker import LOAD_REPORT_HEADER, load_report
 from engine.reasoning import CLOSE, OPEN, ReasoningParser, ReasoningStream
 from engine.request import Request as EngineRequest
 from engine.request import Sampled, SamplingParams, TokenOutput
@@ -227,6 +228,7 @@ class Generation:
             return shed
         if reqs[0].predicted_miss:  # served anyway, after feasible requests; a gateway may shed instead
             headers[PREDICTED_MISS_HEADER] = "true"
+        headers[LOAD_REPORT_HEADER] = load_report(self.engine.load())  # with this request in it
         reasoner = self.reasoner
         choices = Choices(self.engine, reqs, queue, None if sampling.logprobs is None
                           else lambda: LogprobFormatter(self.engine.tokenizer.token_bytes, chat),

@@ -103,6 +103,9 @@ class GatewayConfig(msgspec.Struct, kw_only=True):
     prefix_affinity_chars: int = 1024
     prefix_affinity_slack_s: float = 0.25
     discovery: Discovery = Discovery()
+    # Rank a worker, between polls of its GET /load, by the backlog its last answer reported (ORCA's
+    # `endpoint-load-metrics` header, engine/protocol/worker.py); false: by the last poll alone.
+    load_reports: bool = True
 
     def check(self) -> None:
         from gateway.discovery import parse_target

@@ -18,6 +18,8 @@ from typing import Any
 from dnslib import AAAA, QTYPE, RCODE, RR, A
 from dnslib.server import BaseResolver, DNSLogger, DNSServer
 
+from engine.protocol.worker import LOAD_REPORT_HEADER, WorkerLoad, load_report
+
 
 class Zone(BaseResolver):
     """Records served by a dnslib server: {name: [addresses]}; a name not there is NXDOMAIN.
@@ -75,10 +77,12 @@ def dns_server(zone: Zone) -> Iterator[int]:
 
 class Worker:
     """A worker's answers: /health, /load (its `backlog_s`), and completions that take `delay_s`
-    and name the worker. Counts requests, keeps their arrival times and what is in flight."""
+    and name the worker, each with an ORCA load report of `reports_s` as its backlog if given. Counts
+    requests, keeps their arrival times and what is in flight."""
 
-    def __init__(self, name: str, delay_s: float = 0.05, backlog_s: float = 0.0) -> None:
-        self.name, self.delay_s, self.backlog_s = name, delay_s, backlog_s
+    def __init__(self, name: str, delay_s: float = 0.05, backlog_s: float = 0.0,
+                 reports_s: float | None = None) -> None:
+        self.name, self.delay_s, self.backlog_s, self.reports_s = name, delay_s, backlog_s, reports_s
         self.hits = Counter[str]()
         self.arrivals: list[float] = []
         self.in_flight = 0
@@ -107,8 +111,11 @@ class Worker:
                 self.in_flight -= 1
             status, body = 200, {"id": "cmpl-1", "object": "text_completion", "model": "m", "choices": [
                 {"index": 0, "text": self.name, "finish_reason": "length", "logprobs": None}]}
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json")]})
+        headers = [(b"content-type", b"application/json")]
+        if path == "/v1/completions" and self.reports_s is not None:
+            report = load_report(WorkerLoad(predicted_backlog_s=self.reports_s))
+            headers.append((LOAD_REPORT_HEADER.encode(), report.encode()))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": json.dumps(body).encode()})
 
 

@@ -31,6 +31,7 @@ from engine.protocol.headers import (
 )
 from engine.protocol.openai import error_body, new_id
 from engine.protocol.slo import SHED_REASON, SLOClass
+from engine.protocol.worker import LOAD_REPORT_HEADER, reported_backlog_s
 from gateway.affinity import Prefix, prefix_key
 from gateway.classify import ClassificationError, as_chat_view, classify, estimate_prompt_tokens
 from gateway.config import GatewayConfig
@@ -140,7 +141,7 @@ class Forwarder:
 
     async def __call__(self, headers: Headers, raw: bytes, path: str, arrival: float) -> Response | Stream:
         job = self.prepare(headers, raw, path, arrival)
-        if self.pool.pick() is None:  # every worker looked down at the last poll: look again before refusing
+        if not self.pool.any_live():  # every worker looked down at the last poll: look again before refusing
             await self.pool.poll_once()
         while (worker := await self._acquire(job)) is not None:
             job.tried.add(worker.url)
@@ -267,6 +268,9 @@ class Forwarder:
     async def _answer(self, job: Job, worker: Worker, up: Upstream) -> Response | Stream:
         """The worker's answer to the client, whole or streamed."""
         self.pool.record_ok(worker)
+        backlog_s = reported_backlog_s(up.headers.get(LOAD_REPORT_HEADER, ""))
+        if up.status_code == 200 and backlog_s is not None and self.cfg.load_reports:  # fresher than a poll
+            self.pool.reported(worker, backlog_s)
         if up.status_code != 200 or job.path == RESPONSES:  # a quick refusal, or events before any token:
             job.sent_at = 0.0  # its first bytes tell nothing of the time to first token
         if job.key is not None and self.prefill is None and up.status_code == 200:

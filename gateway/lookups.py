@@ -47,7 +47,7 @@ class Lookups:
         headers = {h: v for h in FORWARDED if (v := request.headers.get(h))}
         headers[REQUEST_ID_HEADER] = ours[REQUEST_ID_HEADER]
         content = await request.body() if method == "POST" else None
-        if self.pool.pick() is None:  # every worker looked down at the last poll: look again first
+        if not self.pool.any_live():  # every worker looked down at the last poll: look again first
             await self.pool.poll_once()
         tried: set[str] = set()
         while (worker := self.pool.pick(tried)) is not None:

@@ -272,6 +272,13 @@ class WorkerPool:
         back_in = self.service.estimate(tokens, ServiceTimes.HIGH_QUANTILE)
         return back_in > 0 and now + back_in <= reserved_until
 
+    def any_live(self) -> bool:
+        """Whether any worker is in rotation, without taking a turn of the round robin among equals
+        (`pick` takes one: asked before each request's own pick, two workers' turns always fell to the
+        same one, and sent one at a time, every request went there)."""
+        now = time.monotonic()
+        return any(w.healthy and w.down_until <= now for w in self.workers)
+
     def pick(self, exclude: frozenset[str] | set[str] = frozenset(), key: Prefix | None = None) -> Worker | None:
         ranked = self.ranked(exclude, key)
         return ranked[0] if ranked else None
@@ -315,6 +322,11 @@ class WorkerPool:
         w.errors += 1
         if w.errors >= self.ERRORS_TO_EJECT:
             self.mark_failed(w)
+
+    def reported(self, w: Worker, backlog_s: float) -> None:
+        """`w`'s answer reported its predicted backlog once it had admitted the request (its ORCA load
+        report, engine/protocol/worker.py): fresher than the last poll, it ranks `w` until the next."""
+        w.backlog_s = backlog_s
 
     def record_ok(self, w: Worker) -> None:
         w.errors = 0

@@ -252,3 +252,27 @@ def test_a_real_worker_found_by_dns_serves_through_the_gateway(tmp_path: Path) -
                 stop(gateway)
         finally:
             stop(worker)
+
+
+@pytest.mark.parametrize(("reports", "read"), [(True, True), (False, True), (True, False)])
+def test_a_workers_load_report_ranks_it_until_the_next_poll(reports: bool, read: bool) -> None:
+    """Two workers whose GET /load both say idle; one's answers report a 5 s backlog (ORCA's
+    `endpoint-load-metrics`), the other's none. Sent one after another, the requests go to the other
+    once an answer has reported it (polls between them may put the busy one back for a request or
+    two); without reports, or with the gateway's `load_reports: false`, they alternate."""
+    from litestar.testing import TestClient
+
+    from gateway.app import create_gateway_app
+    from gateway.config import GatewayConfig
+
+    port = free_port()
+    busy, idle = Worker("busy", delay_s=0.01, reports_s=5.0 if reports else None), Worker("idle", delay_s=0.01)
+    with serve_at(busy, HOSTS[0], port), serve_at(idle, HOSTS[1], port):
+        cfg = GatewayConfig(workers=[f"http://{HOSTS[0]}:{port}", f"http://{HOSTS[1]}:{port}"], load_reports=read)
+        with TestClient(create_gateway_app(cfg)) as client:
+            names = [client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).json()["choices"][0]["text"]
+                     for _ in range(12)]
+    if reports and read:
+        assert names.count("idle") >= 9, names
+    else:
+        assert names.count("idle") == 6, names

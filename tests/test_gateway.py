@@ -339,3 +339,31 @@ def test_n_choices(served: str) -> None:
     for n in (0, 129):
         r = httpx.post(f"{served}/v1/completions", json={"prompt": "hi", "n": n})
         assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+
+
+def test_a_workers_answer_reports_its_load_to_the_gateway_only(served: str) -> None:
+    """The worker's answer carries ORCA's load report with its predicted backlog, the request's own work
+    in it (a streamed answer's headers come once it is admitted); the gateway reads it and does not pass
+    it on."""
+    from engine.protocol.worker import LOAD_REPORT_HEADER, reported_backlog_s
+
+    worker = f"http://127.0.0.1:{int(served.rsplit(':', 1)[1]) + 1}"
+    body = {"model": "flowprefill-default", "prompt": "Hello there " * 40, "max_tokens": 1}
+    for stream in (False, True):
+        r = httpx.post(f"{worker}/v1/completions", json=body | {"stream": stream}, timeout=60)
+        assert r.status_code == 200
+        backlog = reported_backlog_s(r.headers[LOAD_REPORT_HEADER])
+        assert backlog is not None and backlog > 0
+    through = httpx.post(f"{served}/v1/completions", json=body, timeout=60)
+    assert through.status_code == 200 and LOAD_REPORT_HEADER not in through.headers
+
+
+def test_load_reports_are_read_only_where_they_are_ours() -> None:
+    from engine.protocol.worker import WorkerLoad, load_report, reported_backlog_s
+
+    assert reported_backlog_s(load_report(WorkerLoad(predicted_backlog_s=1.25))) == 1.25
+    assert reported_backlog_s("TEXT cpu_utilization=0.3, named_metrics.predicted_backlog_s=0.5") == 0.5
+    for other in ("TEXT named_metrics.kv_cache_usage=0.4", "JSON {\"named_metrics\": {}}", "",
+                  "TEXT named_metrics.predicted_backlog_s=abc", "TEXT named_metrics.predicted_backlog_s=-1",
+                  "TEXT named_metrics.predicted_backlog_s=inf"):
+        assert reported_backlog_s(other) is None, other

@@ -113,16 +113,43 @@ def test_the_fleet_routes_by_the_gateways_pool(monkeypatch: pytest.MonkeyPatch) 
 def test_where_the_polls_fall_decides_how_a_burst_is_shared() -> None:
     """A 6000-token prompt at 0, ten 100-token ones at once at 0.5 s: polled at 0.2 s, the pool saw the long
     one's backlog and sends them all to the other instance; first polled after them, it saw two idle
-    instances and shares them by requests in flight."""
+    instances and shares them by requests in flight. (The polls alone: without the load the instances
+    report as they admit a request, which would tell the pool of the long one at once.)"""
     def burst(first_poll_s: float) -> Fleet:
         reqs = requests([(0.0, 6000, "batch")] + [(0.5 + 0.0001 * i, 100, "interactive") for i in range(10)])
-        fleet = Fleet(reqs, 2, "fcfs", COST, SimConfig(), GatewayRouter(2, None, first_poll_s=first_poll_s))
+        router = GatewayRouter(2, None, first_poll_s=first_poll_s)
+        router.reported = lambda _i, _load: None  # type: ignore[method-assign]
+        fleet = Fleet(reqs, 2, "fcfs", COST, SimConfig(), router)
         assert fleet.run()
         return fleet
 
     early, late = burst(0.2), burst(0.9)
     assert [early.placed[f"r{i}"] != early.placed["r0"] for i in range(1, 11)] == [True] * 10
     assert sum(late.placed[f"r{i}"] == late.placed["r0"] for i in range(1, 11)) >= 4
+
+
+@pytest.mark.parametrize("reports", [True, False])
+def test_an_instances_report_on_admission_ranks_it_until_the_next_poll(reports: bool) -> None:
+    """A 6000-token prompt at 0.1 s, ten 100-token ones at once at 0.5 s, the loads polled at 0 s only (both
+    idle). With each admission's report of the instance's predicted backlog, as a worker's answer carries
+    it, the short ones all go to the other instance; ranked on the poll and requests in flight (50 ms
+    each) alone, some queue behind the long one."""
+    reqs = requests([(0.1, 6000, "batch")] + [(0.5 + 0.0001 * i, 100, "interactive") for i in range(10)])
+    router = GatewayRouter(2, None, poll_s=100.0)
+    reported: list[int] = []
+    real = router.reported
+
+    def reporting(instance: int, load: tuple[float, dict[str, float]]) -> None:
+        reported.append(instance)
+        if reports:
+            real(instance, load)
+
+    router.reported = reporting  # type: ignore[method-assign]
+    fleet = Fleet(reqs, 2, "fcfs", COST, SimConfig(), router)
+    assert fleet.run()
+    assert reported == [fleet.placed[r.request_id] for r in reqs]  # one report per admission, where it ran
+    behind_the_long = sum(fleet.placed[f"r{i}"] == fleet.placed["r0"] for i in range(1, 11))
+    assert (behind_the_long == 0) if reports else (behind_the_long >= 3)
 
 
 def test_the_planner_spreads_its_draws_over_where_the_gateways_polls_fall(monkeypatch: pytest.MonkeyPatch) -> None:

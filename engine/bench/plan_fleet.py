@@ -58,12 +58,12 @@ class Planner:
         """Simulate with `planned`'s cost model, time outside the instances, noise and serving CPU from now on."""
         self.cost, self.outside_s, self.noise, self.serving_s = planned
 
-
     def evaluate(self, policy: str, n: int, stop_early: bool = True, exact: ExactCosts | None = None) -> dict[str, Any]:
         """One fleet of n instances on the whole workload: the goodput point (bench goodput's, with
         goodput per class), or, stopped early, the most attainment it could still have reached.
         `exact`: charge and predict each request what a real run measured (engine/sim/oracle.py). With
-        `noise`, the workload runs `NOISE_DRAWS` times, each with its own draws, and the point pools them."""
+        `noise`, the workload runs `NOISE_DRAWS` times, each with its own draws and its own phase of the
+        gateway's polls, and the point pools them."""
         draws = NOISE_DRAWS if self.noise and exact is None else 1
         done: list[Request] = []
         missed: dict[str, int] = {}  # by class, in the draws run so far

@@ -120,6 +120,11 @@ class GatewayRouter:
     def finished(self, req: Request, instance: int) -> None:
         self.pool.release(self.pool.workers[instance])
 
+    def reported(self, instance: int, load: Load) -> None:
+        """What the instance's answer reports once it admitted a request (`Forwarder._answer`)."""
+        formed, by_class = load
+        self.pool.reported(self.pool.workers[instance], formed + sum(by_class.values()))
+
     def poll_at(self) -> float:
         return self._next_poll
 

@@ -21,3 +21,33 @@ class WorkerLoad(msgspec.Struct, kw_only=True):
     predicted_backlog_s: float = 0.0
     predicted_backlog_by_class_s: dict[str, float] = {}  # the waiting requests' share, by SLO class
     kv_cache_usage: float = 0.0  # share of KV blocks in use
+
+
+# Each answer also carries the worker's predicted backlog as it stood once the request was admitted, in
+# ORCA's per-request load report (the `endpoint-load-metrics` header that Envoy, gRPC and vLLM read and
+# write, TEXT format): between its once-a-second polls of GET /load, a gateway that ranked workers on the
+# last poll sent a burst almost whole to the one that poll saw least loaded (docs/benchmarks.md).
+LOAD_REPORT_HEADER = "endpoint-load-metrics"
+_BACKLOG = "named_metrics.predicted_backlog_s"
+
+
+def load_report(load: WorkerLoad) -> str:
+    """`LOAD_REPORT_HEADER`'s value for this load."""
+    return f"TEXT {_BACKLOG}={load.predicted_backlog_s:.6g}"
+
+
+def reported_backlog_s(value: str) -> float | None:
+    """The predicted backlog in an ORCA TEXT load report (None: not TEXT, or no such metric, or not a
+    finite number >= 0: another server's report, which a gateway ignores)."""
+    kind, _, fields = value.strip().partition(" ")
+    if kind != "TEXT":
+        return None
+    for field in fields.split(","):
+        name, _, number = field.strip().partition("=")
+        if name == _BACKLOG:
+            try:
+                x = float(number)
+            except ValueError:
+                return None
+            return x if 0 <= x < float("inf") else None
+    return None

@@ -45,6 +45,10 @@ class Router(Protocol):
 
     def finished(self, req: Request, instance: int) -> None: ...
 
+    def reported(self, instance: int, load: Load) -> None:
+        """The instance's load once it admitted a request, as its answer reports it."""
+        ...
+
     def poll_at(self) -> float:
         """When the router next reads the instances' loads (inf: never)."""
         ...
@@ -181,6 +185,7 @@ class Fleet:
             if s.cfg.ideal and s.step_end is not None and t < s.step_end:
                 s.cut(t)  # ideal preemption: the running step stops at the arrival
             s.arrive(req, t)
+            self.router.reported(i, self.load(i))
             return
         req.state, req.finish_reason = RequestState.FAILED, "shed"
         self.refused.append(req)
