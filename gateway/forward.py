@@ -268,8 +268,9 @@ class Forwarder:
     async def _answer(self, job: Job, worker: Worker, up: Upstream) -> Response | Stream:
         """The worker's answer to the client, whole or streamed."""
         self.pool.record_ok(worker)
-        backlog_s = reported_backlog_s(up.headers.get(LOAD_REPORT_HEADER, ""))
-        if up.status_code == 200 and backlog_s is not None and self.cfg.load_reports:  # fresher than a poll
+        # its load with this request in it: fresher than the last poll (read only where it is used)
+        if (self.cfg.load_reports and up.status_code == 200
+                and (backlog_s := reported_backlog_s(up.headers.get(LOAD_REPORT_HEADER, ""))) is not None):
             self.pool.reported(worker, backlog_s)
         if up.status_code != 200 or job.path == RESPONSES:  # a quick refusal, or events before any token:
             job.sent_at = 0.0  # its first bytes tell nothing of the time to first token

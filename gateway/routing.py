@@ -42,6 +42,10 @@ class Worker:
     def __repr__(self) -> str:
         return f"Worker({self.url}, healthy={self.healthy}, in_flight={self.in_flight})"
 
+    def live(self, now: float) -> bool:
+        """In rotation at `now`: healthy, and past any cool-down after a failure."""
+        return self.healthy and self.down_until <= now
+
 
 class QueueFull(Exception):
     pass
@@ -277,7 +281,7 @@ class WorkerPool:
         (`pick` takes one: asked before each request's own pick, two workers' turns always fell to the
         same one, and sent one at a time, every request went there)."""
         now = time.monotonic()
-        return any(w.healthy and w.down_until <= now for w in self.workers)
+        return any(w.live(now) for w in self.workers)
 
     def pick(self, exclude: frozenset[str] | set[str] = frozenset(), key: Prefix | None = None) -> Worker | None:
         ranked = self.ranked(exclude, key)
@@ -289,7 +293,7 @@ class WorkerPool:
         would try them: the request's choice first (its prefix's worker, unless load wins), then the
         others by predicted backlog, round robin among equals."""
         now = time.monotonic()
-        live = [w for w in self.workers if w.url not in exclude and w.healthy and w.down_until <= now
+        live = [w for w in self.workers if w.url not in exclude and w.live(now)
                 and (among is None or w.address in among)]
         if not live:
             return []

@@ -73,6 +73,12 @@ def overheads(workers: Sequence[Sequence[MeasuredBatch]], ttfts: dict[str, float
             "outside_worker_ms": statistics.median(outside) * 1000 if outside else None}
 
 
+def median_overheads(runs: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+    """Per `OVERHEADS` key, the median over the runs that say it (None: none does)."""
+    return {k: statistics.median(xs) if (xs := [run[k] for run in runs if run.get(k) is not None]) else None
+            for k in OVERHEADS}
+
+
 def planned_with(cost: OpCost, run: dict[str, Any], noise: float | None = 0.0) -> Planned:
     """`cost` (at a pilot's speed) with the pilot's host time per batch, its time outside the worker less
     that host time (the simulator charges a batch's host time before its first token), and its serving

@@ -41,7 +41,7 @@ from engine.batch_log import ENV as BATCH_LOG
 from engine.batch_log import MeasuredBatch, read_workers
 from engine.bench.plan import workers_of
 from engine.bench.plan_fleet import Planner
-from engine.bench.plan_measured import OVERHEADS, Planned, net_of_serving, overheads, planned_with, spread
+from engine.bench.plan_measured import Planned, median_overheads, net_of_serving, overheads, planned_with, spread
 from engine.bench.plan_speed import Speeds, measured_speed
 from engine.config import EngineConfig
 from engine.model.plan import OpCost
@@ -247,8 +247,7 @@ def median_run(points: list[dict[str, Any]]) -> dict[str, Any]:
     return {"rate": points[0]["rate"], "attainment": attainment, "goodput_rps": points[0]["rate"] * attainment,
             "per_class": per_class, "preemptions": statistics.median(p["preemptions"] for p in points),
             "failed": sum(p["failed"] for p in points), "command": points[0]["command"],
-            **{k: statistics.median(xs) if (xs := [p[k] for p in points if p.get(k) is not None]) else None
-               for k in OVERHEADS},
+            **median_overheads(points),
             "runs": [{"attainment": p["attainment"], "failed": p["failed"],
                       "per_class": {c: x["attainment"] for c, x in p["per_class"].items()}} for p in points]}
 

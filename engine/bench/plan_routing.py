@@ -65,6 +65,12 @@ def trace_key(chars: int = DEFAULTS.prefix_affinity_chars, block_tokens: int = 5
     return key
 
 
+def _backlog_s(load: Load) -> float:
+    """A load's predicted backlog as GET /load and a worker's answers say it (`Engine.load`)."""
+    formed, by_class = load
+    return formed + sum(by_class.values())
+
+
 def _at_once(step: Coroutine[Any, Any, Worker | None]) -> Worker | None:
     """Run a coroutine that never waits (a pool in front of flowprefill workers does not queue)."""
     try:
@@ -122,14 +128,13 @@ class GatewayRouter:
 
     def reported(self, instance: int, load: Load) -> None:
         """What the instance's answer reports once it admitted a request (`Forwarder._answer`)."""
-        formed, by_class = load
-        self.pool.reported(self.pool.workers[instance], formed + sum(by_class.values()))
+        self.pool.reported(self.pool.workers[instance], _backlog_s(load))
 
     def poll_at(self) -> float:
         return self._next_poll
 
     def poll(self, now: float, loads: Sequence[Load]) -> None:
-        for w, (formed, by_class) in zip(self.pool.workers, loads, strict=True):
-            w.backlog_s = formed + sum(by_class.values())  # predicted_backlog_s
-            w.backlog_by_class = by_class  # predicted_backlog_by_class_s
+        for w, load in zip(self.pool.workers, loads, strict=True):
+            w.backlog_s = _backlog_s(load)  # predicted_backlog_s
+            w.backlog_by_class = load[1]  # predicted_backlog_by_class_s
         self._next_poll = now + self.poll_s

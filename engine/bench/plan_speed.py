@@ -47,7 +47,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from engine.batch_log import MeasuredBatch
-from engine.bench.plan_measured import OVERHEADS, Planned, planned_with, spread
+from engine.bench.plan_measured import OVERHEADS, Planned, median_overheads, planned_with, spread
 from engine.config import EngineConfig
 from engine.model.plan import OpCost
 from engine.protocol.slo import DEFAULT_CLASSES
@@ -144,9 +144,7 @@ def repeated_pilot(policy: str, threads: int | None, pilot: Workload, logs: Path
     said = [run for _, run in done]
     return [b for bs, _ in done for b in bs], {
         "sent": said[0]["sent"], "attainment": statistics.median(run["attainment"] for run in said),
-        "failed": sum(run["failed"] for run in said), "logs": str(logs), "runs": len(said)} | {
-        k: statistics.median(xs) if (xs := [run[k] for run in said if run.get(k) is not None]) else None
-        for k in OVERHEADS}
+        "failed": sum(run["failed"] for run in said), "logs": str(logs), "runs": len(said)} | median_overheads(said)
 
 
 def measured_speed(cost: OpCost, folder: Path) -> tuple[OpCost, dict[str, Any]]:
