@@ -263,7 +263,8 @@ def test_vllms_prompt_logprobs(worker: tuple[Engine, Any]) -> None:
 
     async def stream() -> str:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as c:
-            return (await c.post("/v1/completions", json={"prompt": "Rank these", "max_tokens": 2,
+            return (await c.post("/v1/completions", json={"prompt": "Rank these", "max_tokens": 2,  # two events:
+                                                           "ignore_eos": True,  # sampled, EOS may come first
                                                            "prompt_logprobs": 2, "stream": True})).text
     events = [json.loads(line[6:]) for line in asyncio.run(stream()).splitlines() if line.startswith("data: {")]
     assert events[0]["choices"][0]["prompt_logprobs"] == entries and "prompt_logprobs" not in events[1]["choices"][0]
