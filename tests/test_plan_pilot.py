@@ -99,11 +99,12 @@ def test_each_policy_is_planned_at_its_own_pilot_s_speed_and_compared_so_with_se
     monkeypatch.setattr(plan_speed, "engine_pass", lambda *_a, **_k: batches(2.0))
     seen: dict[str, object] = {}
 
-    def fake_against_serve(args, w, cost, engine_cfg, policies, console, planned=None):  # type: ignore[no-untyped-def]
+    def fake_compare(args, w, cost, engine_cfg, rounds, planned):  # type: ignore[no-untyped-def]
         seen.update(profile=cost, planned=planned)
         return []
 
-    monkeypatch.setattr(plan_real, "against_serve", fake_against_serve)
+    monkeypatch.setattr(plan_real, "real_rounds", lambda *_a, **_k: None)
+    monkeypatch.setattr(plan_real, "compare_fleets", fake_compare)
     argv = ["--requests", "20", "--cost", "cpu", "--threads", "1", "--rate", "2", "--policies", "fcfs,chunked:512",
             "--max-instances", "2", "--against-serve", "1,2", "--pilot", "8", "--out", str(tmp_path)]
     assert plan.main(argv) == 0
@@ -399,3 +400,67 @@ def test_a_pilot_run_several_times_pools_its_runs(tmp_path: Path, monkeypatch: p
     calls.clear()
     _, alone = plan_speed.repeated_pilot("fcfs", 1, None, tmp_path / "fcfs-w1", 1, 1)  # type: ignore[arg-type]
     assert calls == [tmp_path / "fcfs-w1"] and "runs" not in alone
+
+
+def test_interleaved_pilots_run_each_round_before_their_fleets_and_plan_at_every_round_pooled(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--interleave-pilots --repeats 2 --against-serve 2`: in each round the one-worker pilot (what the
+    plan's instances are; no real fleet of one here), then the two-worker pilot just before its real run.
+    The plan and the real fleet's own prediction are at both rounds' pilots pooled (2x then 4x: 3x), a
+    round whose pilot failed is left out (its cause said), and a pilot that failed in every round stops
+    the plan with its cause, exit 2."""
+    from engine.bench import plan, plan_real, plan_speed
+    from engine.bench.plan_speed import PilotError
+
+    calls: list[tuple[str, int, str]] = []
+    broken: set[tuple[int, str]] = {(1, "run-1")}  # (workers, round): the one-worker pilot's first round fails
+
+    def fake_pilot(policy, threads, w, logs, workers):  # type: ignore[no-untyped-def]
+        calls.append(("pilot", workers, logs.name))
+        if (workers, logs.name) in broken:
+            raise PilotError(f"{policy}'s pilot: serve exited 2: address already in use")
+        factor = 2.0 if logs.name == "run-1" else 4.0
+        return [MeasuredBatch([f"w{i}"], 0.01, factor * 0.01, 1.0, 100) for i in range(len(w.requests))], {
+            "sent": len(w.requests), "attainment": 1.0, "failed": 0, "logs": str(logs)}
+
+    def fake_real_point(policy, n, threads, w, schedule, logs):  # type: ignore[no-untyped-def]
+        calls.append(("real", n, logs.name))
+        per_class = {"interactive": {"n": len(schedule), "attainment": 1.0, "ttft_p50_ms": 1.0, "ttft_p99_ms": 2.0}}
+        pt = {"rate": w.rate, "attainment": 1.0, "goodput_rps": w.rate, "per_class": per_class, "preemptions": 0,
+              "failed": 0, "command": "flowprefill serve"}
+        return pt, [f"http://127.0.0.1:{9000 + i}" for i in range(n)], [MeasuredBatch(["w0"], 0.01, 0.02, 1.0, 100)]
+
+    monkeypatch.setattr(plan_speed, "serve_pilot", fake_pilot)
+    monkeypatch.setattr(plan_real, "real_point", fake_real_point)
+    argv = ["--requests", "8", "--cost", "cpu", "--threads", "1", "--rate", "2", "--policies", "fcfs",
+            "--max-instances", "2", "--against-serve", "2", "--repeats", "2", "--pilot", "4", "--interleave-pilots",
+            "--out", str(tmp_path)]
+    assert plan.main(argv) == 0
+    assert calls == [("pilot", 1, "run-1"), ("pilot", 2, "run-1"), ("real", 2, "run-1"),
+                     ("pilot", 1, "run-2"), ("pilot", 2, "run-2"), ("real", 2, "run-2")]
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    said = doc["pilot"]["fcfs"]
+    assert said["runs"] == 1 and said["factor"] == pytest.approx(4.0)  # round 1's failed
+    assert said["fleets"]["2"]["runs"] == 2 and said["fleets"]["2"]["factor"] == pytest.approx(3.0)
+    assert said["fleets"]["2"]["logs"] == str(tmp_path / "pilot" / "fcfs-w2") and doc["pilots_interleaved"]
+    (row,) = doc["against_serve"]
+    assert row["workers"] == 2 and "sim_planned" in row and len(row["real"]["runs"]) == 2
+    assert "round 1's pilot failed: fcfs's pilot: serve exited 2" in capsys.readouterr().out
+
+    broken.add((1, "run-2"))
+    with pytest.raises(SystemExit) as exited:
+        plan.main(argv)
+    assert exited.value.code == 2
+    assert "--pilot: fcfs's pilot: serve exited 2: address already in use (--pilot 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra", [[], ["--against-serve", "1", "--pilot", "0"],
+                                   ["--against-serve", "1", "--pilot-runs", "2"]])
+def test_interleaved_pilots_need_real_fleets_and_one_pilot_run_per_round(
+        extra: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    from engine.bench import plan
+
+    with pytest.raises(SystemExit) as exited:
+        plan.main(["--requests", "8", "--interleave-pilots", *extra])
+    assert exited.value.code == 2
+    assert "--interleave-pilots runs a pilot in each round of --against-serve" in capsys.readouterr().err

@@ -24,13 +24,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
 from rich.progress import Progress
 
 from engine.bench.console import results_console
 from engine.bench.machine import machine_info
 from engine.bench.plan_fleet import Planner, plan_policy
+from engine.bench.plan_measured import Planned
 from engine.bench.plan_routing import DEFAULTS, trace_key
-from engine.bench.plan_speed import ENGINE_PASS, PILOT, PilotError, planning_costs
+from engine.bench.plan_speed import ENGINE_PASS, PILOT, PilotError, interleaved_pilots, planning_costs
 from engine.config import EngineConfig
 from engine.scheduler import make_policy
 from gateway.cli.common import Parser
@@ -121,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run each pilot R times (a fresh serve each, logs in run-<r>/) and plan at their batches "
                         "pooled: on a shared machine one pilot is one sample of a speed that moves from run to run "
                         "(two workers on 2 EPYC cores: 8 %% per batch size between five runs of one fleet)")
+    p.add_argument("--interleave-pilots", action="store_true",
+                   help="with --against-serve and a pilot: run each fleet's pilot once per round of --repeats, just "
+                        "before its real run, and plan at every round's pilot pooled, not at pilots run all before "
+                        "(on 2 shared cores the speed moved a fifth between pilots and fleets minutes apart)")
     p.add_argument("--engine-pass", type=int, default=ENGINE_PASS, metavar="N",
                    help="cpu, with --pilot 0: first run the workload's first N prompts through the engine (with "
                         "--threads), one at a time in this process, and plan at the speed it ran, a factor per batch "
@@ -162,6 +168,10 @@ def check_args(args: argparse.Namespace) -> str | None:
         return "--repeats must be >= 1"
     if args.repeats > 1 and args.against_serve is None:
         return "--repeats runs real fleets: it needs --against-serve"
+    if args.interleave_pilots and (args.against_serve is None or not args.pilot or args.speed_from is not None
+                                   or args.pilot_runs > 1):
+        return ("--interleave-pilots runs a pilot in each round of --against-serve: it needs --against-serve and "
+                "--pilot N, and takes neither --speed-from nor --pilot-runs (one pilot run per round)")
     if args.requests is not None and args.requests < 2:
         return "--requests must be >= 2 (a rate needs two arrivals)"
     if args.price < 0 or args.poll_s <= 0 or args.prefix_affinity_chars < 0:
@@ -248,36 +258,28 @@ def main(argv: list[str] | None = None) -> int:
     routed_by_prefix = args.prefix_affinity_chars and any(r.prefix for r in w.requests)
     key_of = trace_key(args.prefix_affinity_chars, PREFIX_BLOCK_TOKENS) if routed_by_prefix else None
     policies = [x for x in args.policies.split(",") if x]
+    rounds = None  # the real fleets' runs, where they ran before the plan (with its pilots between them)
     try:
-        speeds = planning_costs(args, w, lambda: pilot_workload(args, w), runner.cost, runner.vocab, engine_cfg,
-                                policies, console)
+        if args.interleave_pilots:
+            speeds, rounds = interleaved_pilots(args, w, lambda: pilot_workload(args, w), runner.cost, policies,
+                                                console)
+        else:
+            speeds = planning_costs(args, w, lambda: pilot_workload(args, w), runner.cost, runner.vocab, engine_cfg,
+                                    policies, console)
     except PilotError as exc:
         parser.error(f"--pilot: {exc} (--pilot 0 plans without one)")
-    costs = speeds.planned  # what the plan predicts each policy's fleet does, before any headroom
-    if args.headroom:
-        costs = {pol: p._replace(cost=replace(p.cost, scale=p.cost.scale * (1 + args.headroom)))
-                 for pol, p in costs.items()}
-        console.print(f"planning with {args.headroom:.0%} headroom: every prefill {1 + args.headroom:.2f}x as long")
     planner = Planner(w, runner.cost, engine_cfg, args.target, args.every_class, key_of=key_of, poll_s=args.poll_s)
     started = time.perf_counter()
-    results: dict[str, dict[str, Any]] = {}
-    with Progress(console=console) as progress:
-        task = progress.add_task("planning", total=len(policies))
-        for pol in policies:
-            planner.use(costs[pol])
-            results[pol] = plan_policy(planner, pol, args.max_instances, lambda n, pol=pol: progress.update(
-                task, description=f"{pol}: {n} instance(s) ({planner.sims} fleets simulated)"))
-            results[pol]["cost_per_million_requests"] = cost_per_million(results[pol]["instances"], args.price, w)
-            progress.advance(task)
+    results = plan_each(args, planner, with_headroom(args, speeds.planned, console), w, console)
     doc = document(args, argv, w, runner.model_name, results, time.perf_counter() - started, planner.sims)
     if speeds.key is not None:
         doc[speeds.key] = speeds.said
     if args.against_serve is not None:
-        from engine.bench.plan_real import against_serve
+        from engine.bench.plan_real import compare_fleets, real_rounds
 
         own = speeds.key in ("pilot", "engine_pass")  # the planner's own prediction (not one learned from a run)
-        doc["against_serve"] = against_serve(args, w, runner.cost, engine_cfg, policies, console,
-                                             planned=speeds if own else None)
+        rounds = rounds or real_rounds(args, w, policies, console)
+        doc["against_serve"] = compare_fleets(args, w, runner.cost, engine_cfg, rounds, speeds if own else None)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(json.dumps(doc, indent=2))
@@ -285,6 +287,29 @@ def main(argv: list[str] | None = None) -> int:
     plot(doc, out / "plan.png")
     console.print(f"wrote {out / 'plan.json'} and {out / 'plan.png'}")
     return 0
+
+
+def with_headroom(args: argparse.Namespace, costs: dict[str, Planned], console: Console) -> dict[str, Planned]:
+    """What each policy is planned with, every prefill `--headroom` longer."""
+    if not args.headroom:
+        return costs
+    console.print(f"planning with {args.headroom:.0%} headroom: every prefill {1 + args.headroom:.2f}x as long")
+    return {pol: p._replace(cost=replace(p.cost, scale=p.cost.scale * (1 + args.headroom))) for pol, p in costs.items()}
+
+
+def plan_each(args: argparse.Namespace, planner: Planner, costs: dict[str, Planned], w: Workload, console: Console
+              ) -> dict[str, dict[str, Any]]:
+    """Per policy (in `costs`' order), its smallest fleet and every point tried, with progress shown."""
+    results: dict[str, dict[str, Any]] = {}
+    with Progress(console=console) as progress:
+        task = progress.add_task("planning", total=len(costs))
+        for pol, planned in costs.items():
+            planner.use(planned)
+            results[pol] = plan_policy(planner, pol, args.max_instances, lambda n, pol=pol: progress.update(
+                task, description=f"{pol}: {n} instance(s) ({planner.sims} fleets simulated)"))
+            results[pol]["cost_per_million_requests"] = cost_per_million(results[pol]["instances"], args.price, w)
+            progress.advance(task)
+    return results
 
 
 def document(args: argparse.Namespace, argv: list[str] | None, w: Workload, model: str,
@@ -296,7 +321,7 @@ def document(args: argparse.Namespace, argv: list[str] | None, w: Workload, mode
     return {"workload": {"name": w.name, "source": w.source, "requests": len(w.requests), "class_rule": w.class_rule,
                          "rate": w.rate, "duration_s": w.duration_s},
             "cost_model": args.cost, "model": model, "target": args.target, "every_class": args.every_class,
-            "headroom": args.headroom,
+            "headroom": args.headroom, "pilots_interleaved": args.interleave_pilots,
             "max_instances": args.max_instances, "price_per_instance_hour": args.price,
             "routing": {"poll_s": args.poll_s, "prefix_affinity_chars": args.prefix_affinity_chars,
                         "affinity_slack_s": DEFAULTS.prefix_affinity_slack_s},

@@ -30,10 +30,10 @@ import os
 import shutil
 import statistics
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from rich.console import Console
 
@@ -42,7 +42,7 @@ from engine.batch_log import MeasuredBatch, read_workers
 from engine.bench.plan import workers_of
 from engine.bench.plan_fleet import Planner
 from engine.bench.plan_measured import Planned, median_overheads, net_of_serving, overheads, planned_with, spread
-from engine.bench.plan_speed import Speeds, measured_speed
+from engine.bench.plan_speed import PilotError, Speeds, measured_speed
 from engine.config import EngineConfig
 from engine.model.plan import OpCost
 from engine.protocol.slo import DEFAULT_CLASSES
@@ -148,6 +148,20 @@ def _sim_id(worker_id: str) -> str:
     return f"w{parts[2]}" if len(parts) >= 3 and parts[0] == "peer" and parts[2].isdecimal() else worker_id
 
 
+PilotRun = tuple[list[MeasuredBatch], dict[str, Any]]  # a pilot run: its batches, what it said (plan_speed)
+
+
+class Rounds(NamedTuple):
+    """The real fleets' runs, in rounds; the runs that failed to start (per fleet, their causes); and,
+    with `--interleave-pilots`, each pilot fleet's runs, one per round, taken just before its real run,
+    and the causes of those that gave nothing (plan_speed's PilotError)."""
+
+    runs: dict[tuple[str, int], list[Run]]
+    failed: dict[tuple[str, int], list[str]]
+    pilots: dict[tuple[str, int], list[PilotRun]]
+    pilot_failed: dict[tuple[str, int], list[str]]
+
+
 def against_serve(args: argparse.Namespace, w: Workload, cost: OpCost, engine_cfg: EngineConfig,
                   policies: list[str], console: Console, planned: Speeds | None = None
                   ) -> list[dict[str, Any]]:
@@ -156,27 +170,53 @@ def against_serve(args: argparse.Namespace, w: Workload, cost: OpCost, engine_cf
     planner's own prediction. With `--repeats R` each fleet runs R times, in rounds (every fleet once per
     round, so that the machine's drift falls on all of them), and is compared per class with the median
     of its runs."""
+    return compare_fleets(args, w, cost, engine_cfg, real_rounds(args, w, policies, console), planned)
+
+
+def real_rounds(args: argparse.Namespace, w: Workload, policies: list[str], console: Console,
+                pilot: Callable[[str, int, int], PilotRun] | None = None,
+                pilot_fleets: Sequence[tuple[str, int]] = ()) -> Rounds:
+    """Each `--against-serve` fleet run `--repeats` times, every fleet once per round. With `pilot`
+    (policy, workers, round -> a pilot run), each of `pilot_fleets` also runs its pilot once per round,
+    just before its own real run (a fleet no real one is of, e.g. one worker with `--against-serve 2`,
+    first in its policy), so that pilots and fleets meet the same drift of this machine's speed."""
     schedule = arrivals(w)
     fleets = [(policy, n) for policy in policies for n in workers_of(args.against_serve)]
     root = Path(args.out) / "batch-logs"
     for policy, n in fleets:  # an earlier run's logs (its run-<r>/ folders too) are not read as this one's
         shutil.rmtree(root / fleet_name(policy, n), ignore_errors=True)
-    runs: dict[tuple[str, int], list[Run]] = {f: [] for f in fleets}
-    failed: dict[tuple[str, int], list[str]] = {f: [] for f in fleets}
+    piloted = pilot_fleets if pilot is not None else []
+    done = Rounds({f: [] for f in fleets}, {f: [] for f in fleets}, {f: [] for f in piloted}, {f: [] for f in piloted})
+    order = sorted(set(fleets) | set(piloted), key=lambda f: (policies.index(f[0]), f[1]))
     for r in range(args.repeats):
-        for policy, n in fleets:
+        for policy, n in order:
+            if pilot is not None and (policy, n) in done.pilots:
+                try:
+                    done.pilots[(policy, n)].append(pilot(policy, n, r))
+                except PilotError as exc:  # its other rounds' pilots still count
+                    console.print(f"[red]round {r + 1}'s pilot failed: {exc}[/red]")
+                    done.pilot_failed[(policy, n)].append(str(exc))
+            if (policy, n) not in done.runs:
+                continue
             console.print(f"serve --workers {n} --policy {policy}: {len(schedule)} requests over {w.duration_s:.0f} s"
                           + (f" (run {r + 1} of {args.repeats})" if args.repeats > 1 else ""))
             logs = root / fleet_name(policy, n)
             try:
-                runs[(policy, n)].append(real_point(policy, n, args.threads, w, schedule,
-                                                    logs / f"run-{r + 1}" if args.repeats > 1 else logs))
+                done.runs[(policy, n)].append(real_point(policy, n, args.threads, w, schedule,
+                                                         logs / f"run-{r + 1}" if args.repeats > 1 else logs))
             except RuntimeError as exc:  # serve did not start: the fleet's other runs still count
                 console.print(f"[red]run {r + 1} of serve --workers {n} --policy {policy} failed: {exc}[/red]")
-                failed[(policy, n)].append(str(exc))
+                done.failed[(policy, n)].append(str(exc))
+    return done
+
+
+def compare_fleets(args: argparse.Namespace, w: Workload, cost: OpCost, engine_cfg: EngineConfig, rounds: Rounds,
+                   planned: Speeds | None) -> list[dict[str, Any]]:
+    """Each real fleet's runs against its simulations (`compare`), or the causes of its runs' failures."""
+    schedule = arrivals(w)
     rows = []
-    for policy, n in fleets:
-        done, errors = runs[(policy, n)], failed[(policy, n)]
+    for (policy, n), done in rounds.runs.items():
+        errors = rounds.failed[(policy, n)]
         own = own_prediction(planned, policy, n)
         row = compare(args, w, schedule, cost, own, engine_cfg, policy, n, done) if done else {
             "policy": policy, "workers": n}  # serve never started for it

@@ -131,16 +131,22 @@ def serve_pilot(policy: str, threads: int | None, pilot: Workload, logs: Path, w
 
 def repeated_pilot(policy: str, threads: int | None, pilot: Workload, logs: Path, workers: int, runs: int
                    ) -> tuple[list[MeasuredBatch], dict[str, Any]]:
-    """`serve_pilot` `runs` times, each a fresh serve logging in `logs/run-<r>/`: their batches pooled
-    (a request's factor its seconds summed over the runs, as --against-serve pools a fleet's runs), and
-    per overhead the median of the runs'. One run is `serve_pilot` itself."""
+    """`serve_pilot` `runs` times, each a fresh serve logging in `logs/run-<r>/`, pooled (`pooled`). One
+    run is `serve_pilot` itself."""
     import shutil
-    import statistics
 
     if runs == 1:
         return serve_pilot(policy, threads, pilot, logs, workers)
     shutil.rmtree(logs, ignore_errors=True)  # an earlier pilot's run-<r>/ folders are not this one's
-    done = [serve_pilot(policy, threads, pilot, logs / f"run-{r + 1}", workers) for r in range(runs)]
+    return pooled([serve_pilot(policy, threads, pilot, logs / f"run-{r + 1}", workers) for r in range(runs)], logs)
+
+
+def pooled(done: list[tuple[list[MeasuredBatch], dict[str, Any]]], logs: Path
+           ) -> tuple[list[MeasuredBatch], dict[str, Any]]:
+    """Several runs of one pilot as one: their batches pooled (a request's factor its seconds summed over
+    the runs, as --against-serve pools a fleet's runs), and per overhead the median of the runs'."""
+    import statistics
+
     said = [run for _, run in done]
     return [b for bs, _ in done for b in bs], {
         "sent": said[0]["sent"], "attainment": statistics.median(run["attainment"] for run in said),
@@ -191,22 +197,68 @@ def _pilots(args: argparse.Namespace, pilot: Callable[[], tuple[Workload, str]],
     their machines to themselves; and for each `--against-serve` fleet of n > 1, a pilot of that fleet,
     whose workers share this machine's cores with each other and the gateway as its real runs' will (on
     2 EPYC cores two workers' batches ran 5.6-13.5 % slower per size than one worker's)."""
-    from engine.bench.plan import workers_of
     from engine.bench.plan_real import fleet_name
 
     w, where = pilot()
+    ran = {}
+    for policy, n in pilot_fleets(args, policies):
+        console.print(f"pilot: serve --workers {n} --policy {policy}, {where}, over {w.duration_s:.0f} s")
+        folder = Path(args.out) / "pilot" / fleet_name(policy, n)  # as --speed-from finds a fleet's own
+        ran[(policy, n)] = repeated_pilot(policy, args.threads, w, folder, n, args.pilot_runs)
+    return from_pilots(cost, ran, where, console)
+
+
+def interleaved_pilots(args: argparse.Namespace, w: Workload, pilot: Callable[[], tuple[Workload, str]], cost: OpCost,
+                       policies: list[str], console: Console) -> tuple[Speeds, Any]:
+    """`--interleave-pilots`: the pilots run in `--against-serve`'s rounds, each fleet's once per round
+    just before its real run, not all before the plan: on this shared 2-core machine the speed moved a
+    fifth between pilots and the fleets they planned minutes later (2026-12-05 13:16: 4 of 12 cells within
+    5 points, all pessimistic; at the runs' own speed all 12). The plan's speeds (`from_pilots`, each
+    fleet's round runs pooled) and the real rounds (plan_real's `Rounds`) to compare them with."""
+    import shutil
+
+    from engine.bench.plan_real import fleet_name, real_rounds
+
+    sent, where = pilot()
+
+    def one(policy: str, n: int, r: int) -> tuple[list[MeasuredBatch], dict[str, Any]]:
+        folder = Path(args.out) / "pilot" / fleet_name(policy, n)
+        if r == 0:
+            shutil.rmtree(folder, ignore_errors=True)  # an earlier pilot's run-<r>/ folders are not this one's
+        console.print(f"pilot: serve --workers {n} --policy {policy}, {where}, over {sent.duration_s:.0f} s "
+                      f"(round {r + 1} of {args.repeats})")
+        return serve_pilot(policy, args.threads, sent, folder / f"run-{r + 1}", n)
+
+    fleets = pilot_fleets(args, policies)
+    rounds = real_rounds(args, w, policies, console, one, fleets)
+    for policy, n in fleets:
+        if not rounds.pilots[(policy, n)]:  # every round's failed: the last one's cause
+            raise PilotError(rounds.pilot_failed[(policy, n)][-1])
+    ran = {(p, n): pooled(rounds.pilots[(p, n)], Path(args.out) / "pilot" / fleet_name(p, n)) for p, n in fleets}
+    return from_pilots(cost, ran, where, console), rounds
+
+
+def pilot_fleets(args: argparse.Namespace, policies: list[str]) -> list[tuple[str, int]]:
+    """The fleets a pilot runs for: each policy on one worker (what the plan's instances are), and on
+    each `--against-serve` fleet's n > 1 workers."""
+    from engine.bench.plan import workers_of
+
     shared = [n for n in workers_of(args.against_serve) if n > 1] if args.against_serve else []
+    return [(policy, n) for policy in policies for n in [1, *shared]]
+
+
+def from_pilots(cost: OpCost, ran: dict[tuple[str, int], tuple[list[MeasuredBatch], dict[str, Any]]], where: str,
+                console: Console) -> Speeds:
+    """What the pilots that ran (per fleet: its batches and what its runs said, in `pilot_fleets`'
+    order) plan each policy and fleet with, said per policy as plan.json's `pilot`."""
     planned, fleets, said = {}, {}, {}
-    for policy in policies:
-        for n in [1, *shared]:
-            console.print(f"pilot: serve --workers {n} --policy {policy}, {where}, over {w.duration_s:.0f} s")
-            folder = Path(args.out) / "pilot" / fleet_name(policy, n)  # as --speed-from finds a fleet's own
-            batches, run = repeated_pilot(policy, args.threads, w, folder, n, args.pilot_runs)
-            at, measured = at_measured_speed(cost, batches)
-            fleets[(policy, n)] = planned_with(at, run, measured["spread"])
-            said.setdefault(policy, {}).setdefault("fleets", {})[str(n)] = (
-                {"from": f"serve --workers {n}, {where}"} | measured | run)
-            _say(console, f"{policy}'s pilot on {n} worker(s)", measured, fleets[(policy, n)])
+    for (policy, n), (batches, run) in ran.items():
+        at, measured = at_measured_speed(cost, batches)
+        fleets[(policy, n)] = planned_with(at, run, measured["spread"])
+        said.setdefault(policy, {}).setdefault("fleets", {})[str(n)] = (
+            {"from": f"serve --workers {n}, {where}"} | measured | run)
+        _say(console, f"{policy}'s pilot on {n} worker(s)", measured, fleets[(policy, n)])
+    for policy in said:
         planned[policy] = fleets[(policy, 1)]
         said[policy] |= said[policy]["fleets"].pop("1")
         if not said[policy]["fleets"]:
