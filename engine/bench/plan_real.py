@@ -18,7 +18,8 @@ pilot), which is what a planner knows before the fleet exists. With `--cost cpu`
 at the speed of each policy's own short `serve` pilot on the workload's first requests
 (engine/bench/plan_speed.py): that fleet, "as planned", is the planner's own prediction. `--repeats R`
 runs each real fleet R times, in rounds, and compares with the median of its runs per class (each run's
-logs in `run-<r>/`).
+logs in `run-<r>/`); with `--interleave-pilots` each round also runs each fleet's pilot just before its real
+run (`real_rounds`), and the plan is made after the rounds, at their pilots pooled.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from engine.batch_log import MeasuredBatch, read_workers
 from engine.bench.plan import workers_of
 from engine.bench.plan_fleet import Planner
 from engine.bench.plan_measured import Planned, median_overheads, net_of_serving, overheads, planned_with, spread
-from engine.bench.plan_speed import PilotError, Speeds, measured_speed
+from engine.bench.plan_speed import PilotError, PilotRun, Speeds, measured_speed
 from engine.config import EngineConfig
 from engine.model.plan import OpCost
 from engine.protocol.slo import DEFAULT_CLASSES
@@ -146,9 +147,6 @@ def _sim_id(worker_id: str) -> str:
     """The replay client's `peer-<ns>-<i>` (a worker may add `-<hex>` to a reused id) as the simulation's `w<i>`."""
     parts = worker_id.split("-")
     return f"w{parts[2]}" if len(parts) >= 3 and parts[0] == "peer" and parts[2].isdecimal() else worker_id
-
-
-PilotRun = tuple[list[MeasuredBatch], dict[str, Any]]  # a pilot run: its batches, what it said (plan_speed)
 
 
 class Rounds(NamedTuple):

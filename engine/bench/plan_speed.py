@@ -41,7 +41,7 @@ import contextlib
 import copy
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from rich.console import Console
 from rich.progress import Progress
@@ -55,8 +55,14 @@ from engine.sim.oracle import BatchCostRecorder, ExactCosts, at_speed, speed_by_
 from loadtest.goodput import make_requests
 from loadtest.workload import Workload, head
 
+if TYPE_CHECKING:
+    from engine.bench.plan_real import Rounds
+
 ENGINE_PASS = 100  # prompts: about 4 s on 2 EPYC cores for azure-mix's, and every size class it has
 PILOT = 100  # requests per policy: 14-16 s through `serve` at 16 req/s on 2 EPYC cores
+
+
+PilotRun = tuple[list[MeasuredBatch], dict[str, Any]]  # a pilot run: its batches, and what it said
 
 
 class PilotError(RuntimeError):
@@ -106,8 +112,7 @@ def at_measured_speed(cost: OpCost, batches: list[MeasuredBatch]) -> tuple[OpCos
                                                     "by_size": speed_by_size(batches), "spread": spread(batches)}
 
 
-def serve_pilot(policy: str, threads: int | None, pilot: Workload, logs: Path, workers: int = 1
-                ) -> tuple[list[MeasuredBatch], dict[str, Any]]:
+def serve_pilot(policy: str, threads: int | None, pilot: Workload, logs: Path, workers: int = 1) -> PilotRun:
     """`pilot`'s requests, at their own arrival times, through a real `flowprefill serve --workers <workers>
     --policy <policy>` (`--threads`, prefix caching off, `--no-calibrate`, its batch log in `logs`): the
     batches its workers ran, and the pilot's own goodput point with its workers' host time per batch and
@@ -130,7 +135,7 @@ def serve_pilot(policy: str, threads: int | None, pilot: Workload, logs: Path, w
 
 
 def repeated_pilot(policy: str, threads: int | None, pilot: Workload, logs: Path, workers: int, runs: int
-                   ) -> tuple[list[MeasuredBatch], dict[str, Any]]:
+                   ) -> PilotRun:
     """`serve_pilot` `runs` times, each a fresh serve logging in `logs/run-<r>/`, pooled (`pooled`). One
     run is `serve_pilot` itself."""
     import shutil
@@ -141,8 +146,7 @@ def repeated_pilot(policy: str, threads: int | None, pilot: Workload, logs: Path
     return pooled([serve_pilot(policy, threads, pilot, logs / f"run-{r + 1}", workers) for r in range(runs)], logs)
 
 
-def pooled(done: list[tuple[list[MeasuredBatch], dict[str, Any]]], logs: Path
-           ) -> tuple[list[MeasuredBatch], dict[str, Any]]:
+def pooled(done: list[PilotRun], logs: Path) -> PilotRun:
     """Several runs of one pilot as one: their batches pooled (a request's factor its seconds summed over
     the runs, as --against-serve pools a fleet's runs), and per overhead the median of the runs'."""
     import statistics
@@ -209,7 +213,7 @@ def _pilots(args: argparse.Namespace, pilot: Callable[[], tuple[Workload, str]],
 
 
 def interleaved_pilots(args: argparse.Namespace, w: Workload, pilot: Callable[[], tuple[Workload, str]], cost: OpCost,
-                       policies: list[str], console: Console) -> tuple[Speeds, Any]:
+                       policies: list[str], console: Console) -> tuple[Speeds, Rounds]:
     """`--interleave-pilots`: the pilots run in `--against-serve`'s rounds, each fleet's once per round
     just before its real run, not all before the plan: on this shared 2-core machine the speed moved a
     fifth between pilots and the fleets they planned minutes later (2026-12-05 13:16: 4 of 12 cells within
@@ -221,7 +225,7 @@ def interleaved_pilots(args: argparse.Namespace, w: Workload, pilot: Callable[[]
 
     sent, where = pilot()
 
-    def one(policy: str, n: int, r: int) -> tuple[list[MeasuredBatch], dict[str, Any]]:
+    def one(policy: str, n: int, r: int) -> PilotRun:
         folder = Path(args.out) / "pilot" / fleet_name(policy, n)
         if r == 0:
             shutil.rmtree(folder, ignore_errors=True)  # an earlier pilot's run-<r>/ folders are not this one's
@@ -247,8 +251,7 @@ def pilot_fleets(args: argparse.Namespace, policies: list[str]) -> list[tuple[st
     return [(policy, n) for policy in policies for n in [1, *shared]]
 
 
-def from_pilots(cost: OpCost, ran: dict[tuple[str, int], tuple[list[MeasuredBatch], dict[str, Any]]], where: str,
-                console: Console) -> Speeds:
+def from_pilots(cost: OpCost, ran: dict[tuple[str, int], PilotRun], where: str, console: Console) -> Speeds:
     """What the pilots that ran (per fleet: its batches and what its runs said, in `pilot_fleets`'
     order) plan each policy and fleet with, said per policy as plan.json's `pilot`."""
     planned, fleets, said = {}, {}, {}
