@@ -456,7 +456,7 @@ def test_against_serve_repeats_in_rounds_keeps_each_run_and_survives_a_failed_st
     from engine.batch_log import MeasuredBatch
     from engine.bench import plan_real
     from engine.bench.plan import build_parser
-    from engine.bench.plan_real import against_serve
+    from engine.bench.plan_real import compare_fleets, real_rounds
     from engine.bench.plan_report import against_table
     from loadtest.workload import azure_mix, head
 
@@ -481,7 +481,8 @@ def test_against_serve_repeats_in_rounds_keeps_each_run_and_survives_a_failed_st
     args = build_parser().parse_args(["--requests", "6", "--rate", "2", "--against-serve", "1", "--repeats", "2",
                                       "--policies", ",".join(policies), "--out", str(tmp_path)])
     w = head(azure_mix(), 6)
-    rows = against_serve(args, w, COST, EngineConfig(prefix_caching=False), policies, Console(file=None, quiet=True))
+    rounds = real_rounds(args, w, policies, Console(file=None, quiet=True))
+    rows = compare_fleets(args, w, COST, EngineConfig(prefix_caching=False), rounds, None)
     assert calls == [(p, 1, f"run-{r}") for r in (1, 2) for p in policies]
     fcfs, flow, chunked = rows
     assert fcfs["real"]["attainment"] == pytest.approx(0.625) and len(fcfs["real"]["runs"]) == 2
@@ -526,8 +527,9 @@ def test_against_serve_simulates_the_real_fleet_routed_by_load_alone(
     monkeypatch.setattr(plan_real, "Planner", Spy)
     args = build_parser().parse_args(["--requests", "6", "--rate", "2", "--against-serve", "2", "--policies", "fcfs",
                                       "--prefix-affinity-chars", "1024", "--out", str(tmp_path)])
-    rows = plan_real.against_serve(args, head(azure_mix(), 6), COST, EngineConfig(prefix_caching=False), ["fcfs"],
-                                   Console(file=None, quiet=True))
+    w = head(azure_mix(), 6)
+    rows = plan_real.compare_fleets(args, w, COST, EngineConfig(prefix_caching=False),
+                                    plan_real.real_rounds(args, w, ["fcfs"], Console(file=None, quiet=True)), None)
     assert rows[0]["real"]["attainment"] == 1.0 and keys == [None]
 
 

@@ -278,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         from engine.bench.plan_real import compare_fleets, real_rounds
 
         own = speeds.key in ("pilot", "engine_pass")  # the planner's own prediction (not one learned from a run)
-        rounds = rounds or real_rounds(args, w, policies, console)
+        if rounds is None:  # the real fleets have not run yet
+            rounds = real_rounds(args, w, policies, console)
         doc["against_serve"] = compare_fleets(args, w, runner.cost, engine_cfg, rounds, speeds if own else None)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

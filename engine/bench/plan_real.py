@@ -71,7 +71,7 @@ def real_point(policy: str, n: int, threads: int | None, w: Workload, schedule: 
     side's CPU per request), its workers' URLs, and the batches they ran, each less what the serving
     side took from it (`net_of_serving`; request ids as the simulation's: `w{i}` for the schedule's
     i-th arrival)."""
-    logs.mkdir(parents=True, exist_ok=True)  # against_serve emptied it: an earlier run's logs are not read
+    logs.mkdir(parents=True, exist_ok=True)  # real_rounds emptied it: an earlier run's logs are not read
     proc, port, argv = _start_serve(policy, n, threads, logs)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -160,17 +160,6 @@ class Rounds(NamedTuple):
     pilot_failed: dict[tuple[str, int], list[str]]
 
 
-def against_serve(args: argparse.Namespace, w: Workload, cost: OpCost, engine_cfg: EngineConfig,
-                  policies: list[str], console: Console, planned: Speeds | None = None
-                  ) -> list[dict[str, Any]]:
-    """`cost`: the cost model as profiled; `planned`: what the plan simulated per policy (at its pilot's or
-    an engine pass's speed), or per fleet where a pilot of its shape ran, whose simulation is then the
-    planner's own prediction. With `--repeats R` each fleet runs R times, in rounds (every fleet once per
-    round, so that the machine's drift falls on all of them), and is compared per class with the median
-    of its runs."""
-    return compare_fleets(args, w, cost, engine_cfg, real_rounds(args, w, policies, console), planned)
-
-
 def real_rounds(args: argparse.Namespace, w: Workload, policies: list[str], console: Console,
                 pilot: Callable[[str, int, int], PilotRun] | None = None,
                 pilot_fleets: Sequence[tuple[str, int]] = ()) -> Rounds:
@@ -210,7 +199,11 @@ def real_rounds(args: argparse.Namespace, w: Workload, policies: list[str], cons
 
 def compare_fleets(args: argparse.Namespace, w: Workload, cost: OpCost, engine_cfg: EngineConfig, rounds: Rounds,
                    planned: Speeds | None) -> list[dict[str, Any]]:
-    """Each real fleet's runs against its simulations (`compare`), or the causes of its runs' failures."""
+    """Each real fleet's runs (`real_rounds`: with `--repeats R` R of them, in rounds, so that the machine's
+    drift falls on every fleet) against its simulations (`compare`, with the median of its runs per class),
+    or the causes of its runs' failures. `cost`: the cost model as profiled; `planned`: what the plan
+    simulated per policy (at its pilot's or an engine pass's speed), or per fleet where a pilot of its
+    shape ran, whose simulation is then the planner's own prediction."""
     schedule = arrivals(w)
     rows = []
     for (policy, n), done in rounds.runs.items():
