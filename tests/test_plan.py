@@ -447,6 +447,36 @@ def test_repeated_real_runs_are_compared_by_their_median_per_class() -> None:
     assert _real_cell(med, "standard") == "60.0 % (50.0-90.0)" and _real_cell(one, "all") == "70.0 %"
 
 
+def test_agreement_counts_cells_within_the_band_leaving_out_small_classes() -> None:
+    """The verdict `--against-serve` prints: per simulation, the cells (class of at least 20 requests, and
+    overall) within 5 points of the real median, and its largest gap; a fleet that never ran has none."""
+    from rich.console import Console
+
+    from engine.bench.plan_report import agreement, print_agreement
+
+    def pt(overall: float, interactive: float, relaxed: float) -> dict[str, object]:
+        return {"attainment": overall, "per_class": {"interactive": {"n": 122, "attainment": interactive},
+                                                     "relaxed": {"n": 14, "attainment": relaxed}}}
+
+    rows = [{"policy": "flowprefill", "workers": 1, "real": pt(0.70, 0.80, 0.50),
+             "sim_planned": pt(0.74, 0.85, 0.90), "sim_measured_speed": pt(0.70, 0.80, 0.50)},
+            {"policy": "flowprefill", "workers": 2, "real": pt(0.90, 0.95, 1.0),
+             "sim_planned": pt(0.84, 0.96, 1.0), "sim_measured_speed": pt(0.91, 0.9, 1.0)},
+            {"policy": "fcfs", "workers": 1, "failed_runs": ["serve exited 2"]}]
+    summary = agreement(rows)
+    assert summary["left_out"] == ["relaxed"] and summary["band_points"] == 5
+    planned = summary["sim_planned"]  # gaps +4, +5 (on the band: in), -6, +1; relaxed's +40 not counted
+    assert (planned["cells"], planned["within"]) == (4, 3)
+    assert planned["largest_gap"] == {"policy": "flowprefill", "workers": 2, "class": "all",
+                                      "points": pytest.approx(-6.0)}
+    assert summary["sim_measured_speed"]["within"] == 4 and "sim" not in summary
+    console = Console(record=True, width=200)
+    print_agreement(console, summary)
+    text = console.export_text()
+    assert "as planned: 3 of 4 cells; largest gap -6.0 (flowprefill on 2 workers, all)" in text
+    assert "not counted: relaxed" in text
+
+
 def test_against_serve_repeats_in_rounds_keeps_each_run_and_survives_a_failed_start(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`--repeats 2`: every fleet once per round, each run's logs in `run-<r>/` (an earlier run's logs

@@ -232,7 +232,7 @@ def pilot_workload(args: argparse.Namespace, w: Workload) -> tuple[Workload, str
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.bench.plan_report import plot, print_tables
+    from engine.bench.plan_report import agreement, plot, print_tables
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -281,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         if rounds is None:  # the real fleets have not run yet
             rounds = real_rounds(args, w, policies, console)
         doc["against_serve"] = compare_fleets(args, w, runner.cost, engine_cfg, rounds, speeds if own else None)
+        doc["against_serve_agreement"] = agreement(doc["against_serve"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(json.dumps(doc, indent=2))
