@@ -44,6 +44,7 @@ def test_plan_on_this_cpu_pilots_each_policy_through_a_real_serve_first(
         # the serving side's CPU per request (its worker's /metrics), which its batches are measured net of
         assert said["outside_worker_ms"] > 0 and (said["worker_host_ms"] is None or said["worker_host_ms"] > 0)
         assert said["serving_cpu_ms"] > 0
+        assert "idle_wake_ms" in said  # (None here: six requests leave too few batches begun idle to say)
         net = [b for worker in read_workers(out / "pilot" / folder)
                for b in net_of_serving(worker, said["serving_cpu_ms"] / 1000)]
         assert said["by_size"] == at_measured_speed(COST, net)[1]["by_size"] and said["requests"] == 6
@@ -387,7 +388,8 @@ def test_a_pilot_run_several_times_pools_its_runs(tmp_path: Path, monkeypatch: p
         r = len(calls)
         return [MeasuredBatch([f"p{r}"], 0.01, 0.01 * r, 1.0, 100)], {
             "sent": 5, "attainment": 0.5 + 0.1 * r, "failed": r - 1, "logs": str(logs),
-            "worker_host_ms": float(r), "outside_worker_ms": None if r == 2 else 4.0 * r, "serving_cpu_ms": 2.0}
+            "worker_host_ms": float(r), "outside_worker_ms": None if r == 2 else 4.0 * r, "serving_cpu_ms": 2.0,
+            "idle_wake_ms": None if r == 3 else float(r)}
 
     monkeypatch.setattr(plan_speed, "serve_pilot", serve_pilot)
     stale = tmp_path / "fcfs-w2" / "run-9"
@@ -396,7 +398,8 @@ def test_a_pilot_run_several_times_pools_its_runs(tmp_path: Path, monkeypatch: p
     assert calls == [tmp_path / "fcfs-w2" / f"run-{r}" for r in (1, 2, 3)] and not stale.exists()
     assert [b.exec_s for b in batches] == pytest.approx([0.01, 0.02, 0.03])
     assert said == pytest.approx({"sent": 5, "attainment": 0.7, "failed": 3, "logs": str(tmp_path / "fcfs-w2"),
-                                  "runs": 3, "worker_host_ms": 2.0, "outside_worker_ms": 8.0, "serving_cpu_ms": 2.0})
+                                  "runs": 3, "worker_host_ms": 2.0, "outside_worker_ms": 8.0, "serving_cpu_ms": 2.0,
+                                  "idle_wake_ms": 1.5})
     calls.clear()
     _, alone = plan_speed.repeated_pilot("fcfs", 1, None, tmp_path / "fcfs-w1", 1, 1)  # type: ignore[arg-type]
     assert calls == [tmp_path / "fcfs-w1"] and "runs" not in alone

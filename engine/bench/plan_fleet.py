@@ -38,8 +38,9 @@ class Planner:
     """Simulates the workload on N instances of a policy. `cost`: the cost model; `key_of`: each
     request's prefix key as the gateway would compute it; `urls`: the instances' names; `outside_s`:
     each request's time outside the instances' batches, out of its TTFT budget, `noise`: the spread of
-    batches' speeds around the cost model's, and `serving_s`: the CPU an arrival takes from the step it
-    lands in (all plan_measured.Planned's)."""
+    batches' speeds around the cost model's, `serving_s`: the CPU an arrival takes from the step it
+    lands in, and `idle_wake_s`: what a batch begun on an idle instance takes more (all
+    plan_measured.Planned's)."""
 
     def __init__(self, w: Workload, cost: OpCost, engine_cfg: EngineConfig, target: float, every_class: bool,
                  classes: dict[str, SLOClass] = DEFAULT_CLASSES, key_of: KeyOf | None = None,
@@ -51,12 +52,13 @@ class Planner:
         self.requests = requests or (lambda: with_prefixes(w, make_requests(w, classes, 1.0, 0.0, None)))
         self.prefix_blocks = PREFIX_BLOCK_TOKENS if any(r.prefix for r in w.requests) else None
         self.sheddable = frozenset(name for name, c in classes.items() if c.sheddable)
-        self.outside_s = self.noise = self.serving_s = 0.0
+        self.outside_s = self.noise = self.serving_s = self.idle_wake_s = 0.0
         self.sims = 0
 
     def use(self, planned: Planned) -> None:
-        """Simulate with `planned`'s cost model, time outside the instances, noise and serving CPU from now on."""
-        self.cost, self.outside_s, self.noise, self.serving_s = planned
+        """Simulate with `planned`'s cost model, time outside the instances, noise, serving CPU and idle wake-up
+        from now on."""
+        self.cost, self.outside_s, self.noise, self.serving_s, self.idle_wake_s = planned
 
     def evaluate(self, policy: str, n: int, stop_early: bool = True, exact: ExactCosts | None = None) -> dict[str, Any]:
         """One fleet of n instances on the whole workload: the goodput point (bench goodput's, with
@@ -104,7 +106,8 @@ class Planner:
                                first_poll_s=first_poll_s)
         # the noise around the pilot's median speed per size: median one, not mean one
         error = PredictionError(noise=self.noise, noise_mean_one=False)
-        cfg = replace(sim_config(self.engine_cfg, error=error, seed=seed), arrival_cpu_s=self.serving_s)
+        cfg = replace(sim_config(self.engine_cfg, error=error, seed=seed), arrival_cpu_s=self.serving_s,
+                      idle_wake_s=self.idle_wake_s)
         fleet = Fleet(reqs, n, policy, self.cost, cfg, router, exact=exact, sheddable=self.sheddable,
                       max_waiting=self.engine_cfg.max_waiting, prefix_block_tokens=self.prefix_blocks)
         self.sims += 1

@@ -1,6 +1,7 @@
 """What a real run's batch logs and its client say about a worker beyond its speed per batch size: its own
 time between batches, the time a request spends outside it, how far a batch's speed strays from its
-size's, and what its HTTP side's CPU takes from the batches requests arrive in. A `serve` pilot measures
+size's, what its HTTP side's CPU takes from the batches requests arrive in, and what a batch costs more
+when the worker was idle before it. A `serve` pilot measures
 them (engine/bench/plan_speed.py), and the planner simulates with them (`Planned`).
 """
 
@@ -14,11 +15,11 @@ from dataclasses import replace
 from typing import Any, NamedTuple
 
 from engine.batch_log import MeasuredBatch
-from engine.model.plan import OpCost
+from engine.model.plan import OpCost, size_class
 from engine.sim.oracle import factors_by_size
 
 # What a real run's point says of its workers beyond their speed (plan_real's real_point)
-OVERHEADS = ("worker_host_ms", "outside_worker_ms", "serving_cpu_ms")
+OVERHEADS = ("worker_host_ms", "outside_worker_ms", "serving_cpu_ms", "idle_wake_ms")
 
 
 class Planned(NamedTuple):
@@ -34,6 +35,7 @@ class Planned(NamedTuple):
     outside_s: float = 0.0
     noise: float = 0.0  # the sigma of a batch's lognormal speed around its size's (engine/sim/errors.py)
     serving_s: float = 0.0  # the worker's serving side's CPU per request, taken from the step it arrives in
+    idle_wake_s: float = 0.0  # what a batch begun on an idle worker takes beyond its size's speed (`idle_wake`)
 
 
 def host_gaps(worker: Sequence[MeasuredBatch]) -> list[float]:
@@ -86,7 +88,7 @@ def planned_with(cost: OpCost, run: dict[str, Any], noise: float | None = 0.0) -
     host_s = (run.get("worker_host_ms") or 0.0) / 1000
     outside_s = (run.get("outside_worker_ms") or 0.0) / 1000
     return Planned(replace(cost, batch_host_s=host_s), max(0.0, outside_s - host_s), noise or 0.0,
-                   (run.get("serving_cpu_ms") or 0.0) / 1000)
+                   (run.get("serving_cpu_ms") or 0.0) / 1000, (run.get("idle_wake_ms") or 0.0) / 1000)
 
 
 def net_of_serving(worker: Sequence[MeasuredBatch], serving_s: float) -> list[MeasuredBatch]:
@@ -110,6 +112,59 @@ def net_of_serving(worker: Sequence[MeasuredBatch], serving_s: float) -> list[Me
         share = min(1.0, b.exec_s / (b.finished_at - b.began_at))
         out.append(b._replace(exec_s=max(b.exec_s - serving_s * during * share, b.exec_s / 2)))
     return out
+
+
+def begun_idle(worker: Sequence[MeasuredBatch]) -> list[bool]:
+    """Per batch of one worker (in its order): whether the worker was idle before it, its last request
+    having arrived after every batch begun before it had ended (nothing suspended, nothing waiting).
+    Unknown (an older log without those times): False."""
+    begun = sorted(range(len(worker)), key=lambda i: worker[i].began_at if worker[i].began_at is not None else -1)
+    idle, last_end = [False] * len(worker), -math.inf  # the latest end of the batches begun so far
+    for i in begun:
+        b = worker[i]
+        if b.began_at is None or b.finished_at is None or not b.arrived_at:
+            continue
+        idle[i] = max(b.arrived_at) > last_end
+        last_end = max(last_end, b.finished_at)
+    return idle
+
+
+IDLE_WAKE_MIN_BATCHES = 5  # a size class's busy batches needed to measure its idle ones against
+IDLE_WAKE_MIN_IDLE = 20  # idle batches needed to say what waking costs (9 said 11 ms, 100 or more 1-3)
+
+
+def idle_wake(workers: Sequence[Sequence[MeasuredBatch]]) -> float | None:
+    """What a batch begun on an idle worker (`begun_idle`) took beyond what the batches of its size class
+    begun on a busy one ran at (their median speed): the median of that excess over the idle ones, in
+    seconds (None: none to measure). The worker's thread wakes from its wait, its caches are cold: on 2
+    EPYC cores 1-3 ms a batch whatever its size (eight fleets' pilots and runs, 2026-12-05), 12 % of a
+    batch under 512 tokens and 3 % of one of 512-1.5K. A pilot over a quiet stretch of the trace began
+    half its batches idle, its fleet's runs over the busy one 1 % (out of sample; `flowprefill` on one
+    worker): a speed per size taken from all of them was 4-7 % slow for the run, and the plan 6-8 points
+    pessimistic per class, at the runs' own speed within 1."""
+    busy: dict[int, list[float]] = {}
+    idle: list[tuple[int, MeasuredBatch]] = []
+    for worker in workers:
+        for b, was_idle in zip(worker, begun_idle(worker), strict=True):
+            if not (b.tokens and b.base_s > 0 and b.exec_s > 0):
+                continue
+            if was_idle:
+                idle.append((size_class(b.tokens), b))
+            else:
+                busy.setdefault(size_class(b.tokens), []).append(b.exec_s / b.base_s)
+    speed = {k: statistics.median(fs) for k, fs in busy.items() if len(fs) >= IDLE_WAKE_MIN_BATCHES}
+    excess = [b.exec_s - b.base_s * speed[k] for k, b in idle if k in speed]
+    return max(0.0, statistics.median(excess)) if len(excess) >= IDLE_WAKE_MIN_IDLE else None
+
+
+def net_of_wake(worker: Sequence[MeasuredBatch], wake_s: float) -> list[MeasuredBatch]:
+    """One worker's batches, each begun idle (`begun_idle`) less `wake_s` (at most half of it): its speed
+    per size as a busy worker's, which the simulator charges `wake_s` more where it begins idle
+    (`SimConfig.idle_wake_s`), as many times as the simulated load leaves it idle."""
+    if not wake_s:
+        return list(worker)
+    return [b._replace(exec_s=max(b.exec_s - wake_s, b.exec_s / 2)) if was_idle else b
+            for b, was_idle in zip(worker, begun_idle(worker), strict=True)]
 
 
 def spread(batches: Iterable[MeasuredBatch]) -> float | None:

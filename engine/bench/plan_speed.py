@@ -284,5 +284,6 @@ def _say(console: Console, source: str, measured: dict[str, Any], planned: Plann
              if planned.cost.batch_host_s else "")
     extra += f", {planned.outside_s * 1000:.1f} ms outside it per request" if planned.outside_s else ""
     extra += f", each batch's speed spread by a sigma of {planned.noise:.2f}" if planned.noise else ""
+    extra += f", {planned.idle_wake_s * 1000:.1f} ms more for a batch begun idle" if planned.idle_wake_s else ""
     console.print(f"simulating at the speed {source} measured: {measured['factor']:.2f}x the cost model's seconds "
                   f"(median of {measured['requests']} requests){by_size}{extra}")

@@ -43,6 +43,12 @@ class SimConfig:
     # CPU a request's arrival costs the instance's own core (a CPU worker's HTTP side beside its engine
     # loop): a step running when it arrives ends this much later (engine/bench/plan_speed.py's net_of_serving)
     arrival_cpu_s: float = 0.0
+    # What a batch begun on an idle instance takes beyond its size's speed: a CPU worker's thread waking
+    # from its wait, its caches cold (engine/bench/plan_measured.py's idle_wake)
+    idle_wake_s: float = 0.0
+    # What a batch begun on an idle instance takes beyond its size's speed: a CPU worker's thread waking
+    # from its wait, its caches cold (engine/bench/plan_measured.py's idle_wake)
+    idle_wake_s: float = 0.0
 
 
 class _Clock:
@@ -132,6 +138,7 @@ class Simulation:
         self.current: PrefillBatch | None = None  # the batch whose steps run (None: none since the last completed)
         self.step_start: float = 0.0
         self.step_end: float | None = None  # the running step's (step_end None: no step running)
+        self.busy_until = -math.inf  # when its last step ended (a batch begun later begins idle)
         self.lookahead = math.inf  # a fleet's next arrival: a fast-forward stops there too
         self.done: list[Request] = []  # first tokens out since the caller last emptied it (a fleet's router reads it)
 
@@ -209,13 +216,18 @@ class Simulation:
                 self.preemptions += 1
             batch.begin_segment(self.clock.t)
             self.began.setdefault(batch.batch_id, self.clock.t)
+            woke = self.current is None and self.clock.t > self.busy_until and not self.cfg.ideal
             self.current = batch
+        else:
+            woke = False
         start = self.clock.t
         left = self.step_left.pop(batch.batch_id, None)
         if left is None and not self.cfg.ideal:
             self._fast_forward(batch)
             start = self.clock.t
         self.step_start, self.step_end = start, start + (self._step_s(batch) if left is None else left)
+        if woke:  # idle since its last step ended: the batch pays for the wake-up
+            self.step_end += self.cfg.idle_wake_s
         return self.step_end
 
     def cut(self, t: float) -> None:
@@ -230,7 +242,7 @@ class Simulation:
         progress at the engine's cadence."""
         batch, end = self.current, self.step_end
         assert batch is not None and end is not None
-        self.clock.t, self.step_end = end, None
+        self.clock.t, self.step_end, self.busy_until = end, None, end
         measured = batch.exec_s + end - self.step_start
         finished = batch.advance()
         # virtual time, not the instant advance() took; the host's time after the last step is not the
