@@ -46,9 +46,6 @@ class SimConfig:
     # What a batch begun on an idle instance takes beyond its size's speed: a CPU worker's thread waking
     # from its wait, its caches cold (engine/bench/plan_measured.py's idle_wake)
     idle_wake_s: float = 0.0
-    # What a batch begun on an idle instance takes beyond its size's speed: a CPU worker's thread waking
-    # from its wait, its caches cold (engine/bench/plan_measured.py's idle_wake)
-    idle_wake_s: float = 0.0
 
 
 class _Clock:
