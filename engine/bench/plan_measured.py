@@ -38,19 +38,25 @@ class Planned(NamedTuple):
     idle_wake_s: float = 0.0  # what a batch begun on an idle worker takes beyond its size's speed (`idle_wake`)
 
 
+def _ends_before(worker: Sequence[MeasuredBatch]) -> list[tuple[int, float]]:
+    """Per batch of one worker whose log says when it began, finished and its requests arrived (its index),
+    in the order they began: the latest end of the batches begun before it (-inf: none)."""
+    timed = sorted((b.began_at, i) for i, b in enumerate(worker)
+                   if b.began_at is not None and b.finished_at is not None and b.arrived_at)
+    out, last_end = [], -math.inf
+    for _, i in timed:
+        out.append((i, last_end))
+        last_end = max(last_end, worker[i].finished_at)  # type: ignore[type-var]
+    return out
+
+
 def host_gaps(worker: Sequence[MeasuredBatch]) -> list[float]:
     """One worker's own time between batches: from the end of the last batch it ran to the next batch's
     first step, where no batch was left suspended across that time (a resumed one's segments are not
     logged) and every request of the next one was already at the worker (it waited for nothing but
     itself): the first token sampled and sent, the next decision, the next batch formed."""
-    timed = sorted((b.began_at, b.finished_at, max(b.arrived_at)) for b in worker
-                   if b.began_at is not None and b.finished_at is not None and b.arrived_at)
-    gaps, last_end = [], -math.inf  # the latest end of the batches begun so far
-    for began, end, arrived in timed:
-        if arrived < last_end <= began:
-            gaps.append(began - last_end)
-        last_end = max(last_end, end)
-    return gaps
+    return [worker[i].began_at - last_end for i, last_end in _ends_before(worker)  # type: ignore[operator]
+            if max(worker[i].arrived_at) < last_end <= worker[i].began_at]  # type: ignore[arg-type,operator]
 
 
 def outside_worker(ttfts: dict[str, float], batches: Iterable[MeasuredBatch]) -> list[float]:
@@ -118,14 +124,9 @@ def begun_idle(worker: Sequence[MeasuredBatch]) -> list[bool]:
     """Per batch of one worker (in its order): whether the worker was idle before it, its last request
     having arrived after every batch begun before it had ended (nothing suspended, nothing waiting).
     Unknown (an older log without those times): False."""
-    begun = sorted(range(len(worker)), key=lambda i: worker[i].began_at if worker[i].began_at is not None else -1)
-    idle, last_end = [False] * len(worker), -math.inf  # the latest end of the batches begun so far
-    for i in begun:
-        b = worker[i]
-        if b.began_at is None or b.finished_at is None or not b.arrived_at:
-            continue
-        idle[i] = max(b.arrived_at) > last_end
-        last_end = max(last_end, b.finished_at)
+    idle = [False] * len(worker)
+    for i, last_end in _ends_before(worker):
+        idle[i] = max(worker[i].arrived_at) > last_end  # type: ignore[arg-type]
     return idle
 
 
@@ -137,11 +138,11 @@ def idle_wake(workers: Sequence[Sequence[MeasuredBatch]]) -> float | None:
     """What a batch begun on an idle worker (`begun_idle`) took beyond what the batches of its size class
     begun on a busy one ran at (their median speed): the median of that excess over the idle ones, in
     seconds (None: none to measure). The worker's thread wakes from its wait, its caches are cold: on 2
-    EPYC cores 1-3 ms a batch whatever its size (eight fleets' pilots and runs, 2026-12-05), 12 % of a
-    batch under 512 tokens and 3 % of one of 512-1.5K. A pilot over a quiet stretch of the trace began
-    half its batches idle, its fleet's runs over the busy one 1 % (out of sample; `flowprefill` on one
-    worker): a speed per size taken from all of them was 4-7 % slow for the run, and the plan 6-8 points
-    pessimistic per class, at the runs' own speed within 1."""
+    EPYC cores 1-3 ms a batch under 2K tokens by the median, more and noisier above (twelve fleets'
+    pilots and runs, 2026-12-05), 12 % of a batch under 512 tokens and 3 % of one of 512-1.5K. A pilot
+    over a quiet stretch of the trace began half its batches idle, its fleet's runs over the busy one 1 %
+    (out of sample; `flowprefill` on one worker): a speed per size taken from all of them was 3-7 % slow
+    for the runs, and the plan 6-8 points pessimistic per class, at the runs' own speed within 1."""
     busy: dict[int, list[float]] = {}
     idle: list[tuple[int, MeasuredBatch]] = []
     for worker in workers:

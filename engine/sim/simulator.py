@@ -207,23 +207,22 @@ class Simulation:
         fast-forward."""
         batch = self.sched.chosen
         assert batch is not None
+        # idle since its last step ended: the batch pays for the wake-up
+        woke = self.current is None and self.clock.t > self.busy_until and not self.cfg.ideal
         if batch is not self.current:
             if self.current is not None and self.current in self.sched.pool:
                 self.current.suspend(self.clock.t, self.sched.chosen_at, batch)
                 self.preemptions += 1
             batch.begin_segment(self.clock.t)
             self.began.setdefault(batch.batch_id, self.clock.t)
-            woke = self.current is None and self.clock.t > self.busy_until and not self.cfg.ideal
             self.current = batch
-        else:
-            woke = False
         start = self.clock.t
         left = self.step_left.pop(batch.batch_id, None)
         if left is None and not self.cfg.ideal:
             self._fast_forward(batch)
             start = self.clock.t
         self.step_start, self.step_end = start, start + (self._step_s(batch) if left is None else left)
-        if woke:  # idle since its last step ended: the batch pays for the wake-up
+        if woke:
             self.step_end += self.cfg.idle_wake_s
         return self.step_end
 
