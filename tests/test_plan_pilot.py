@@ -4,6 +4,7 @@ short run of its real `serve --workers 1` measured, its workers predicting with 
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -50,22 +51,26 @@ def test_plan_on_this_cpu_pilots_each_policy_through_a_real_serve_first(
         assert said["by_size"] == at_measured_speed(COST, net)[1]["by_size"] and said["requests"] == 6
 
 
-def test_with_skip_the_pilot_sends_the_trace_s_requests_before_the_planned_ones() -> None:
+def test_with_skip_the_pilot_sends_the_trace_s_requests_before_the_planned_ones_at_their_load() -> None:
     """Out of sample: with `--skip` leaving N requests, the pilot's are the trace's N just before the
-    planned ones, sped up as --rate speeds up the planned ones; else the planned ones' first N."""
-    from engine.bench.plan import build_parser, load_workload, pilot_workload
+    planned ones, their gaps in the trace's proportions, paced to offer the planned ones' prompt tokens per
+    second (azure-mix's 10-30 offer fewer than its 30-80 natively); else the planned ones' first N."""
+    from engine.bench.plan import build_parser, load_workload, pilot_workload, token_rate
     from loadtest.workload import azure_mix
 
     trace = azure_mix()
     args = build_parser().parse_args(["--skip", "30", "--requests", "50", "--rate", "16", "--pilot", "20"])
     w = load_workload(args)
     pilot, where = pilot_workload(args, w)
-    assert where == "the trace's 20 requests before the planned ones"
-    assert [r.input_tokens for r in pilot.requests] == [r.input_tokens for r in trace.requests[10:30]]
-    native = trace.requests[30:80]  # the planned ones, natively
-    speed_up = (native[-1].arrival_s - native[0].arrival_s) / w.duration_s
-    gaps = [b.arrival_s - a.arrival_s for a, b in zip(trace.requests[10:30], trace.requests[11:30], strict=False)]
-    assert [b.arrival_s - a.arrival_s for a, b in zip(pilot.requests, pilot.requests[1:], strict=False)] == \
+    assert where == "the trace's 20 requests before the planned ones, at their load"
+    earlier = trace.requests[10:30]
+    assert [r.input_tokens for r in pilot.requests] == [r.input_tokens for r in earlier]
+    assert token_rate(pilot) == pytest.approx(token_rate(w))
+    native_tokens_per_s = sum(r.input_tokens for r in earlier) / (earlier[-1].arrival_s - earlier[0].arrival_s)
+    speed_up = token_rate(w) / native_tokens_per_s
+    assert speed_up != pytest.approx((trace.requests[79].arrival_s - trace.requests[30].arrival_s) / w.duration_s)
+    gaps = [b.arrival_s - a.arrival_s for a, b in pairwise(earlier)]
+    assert [b.arrival_s - a.arrival_s for a, b in pairwise(pilot.requests)] == \
         pytest.approx([g / speed_up for g in gaps])
     args = build_parser().parse_args(["--skip", "10", "--requests", "50", "--rate", "16", "--pilot", "20"])
     w = load_workload(args)

@@ -116,9 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--workers 1` of each policy (with --threads, --no-calibrate; its batch log in "
                         "<out>/pilot/<policy>-w1/, : written -) and plan each policy at the speed its worker ran, a "
                         "factor per batch size (a worker served 7-15 %% slower than an engine pass one prompt at a "
-                        "time read). The requests: the trace's N before the planned ones where --skip leaves "
-                        "them (out of sample), else the planned ones' first N. 0: no pilot. Ignored with "
-                        "--speed-from")
+                        "time read). The requests: the planned ones' first N, or the trace's N before them where "
+                        "--skip leaves them (out of sample), paced to the planned ones' prompt tokens per second. "
+                        "0: no pilot. Ignored with --speed-from")
     p.add_argument("--pilot-runs", type=int, default=1, metavar="R",
                    help="run each pilot R times (a fresh serve each, logs in run-<r>/) and plan at their batches "
                         "pooled: on a shared machine one pilot is one sample of a speed that moves from run to run "
@@ -209,26 +209,37 @@ def _planned(args: argparse.Namespace, trace: Workload) -> Workload:
     return head(planned, args.requests) if args.requests else planned
 
 
-def _at_rate(args: argparse.Namespace, w: Workload, native: Workload | None = None) -> Workload:
-    """`w` sped up as --rate speeds up the planned requests (`native`: them, where `w` is other ones)."""
-    if not args.rate:
-        return w
-    native = native or w
-    if not (native.rate and w.rate):
-        return scale_to_rate(w, args.rate)
-    return scale_to_rate(w, w.rate * args.rate / native.rate)  # native's factor, native.rate / args.rate
+def _at_rate(args: argparse.Namespace, w: Workload) -> Workload:
+    """`w` at --rate requests per second (as it is without one)."""
+    return scale_to_rate(w, args.rate) if args.rate and w.rate else w
 
 
 def pilot_workload(args: argparse.Namespace, w: Workload) -> tuple[Workload, str]:
-    """The requests a pilot sends (`--pilot N`) and where they come from: the trace's N just before the
-    planned ones where `--skip` leaves that many (out of sample: the very requests planned are not
-    measured first), else the planned ones' first N; at the planned requests' pace."""
+    """The requests a pilot sends (`--pilot N`) and where they come from: the planned ones' first N, at
+    their own arrival times; or, where `--skip` leaves N before them (out of sample: the very requests
+    planned are not measured first), the trace's N just before the planned ones, paced to offer the
+    prompt tokens per second the planned ones do (`at_load`)."""
     n = min(args.pilot, len(w.requests))
     if args.skip < n:
         return head(w, n), f"the workload's first {n} requests"
-    trace = _trace(args)
-    earlier = head(skip(trace, args.skip - n), n)
-    return _at_rate(args, earlier, _planned(args, trace)), f"the trace's {n} requests before the planned ones"
+    earlier = head(skip(_trace(args), args.skip - n), n)
+    return at_load(earlier, w), f"the trace's {n} requests before the planned ones, at their load"
+
+
+def token_rate(w: Workload) -> float:
+    """The prompt tokens `w` offers per second (0: it has no duration)."""
+    return sum(r.input_tokens for r in w.requests) / w.duration_s if w.duration_s > 0 else 0.0
+
+
+def at_load(earlier: Workload, planned: Workload) -> Workload:
+    """`earlier` sped up or slowed down to offer `planned`'s prompt tokens per second. A pilot measures a
+    worker's speed, and a worker runs slower where it waits between batches (plan_measured's `idle_wake`):
+    paced as the planned requests' clock was scaled, azure-mix's 100 requests before its 100-300 offered
+    a third of their tokens per second (5.7K against 16.8K at 16 req/s), the worker began half its batches
+    idle against the fleet's runs' 1 %, and one `flowprefill` worker was planned 6-8 points pessimistic
+    per class in two of three nine-run comparisons (docs/benchmarks.md, 2026-12-05)."""
+    have, want = token_rate(earlier), token_rate(planned)
+    return scale_to_rate(earlier, earlier.rate * want / have) if have and want else earlier
 
 
 def main(argv: list[str] | None = None) -> int:
