@@ -51,24 +51,25 @@ def test_plan_on_this_cpu_pilots_each_policy_through_a_real_serve_first(
         assert said["by_size"] == at_measured_speed(COST, net)[1]["by_size"] and said["requests"] == 6
 
 
-def test_with_skip_the_pilot_sends_the_trace_s_requests_before_the_planned_ones_at_their_load() -> None:
+def test_with_skip_the_pilot_sends_the_trace_s_requests_before_the_planned_ones_at_their_rate() -> None:
     """Out of sample: with `--skip` leaving N requests, the pilot's are the trace's N just before the
-    planned ones, their gaps in the trace's proportions, paced to offer the planned ones' prompt tokens per
-    second (azure-mix's 10-30 offer fewer than its 30-80 natively); else the planned ones' first N."""
-    from engine.bench.plan import build_parser, load_workload, pilot_workload, token_rate
+    planned ones, their gaps in the trace's proportions, at the planned ones' requests per second (neither
+    the planned clock's factor nor their prompt tokens per second: azure-mix's 10-30 are sparser and
+    shorter than its 30-80); else the planned ones' first N at their own times."""
+    from engine.bench.plan import build_parser, load_workload, pilot_workload
     from loadtest.workload import azure_mix
 
     trace = azure_mix()
     args = build_parser().parse_args(["--skip", "30", "--requests", "50", "--rate", "16", "--pilot", "20"])
     w = load_workload(args)
     pilot, where = pilot_workload(args, w)
-    assert where == "the trace's 20 requests before the planned ones, at their load"
+    assert where == "the trace's 20 requests before the planned ones, at their rate"
     earlier = trace.requests[10:30]
     assert [r.input_tokens for r in pilot.requests] == [r.input_tokens for r in earlier]
-    assert token_rate(pilot) == pytest.approx(token_rate(w))
-    native_tokens_per_s = sum(r.input_tokens for r in earlier) / (earlier[-1].arrival_s - earlier[0].arrival_s)
-    speed_up = token_rate(w) / native_tokens_per_s
-    assert speed_up != pytest.approx((trace.requests[79].arrival_s - trace.requests[30].arrival_s) / w.duration_s)
+    assert pilot.rate == pytest.approx(16.0) and w.rate == pytest.approx(16.0)
+    speed_up = (earlier[-1].arrival_s - earlier[0].arrival_s) / pilot.duration_s
+    clock = (trace.requests[79].arrival_s - trace.requests[30].arrival_s) / w.duration_s
+    assert abs(speed_up / clock - 1) > 0.1  # (azure-mix's 10-30 natively sparser than its 30-80)
     gaps = [b.arrival_s - a.arrival_s for a, b in pairwise(earlier)]
     assert [b.arrival_s - a.arrival_s for a, b in pairwise(pilot.requests)] == \
         pytest.approx([g / speed_up for g in gaps])

@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "<out>/pilot/<policy>-w1/, : written -) and plan each policy at the speed its worker ran, a "
                         "factor per batch size (a worker served 7-15 %% slower than an engine pass one prompt at a "
                         "time read). The requests: the planned ones' first N, or the trace's N before them where "
-                        "--skip leaves them (out of sample), paced to the planned ones' prompt tokens per second. "
+                        "--skip leaves them (out of sample), at the planned ones' requests per second. "
                         "0: no pilot. Ignored with --speed-from")
     p.add_argument("--pilot-runs", type=int, default=1, metavar="R",
                    help="run each pilot R times (a fresh serve each, logs in run-<r>/) and plan at their batches "
@@ -217,29 +217,25 @@ def _at_rate(args: argparse.Namespace, w: Workload) -> Workload:
 def pilot_workload(args: argparse.Namespace, w: Workload) -> tuple[Workload, str]:
     """The requests a pilot sends (`--pilot N`) and where they come from: the planned ones' first N, at
     their own arrival times; or, where `--skip` leaves N before them (out of sample: the very requests
-    planned are not measured first), the trace's N just before the planned ones, paced to offer the
-    prompt tokens per second the planned ones do (`at_load`)."""
+    planned are not measured first), the trace's N just before the planned ones, at the planned ones'
+    requests per second (`at_rate_of`)."""
     n = min(args.pilot, len(w.requests))
     if args.skip < n:
         return head(w, n), f"the workload's first {n} requests"
     earlier = head(skip(_trace(args), args.skip - n), n)
-    return at_load(earlier, w), f"the trace's {n} requests before the planned ones, at their load"
+    return at_rate_of(earlier, w), f"the trace's {n} requests before the planned ones, at their rate"
 
 
-def token_rate(w: Workload) -> float:
-    """The prompt tokens `w` offers per second (0: it has no duration)."""
-    return sum(r.input_tokens for r in w.requests) / w.duration_s if w.duration_s > 0 else 0.0
-
-
-def at_load(earlier: Workload, planned: Workload) -> Workload:
-    """`earlier` sped up or slowed down to offer `planned`'s prompt tokens per second. A pilot measures a
-    worker's speed, and a worker runs slower where it waits between batches (plan_measured's `idle_wake`):
-    paced as the planned requests' clock was scaled, azure-mix's 100 requests before its 100-300 offered
-    a third of their tokens per second (5.7K against 16.8K at 16 req/s), the worker began half its batches
-    idle against the fleet's runs' 1 %, and one `flowprefill` worker was planned 6-8 points pessimistic
-    per class in two of three nine-run comparisons (docs/benchmarks.md, 2026-12-05)."""
-    have, want = token_rate(earlier), token_rate(planned)
-    return scale_to_rate(earlier, earlier.rate * want / have) if have and want else earlier
+def at_rate_of(earlier: Workload, planned: Workload) -> Workload:
+    """`earlier` at `planned`'s requests per second: what a request costs the CPU outside its batches (the
+    worker's HTTP side, the gateway's hop) is paid at the planned rate. Two other pacings of azure-mix's 100
+    requests before its 100-300, at 16 req/s, 2 EPYC cores, nine pilots a run, made the pilots slower than
+    the fleets they planned: the planned clock's factor (7.0 req/s, a third of the planned prompt tokens per
+    second) left one worker idle before half its batches (the fleet's runs 1 %) and planned it 6-8 points
+    pessimistic in two of three runs; the planned prompt tokens per second (20.8 req/s) ran two workers'
+    batches of 384-2K tokens 4-15 % slower than their fleet's, the gateway and both workers' HTTP sides
+    sharing the cores (every fleet pessimistic in one of three runs; docs/benchmarks.md, 2026-12-05)."""
+    return scale_to_rate(earlier, planned.rate) if planned.rate and earlier.rate else earlier
 
 
 def main(argv: list[str] | None = None) -> int:
