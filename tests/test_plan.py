@@ -367,12 +367,19 @@ def test_against_serve_starts_serve_on_another_port_when_its_port_was_taken(
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
-    ports = iter([taken.getsockname()[1], free_port(span=2)])
-    monkeypatch.setattr(plan_real, "free_port", lambda span=1: next(ports))
+    chosen: list[int] = []
+
+    def taken_first(span: int = 1) -> int:  # later ports chosen when asked, as serve's retry chooses them (one
+        # chosen up front could be taken by a parallel test's server while the first attempt fails: seen in CI)
+        chosen.append(taken.getsockname()[1] if not chosen else free_port(span=span))
+        return chosen[-1]
+
+    monkeypatch.setattr(plan_real, "free_port", taken_first)
     try:
         proc, port, argv = plan_real._start_serve("fcfs", 1, 1, tmp_path)
         try:
-            assert port != taken.getsockname()[1] and healthy(f"http://127.0.0.1:{port}")
+            assert chosen[0] == taken.getsockname()[1] and port == chosen[-1] != chosen[0]
+            assert healthy(f"http://127.0.0.1:{port}")
             assert "--no-calibrate" in argv  # its workers predict with the planner's profile
             assert "in use" in (tmp_path / "serve-0.log").read_text()
         finally:
