@@ -369,8 +369,9 @@ def test_against_serve_starts_serve_on_another_port_when_its_port_was_taken(
     taken.listen()
     chosen: list[int] = []
 
-    def taken_first(span: int = 1) -> int:  # later ports chosen when asked, as serve's retry chooses them (one
-        # chosen up front could be taken by a parallel test's server while the first attempt fails: seen in CI)
+    # later ports are chosen when asked, as serve's retry chooses them: one chosen up front could be taken by a
+    # parallel test's server while the first attempt fails (seen in CI)
+    def taken_first(span: int = 1) -> int:
         chosen.append(taken.getsockname()[1] if not chosen else free_port(span=span))
         return chosen[-1]
 
