@@ -19,7 +19,7 @@ from engine.cpu_affinity import CorePinning, on_passing_thread, team_ids
 from engine.decode import Answers
 from engine.kv_cache import KVCache, OutOfBlocks
 from engine.model import load_model, use_device
-from engine.model.plan import SeqSpan
+from engine.model.plan import ATTN_IN, FFN, SeqSpan
 from engine.observer import EngineObserver
 from engine.predictor import load_cost
 from engine.prefill import PrefillBatch
@@ -87,6 +87,21 @@ class Engine:
             self.model.activations.warm(min(self.model.cfg.max_position_embeddings, cfg.kv_capacity_tokens))
         if self.model.graphs is not None:
             self.model.graphs.capture_all()
+        if self.model.linear == "onednn":  # its kernels are built per row count: before the first request
+            self._warm_steps()
+
+    def _warm_steps(self) -> None:
+        """Run every row count the prefill's and decode's row-wise steps can have once. oneDNN builds a
+        kernel at the first call of each, 2.6 ms for an FFN step of the embedded model, one thread (a
+        2 ms step run at 4.6 ms): without this, a fresh worker's first prefills of each size ran 8-13 %
+        slower than the same sizes later (the capacity planner's pilot, docs/benchmarks.md)."""
+        cfg, t0 = self.cfg, time.perf_counter()
+        budget_s = cfg.step_budget_ms / 1000 if cfg.preemptible else None
+        attn_in = self.cost.step_rows(ATTN_IN, budget_s, cfg.max_batch_tokens)
+        ffn = self.cost.step_rows(FFN, budget_s, cfg.max_batch_tokens)
+        self.model.warm_steps(attn_in, ffn)
+        log.info("row-wise kernels warmed: %d attention-input and %d FFN row counts in %.2f s",
+                 len(attn_in), len(ffn), time.perf_counter() - t0)
 
     # -- public API (any thread) ---------------------------------------------------------------
     def start(self) -> Engine:

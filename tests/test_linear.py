@@ -1,13 +1,20 @@
 """The projections' kernels (engine/model/linear.py): oneDNN's linear on pre-packed weights against
 torch's matmul, with and without bias and residual, every row count the engine's steps use, fp32 and
-bf16; the selection and its refusals."""
+bf16; the selection and its refusals; the kernels a new engine builds before its first request."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
+from engine.config import ModelConfig
 from engine.model.linear import OneDnnLinear, TorchLinear, onednn_unavailable, select_linear
+from engine.model.plan import ATTN_IN, FFN, ROW_ALIGN, OpCost, SeqSpan, plan_prefill
 
 onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -96,3 +103,67 @@ def test_where_the_cpu_refuses_onednn_torchs_runs_and_the_cause_is_said(caplog: 
     assert "needs the cpu support" in caplog.text
     with pytest.raises(ValueError, match=r"--linear onednn: RuntimeError: .*needs the cpu support"):
         select_linear("onednn", torch.device("cpu"), torch.bfloat16)
+
+
+def _padded(rows: int) -> int:
+    """The row count oneDNN's linear runs a step of `rows` rows on (OneDnnLinear pads past ROW_ALIGN)."""
+    return rows if rows <= ROW_ALIGN else -(-rows // ROW_ALIGN) * ROW_ALIGN
+
+
+@pytest.mark.parametrize("budget_s", [0.002, 0.0005, None])
+def test_the_warmed_row_counts_cover_every_step_a_plan_cuts(budget_s: float | None) -> None:
+    """`OpCost.step_rows` names every row count a row-wise step runs on, for batches of one to many
+    prompts, of every length up to past the batch cap, at corrections from half to 20x calibration:
+    what the engine warms at start covers what its prefills meet."""
+    cost = OpCost(ModelConfig(), attn_in_s_per_row=2.3e-6, ffn_s_per_row=9e-6, attn_s_per_pair=7e-8)
+    most = 2048
+    want = {op: set(cost.step_rows(op, budget_s, most)) for op in (ATTN_IN, FFN)}
+    lengths = [1, 5, 16, 17, 100, 333, 512, 777, 1500, 2048]
+    batches = [[n] for n in lengths] + [[3, 40], [200, 9, 511], [700, 700, 648], [1] * 30]
+    for scale in (0.5, 0.8, 1.0, 1.7, 20.0):
+        for lengths_ in batches:
+            plan = plan_prefill(replace(cost, scale=scale), [SeqSpan(0, n) for n in lengths_], budget_s,
+                                last_token_only=True)
+            for step in plan:
+                if step.op in want:
+                    assert _padded(step.rows[1] - step.rows[0]) in want[step.op], (scale, lengths_, step)
+    if budget_s is None:  # one step per operator: every batch size up to the cap
+        assert max(want[FFN]) == max(want[ATTN_IN]) == most
+    else:  # the budget bounds each op by its own cost
+        assert max(want[FFN]) < max(want[ATTN_IN]) < most
+
+
+# A fresh process: oneDNN's kernels are cached per process, and other tests' engines build them too.
+_FRESH_ENGINE = """
+import sys, torch
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.model.linear import OneDnnLinear
+from engine.model.plan import SeqSpan, plan_prefill
+engine = Engine(EngineConfig(num_threads=1))
+kv = engine.kv
+print("prefills:", flush=True)
+with torch.inference_mode(), torch.backends.mkldnn.verbose(1):
+    for lengths in ([700], [1], [33, 1500], [250] * 8, [2000], [90, 91, 92]):
+        spans = [SeqSpan(0, n) for n in lengths]
+        tables = [kv.allocate(n) for n in lengths]
+        steps = plan_prefill(engine.cost, spans, engine.budget_s, last_token_only=True)
+        for _ in engine.model.prefill([[65] * n for n in lengths], spans, tables, kv, steps):
+            pass
+        for t in tables:
+            kv.free(t)
+    print("control:", flush=True)
+    OneDnnLinear(torch.randn(40, 24), None)(torch.randn(3, 24))
+"""
+
+
+@onednn
+def test_a_fresh_engine_builds_no_kernel_in_its_prefills() -> None:
+    """oneDNN says (its verbose mode) when it builds a kernel: a new engine's first prefills, of every
+    size, build none, since it warmed them at start; a projection of a shape no step has still shows
+    one, so this test sees what it counts."""
+    out = subprocess.run([sys.executable, "-c", _FRESH_ENGINE], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).parent.parent, check=True).stdout
+    prefills, control = out.split("prefills:")[1].split("control:")
+    assert prefills.count("cache_miss") == 0, prefills
+    assert control.count("cache_miss") >= 1

@@ -116,6 +116,16 @@ class OpCost:
         sizes = [n for n, _ in table if n < fit] + [fit]
         return min(sizes, key=lambda size: (measured_s(size) > work_s + self.step_overhead_s, total(size), -size))
 
+    def step_rows(self, op: str, budget_s: float | None, most: int) -> list[int]:
+        """Every row count a row-wise step of `op` runs on (padded as engine/model/linear.py pads them):
+        1 to ROW_ALIGN, then multiples of ROW_ALIGN up to the largest block `row_block` cuts for a
+        device running twice as fast as calibrated (a correction of 0.5: calibration keeps each
+        operator's best of several runs, which serving seldom beats), or up to `most` rows where that
+        is less, or where there is no budget (one step per operator)."""
+        per_row = self.attn_in_s_per_row if op == ATTN_IN else self.ffn_s_per_row
+        top = most if budget_s is None else min(most, _fit(2 * budget_s, per_row, 32))
+        return [*range(1, ROW_ALIGN + 1), *range(2 * ROW_ALIGN, top + ROW_ALIGN, ROW_ALIGN)]
+
     def attn_s(self, queries: int, keys: int, causal: bool) -> float:
         # Causal (bottom-right): every key before the queries' own, then the diagonal square, of which
         # kernels skip the blocks above the diagonal but compute the diagonal blocks whole: half the
