@@ -44,7 +44,8 @@ class TorchLinear:
 # row count costs ~1.7 ms more than the next ones (2x a 600-row call of this model's gate/up; torch's
 # matmul: 0.03 ms). FlowPrefill's batches come in every size, so a fresh worker paid it for nearly every
 # batch: the same 200 requests ran 11.8-13.7 s on a fresh engine and 10.1 s on the third pass. Rows past
-# ROW_ALIGN are padded to a multiple of it, so that a worker meets at most 1/16 as many row counts.
+# ROW_ALIGN are padded to a multiple of it, so that a worker meets at most 1/16 as many row counts, and
+# the engine builds each of those at start (Engine._warm_steps).
 
 
 class OneDnnLinear:
