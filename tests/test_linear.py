@@ -135,7 +135,7 @@ def test_the_warmed_row_counts_cover_every_step_a_plan_cuts(budget_s: float | No
 
 # A fresh process: oneDNN's kernels are cached per process, and other tests' engines build them too.
 _FRESH_ENGINE = """
-import sys, torch
+import torch
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model.linear import OneDnnLinear
