@@ -283,7 +283,8 @@ def test_a_pilot_twice_as_slow_as_the_model_needs_a_bigger_fleet(tmp_path: Path)
     assert main([*base, "--speed-from", str(logs), "--out", str(tmp_path / "pilot-speed")]) == 0
     model, pilot = (json.loads((tmp_path / d / "plan.json").read_text()) for d in ("model", "pilot-speed"))
     assert pilot["speed_from"] == {"from": str(logs), "factor": pytest.approx(2.0), "requests": 5,  # the median
-                                   "by_size": None, "spread": None}  # logs that do not say the batches' sizes
+                                   "by_size": None, "spread": None,  # logs that do not say the batches' sizes
+                                   "wander": None}
     assert pilot["policies"]["flowprefill"]["instances"] > model["policies"]["flowprefill"]["instances"]
 
 

@@ -52,13 +52,14 @@ class Planner:
         self.requests = requests or (lambda: with_prefixes(w, make_requests(w, classes, 1.0, 0.0, None)))
         self.prefix_blocks = PREFIX_BLOCK_TOKENS if any(r.prefix for r in w.requests) else None
         self.sheddable = frozenset(name for name, c in classes.items() if c.sheddable)
-        self.outside_s = self.noise = self.serving_s = self.idle_wake_s = 0.0
+        self.outside_s = self.noise = self.serving_s = self.idle_wake_s = self.drift = self.drift_s = 0.0
         self.sims = 0
 
     def use(self, planned: Planned) -> None:
         """Simulate with `planned`'s cost model, time outside the instances, noise, serving CPU and idle wake-up
         from now on."""
-        self.cost, self.outside_s, self.noise, self.serving_s, self.idle_wake_s = planned
+        (self.cost, self.outside_s, self.noise, self.serving_s, self.idle_wake_s, self.drift,
+         self.drift_s) = planned
 
     def evaluate(self, policy: str, n: int, stop_early: bool = True, exact: ExactCosts | None = None) -> dict[str, Any]:
         """One fleet of n instances on the whole workload: the goodput point (bench goodput's, with
@@ -66,7 +67,7 @@ class Planner:
         `exact`: charge and predict each request what a real run measured (engine/sim/oracle.py). With
         `noise`, the workload runs `NOISE_DRAWS` times, each with its own draws and its own phase of the
         gateway's polls, and the point pools them."""
-        draws = NOISE_DRAWS if self.noise and exact is None else 1
+        draws = NOISE_DRAWS if (self.noise or self.drift) and exact is None else 1
         done: list[Request] = []
         missed: dict[str, int] = {}  # by class, in the draws run so far
         preemptions = refused = matched = 0
@@ -105,7 +106,7 @@ class Planner:
         router = GatewayRouter(n, self.key_of, self.poll_s, urls=self.urls(n) if self.urls else None,
                                first_poll_s=first_poll_s)
         # the noise around the pilot's median speed per size: median one, not mean one
-        error = PredictionError(noise=self.noise, noise_mean_one=False)
+        error = PredictionError(noise=self.noise, noise_mean_one=False, drift=self.drift, drift_s=self.drift_s)
         cfg = replace(sim_config(self.engine_cfg, error=error, seed=seed), arrival_cpu_s=self.serving_s,
                       idle_wake_s=self.idle_wake_s)
         fleet = Fleet(reqs, n, policy, self.cost, cfg, router, exact=exact, sheddable=self.sheddable,

@@ -36,6 +36,8 @@ class Planned(NamedTuple):
     noise: float = 0.0  # the sigma of a batch's lognormal speed around its size's (engine/sim/errors.py)
     serving_s: float = 0.0  # the worker's serving side's CPU per request, taken from the step it arrives in
     idle_wake_s: float = 0.0  # what a batch begun on an idle worker takes beyond its size's speed (`idle_wake`)
+    drift: float = 0.0  # the sigma of the machine's slow wander (`Wander`), beside each batch's own `noise`
+    drift_s: float = 0.0  # the time it forgets itself over
 
 
 def _ends_before(worker: Sequence[MeasuredBatch]) -> list[tuple[int, float]]:
@@ -87,14 +89,16 @@ def median_overheads(runs: Sequence[dict[str, Any]]) -> dict[str, float | None]:
             for k in OVERHEADS}
 
 
-def planned_with(cost: OpCost, run: dict[str, Any], noise: float | None = 0.0) -> Planned:
+def planned_with(cost: OpCost, run: dict[str, Any], noise: Wander | float | None = 0.0) -> Planned:
     """`cost` (at a pilot's speed) with the pilot's host time per batch, its time outside the worker less
-    that host time (the simulator charges a batch's host time before its first token), and its serving
-    side's CPU per request."""
+    that host time (the simulator charges a batch's host time before its first token), its serving
+    side's CPU per request, and how its speed strays (a `Wander`, or one sigma for each batch's own)."""
     host_s = (run.get("worker_host_ms") or 0.0) / 1000
     outside_s = (run.get("outside_worker_ms") or 0.0) / 1000
-    return Planned(replace(cost, batch_host_s=host_s), max(0.0, outside_s - host_s), noise or 0.0,
-                   (run.get("serving_cpu_ms") or 0.0) / 1000, (run.get("idle_wake_ms") or 0.0) / 1000)
+    strays = noise if isinstance(noise, Wander) else Wander(noise or 0.0)
+    return Planned(replace(cost, batch_host_s=host_s), max(0.0, outside_s - host_s), strays.batch,
+                   (run.get("serving_cpu_ms") or 0.0) / 1000, (run.get("idle_wake_ms") or 0.0) / 1000,
+                   strays.drift, strays.drift_s)
 
 
 def net_of_serving(worker: Sequence[MeasuredBatch], serving_s: float) -> list[MeasuredBatch]:
@@ -179,3 +183,93 @@ def spread(batches: Iterable[MeasuredBatch]) -> float | None:
     logs = [[math.log(f) for f in factors] for factors in factors_by_size(batches) if factors]
     off = [x - statistics.median(xs) for xs in logs for x in xs]
     return statistics.pstdev(off) if len(off) > 1 else None
+
+
+class Wander(NamedTuple):
+    """How a worker's speed strays from its size's within a run: each batch's own lognormal sigma
+    (`batch`), and a slow wander of sigma `drift` that forgets itself over `drift_s` seconds
+    (engine/sim/errors.py's Drift). On this Xeon's 2 shared cores, of the 0.19-0.21 sigma of a batch's
+    log speed about half was still there between batches 0.3 s apart and little 4 s apart (nine runs of
+    four fleets, 2026-12-06): a stretch of slow batches queues requests where as many slow batches
+    scattered do not, and a fast stretch drains them."""
+
+    batch: float
+    drift: float = 0.0
+    drift_s: float = 0.0
+
+
+# Lags (seconds) the semivariance of a worker's speed is read at; pairs further apart say nothing of a
+# drift that forgets itself within a few seconds
+LAG_EDGES = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+DRIFT_SHARES = [k / 20 for k in range(21)]
+DRIFT_TIMES_S = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
+
+
+def wander(batches: Sequence[MeasuredBatch]) -> Wander | None:
+    """`Wander` fitted to batch logs (one or more workers' runs, each in the order it logged): the log of
+    each batch's speed less its size's median and less its own run's mean (a run's level is the
+    machine's mood that day, which the speed per size already holds), and the semivariance of those
+    between the batches of one run by their distance in time, 1 - share * exp(-lag / drift_s) of the
+    variance, fitted over a grid by least squares. None: the logs do not say sizes and times."""
+    by_class = factors_by_size(batches)
+    medians = [statistics.median(f) if f else 1.0 for f in by_class]
+    runs = [[(b.began_at, math.log(b.exec_s / b.base_s / medians[size_class(b.tokens)])) for b in run]
+            for run in _runs(batches)]
+    runs = [[(t, x - statistics.fmean(x for _, x in run)) for t, x in run] for run in runs if len(run) > 1]
+    residuals = [x for run in runs for _, x in run]
+    if len(residuals) < 10:
+        return None
+    variance = statistics.pvariance(residuals)
+    bins = _semivariance(runs)
+    if variance <= 0 or not bins:
+        return Wander(math.sqrt(max(variance, 0.0)))
+
+    def misfit(share: float, tau_s: float) -> float:
+        return sum(math.sqrt(n) * (g / variance - 1 + share * math.exp(-lag / tau_s)) ** 2 for lag, g, n in bins)
+
+    share, tau_s = min(((s, t) for s in DRIFT_SHARES for t in DRIFT_TIMES_S), key=lambda st: misfit(*st))
+    return Wander(math.sqrt(variance * (1 - share)), math.sqrt(variance * share), tau_s if share else 0.0)
+
+
+def strays(measured: dict[str, Any]) -> Wander | float | None:
+    """How a pilot's speed strayed, as `at_measured_speed` said it: its `Wander`, else its `spread`."""
+    fitted = measured.get("wander")
+    return Wander(**fitted) if fitted else measured.get("spread")
+
+
+def planned_at(cost: OpCost, measured: dict[str, Any]) -> Planned:
+    """`cost` (at the speed of a pilot's logs, or an engine pass) as they strayed (`strays`), nothing else
+    measured: no time outside the worker, the cost's own host time per batch."""
+    said = strays(measured)
+    fitted = said if isinstance(said, Wander) else Wander(said or 0.0)
+    return Planned(cost, noise=fitted.batch, drift=fitted.drift, drift_s=fitted.drift_s)
+
+
+def _runs(batches: Sequence[MeasuredBatch]) -> list[list[MeasuredBatch]]:
+    """Batches as logged (`read`: a worker's file after another), cut into their workers' runs: where
+    the time goes back (another worker's file) or jumps on by more than the lags read."""
+    runs: list[list[MeasuredBatch]] = []
+    last = -math.inf
+    for b in batches:
+        if not (b.tokens and b.base_s > 0 and b.exec_s > 0 and b.began_at is not None):
+            continue
+        if not runs or not last <= b.began_at <= last + LAG_EDGES[-1]:
+            runs.append([])
+        runs[-1].append(b)
+        last = b.began_at
+    return runs
+
+
+def _semivariance(runs: list[list[tuple[float, float]]]) -> list[tuple[float, float, int]]:
+    """Per lag bin (`LAG_EDGES`) with pairs: their mean lag, half their mean squared difference, their count."""
+    sums = [[0.0, 0.0, 0] for _ in LAG_EDGES[1:]]
+    for run in runs:
+        for i, (t, x) in enumerate(run):
+            for u, y in run[i + 1:]:
+                k = bisect.bisect_right(LAG_EDGES, u - t) - 1
+                if k >= len(sums):
+                    break
+                sums[k][0] += u - t
+                sums[k][1] += (x - y) ** 2 / 2
+                sums[k][2] += 1
+    return [(lag / n, g / n, n) for lag, g, n in sums if n]

@@ -49,8 +49,9 @@ from engine.bench.plan_measured import (
     net_of_serving,
     net_of_wake,
     overheads,
+    planned_at,
     planned_with,
-    spread,
+    wander,
 )
 from engine.bench.plan_speed import PilotError, PilotRun, Speeds, measured_speed
 from engine.config import EngineConfig
@@ -61,7 +62,7 @@ from engine.sim.oracle import ExactCosts, at_speed, speed_by_size
 from gateway.processes import free_port, last_line, start, stop, wait_healthy
 from loadtest import report
 from loadtest.goodput import make_requests
-from loadtest.peer.client import Arrival, Target, arrivals, model_name, replay
+from loadtest.peer.client import Arrival, Target, arrival_index, arrivals, model_name, replay
 from loadtest.results import outcomes
 from loadtest.server import ServerCounters
 from loadtest.workload import Workload
@@ -261,7 +262,7 @@ def compare(args: argparse.Namespace, w: Workload, schedule: list[Arrival], cost
         return reqs
 
     urls = runs[0][1]  # the workers' names (routing by load alone does not hash them)
-    batches = [b for _, _, bs in runs for b in bs]
+    batches = as_simulated([b for _, _, bs in runs for b in bs], same_prompts())
     planner = Planner(w, copy.deepcopy(cost), engine_cfg, args.target, args.every_class,
                       key_of=None,  # `serve --no-prefix-caching`'s gateway routes by load alone (gateway/cli/serve.py)
                       poll_s=args.poll_s, requests=same_prompts, urls=lambda _n: urls)
@@ -275,7 +276,7 @@ def compare(args: argparse.Namespace, w: Workload, schedule: list[Arrival], cost
     exact = ExactCosts.from_batches(cost, batches)
     planner.use(planned_with(copy.deepcopy(cost), row["real"]))
     row["sim_measured_costs"] = planner.evaluate(policy, n, stop_early=False, exact=exact)
-    planner.use(planned_with(at_speed(cost, batches, exact.default), row["real"], spread(batches)))  # its speed
+    planner.use(planned_with(at_speed(cost, batches, exact.default), row["real"], wander(batches)))  # its speed
     row["sim_measured_speed"] = planner.evaluate(policy, n, stop_early=False)
     row |= {"measured_requests": len(exact.factors), "measured_factor_median": exact.default,
             "measured_factor_by_size": speed_by_size(batches)}
@@ -285,6 +286,17 @@ def compare(args: argparse.Namespace, w: Workload, schedule: list[Arrival], cost
     if args.speed_from is not None:
         row |= at_pilot_speed(planner, cost, Path(args.speed_from), policy, n)
     return row
+
+
+def as_simulated(batches: list[MeasuredBatch], reqs: list[Request]) -> list[MeasuredBatch]:
+    """The batches with their requests named as the simulation names them (`reqs`, in the schedule's
+    order): the workers logged the client's x-request-id, which ExactCosts would not find, and every
+    request would be charged the runs' median factor (so it was until 2026-12-06)."""
+    def named(rid: str) -> str:
+        k = arrival_index(rid)
+        return reqs[k].request_id if k is not None and k < len(reqs) else rid
+
+    return [b._replace(ids=[named(rid) for rid in b.ids]) for b in batches]
 
 
 def median_run(points: list[dict[str, Any]]) -> dict[str, Any]:
@@ -317,5 +329,5 @@ def at_pilot_speed(planner: Planner, cost: OpCost, pilot: Path, policy: str, n: 
     (an earlier --against-serve's `batch-logs/<policy>-w<n>/`), else all its logs."""
     folder = pilot_folder(pilot, policy, n)
     at, measured = measured_speed(cost, folder)
-    planner.use(Planned(at, noise=measured["spread"] or 0.0))
+    planner.use(planned_at(at, measured))
     return {"sim_pilot_speed": planner.evaluate(policy, n, stop_early=False), "pilot": {"from": str(folder)} | measured}

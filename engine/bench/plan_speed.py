@@ -47,7 +47,16 @@ from rich.console import Console
 from rich.progress import Progress
 
 from engine.batch_log import MeasuredBatch
-from engine.bench.plan_measured import OVERHEADS, Planned, median_overheads, planned_with, spread
+from engine.bench.plan_measured import (
+    OVERHEADS,
+    Planned,
+    median_overheads,
+    planned_at,
+    planned_with,
+    spread,
+    strays,
+    wander,
+)
 from engine.config import EngineConfig
 from engine.model.plan import OpCost
 from engine.protocol.slo import DEFAULT_CLASSES
@@ -108,8 +117,10 @@ def at_measured_speed(cost: OpCost, batches: list[MeasuredBatch]) -> tuple[OpCos
     """`cost` at the speed these batches ran: a factor per batch size where they say sizes, else the
     median factor of their requests; and what it rests on (for plan.json)."""
     exact = ExactCosts.from_batches(cost, batches)
-    return at_speed(cost, batches, exact.default), {"factor": exact.default, "requests": len(exact.factors),
-                                                    "by_size": speed_by_size(batches), "spread": spread(batches)}
+    fitted = wander(batches)
+    return at_speed(cost, batches, exact.default), {
+        "factor": exact.default, "requests": len(exact.factors), "by_size": speed_by_size(batches),
+        "spread": spread(batches), "wander": fitted._asdict() if fitted else None}
 
 
 def serve_pilot(policy: str, threads: int | None, pilot: Workload, logs: Path, workers: int = 1) -> PilotRun:
@@ -176,7 +187,7 @@ def planning_costs(args: argparse.Namespace, w: Workload, pilot: Callable[[], tu
     runs."""
     if args.speed_from is not None:
         at, measured = measured_speed(cost, Path(args.speed_from))
-        return _same(policies, Planned(at, noise=measured["spread"] or 0.0), "speed_from",
+        return _same(policies, planned_at(at, measured), "speed_from",
                      {"from": args.speed_from} | measured, console,
                      f"a pilot's logs ({args.speed_from})")
     if args.cost != "cpu" or not vocab:
@@ -189,7 +200,7 @@ def planning_costs(args: argparse.Namespace, w: Workload, pilot: Callable[[], tu
             task = progress.add_task(f"engine pass: the workload's first {n} prompts, one at a time", total=n)
             batches = engine_pass(engine_cfg, cost, w, n, vocab, lambda _i: progress.advance(task))
         at, measured = at_measured_speed(cost, batches)
-        return _same(policies, Planned(at, noise=measured["spread"] or 0.0), "engine_pass",
+        return _same(policies, planned_at(at, measured), "engine_pass",
                      {"from": f"{n} prompts"} | measured, console,
                      f"an engine pass over the workload's first {n} prompts")
     return Speeds(dict.fromkeys(policies, Planned(cost)))
@@ -257,7 +268,7 @@ def from_pilots(cost: OpCost, ran: dict[tuple[str, int], PilotRun], where: str, 
     planned, fleets, said = {}, {}, {}
     for (policy, n), (batches, run) in ran.items():
         at, measured = at_measured_speed(cost, batches)
-        fleets[(policy, n)] = planned_with(at, run, measured["spread"])
+        fleets[(policy, n)] = planned_with(at, run, strays(measured))
         said.setdefault(policy, {}).setdefault("fleets", {})[str(n)] = (
             {"from": f"serve --workers {n}, {where}"} | measured | run)
         _say(console, f"{policy}'s pilot on {n} worker(s)", measured, fleets[(policy, n)])
@@ -284,6 +295,8 @@ def _say(console: Console, source: str, measured: dict[str, Any], planned: Plann
              if planned.cost.batch_host_s else "")
     extra += f", {planned.outside_s * 1000:.1f} ms outside it per request" if planned.outside_s else ""
     extra += f", each batch's speed spread by a sigma of {planned.noise:.2f}" if planned.noise else ""
+    extra += (f", the machine's wandering by {planned.drift:.2f} over {planned.drift_s:g} s" if planned.drift
+              else "")
     extra += f", {planned.idle_wake_s * 1000:.1f} ms more for a batch begun idle" if planned.idle_wake_s else ""
     console.print(f"simulating at the speed {source} measured: {measured['factor']:.2f}x the cost model's seconds "
                   f"(median of {measured['requests']} requests){by_size}{extra}")

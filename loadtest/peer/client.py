@@ -80,9 +80,20 @@ async def sse_data(resp: httpx.Response) -> AsyncIterator[bytes]:
                 yield line[6:].rstrip(b"\r")
 
 
+def request_id(index: int) -> str:
+    """The x-request-id an arrival is sent with: unique to this send, its index in the schedule last."""
+    return f"peer-{time.time_ns()}-{index}"
+
+
+def arrival_index(rid: str) -> int | None:
+    """The schedule index a `request_id` names (None: not one this client sent)."""
+    head, _, index = rid.rpartition("-")
+    return int(index) if head.startswith("peer-") and index.isdigit() else None
+
+
 async def _send(client: httpx.AsyncClient, url: str, body: bytes, rec: Record) -> None:
     headers = {"content-type": "application/json", "x-slo-class": rec.slo_class,
-               "x-request-id": f"peer-{time.time_ns()}-{rec.index}"}
+               "x-request-id": request_id(rec.index)}
     t_send = time.perf_counter()
     try:
         async with client.stream("POST", f"{url}/v1/completions", content=body, headers=headers) as resp:

@@ -1,0 +1,123 @@
+"""The machine's slow wander in the planner's simulation (engine/sim/errors.py's Drift), fitted from a
+pilot's batch logs (engine/bench/plan_measured.py's `wander`), and the real runs' batches charged to the
+simulated requests they were (plan_real's `as_simulated`)."""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+
+import pytest
+from test_sim import COST
+
+from engine.batch_log import MeasuredBatch
+from engine.bench.plan_measured import Planned, Wander, wander
+from engine.sim.errors import Drift, PredictionError, TrueSpeed
+
+
+def _corr(xs: list[float], ys: list[float]) -> float:
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    cov = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+    return cov / math.sqrt(sum((x - mx) ** 2 for x in xs) * sum((y - my) ** 2 for y in ys))
+
+
+def test_the_drift_wanders_with_its_sigma_and_forgets_itself_over_its_time() -> None:
+    """Read every 0.2 s (its stretches at 2 s), the log of the drift has its sigma, median one, and
+    correlates e^-0.1 with the next stretch and e^-1 with the one 2 s on; it holds within a stretch."""
+    drift = Drift(0.2, 2.0, 10.0, random.Random(3))
+    logs = [math.log(drift.at(10.0 + 0.2 * k + 0.1)) for k in range(60000)]
+    assert statistics.pstdev(logs) == pytest.approx(0.2, rel=0.1)
+    assert statistics.median(logs) == pytest.approx(0.0, abs=0.02)
+    assert _corr(logs[:-1], logs[1:]) == pytest.approx(math.exp(-0.1), abs=0.02)
+    assert _corr(logs[:-10], logs[10:]) == pytest.approx(math.exp(-1), abs=0.05)
+    assert drift.at(10.21) == drift.at(10.39) != drift.at(10.41)
+    assert drift.next_change_after(10.25) == pytest.approx(10.4)
+    assert drift.at(3.0) == drift.at(10.0)  # before the run: its first stretch
+
+
+def test_a_machine_with_drift_keeps_each_batch_s_own_draws_and_changes_between_stretches() -> None:
+    """The drift draws from its own stream: each batch's own factors are the ones drawn without it; the
+    machine's factor changes at the drift's stretches (and, with none, never)."""
+    plain = PredictionError(noise=0.3, noise_mean_one=False)
+    wandering = PredictionError(noise=0.3, noise_mean_one=False, drift=0.2, drift_s=1.0)
+    a, b = plain.machine(30.0, seed=5), wandering.machine(30.0, seed=5)
+    assert [a.batch_factor() for _ in range(50)] == [b.batch_factor() for _ in range(50)]
+    assert a.at(7.0) == 1.0 and a.next_change_after(7.0) == math.inf
+    assert b.next_change_after(7.05) == pytest.approx(7.1)
+    assert len({b.at(0.1 * k + 0.05) for k in range(100)}) > 90
+    assert isinstance(b, TrueSpeed)
+
+
+def _worker_runs(drift: float, tau_s: float, batch: float, runs: int = 12, seed: int = 1) -> list[MeasuredBatch]:
+    """Batches of one worker per run, 0.1-0.3 s apart, small ones 3x the profile and large ones 1.5x, each
+    with its own lognormal draw and the machine's drift where it began; each run at a level of its own."""
+    rng = random.Random(seed)
+    out = []
+    for r in range(runs):
+        wandering = Drift(drift, tau_s, 0.0, random.Random(seed * 100 + r)) if drift else None
+        level, t = rng.gauss(0.0, 0.2), 1000.0 * r
+        for i in range(250):
+            small = i % 2 == 0
+            base = 0.01 if small else 0.5
+            log = level + rng.gauss(0.0, batch) + (math.log(wandering.at(t - 1000.0 * r)) if wandering else 0.0)
+            exec_s = base * (3.0 if small else 1.5) * math.exp(log)
+            out.append(MeasuredBatch([f"r{r}-{i}"], base, exec_s, 1.0, 100 if small else 4000, t + 0.05, t))
+            t += rng.uniform(0.1, 0.3)
+    return out
+
+
+def test_a_wander_fitted_from_batches_gives_back_the_drift_that_made_them() -> None:
+    """Batches made with a drift of 0.15 over 1.5 s beside a batch sigma of 0.1 (and a level per run,
+    which is not drift): the fit finds about those; made with no drift, it finds next to none."""
+    fitted = wander(_worker_runs(0.15, 1.5, 0.1))
+    assert fitted is not None
+    assert fitted.drift == pytest.approx(0.15, abs=0.04) and fitted.batch == pytest.approx(0.1, abs=0.03)
+    assert 0.75 <= fitted.drift_s <= 3.0
+    still = wander(_worker_runs(0.0, 1.5, 0.15, seed=2))
+    assert still is not None and still.drift < 0.05 and still.batch == pytest.approx(0.15, abs=0.02)
+    assert wander([MeasuredBatch(["x"], 0.01, 0.03, 1.0)]) is None  # no sizes, no times
+
+
+def test_two_workers_logs_are_read_as_two_runs() -> None:
+    """A second worker's file begins back in time: its batches are not paired with the first's (which,
+    here, ran at a speed of their own, so pairing them would read as drift)."""
+    one = [b._replace(exec_s=b.exec_s * 2) for b in _worker_runs(0.0, 1.0, 0.05, runs=1, seed=3)]
+    other = _worker_runs(0.0, 1.0, 0.05, runs=1, seed=4)
+    fitted = wander(one + other)
+    assert fitted is not None and fitted.drift < 0.03 and fitted.batch == pytest.approx(0.05, abs=0.01)
+
+
+def test_a_planner_with_drift_runs_several_draws_that_differ() -> None:
+    """Drift alone, no batch noise, is drawn too: NOISE_DRAWS runs, not all alike."""
+    from engine.bench.plan_fleet import NOISE_DRAWS, Planner
+    from engine.bench.plan_measured import planned_with
+    from engine.config import EngineConfig
+    from loadtest.workload import TraceRequest, Workload
+
+    w = Workload("burst", "test", "fixed", [TraceRequest(0.05 * i, 1500, 1, "interactive") for i in range(40)])
+    planner = Planner(w, COST, EngineConfig(prefix_caching=False), 0.9, False)
+    planned = planned_with(COST, {}, Wander(0.0, 0.5, 1.0))
+    assert planned == Planned(COST, drift=0.5, drift_s=1.0)
+    planner.use(planned)
+    planner.evaluate("fcfs", 1, stop_early=False)
+    assert planner.sims == NOISE_DRAWS
+    ttfts = [tuple(r.ttft for r in planner._run("fcfs", 1, seed, False, None)[0]) for seed in range(3)]  # type: ignore[index]
+    assert len(set(ttfts)) == 3
+
+
+def test_the_real_runs_batches_are_charged_to_the_simulated_requests_they_ran() -> None:
+    """The workers log the client's x-request-id (peer-<ns>-<index>); the simulation names the same
+    arrivals w<index>: renamed, every request's own measured factor is found, not the median's."""
+    from engine.bench.plan_real import as_simulated
+    from engine.request import Request
+    from engine.sim.oracle import ExactCosts
+    from loadtest.peer.client import arrival_index, request_id
+
+    assert arrival_index(request_id(17)) == 17 and arrival_index("chatcmpl-9") is None
+    reqs = [Request(request_id=f"w{i}", prompt_token_ids=[1] * 10) for i in range(3)]
+    logged = [MeasuredBatch([request_id(i)], 0.1, 0.1 * (i + 1), 1.0, 10) for i in range(3)]
+    logged.append(MeasuredBatch(["someone-else"], 0.1, 0.5, 1.0, 10))
+    exact = ExactCosts.from_batches(COST, as_simulated(logged, reqs))
+    assert [exact.factor(r) for r in reqs] == pytest.approx([1.0, 2.0, 3.0])
+    assert ExactCosts.from_batches(COST, logged).factor(reqs[0]) == exact.default  # as it was: none found
