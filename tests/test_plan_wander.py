@@ -13,6 +13,7 @@ from test_sim import COST
 
 from engine.batch_log import MeasuredBatch
 from engine.bench.plan_measured import Planned, Wander, wander
+from engine.model.plan import SeqSpan
 from engine.sim.errors import Drift, PredictionError, TrueSpeed
 
 
@@ -121,3 +122,49 @@ def test_the_real_runs_batches_are_charged_to_the_simulated_requests_they_ran() 
     exact = ExactCosts.from_batches(COST, as_simulated(logged, reqs))
     assert [exact.factor(r) for r in reqs] == pytest.approx([1.0, 2.0, 3.0])
     assert ExactCosts.from_batches(COST, logged).factor(reqs[0]) == exact.default  # as it was: none found
+
+
+def test_the_measured_costs_are_each_run_replayed_alone_then_their_median() -> None:
+    """Three runs whose requests all ran 1x, 2x and 6x the profile: the column is the median of the three
+    replays (the 2x run's), not one replay of the three pooled (each request at its mean, 3x)."""
+    from engine.bench.plan_fleet import Planner
+    from engine.bench.plan_real import as_simulated, replayed_runs
+    from engine.config import EngineConfig
+    from engine.sim.oracle import ExactCosts
+    from loadtest.peer.client import request_id
+    from loadtest.workload import TraceRequest, Workload
+
+    w = Workload("burst", "test", "fixed", [TraceRequest(0.025 * i, 200, 1, "interactive") for i in range(40)])
+    planner = Planner(w, COST, EngineConfig(prefix_caching=False), 0.9, False)
+    reqs = planner.requests()
+    base = [COST.prefill_s([SeqSpan(0, 200)])] * len(reqs)
+
+    def run(factor: float) -> list[MeasuredBatch]:
+        return [MeasuredBatch([request_id(i)], b, factor * b, 1.0, 200) for i, b in enumerate(base)]
+
+    def alone(factor: float) -> dict:
+        exact = ExactCosts.from_batches(COST, as_simulated(run(factor), reqs))
+        return planner.evaluate("fcfs", 1, stop_early=False, exact=exact)
+
+    runs = [run(1.0), run(2.0), run(6.0)]
+    median = replayed_runs(planner, "fcfs", 1, COST, runs, reqs)
+    assert [x["attainment"] for x in median["runs"]] == [alone(f)["attainment"] for f in (1.0, 2.0, 6.0)]
+    assert median["attainment"] == alone(2.0)["attainment"] != alone(3.0)["attainment"]
+
+
+def test_a_drift_needs_a_time_to_forget_itself_over() -> None:
+    with pytest.raises(ValueError, match="drift_s"):
+        PredictionError(drift=0.2, drift_s=0.0)
+    assert PredictionError(drift=0.0, drift_s=0.0).machine(10.0).at(3.0) == 1.0
+
+
+def test_the_command_says_how_far_each_pilot_ran_from_its_fleet_s_runs() -> None:
+    from engine.bench.plan_report import pilot_against_runs
+
+    doc = {"pilot": {"chunked:2048": {"factor": 2.2, "fleets": {"2": {"factor": 1.9}}}},
+           "against_serve": [{"policy": "chunked:2048", "workers": 1, "measured_factor_median": 2.0},
+                             {"policy": "chunked:2048", "workers": 2, "measured_factor_median": 2.0},
+                             {"policy": "flowprefill", "workers": 1}]}
+    lines = pilot_against_runs(doc)
+    assert len(lines) == 3 and "10 % slower" in lines[1] and "5 % faster" in lines[2]
+    assert pilot_against_runs({"against_serve": [{"policy": "fcfs", "workers": 1}]}) == []

@@ -36,6 +36,10 @@ class PredictionError:
     drift: float = 0.0
     drift_s: float = 2.0
 
+    def __post_init__(self) -> None:
+        if self.drift and not self.drift_s > 0:
+            raise ValueError(f"a drift of sigma {self.drift} needs a time to forget itself over (drift_s > 0)")
+
     @classmethod
     def parse(cls, spec: str) -> PredictionError:
         """none | noise:SIGMA | bias:FACTOR | slowdown:FACTOR[@FRACTION]"""
