@@ -95,10 +95,10 @@ def planned_with(cost: OpCost, run: dict[str, Any], noise: Wander | float | None
     side's CPU per request, and how its speed strays (a `Wander`, or one sigma for each batch's own)."""
     host_s = (run.get("worker_host_ms") or 0.0) / 1000
     outside_s = (run.get("outside_worker_ms") or 0.0) / 1000
-    strays = noise if isinstance(noise, Wander) else Wander(noise or 0.0)
-    return Planned(replace(cost, batch_host_s=host_s), max(0.0, outside_s - host_s), strays.batch,
+    strayed = as_wander(noise)
+    return Planned(replace(cost, batch_host_s=host_s), max(0.0, outside_s - host_s), strayed.batch,
                    (run.get("serving_cpu_ms") or 0.0) / 1000, (run.get("idle_wake_ms") or 0.0) / 1000,
-                   strays.drift, strays.drift_s)
+                   strayed.drift, strayed.drift_s)
 
 
 def net_of_serving(worker: Sequence[MeasuredBatch], serving_s: float) -> list[MeasuredBatch]:
@@ -211,16 +211,15 @@ def wander(batches: Sequence[MeasuredBatch]) -> Wander | None:
     machine's mood that day, which the speed per size already holds), and the semivariance of those
     between the batches of one run by their distance in time, 1 - share * exp(-lag / drift_s) of the
     variance, fitted over a grid by least squares. None: the logs do not say sizes and times."""
-    by_class = factors_by_size(batches)
-    medians = [statistics.median(f) if f else 1.0 for f in by_class]
-    runs = [[(b.began_at, math.log(b.exec_s / b.base_s / medians[size_class(b.tokens)])) for b in run]
+    medians = [statistics.median(f) if f else 1.0 for f in factors_by_size(batches)]
+    logs = [[(b.began_at, math.log(b.exec_s / b.base_s / medians[size_class(b.tokens)])) for b in run]
             for run in _runs(batches)]
-    runs = [[(t, x - statistics.fmean(x for _, x in run)) for t, x in run] for run in runs if len(run) > 1]
-    residuals = [x for run in runs for _, x in run]
+    series = [[(t, x - statistics.fmean(x for _, x in run)) for t, x in run] for run in logs if len(run) > 1]
+    residuals = [x for run in series for _, x in run]
     if len(residuals) < 10:
         return None
     variance = statistics.pvariance(residuals)
-    bins = _semivariance(runs)
+    bins = _semivariance(series)
     if variance <= 0 or not bins:
         return Wander(math.sqrt(max(variance, 0.0)))
 
@@ -231,17 +230,21 @@ def wander(batches: Sequence[MeasuredBatch]) -> Wander | None:
     return Wander(math.sqrt(variance * (1 - share)), math.sqrt(variance * share), tau_s if share else 0.0)
 
 
-def strays(measured: dict[str, Any]) -> Wander | float | None:
+def as_wander(noise: Wander | float | None) -> Wander:
+    """A `Wander` as given, or one sigma for each batch's own draw (None: none)."""
+    return noise if isinstance(noise, Wander) else Wander(noise or 0.0)
+
+
+def strays(measured: dict[str, Any]) -> Wander:
     """How a pilot's speed strayed, as `at_measured_speed` said it: its `Wander`, else its `spread`."""
     fitted = measured.get("wander")
-    return Wander(**fitted) if fitted else measured.get("spread")
+    return Wander(**fitted) if fitted else as_wander(measured.get("spread"))
 
 
 def planned_at(cost: OpCost, measured: dict[str, Any]) -> Planned:
     """`cost` (at the speed of a pilot's logs, or an engine pass) as they strayed (`strays`), nothing else
     measured: no time outside the worker, the cost's own host time per batch."""
-    said = strays(measured)
-    fitted = said if isinstance(said, Wander) else Wander(said or 0.0)
+    fitted = strays(measured)
     return Planned(cost, noise=fitted.batch, drift=fitted.drift, drift_s=fitted.drift_s)
 
 

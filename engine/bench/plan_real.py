@@ -262,7 +262,8 @@ def compare(args: argparse.Namespace, w: Workload, schedule: list[Arrival], cost
         return reqs
 
     urls = runs[0][1]  # the workers' names (routing by load alone does not hash them)
-    batches = as_simulated([b for _, _, bs in runs for b in bs], same_prompts())
+    reqs = same_prompts()  # as the simulation names them
+    batches = as_simulated([b for _, _, bs in runs for b in bs], reqs)
     planner = Planner(w, copy.deepcopy(cost), engine_cfg, args.target, args.every_class,
                       key_of=None,  # `serve --no-prefix-caching`'s gateway routes by load alone (gateway/cli/serve.py)
                       poll_s=args.poll_s, requests=same_prompts, urls=lambda _n: urls)
@@ -275,7 +276,7 @@ def compare(args: argparse.Namespace, w: Workload, schedule: list[Arrival], cost
     # the runs' own host time per batch and time outside the workers
     exact = ExactCosts.from_batches(cost, batches)
     planner.use(planned_with(copy.deepcopy(cost), row["real"]))
-    row["sim_measured_costs"] = replayed_runs(planner, policy, n, cost, [bs for _, _, bs in runs], same_prompts())
+    row["sim_measured_costs"] = replayed_runs(planner, policy, n, cost, [bs for _, _, bs in runs], reqs)
     planner.use(planned_with(at_speed(cost, batches, exact.default), row["real"], wander(batches)))  # its speed
     row["sim_measured_speed"] = planner.evaluate(policy, n, stop_early=False)
     row |= {"measured_requests": len(exact.factors), "measured_factor_median": exact.default,

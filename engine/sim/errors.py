@@ -86,9 +86,10 @@ class Drift:
     before by exp(-stretch / tau_s) (an Ornstein-Uhlenbeck process in the log, sampled exactly)."""
 
     def __init__(self, sigma: float, tau_s: float, start_s: float, rng: random.Random) -> None:
-        self.sigma, self.start_s, self.rng = sigma, start_s, rng
+        self.start_s, self.rng = start_s, rng
         self.stretch_s = DRIFT_STEP_SHARE * tau_s
         self.keep = math.exp(-DRIFT_STEP_SHARE)
+        self.fresh = sigma * math.sqrt(1 - self.keep * self.keep)  # a stretch's own draw, keeping sigma
         self.logs = [rng.gauss(0.0, sigma)]
 
     def _index(self, t: float) -> int:
@@ -96,9 +97,8 @@ class Drift:
 
     def at(self, t: float) -> float:
         k = self._index(t)
-        fresh = self.sigma * math.sqrt(1 - self.keep * self.keep)
         while len(self.logs) <= k:
-            self.logs.append(self.keep * self.logs[-1] + self.rng.gauss(0.0, fresh))
+            self.logs.append(self.keep * self.logs[-1] + self.rng.gauss(0.0, self.fresh))
         return math.exp(self.logs[k])
 
     def next_change_after(self, t: float) -> float:
