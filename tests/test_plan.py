@@ -453,7 +453,22 @@ def test_repeated_real_runs_are_compared_by_their_median_per_class() -> None:
     assert med["attainment"] == pytest.approx(0.8) and med["goodput_rps"] == pytest.approx(3.2)  # runs: .7, .8, .8
     assert med["per_class"]["standard"]["ttft_p50_ms"] is None and med["failed"] == 1
     assert [r["per_class"]["standard"] for r in med["runs"]] == [0.5, 0.9, 0.6]
-    assert _real_cell(med, "standard") == "60.0 % (50.0-90.0)" and _real_cell(one, "all") == "70.0 %"
+    assert med["per_class"]["standard"]["median_interval"] == [0.5, 0.9]  # three runs: any of them can be it
+    assert _real_cell(med, "standard") == "60.0 % [50.0-90.0]" and _real_cell(one, "all") == "70.0 %"
+
+
+def test_the_real_median_interval_narrows_with_runs_that_agree() -> None:
+    """How well a fleet's runs know their median: the central 90 % of bootstrap medians, within the
+    runs' range, narrower the more runs agree; the same twice (seeded)."""
+    from engine.bench.plan_real import median_interval
+
+    scattered = [0.64, 0.48, 0.78, 0.78, 0.57, 0.70, 0.58, 0.46, 0.79]  # chunked:2048, one worker, 2026-12-06
+    lo, hi = median_interval(scattered)
+    assert 0.46 < lo < 0.64 < hi < 0.79 and hi - lo > 0.10  # the median is known to no better than 10 points
+    assert median_interval(scattered) == [lo, hi]
+    agreeing = [0.99, 0.99, 1.0, 1.0, 0.98, 1.0, 0.98, 1.0, 1.0]
+    lo2, hi2 = median_interval(agreeing)
+    assert hi2 - lo2 <= 0.01 + 1e-9 and lo2 <= 1.0 <= hi2
 
 
 def test_agreement_counts_cells_within_the_band_leaving_out_small_classes() -> None:
@@ -479,10 +494,16 @@ def test_agreement_counts_cells_within_the_band_leaving_out_small_classes() -> N
     assert planned["largest_gap"] == {"policy": "flowprefill", "workers": 2, "class": "all",
                                       "points": pytest.approx(-6.0)}
     assert summary["sim_measured_speed"]["within"] == 4 and "sim" not in summary
+    assert planned["beyond_interval"] == 1  # one run each: its interval is itself, so the -6 is beyond
+    rows[1]["real"]["median_interval"] = [0.84, 0.95]  # runs that scattered: 0.84 is inside, the miss is not told
+    assert agreement(rows)["sim_planned"]["beyond_interval"] == 0
+    rows[1]["real"]["median_interval"] = [0.895, 0.95]  # 5.5 points from its nearer end: told
+    assert agreement(rows)["sim_planned"]["beyond_interval"] == 1
     console = Console(record=True, width=200)
     print_agreement(console, summary)
     text = console.export_text()
-    assert "as planned: 3 of 4 cells; largest gap -6.0 (flowprefill on 2 workers, all)" in text
+    assert ("as planned: 3 of 4 cells; largest gap -6.0 (flowprefill on 2 workers, all); 1 beyond 5 points of "
+            "the real median's 90 % interval") in text
     assert "not counted: relaxed" in text
 
 
@@ -533,7 +554,7 @@ def test_against_serve_repeats_in_rounds_keeps_each_run_and_survives_a_failed_st
     console = Console(record=True, width=300)
     against_table(console, rows)
     table = console.export_text()
-    assert "2 run(s) failed" in table and "62.5 % (50.0-75.0)" in table
+    assert "2 run(s) failed" in table and "62.5 % [50.0-75.0]" in table
 
 
 def test_against_serve_simulates_the_real_fleet_routed_by_load_alone(
