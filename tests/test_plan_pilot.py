@@ -454,6 +454,7 @@ def test_interleaved_pilots_run_each_round_before_their_fleets_and_plan_at_every
     assert said["fleets"]["2"]["logs"] == str(tmp_path / "pilot" / "fcfs-w2") and doc["pilots_interleaved"]
     (row,) = doc["against_serve"]
     assert row["workers"] == 2 and "sim_planned" in row and len(row["real"]["runs"]) == 2
+    assert row["planned_over_real_s"] == pytest.approx(1.5)  # planned at the pilots' 3x, the runs ran at 2x
     assert "round 1's pilot failed: fcfs's pilot: serve exited 2" in capsys.readouterr().out
 
     broken.add((1, "run-2"))

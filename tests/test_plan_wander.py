@@ -158,13 +158,35 @@ def test_a_drift_needs_a_time_to_forget_itself_over() -> None:
     assert PredictionError(drift=0.0, drift_s=0.0).machine(10.0).at(3.0) == 1.0
 
 
-def test_the_command_says_how_far_each_pilot_ran_from_its_fleet_s_runs() -> None:
+def test_the_plan_s_speed_is_checked_on_the_runs_own_batch_sizes() -> None:
+    """The pilot ran mostly short batches (3x the cost model), the runs mostly long ones (1.5x), at the
+    same speed per size: over requests the pilot reads twice as slow; on the runs' batches the plan's
+    speed is theirs. Runs whose long batches ran faster are told, by as much as their time says."""
+    from engine.bench.plan_real import planned_over_real
+    from engine.sim.oracle import at_speed
+
+    def batches(short: int, long: int, long_factor: float = 1.5) -> list[MeasuredBatch]:
+        return ([MeasuredBatch([f"s{i}"], 0.01, 0.03, 1.0, 100) for i in range(short)]
+                + [MeasuredBatch([f"l{i}"], 0.1, 0.1 * long_factor, 1.0, 1500) for i in range(long)])
+
+    pilot, runs = batches(10, 2), batches(2, 10)
+    planned = at_speed(COST, pilot, 3.0)
+    assert planned_over_real(planned, runs) == pytest.approx(1.0)
+    faster = batches(2, 10, long_factor=1.2)  # its time: 2 x 0.03 + 10 x 0.12 s; at the plan's, 0.06 + 1.5
+    assert planned_over_real(planned, faster) == pytest.approx(1.56 / 1.26)
+    assert planned_over_real(planned, []) is None
+
+
+def test_the_command_says_how_far_the_plan_s_speed_was_from_each_fleet_s_runs() -> None:
     from engine.bench.plan_report import pilot_against_runs
 
-    doc = {"pilot": {"chunked:2048": {"factor": 2.2, "fleets": {"2": {"factor": 1.9}}}},
-           "against_serve": [{"policy": "chunked:2048", "workers": 1, "measured_factor_median": 2.0},
-                             {"policy": "chunked:2048", "workers": 2, "measured_factor_median": 2.0},
+    doc = {"pilot": {"chunked:2048": {"factor": 2.2}},
+           "against_serve": [{"policy": "chunked:2048", "workers": 1, "planned_over_real_s": 1.17},
+                             {"policy": "chunked:2048", "workers": 2, "planned_over_real_s": 0.96},
                              {"policy": "flowprefill", "workers": 1}]}
     lines = pilot_against_runs(doc)
-    assert len(lines) == 3 and "10 % slower" in lines[1] and "5 % faster" in lines[2]
+    assert len(lines) == 3 and "take 17 % longer than they did" in lines[1] and "4 % less time" in lines[2]
+    old = {"pilot": {"fcfs": {"factor": 2.2}}, "against_serve": [{"policy": "fcfs", "workers": 1,
+                                                                  "measured_factor_median": 2.0}]}
+    assert "its pilot ran at 2.20x" in pilot_against_runs(old)[1]  # a plan.json from before the check
     assert pilot_against_runs({"against_serve": [{"policy": "fcfs", "workers": 1}]}) == []

@@ -130,19 +130,23 @@ def print_agreement(console: Console, summary: dict[str, Any]) -> None:
 
 
 def pilot_against_runs(doc: dict[str, Any]) -> list[str]:
-    """Per fleet with a pilot of its own, its speed beside its real runs' (the median over requests of
-    measured over predicted seconds): at a fleet's knee the plan is off by as much as these differ
-    (one `chunked:2048` worker at 5.5 req/s on a Xeon: 20 % apart, 18 points; 2026-12-06)."""
+    """Per fleet the plan simulated at a pilot's speed, how far that speed was off on its real runs' own
+    batches (`plan_real.planned_over_real`): at a fleet's knee the plan is off by about as much (one
+    `chunked:2048` worker at 5.5 req/s on a Xeon: its runs' batches 17 % slower at its pilots' speed,
+    18 points; 2026-12-06). A plan.json from before it was kept compares the median factors over requests."""
     lines = []
     for row in doc.get("against_serve", []):
+        name = f"  {row['policy']} on {row['workers']} worker(s): "
+        if ratio := row.get("planned_over_real_s"):
+            lines.append(name + f"at the plan's speed its real runs' batches take {abs(ratio - 1) * 100:.0f} % "
+                         f"{'longer' if ratio >= 1 else 'less time'} than they did")
+            continue
         said = doc.get("pilot", {}).get(row["policy"], {})
         pilot = said if row["workers"] == 1 else said.get("fleets", {}).get(str(row["workers"]), {})
         if pilot.get("factor") and row.get("measured_factor_median"):
-            ratio = pilot["factor"] / row["measured_factor_median"]
-            lines.append(f"  {row['policy']} on {row['workers']} worker(s): its pilot ran at {pilot['factor']:.2f}x "
-                         f"the cost model's seconds, its real runs at {row['measured_factor_median']:.2f}x "
-                         f"(the pilot {abs(ratio - 1) * 100:.0f} % {'slower' if ratio >= 1 else 'faster'})")
-    return ["the pilots' speed against their fleets' real runs (what the plan cannot know before them):", *lines] \
+            lines.append(name + f"its pilot ran at {pilot['factor']:.2f}x the cost model's seconds, its real runs at "
+                         f"{row['measured_factor_median']:.2f}x (median over requests)")
+    return ["the plan's speed against the fleets' real runs (what it cannot know before them):", *lines] \
         if lines else []
 
 
