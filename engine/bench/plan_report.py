@@ -132,7 +132,7 @@ def print_agreement(console: Console, summary: dict[str, Any]) -> None:
 def pilot_against_runs(doc: dict[str, Any]) -> list[str]:
     """Per fleet the plan simulated at a pilot's speed, how far that speed was off on its real runs' own
     batches (`plan_real.planned_over_real`): at a fleet's knee the plan is off by about as much (one
-    `chunked:2048` worker at 5.5 req/s on a Xeon: its runs' batches 17 % slower at its pilots' speed,
+    `chunked:2048` worker at 5.5 req/s on a Xeon: its runs' batches 19 % longer at its pilots' speed,
     18 points; 2026-12-06). A plan.json from before it was kept compares the median factors over requests."""
     lines = []
     for row in doc.get("against_serve", []):
