@@ -403,6 +403,7 @@ def test_a_pilot_run_several_times_pools_its_runs(tmp_path: Path, monkeypatch: p
     batches, said = plan_speed.repeated_pilot("fcfs", 1, None, tmp_path / "fcfs-w2", 2, 3)  # type: ignore[arg-type]
     assert calls == [tmp_path / "fcfs-w2" / f"run-{r}" for r in (1, 2, 3)] and not stale.exists()
     assert [b.exec_s for b in batches] == pytest.approx([0.01, 0.02, 0.03])
+    assert said.pop("runs_speed") == pytest.approx([0.5, 1.0, 1.5])  # each run's time per batch over the pooled 2x
     assert said == pytest.approx({"sent": 5, "attainment": 0.7, "failed": 3, "logs": str(tmp_path / "fcfs-w2"),
                                   "runs": 3, "worker_host_ms": 2.0, "outside_worker_ms": 8.0, "serving_cpu_ms": 2.0,
                                   "idle_wake_ms": 1.5})
@@ -452,10 +453,13 @@ def test_interleaved_pilots_run_each_round_before_their_fleets_and_plan_at_every
     assert said["runs"] == 1 and said["factor"] == pytest.approx(4.0)  # round 1's failed
     assert said["fleets"]["2"]["runs"] == 2 and said["fleets"]["2"]["factor"] == pytest.approx(3.0)
     assert said["fleets"]["2"]["logs"] == str(tmp_path / "pilot" / "fcfs-w2") and doc["pilots_interleaved"]
+    assert said["fleets"]["2"]["runs_speed"] == pytest.approx([2 / 3, 4 / 3]) and said["runs_speed"] is None
     (row,) = doc["against_serve"]
     assert row["workers"] == 2 and "sim_planned" in row and len(row["real"]["runs"]) == 2
     assert row["planned_over_real_s"] == pytest.approx(1.5)  # planned at the pilots' 3x, the runs ran at 2x
-    assert "round 1's pilot failed: fcfs's pilot: serve exited 2" in capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())
+    assert "round 1's pilot failed: fcfs's pilot: serve exited 2" in out
+    assert "its 2 runs each took 0.67-1.33x the pooled time per batch" in out
 
     broken.add((1, "run-2"))
     with pytest.raises(SystemExit) as exited:

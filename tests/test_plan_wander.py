@@ -190,3 +190,18 @@ def test_the_command_says_how_far_the_plan_s_speed_was_from_each_fleet_s_runs() 
                                                                   "measured_factor_median": 2.0}]}
     assert "its pilot ran at 2.20x" in pilot_against_runs(old)[1]  # a plan.json from before the check
     assert pilot_against_runs({"against_serve": [{"policy": "fcfs", "workers": 1}]}) == []
+
+
+def test_each_pilot_run_s_speed_against_the_pooled_is_read_at_the_same_batch_sizes() -> None:
+    """Two pilot runs of one mix, one twice as slow: 2/3 and 4/3 of their pooled time per batch. Two runs at
+    the same speed per size but of different mixes (short batches 3x the cost model, long ones 1.5x):
+    both 1.0, not the 2x a median factor over their batches would read. One run: nothing to compare."""
+    from engine.bench.plan_measured import relative_speeds
+
+    def run(short: int, long: int, slower: float = 1.0) -> list[MeasuredBatch]:
+        return ([MeasuredBatch([f"s{i}"], 0.01, 0.03 * slower, 1.0, 100) for i in range(short)]
+                + [MeasuredBatch([f"l{i}"], 0.1, 0.15 * slower, 1.0, 1500) for i in range(long)])
+
+    assert relative_speeds([run(5, 5), run(5, 5, slower=2.0)]) == pytest.approx([2 / 3, 4 / 3])
+    assert relative_speeds([run(10, 2), run(2, 10)]) == pytest.approx([1.0, 1.0])
+    assert relative_speeds([run(5, 5)]) is None

@@ -185,6 +185,22 @@ def spread(batches: Iterable[MeasuredBatch]) -> float | None:
     return statistics.pstdev(off) if len(off) > 1 else None
 
 
+def relative_speeds(runs: Sequence[Sequence[MeasuredBatch]]) -> list[float] | None:
+    """Each run's time per batch against all the runs' pooled: the median over its batches of measured over
+    calibrated seconds, each over its size class's median across every run (1.0: as pooled; 2.0: twice as
+    slow). The plan runs at the pooled speed; this says how steady the machine was under it: one
+    `chunked:2048` worker's nine pilots on a shared Xeon took 0.69-2.01 of it in an hour when the machine
+    ran at two speeds, 0.72-1.14 in another (2026-12-06). None: fewer than two runs, or logs without the
+    batches' sizes."""
+    every = [b for bs in runs for b in bs if b.tokens and b.base_s > 0 and b.exec_s > 0]
+    by_size = factors_by_size(every)
+    if len(runs) < 2 or not every:
+        return None
+    median = [statistics.median(fs) if fs else 1.0 for fs in by_size]
+    return [statistics.median(b.exec_s / b.base_s / median[size_class(b.tokens)] for b in sized)
+            for bs in runs if (sized := [b for b in bs if b.tokens and b.base_s > 0 and b.exec_s > 0])]
+
+
 class Wander(NamedTuple):
     """How a worker's speed strays from its size's within a run: each batch's own lognormal sigma
     (`batch`), and a slow wander of sigma `drift` that forgets itself over `drift_s` seconds

@@ -53,6 +53,7 @@ from engine.bench.plan_measured import (
     median_overheads,
     planned_at,
     planned_with,
+    relative_speeds,
     spread,
     strays,
     wander,
@@ -165,7 +166,8 @@ def pooled(done: list[PilotRun], logs: Path) -> PilotRun:
     said = [run for _, run in done]
     return [b for bs, _ in done for b in bs], {
         "sent": said[0]["sent"], "attainment": statistics.median(run["attainment"] for run in said),
-        "failed": sum(run["failed"] for run in said), "logs": str(logs), "runs": len(said)} | median_overheads(said)
+        "failed": sum(run["failed"] for run in said), "logs": str(logs), "runs": len(said),
+        "runs_speed": relative_speeds([bs for bs, _ in done])} | median_overheads(said)
 
 
 def measured_speed(cost: OpCost, folder: Path) -> tuple[OpCost, dict[str, Any]]:
@@ -271,7 +273,7 @@ def from_pilots(cost: OpCost, ran: dict[tuple[str, int], PilotRun], where: str, 
         fleets[(policy, n)] = planned_with(at, run, strays(measured))
         said.setdefault(policy, {}).setdefault("fleets", {})[str(n)] = (
             {"from": f"serve --workers {n}, {where}"} | measured | run)
-        _say(console, f"{policy}'s pilot on {n} worker(s)", measured, fleets[(policy, n)])
+        _say(console, f"{policy}'s pilot on {n} worker(s)", measured | run, fleets[(policy, n)])
     for policy in said:
         planned[policy] = fleets[(policy, 1)]
         said[policy] |= said[policy]["fleets"].pop("1")
@@ -298,5 +300,8 @@ def _say(console: Console, source: str, measured: dict[str, Any], planned: Plann
     extra += (f", the machine's wandering by {planned.drift:.2f} over {planned.drift_s:g} s" if planned.drift
               else "")
     extra += f", {planned.idle_wake_s * 1000:.1f} ms more for a batch begun idle" if planned.idle_wake_s else ""
+    if runs := measured.get("runs_speed"):
+        extra += (f"; its {len(runs)} runs each took {min(runs):.2f}-{max(runs):.2f}x the pooled time per batch "
+                  "(how steady the machine was)")
     console.print(f"simulating at the speed {source} measured: {measured['factor']:.2f}x the cost model's seconds "
                   f"(median of {measured['requests']} requests){by_size}{extra}")
