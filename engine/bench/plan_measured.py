@@ -192,13 +192,26 @@ def relative_speeds(runs: Sequence[Sequence[MeasuredBatch]]) -> list[float] | No
     `chunked:2048` worker's nine pilots on a shared Xeon took 0.69-2.01 of it in an hour when the machine
     ran at two speeds, 0.72-1.14 in another (2026-12-06). None: fewer than two runs, or logs without the
     batches' sizes."""
-    every = [b for bs in runs for b in bs if b.tokens and b.base_s > 0 and b.exec_s > 0]
-    by_size = factors_by_size(every)
-    if len(runs) < 2 or not every:
+    sized = [[b for b in bs if _sized(b)] for bs in runs]
+    if len(runs) < 2 or not any(sized):
         return None
-    median = [statistics.median(fs) if fs else 1.0 for fs in by_size]
-    return [statistics.median(b.exec_s / b.base_s / median[size_class(b.tokens)] for b in sized)
-            for bs in runs if (sized := [b for b in bs if b.tokens and b.base_s > 0 and b.exec_s > 0])]
+    medians = _size_medians([b for bs in sized for b in bs])
+    return [statistics.median(_off_size(b, medians) for b in bs) for bs in sized if bs]
+
+
+def _sized(b: MeasuredBatch) -> bool:
+    """Whether a batch says its size and both its times (what `factors_by_size` reads)."""
+    return bool(b.tokens) and b.base_s > 0 and b.exec_s > 0
+
+
+def _size_medians(batches: Iterable[MeasuredBatch]) -> list[float]:
+    """Per size class, the median of the batches' measured over calibrated seconds (1.0: none of that size)."""
+    return [statistics.median(f) if f else 1.0 for f in factors_by_size(batches)]
+
+
+def _off_size(b: MeasuredBatch, medians: list[float]) -> float:
+    """A batch's measured over calibrated seconds, over its size class's median (`_size_medians`)."""
+    return b.exec_s / b.base_s / medians[size_class(b.tokens or 0)]
 
 
 class Wander(NamedTuple):
@@ -227,9 +240,8 @@ def wander(batches: Sequence[MeasuredBatch]) -> Wander | None:
     machine's mood that day, which the speed per size already holds), and the semivariance of those
     between the batches of one run by their distance in time, 1 - share * exp(-lag / drift_s) of the
     variance, fitted over a grid by least squares. None: the logs do not say sizes and times."""
-    medians = [statistics.median(f) if f else 1.0 for f in factors_by_size(batches)]
-    logs = [[(b.began_at, math.log(b.exec_s / b.base_s / medians[size_class(b.tokens)])) for b in run]
-            for run in _runs(batches)]
+    medians = _size_medians(batches)
+    logs = [[(b.began_at, math.log(_off_size(b, medians))) for b in run] for run in _runs(batches)]
     series = [[(t, x - statistics.fmean(x for _, x in run)) for t, x in run] for run in logs if len(run) > 1]
     residuals = [x for run in series for _, x in run]
     if len(residuals) < 10:
@@ -270,7 +282,7 @@ def _runs(batches: Sequence[MeasuredBatch]) -> list[list[MeasuredBatch]]:
     runs: list[list[MeasuredBatch]] = []
     last = -math.inf
     for b in batches:
-        if not (b.tokens and b.base_s > 0 and b.exec_s > 0 and b.began_at is not None):
+        if not (_sized(b) and b.began_at is not None):
             continue
         if not runs or not last <= b.began_at <= last + LAG_EDGES[-1]:
             runs.append([])

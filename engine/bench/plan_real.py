@@ -296,7 +296,7 @@ def planned_over_real(planned: OpCost, batches: list[MeasuredBatch]) -> float | 
     seconds they took: how far the plan's speed was off on the runs' own sizes. A median factor over
     requests compares mixes, not speeds: the pilot sends the workload's first 100 requests, the runs 200,
     and at the same speed per size a mix with more short batches reads slower (in session 14's in-sample
-    run the pilots read 7-17 % slower that way; on the runs' own batches they were 3-13 % faster)."""
+    run the pilots read 7-17 % slower that way; on the runs' own batches they were 2.5-13 % faster)."""
     sized = [b for b in batches if b.tokens and b.exec_s > 0]
     took = sum(b.exec_s for b in sized)
     return sum(b.base_s * planned.scale * planned.factor(b.tokens) for b in sized) / took if took else None
