@@ -141,6 +141,15 @@ def _cpu_step_costs(model: LlamaModel, cost: OpCost, repeat: int = 7) -> tuple[f
     return overhead, max(0.0, min(best[ATTN_IN], best[FFN]) - overhead)
 
 
+def measured_profile(cost: OpCost) -> dict[str, float]:
+    """The calibrated per-operator costs a plan ran with (plan.json's `cost_profile`): the cached profile
+    is the median of the last start-ups', and moves when start-ups on a busy machine join it: on this Xeon
+    on 2026-12-06 the morning's plans' batches were predicted 1.21-1.25x longer under the profile cached by
+    10:40 (FFN 12.1 us per row, the median of five start-ups, three of them at 12-16.5), so a plan replayed
+    later needs the one it was made with."""
+    return {name: float(getattr(cost, name)) for name in _MEASURED}
+
+
 def load_cost(model: LlamaModel, use_cache: bool = True, record: bool = True) -> OpCost:
     """This start-up's calibration and the cached ones': their median. `record=False` (a simulator's
     probe): the cached profile as it stands, measured only where none is cached, so that a simulation

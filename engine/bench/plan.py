@@ -282,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
     doc = document(args, argv, w, runner.model_name, results, time.perf_counter() - started, planner.sims)
     if speeds.key is not None:
         doc[speeds.key] = speeds.said
+    if args.cost == "cpu":
+        from engine.predictor import measured_profile
+
+        doc["cost_profile"] = measured_profile(runner.cost)
     if args.against_serve is not None:
         from engine.bench.plan_real import compare_fleets, real_rounds
 

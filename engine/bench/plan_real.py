@@ -54,6 +54,7 @@ from engine.bench.plan_measured import (
     planned_with,
     wander,
 )
+from engine.bench.plan_paired import Pair, paired
 from engine.bench.plan_speed import PilotError, PilotRun, Speeds, measured_speed
 from engine.config import EngineConfig
 from engine.model.plan import OpCost
@@ -178,12 +179,15 @@ def _sim_id(worker_id: str) -> str:
 class Rounds(NamedTuple):
     """The real fleets' runs, in rounds; the runs that failed to start (per fleet, their causes); and,
     with `--interleave-pilots`, each pilot fleet's runs, one per round, taken just before its real run,
-    and the causes of those that gave nothing (plan_speed's PilotError)."""
+    the causes of those that gave nothing (plan_speed's PilotError), and per real fleet each round in
+    which both its own shape's pilot and its run went: the round, the pilot, the run's point
+    (engine/bench/plan_paired.py)."""
 
     runs: dict[tuple[str, int], list[Run]]
     failed: dict[tuple[str, int], list[str]]
     pilots: dict[tuple[str, int], list[PilotRun]]
     pilot_failed: dict[tuple[str, int], list[str]]
+    pairs: dict[tuple[str, int], list[Pair]]
 
 
 def real_rounds(args: argparse.Namespace, w: Workload, policies: list[str], console: Console,
@@ -199,13 +203,16 @@ def real_rounds(args: argparse.Namespace, w: Workload, policies: list[str], cons
     for policy, n in fleets:  # an earlier run's logs (its run-<r>/ folders too) are not read as this one's
         shutil.rmtree(root / fleet_name(policy, n), ignore_errors=True)
     piloted = pilot_fleets if pilot is not None else []
-    done = Rounds({f: [] for f in fleets}, {f: [] for f in fleets}, {f: [] for f in piloted}, {f: [] for f in piloted})
+    done = Rounds({f: [] for f in fleets}, {f: [] for f in fleets}, {f: [] for f in piloted}, {f: [] for f in piloted},
+                  {f: [] for f in fleets})
     order = sorted(set(fleets) | set(piloted), key=lambda f: (policies.index(f[0]), f[1]))
     for r in range(args.repeats):
         for policy, n in order:
+            piloted_now = None  # this round's pilot of the fleet's own shape, where it ran
             if pilot is not None and (policy, n) in done.pilots:
                 try:
-                    done.pilots[(policy, n)].append(pilot(policy, n, r))
+                    piloted_now = pilot(policy, n, r)
+                    done.pilots[(policy, n)].append(piloted_now)
                 except PilotError as exc:  # its other rounds' pilots still count
                     console.print(f"[red]round {r + 1}'s pilot failed: {exc}[/red]")
                     done.pilot_failed[(policy, n)].append(str(exc))
@@ -217,6 +224,8 @@ def real_rounds(args: argparse.Namespace, w: Workload, policies: list[str], cons
             try:
                 done.runs[(policy, n)].append(real_point(policy, n, args.threads, w, schedule,
                                                          logs / f"run-{r + 1}" if args.repeats > 1 else logs))
+                if piloted_now is not None:
+                    done.pairs[(policy, n)].append((r + 1, piloted_now, done.runs[(policy, n)][-1][0]))
             except RuntimeError as exc:  # serve did not start: the fleet's other runs still count
                 console.print(f"[red]run {r + 1} of serve --workers {n} --policy {policy} failed: {exc}[/red]")
                 done.failed[(policy, n)].append(str(exc))
@@ -235,7 +244,8 @@ def compare_fleets(args: argparse.Namespace, w: Workload, cost: OpCost, engine_c
     for (policy, n), done in rounds.runs.items():
         errors = rounds.failed[(policy, n)]
         own = own_prediction(planned, policy, n)
-        row = compare(args, w, schedule, cost, own, engine_cfg, policy, n, done) if done else {
+        pairs = rounds.pairs[(policy, n)]
+        row = compare(args, w, schedule, cost, own, engine_cfg, policy, n, done, pairs) if done else {
             "policy": policy, "workers": n}  # serve never started for it
         rows.append(row | ({"failed_runs": errors} if errors else {}))
     return rows
@@ -251,10 +261,11 @@ def own_prediction(speeds: Speeds | None, policy: str, n: int) -> Planned | None
 
 def compare(args: argparse.Namespace, w: Workload, schedule: list[Arrival], cost: OpCost, planned: Planned | None,
             engine_cfg: EngineConfig, policy: str, n: int,
-            runs: list[Run]) -> dict[str, Any]:
+            runs: list[Run], pairs: Sequence[Pair] = ()) -> dict[str, Any]:
     """One fleet's real runs (their median per class) beside its simulations: with the cost model, as
-    planned, at the speed the runs measured, charged what they measured (their batches pooled: a
-    request's factor is then its seconds summed over the runs over its predicted seconds summed)."""
+    planned, each run at the pilot just before it (`pairs`, plan_paired), at the speed the runs measured,
+    charged what they measured (their batches pooled: a request's factor is then its seconds summed over
+    the runs over its predicted seconds summed)."""
 
     def same_prompts() -> list[Request]:
         reqs = make_requests(w, DEFAULT_CLASSES, 1.0, 0.0, None)
@@ -274,6 +285,8 @@ def compare(args: argparse.Namespace, w: Workload, schedule: list[Arrival], cost
         planner.use(planned._replace(cost=copy.deepcopy(planned.cost)))
         row["sim_planned"] = planner.evaluate(policy, n, stop_early=False)
         row["planned_over_real_s"] = planned_over_real(planned.cost, batches)
+    if (each := paired(planner, policy, n, cost, pairs)) is not None:
+        row["sim_paired"] = each
     # the replays charge what the runs measured: each request's seconds, or their speed per size, with
     # the runs' own host time per batch and time outside the workers
     exact = ExactCosts.from_batches(cost, batches)

@@ -54,7 +54,9 @@ def against_table(console: Console, rows: list[dict[str, Any]]) -> None:
                     "simulated with the cost model, " + ("as the plan simulated it, " if planned else "")
                     + "at the speed the real workers ran, charged what they measured per request"
                     + (", and at a pilot's speed)" if pilot else ")"))
+    each = any("sim_paired" in row for row in rows)
     sims = [("cost model", "sim"), *([("as planned", "sim_planned")] if planned else []),
+            *([("each run at its pilot (median)", "sim_paired")] if each else []),
             ("at measured speed", "sim_measured_speed"), ("measured costs", "sim_measured_costs"),
             *([("at pilot's speed", "sim_pilot_speed")] if pilot else [])]
     repeated = any("runs" in row["real"] for row in rows)
@@ -70,7 +72,7 @@ def against_table(console: Console, rows: list[dict[str, Any]]) -> None:
             cells = []
             for _, key in sims:
                 sim = _attainment(row[key], c) if row.get(key) else None
-                cells += [_pct(sim), "-" if sim is None else f"{(sim - real['attainment']) * 100:+.1f}"]
+                cells += [_pct(sim), "-" if sim is None else f"{_gap(row, key, c) * 100:+.1f}"]
             t.add_row(row["policy"], str(row["workers"]), c, str(n), _real_cell(row["real"], c), *cells)
     console.print(t)
 
@@ -84,23 +86,44 @@ AGREEMENT_MIN_REQUESTS = 20
 def agreement(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per simulation beside the real fleets ("sim_planned" and the others `compare` adds): in how many
     cells (fleet x class of at least AGREEMENT_MIN_REQUESTS requests, and overall) it was within
-    AGREEMENT_BAND of the real median, and its largest gap; with the classes left out."""
+    AGREEMENT_BAND of the real median (the paired one: its median gap over the rounds, `_gap`), and its
+    largest gap; with the classes left out."""
     out: dict[str, Any] = {"band_points": AGREEMENT_BAND * 100, "min_requests": AGREEMENT_MIN_REQUESTS,
                            "left_out": sorted({c for row in rows if "real" in row
                                                for c, x in row["real"]["per_class"].items()
                                                if x["n"] < AGREEMENT_MIN_REQUESTS})}
-    for key in ("sim_planned", "sim_measured_speed", "sim_measured_costs", "sim_pilot_speed", "sim"):
-        gaps = [(row["policy"], row["workers"], c, _attainment(row[key], c) - real["attainment"],
-                 _beyond(_attainment(row[key], c), _interval(row["real"], c)))
+    for key in ("sim_planned", "sim_paired", "sim_measured_speed", "sim_measured_costs", "sim_pilot_speed", "sim"):
+        gaps = [(row["policy"], row["workers"], c, _gap(row, key, c), _missed(row, key, c))
                 for row in rows if row.get(key) and "real" in row
                 for c, real in [*row["real"]["per_class"].items(), ("all", row["real"])]
-                if c == "all" or real["n"] >= AGREEMENT_MIN_REQUESTS]
+                if (c == "all" or real["n"] >= AGREEMENT_MIN_REQUESTS) and _attainment(row[key], c) is not None]
         if gaps:
             policy, workers, c, gap, _ = max(gaps, key=lambda g: abs(g[3]))
             out[key] = {"cells": len(gaps), "within": sum(abs(g[3]) <= AGREEMENT_BAND + 1e-9 for g in gaps),
                         "beyond_interval": sum(g[4] for g in gaps),
                         "largest_gap": {"policy": policy, "workers": workers, "class": c, "points": gap * 100}}
     return out
+
+
+def _gap(row: dict[str, Any], key: str, c: str) -> float:
+    """A simulation's gap to the real fleet in class `c` ("all": overall): its attainment less the runs'
+    median, or for the paired one (plan_paired) the median over the rounds of each run's own gap."""
+    if key == "sim_paired":
+        return _cell(row[key], c)["median_gap"]
+    return _attainment(row[key], c) - _attainment(row["real"], c)
+
+
+def _missed(row: dict[str, Any], key: str, c: str) -> bool:
+    """A miss the runs can tell (`_beyond`): the paired gap's 90 % interval (over its rounds) all outside
+    the band, or any other simulation outside it around the real median's interval."""
+    if key == "sim_paired":
+        lo, hi = _cell(row[key], c)["gap_interval"]
+        return _beyond(0.0, (lo, hi))
+    return _beyond(_attainment(row[key], c), _interval(row["real"], c))
+
+
+def _cell(pt: dict[str, Any], c: str) -> dict[str, Any]:
+    return pt if c == "all" else pt["per_class"][c]
 
 
 def _beyond(sim: float, interval: tuple[float, float]) -> bool:
@@ -114,7 +137,8 @@ def _beyond(sim: float, interval: tuple[float, float]) -> bool:
 
 
 def print_agreement(console: Console, summary: dict[str, Any]) -> None:
-    names = {"sim_planned": "as planned", "sim_measured_speed": "at measured speed",
+    names = {"sim_planned": "as planned", "sim_paired": "each run at the pilot before it (median gap over rounds)",
+             "sim_measured_speed": "at measured speed",
              "sim_measured_costs": "measured costs", "sim_pilot_speed": "at pilot's speed", "sim": "cost model"}
     left = (f"; classes under {summary['min_requests']} requests not counted: {', '.join(summary['left_out'])}"
             if summary["left_out"] else "")
@@ -152,7 +176,7 @@ def _real_cell(real: dict[str, Any], c: str) -> str:
 def _interval(real: dict[str, Any], c: str) -> tuple[float, float]:
     """The real median's 90 % interval over its runs; one run (or a plan.json from before it was kept)
     is known exactly."""
-    x = real if c == "all" else real["per_class"][c]
+    x = _cell(real, c)
     lo, hi = x.get("median_interval") or (x["attainment"], x["attainment"])
     return lo, hi
 

@@ -269,8 +269,7 @@ def from_pilots(cost: OpCost, ran: dict[tuple[str, int], PilotRun], where: str, 
     order) plan each policy and fleet with, said per policy as plan.json's `pilot`."""
     planned, fleets, said = {}, {}, {}
     for (policy, n), (batches, run) in ran.items():
-        at, measured = at_measured_speed(cost, batches)
-        fleets[(policy, n)] = planned_with(at, run, strays(measured))
+        fleets[(policy, n)], measured = planned_from(cost, (batches, run))
         said.setdefault(policy, {}).setdefault("fleets", {})[str(n)] = (
             {"from": f"serve --workers {n}, {where}"} | measured | run)
         _say(console, f"{policy}'s pilot on {n} worker(s)", measured | run, fleets[(policy, n)])
@@ -280,6 +279,15 @@ def from_pilots(cost: OpCost, ran: dict[tuple[str, int], PilotRun], where: str, 
         if not said[policy]["fleets"]:
             del said[policy]["fleets"]
     return Speeds(planned, "pilot", said, fleets)
+
+
+def planned_from(cost: OpCost, pilot: PilotRun) -> tuple[Planned, dict[str, Any]]:
+    """What a pilot (one run, or several pooled) plans a fleet with: `cost` at its speed per size, with its
+    worker's host time per batch, its time outside the batches, its serving CPU and how its batches
+    strayed; and what that speed rests on (`at_measured_speed`'s)."""
+    batches, run = pilot
+    at, measured = at_measured_speed(cost, batches)
+    return planned_with(at, run, strays(measured)), measured
 
 
 def _same(policies: list[str], planned: Planned, key: str, said: dict[str, Any], console: Console,
