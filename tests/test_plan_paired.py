@@ -102,7 +102,10 @@ def test_the_verdict_on_paired_gaps_counts_their_median_and_tells_a_miss_by_thei
 
     def each(gap: float, interval: list[float]) -> dict[str, Any]:
         cell = {"attainment": 0.9, "median_gap": gap, "gap_interval": interval}
-        return cell | {"per_class": {"interactive": dict(cell), "standard": dict(cell)}, "rounds": []}
+        rounds = [{"attainment": x, "real": 0.5, "per_class": {c: {"attainment": x, "real": 0.5}
+                                                              for c in ("interactive", "standard")}}
+                  for x in (0.52, 0.9, 0.46)]  # within 5, not, within (on the band's edge: 4 points)
+        return cell | {"per_class": {"interactive": dict(cell), "standard": dict(cell)}, "rounds": rounds}
 
     rows = [{"policy": "fcfs", "workers": 1, "real": point(0.5, 0.5), "sim": point(0.5, 0.5),
              "sim_paired": each(0.03, [-0.01, 0.06])},  # 0.9 vs the runs' 0.5: +40 as a median, +3 paired
@@ -117,5 +120,6 @@ def test_the_verdict_on_paired_gaps_counts_their_median_and_tells_a_miss_by_thei
     against_table(console, rows)
     print_agreement(console, agreement(rows))
     text = console.export_text()
-    assert "each run at its pilot (median)" in text and "+3.0" in text and "+40.0" not in text
+    assert "each run at its pilot: runs within 5" in text and "+3.0" in text and "+40.0" not in text
+    assert "2 of 3" in text  # the rounds' runs their own pilot predicted within 5 points
     assert "each run at the pilot before it (median gap over rounds): 3 of 6 cells; largest gap -8.0" in text
