@@ -123,3 +123,15 @@ def test_the_verdict_on_paired_gaps_counts_their_median_and_tells_a_miss_by_thei
     assert "each run at its pilot: runs within 5" in text and "+3.0" in text and "+40.0" not in text
     assert "2 of 3" in text  # the rounds' runs their own pilot predicted within 5 points
     assert "each run at the pilot before it (median gap over rounds): 3 of 6 cells; largest gap -8.0" in text
+
+
+def test_the_rounds_plot_is_drawn_only_where_runs_were_paired(tmp_path: Path) -> None:
+    from engine.bench.plan_report import plot_paired
+
+    doc: dict[str, Any] = {"workload": {"name": "azure-mix", "rate": 5.5},
+                           "against_serve": [{"policy": "fcfs", "workers": 1, "real": point(0.5, 0.5)}]}
+    assert not plot_paired(doc, tmp_path / "none.png") and not (tmp_path / "none.png").exists()
+    rounds = [{"round": r, "attainment": 0.4 + 0.1 * r, "real": 0.5, "per_class": {}} for r in (1, 2, 3)]
+    doc["against_serve"][0]["sim_paired"] = {"median_gap": 0.1, "rounds": rounds}
+    assert plot_paired(doc, tmp_path / "rounds.png") and (tmp_path / "rounds.png").stat().st_size > 5_000
+

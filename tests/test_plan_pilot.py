@@ -460,6 +460,7 @@ def test_interleaved_pilots_run_each_round_before_their_fleets_and_plan_at_every
     assert [r["round"] for r in row["sim_paired"]["rounds"]] == [1, 2]  # each run at its own round's pilot
     assert "sim_paired" in doc["against_serve_agreement"]
     assert doc["cost_profile"]["ffn_s_per_row"] > 0  # what it planned with, for a replay later
+    assert (tmp_path / "against-serve.png").stat().st_size > 5_000  # each round's run against its pilot's prediction
     out = " ".join(capsys.readouterr().out.split())
     assert "round 1's pilot failed: fcfs's pilot: serve exited 2" in out
     assert "its 2 runs each took 0.67-1.33x the pooled time per batch" in out

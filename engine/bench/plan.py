@@ -240,7 +240,7 @@ def at_rate_of(earlier: Workload, planned: Workload) -> Workload:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.bench.plan_report import agreement, plot, print_tables
+    from engine.bench.plan_report import agreement, plot, plot_paired, print_tables
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -299,7 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     (out / "plan.json").write_text(json.dumps(doc, indent=2))
     print_tables(console, doc)
     plot(doc, out / "plan.png")
-    console.print(f"wrote {out / 'plan.json'} and {out / 'plan.png'}")
+    wrote = [out / "plan.json", out / "plan.png"]
+    if plot_paired(doc, out / "against-serve.png"):  # each round's run against its own pilot's prediction
+        wrote.append(out / "against-serve.png")
+    console.print("wrote " + ", ".join(map(str, wrote)))
     return 0
 
 

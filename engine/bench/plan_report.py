@@ -228,3 +228,41 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_paired(doc: dict[str, Any], path: Path) -> bool:
+    """`--against-serve --interleave-pilots`' rounds: each real run (overall attainment) against the
+    prediction its own round's pilot made of it, a colour per fleet, the 5-point band around equality
+    shaded. False (nothing written): no fleet has paired rounds."""
+    rows = [row for row in doc.get("against_serve", []) if row.get("sim_paired")]
+    if not rows:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 5.2))
+    band = AGREEMENT_BAND * 100
+    ax.fill_between([0, 100], [-band, 100 - band], [band, 100 + band], color="grey", alpha=0.15,
+                    label=f"within {band:g} points")
+    ax.plot([0, 100], [0, 100], color="grey", lw=0.8)
+    for i, row in enumerate(rows):
+        paired = row["sim_paired"]
+        rounds = paired["rounds"]
+        ax.scatter([r["real"] * 100 for r in rounds], [r["attainment"] * 100 for r in rounds], color=f"C{i}", s=22,
+                   label=f"{row['policy']}, {row['workers']} worker{'s' * (row['workers'] > 1)}: "
+                         f"median gap {paired['median_gap'] * 100:+.1f}")
+    ax.set_xlim(0, 102)
+    ax.set_ylim(0, 102)
+    ax.set_xlabel("real run: overall TTFT attainment (%)")
+    ax.set_ylabel("predicted from the pilot just before it (%)")
+    w = doc["workload"]
+    ax.set_title(f"each round's run against its own pilot's prediction\n{w['name']}, {w['rate']:.2f} req/s",
+                 fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
