@@ -12,6 +12,9 @@ not the verdict. Replayed over the four stored nine-round comparisons of that da
 rescaled to the profile they were planned with, `measured_profile`): 45 of 48 cells within 5 points,
 against 35 for the pooled plan against the runs' median; the three misses were one fleet (one
 `chunked:2048` worker, out of sample) whose pilots ran slower than the runs after them in most rounds.
+Then pre-registered: 12 of 12 out of sample (largest gap -2.4, where the pooled plan missed one worker by
+40 points), 11 of 12 in sample (two `flowprefill` workers' `standard`, +5.7). A single run is another
+matter: about two in three within 5 points, the rest off by up to 50 where the speed moved in between.
 """
 
 from __future__ import annotations
