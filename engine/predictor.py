@@ -19,6 +19,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -141,13 +142,14 @@ def _cpu_step_costs(model: LlamaModel, cost: OpCost, repeat: int = 7) -> tuple[f
     return overhead, max(0.0, min(best[ATTN_IN], best[FFN]) - overhead)
 
 
-def measured_profile(cost: OpCost) -> dict[str, float]:
-    """The calibrated per-operator costs a plan ran with (plan.json's `cost_profile`): the cached profile
+def measured_profile(cost: OpCost) -> dict[str, Any]:
+    """What a calibration measured, as the cache keeps each start-up's: the per-operator costs and the
+    timed row blocks. Also the profile a plan ran with (plan.json's `cost_profile`): the cached profile
     is the median of the last start-ups', and moves when start-ups on a busy machine join it: on this Xeon
     on 2026-12-06 the morning's plans' batches were predicted 1.21-1.25x longer under the profile cached by
     10:40 (FFN 12.1 us per row, the median of five start-ups, three of them at 12-16.5), so a plan replayed
     later needs the one it was made with."""
-    return {name: float(getattr(cost, name)) for name in _MEASURED}
+    return {name: float(getattr(cost, name)) for name in _MEASURED} | {"row_block_s": cost.row_block_s}
 
 
 def load_cost(model: LlamaModel, use_cache: bool = True, record: bool = True) -> OpCost:
@@ -161,7 +163,7 @@ def load_cost(model: LlamaModel, use_cache: bool = True, record: bool = True) ->
     history = _read_history(path)
     if record or not history:
         cost = calibrate(model)
-        history = [*history, {name: getattr(cost, name) for name in _MEASURED} | {"row_block_s": cost.row_block_s}]
+        history = [*history, measured_profile(cost)]
         history = history[-HISTORY:]
         _write_history(path, history)
     else:

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 from engine.batch_log import MeasuredBatch
 from engine.model.plan import OpCost, size_class
-from engine.sim.oracle import factors_by_size
+from engine.sim.oracle import factors_by_size, sized
 
 # What a real run's point says of its workers beyond their speed (plan_real's real_point)
 OVERHEADS = ("worker_host_ms", "outside_worker_ms", "serving_cpu_ms", "idle_wake_ms")
@@ -151,7 +151,7 @@ def idle_wake(workers: Sequence[Sequence[MeasuredBatch]]) -> float | None:
     idle: list[tuple[int, MeasuredBatch]] = []
     for worker in workers:
         for b, was_idle in zip(worker, begun_idle(worker), strict=True):
-            if not (b.tokens and b.base_s > 0 and b.exec_s > 0):
+            if not sized(b):
                 continue
             if was_idle:
                 idle.append((size_class(b.tokens), b))
@@ -192,16 +192,11 @@ def relative_speeds(runs: Sequence[Sequence[MeasuredBatch]]) -> list[float] | No
     `chunked:2048` worker's nine pilots on a shared Xeon took 0.69-2.01 of it in an hour when the machine
     ran at two speeds, 0.72-1.14 in another (2026-12-06). None: fewer than two runs, or logs without the
     batches' sizes."""
-    sized = [[b for b in bs if _sized(b)] for bs in runs]
-    if len(runs) < 2 or not any(sized):
+    kept = [[b for b in bs if sized(b)] for bs in runs]
+    if len(runs) < 2 or not any(kept):
         return None
-    medians = _size_medians([b for bs in sized for b in bs])
-    return [statistics.median(_off_size(b, medians) for b in bs) for bs in sized if bs]
-
-
-def _sized(b: MeasuredBatch) -> bool:
-    """Whether a batch says its size and both its times (what `factors_by_size` reads)."""
-    return bool(b.tokens) and b.base_s > 0 and b.exec_s > 0
+    medians = _size_medians([b for bs in kept for b in bs])
+    return [statistics.median(_off_size(b, medians) for b in bs) for bs in kept if bs]
 
 
 def _size_medians(batches: Iterable[MeasuredBatch]) -> list[float]:
@@ -282,7 +277,7 @@ def _runs(batches: Sequence[MeasuredBatch]) -> list[list[MeasuredBatch]]:
     runs: list[list[MeasuredBatch]] = []
     last = -math.inf
     for b in batches:
-        if not (_sized(b) and b.began_at is not None):
+        if not (sized(b) and b.began_at is not None):
             continue
         if not runs or not last <= b.began_at <= last + LAG_EDGES[-1]:
             runs.append([])

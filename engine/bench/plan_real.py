@@ -266,19 +266,12 @@ def compare(args: argparse.Namespace, w: Workload, schedule: list[Arrival], cost
     planned, each run at the pilot just before it (`pairs`, plan_paired), at the speed the runs measured,
     charged what they measured (their batches pooled: a request's factor is then its seconds summed over
     the runs over its predicted seconds summed)."""
-
-    def same_prompts() -> list[Request]:
-        reqs = make_requests(w, DEFAULT_CLASSES, 1.0, 0.0, None)
-        for r, a in zip(reqs, schedule, strict=True):
-            r.prompt_token_ids = a.prompt
-        return reqs
-
     urls = runs[0][1]  # the workers' names (routing by load alone does not hash them)
-    reqs = same_prompts()  # as the simulation names them
+    reqs = same_prompts(w, schedule)  # as the simulation names them
     batches = as_simulated([b for _, _, bs in runs for b in bs], reqs)
     planner = Planner(w, copy.deepcopy(cost), engine_cfg, args.target, args.every_class,
                       key_of=None,  # `serve --no-prefix-caching`'s gateway routes by load alone (gateway/cli/serve.py)
-                      poll_s=args.poll_s, requests=same_prompts, urls=lambda _n: urls)
+                      poll_s=args.poll_s, requests=lambda: same_prompts(w, schedule), urls=lambda _n: urls)
     row: dict[str, Any] = {"policy": policy, "workers": n, "real": median_run([pt for pt, _, _ in runs]),
                            "sim": planner.evaluate(policy, n, stop_early=False)}
     if planned is not None:
@@ -302,6 +295,15 @@ def compare(args: argparse.Namespace, w: Workload, schedule: list[Arrival], cost
     if args.speed_from is not None:
         row |= at_pilot_speed(planner, cost, Path(args.speed_from), policy, n)
     return row
+
+
+def same_prompts(w: Workload, schedule: list[Arrival]) -> list[Request]:
+    """The workload's requests as the simulation names and classes them, each with the prompt the real
+    fleet was sent (`schedule`, the replay client's arrivals)."""
+    reqs = make_requests(w, DEFAULT_CLASSES, 1.0, 0.0, None)
+    for r, a in zip(reqs, schedule, strict=True):
+        r.prompt_token_ids = a.prompt
+    return reqs
 
 
 def planned_over_real(planned: OpCost, batches: list[MeasuredBatch]) -> float | None:

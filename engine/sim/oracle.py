@@ -106,13 +106,18 @@ class OracleScheduler(Scheduler):
         """Exact costs need no correction."""
 
 
+def sized(b: MeasuredBatch) -> bool:
+    """Whether a logged batch says its size and both its times: what a speed per size can read."""
+    return bool(b.tokens) and b.base_s > 0 and b.exec_s > 0
+
+
 def factors_by_size(batches: Iterable[MeasuredBatch]) -> list[list[float]]:
     """Per batch size class (`SIZE_CLASSES`), the measured over calibrated seconds of the batches of that
     size (none where the logs do not say the batches' sizes)."""
     by_class: list[list[float]] = [[] for _ in range(len(SIZE_CLASSES) + 1)]
     for b in (MeasuredBatch(*entry) for entry in batches):
-        if b.tokens and b.base_s > 0 and b.exec_s > 0:
-            by_class[size_class(b.tokens)].append(b.exec_s / b.base_s)
+        if sized(b):
+            by_class[size_class(b.tokens or 0)].append(b.exec_s / b.base_s)
     return by_class
 
 

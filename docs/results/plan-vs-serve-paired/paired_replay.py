@@ -29,12 +29,11 @@ from engine.batch_log import MeasuredBatch, read
 from engine.bench.plan import build_parser, load_workload
 from engine.bench.plan_fleet import Planner
 from engine.bench.plan_measured import planned_with, wander
-from engine.bench.plan_real import fleet_name
+from engine.bench.plan_real import fleet_name, same_prompts
 from engine.config import EngineConfig
 from engine.model.plan import OpCost, SeqSpan
-from engine.protocol.slo import DEFAULT_CLASSES
 from engine.sim.oracle import at_speed
-from loadtest.goodput import Runner, make_requests
+from loadtest.goodput import Runner
 from loadtest.peer.client import arrival_index, arrivals
 
 CELLS = ("interactive", "standard")
@@ -75,18 +74,13 @@ def main(root: Path, out: Path) -> None:
         return replace(at, class_scale=[f / ratio for f in at.class_scale],
                        class_first=[[f / ratio] for f in at.class_scale])
 
-    def same_prompts() -> list[Any]:
-        reqs = make_requests(w, DEFAULT_CLASSES, 1.0, 0.0, None)
-        for r, a in zip(reqs, schedule, strict=True):
-            r.prompt_token_ids = a.prompt
-        return reqs
-
     fleets, tally = [], {"stored": [], "replayed_pooled": [], "paired_median": []}
     for row in doc["against_serve"]:
         policy, n, real = row["policy"], row["workers"], row["real"]
         name = fleet_name(policy, n)
         planner = Planner(w, copy.deepcopy(cost), engine_cfg, args.target, args.every_class, key_of=None,
-                          poll_s=args.poll_s, requests=same_prompts, urls=lambda k: [f"http://w{i}" for i in range(k)])
+                          poll_s=args.poll_s, requests=lambda: same_prompts(w, schedule),
+                          urls=lambda k: [f"http://w{i}" for i in range(k)])
         said = doc["pilot"][policy] if n == 1 else doc["pilot"][policy]["fleets"][str(n)]
         pilots = read(root / "pilot" / name)
         strayed = wander(pilots)
