@@ -18,7 +18,7 @@ import pytest
 from gateway.processes import answers, free_port, start, stop, wait_healthy
 
 __all__ = ["HEAVY", "answers", "asgi_body", "free_port", "mapped_heavy", "needs_engine", "preemption_scenario",
-           "serving", "start", "stop", "uvicorn_thread", "wait_healthy"]
+           "serving", "start", "stop", "uvicorn_thread", "wait_healthy", "worker_of"]
 
 # A test of a gateway-only module (tests/conftest.py) that starts an engine worker: skipped where only
 # the base install is (.ci/run's gateway venv), which has no torch.
@@ -98,7 +98,7 @@ def preemption_scenario(url: str, trace_id: str | None = None) -> dict[str, http
 
     threads = [threading.Thread(target=send, args=("long-batch", "batch", 12000))]
     threads[0].start()
-    time.sleep(0.3)  # its prefill is under way
+    prefilling(worker_of(url))
     for i in range(3):
         threads.append(threading.Thread(target=send, args=(f"chat-{i}", "interactive", 64)))
         threads[-1].start()
@@ -106,6 +106,26 @@ def preemption_scenario(url: str, trace_id: str | None = None) -> dict[str, http
     for t in threads:
         t.join()
     return results
+
+
+def worker_of(url: str) -> str:
+    """The worker behind `flowprefill serve`'s gateway at `url`: it listens on the next port."""
+    base, port = url.rsplit(":", 1)
+    return f"{base}:{int(port) + 1}"
+
+
+def prefilling(worker: str, timeout: float = 60) -> None:
+    """Wait until the worker's only request has left the queue for a formed prefill batch (GET /load).
+    A fixed 0.3 s wait was not enough on a loaded CI machine: the urgent requests arrived before the
+    long one and nothing was preempted."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        load = httpx.get(f"{worker}/load", timeout=10).json()
+        if load["waiting"] == 0 and load["predicted_backlog_s"] > 0:
+            time.sleep(0.1)  # past its first operators: 12,000 tokens take seconds more
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"the long request never started its prefill: {load}")
 
 
 def in_process(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess[str]:

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from processes import free_port, preemption_scenario, start, stop, wait_healthy
+from processes import free_port, preemption_scenario, start, stop, wait_healthy, worker_of
 
 DEPLOY = Path(__file__).resolve().parents[1] / "telemetry" / "deploy"
 PROMETHEUS = shutil.which("prometheus")
@@ -69,8 +69,7 @@ def test_promql_sees_preemptions_and_ttft_by_class(scraped: tuple[str, str]) -> 
     wait_for(prom, 'up{job=~"flowprefill-.*"} == 1', lambda r: len(r) == 2)
     results = preemption_scenario(gateway)
     assert all(r.status_code == 200 for r in results.values())
-    port = int(gateway.rsplit(":", 1)[1])
-    worker_text = httpx.get(f"http://127.0.0.1:{port + 1}/metrics").text  # serve's worker: the next port
+    worker_text = httpx.get(f"{worker_of(gateway)}/metrics").text
     counted = sum(float(line.split()[-1]) for line in worker_text.splitlines()
                   if line.startswith("flowprefill_preemptions_total{"))
     assert counted >= 1
