@@ -21,7 +21,7 @@ from engine.kv_cache import KVCache, OutOfBlocks
 from engine.model import load_model, use_device
 from engine.model.plan import ATTN_IN, FFN, SeqSpan
 from engine.observer import EngineObserver
-from engine.predictor import load_cost
+from engine.predictor import StoredProfile, load_cost, stored_cost
 from engine.prefill import PrefillBatch
 from engine.prefix_cache import PrefixCache
 from engine.protocol.slo import SHED_ERROR
@@ -37,11 +37,13 @@ _GENERATED = itertools.count()  # `Engine.generate`'s request ids (an object's i
 
 class Engine:
     def __init__(self, cfg: EngineConfig | None = None, policy: str | Policy = "flowprefill",
-                 clock: Callable[[], float] = time.monotonic, record_profile: bool = True) -> None:
+                 clock: Callable[[], float] = time.monotonic, record_profile: bool = True,
+                 profile: StoredProfile | None = None) -> None:
         """`record_profile=False`: read the cached cost profile without adding a calibration to it
-        (a simulator's probe, engine/predictor.py's `load_cost`)."""
+        (a simulator's probe, engine/predictor.py's `load_cost`). `profile`: predict with the profile
+        read from a file instead (`read_profile`: a plan.json's, or another machine's cache file)."""
         self.cfg = cfg = cfg or EngineConfig()
-        self.record_profile = record_profile
+        self.record_profile, self.profile = record_profile, profile
         self.pinning = CorePinning(cfg.cpu_cores) if cfg.cpu_cores else None
         if self.pinning is not None:  # before calibration and before the engine thread starts (it inherits)
             self.pinning.pin_compute()
@@ -82,7 +84,8 @@ class Engine:
         self.model, self.tokenizer = load_model(cfg)
         self.kv = KVCache(self.model.cfg, cfg.kv_block_size, cfg.kv_capacity_tokens, getattr(torch, cfg.dtype),
                           torch.device(cfg.device))
-        self.cost = load_cost(self.model, record=self.record_profile and cfg.calibrate)
+        self.cost = (stored_cost(self.model, self.profile) if self.profile is not None
+                     else load_cost(self.model, record=self.record_profile and cfg.calibrate))
         if self.model.activations is not None:  # the longest prompt's buffers mapped before it arrives
             self.model.activations.warm(min(self.model.cfg.max_position_embeddings, cfg.kv_capacity_tokens))
         if self.model.graphs is not None:

@@ -19,7 +19,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -148,7 +148,7 @@ def measured_profile(cost: OpCost) -> dict[str, Any]:
     is the median of the last start-ups', and moves when start-ups on a busy machine join it: on this Xeon
     on 2026-12-06 the morning's plans' batches were predicted 1.21-1.25x longer under the profile cached by
     10:40 (FFN 12.1 us per row, the median of five start-ups, three of them at 12-16.5), so a plan replayed
-    later needs the one it was made with."""
+    later needs the one it was made with (`--cost THAT/plan.json`, read_profile)."""
     return {name: float(getattr(cost, name)) for name in _MEASURED} | {"row_block_s": cost.row_block_s}
 
 
@@ -161,12 +161,70 @@ def load_cost(model: LlamaModel, use_cache: bool = True, record: bool = True) ->
         return calibrate(model)
     path = cache_dir() / f"opcost-{profile_key(model)}.json"
     history = _read_history(path)
+    fresh = None
     if record or not history:
-        cost = calibrate(model)
-        history = [*history, measured_profile(cost)]
-        history = history[-HISTORY:]
+        fresh = calibrate(model)
+        history = [*history, measured_profile(fresh)][-HISTORY:]
         _write_history(path, history)
+    return _median_of(model, history, fresh)
+
+
+class StoredProfile(NamedTuple):
+    """A CPU cost profile kept in a file (`read_profile`): its start-ups' measurements and what they were
+    profiled for, the profile key (`profile_key`), or only the model's name for a plan.json from before
+    plans kept the key (2026-12-06)."""
+
+    history: list[dict]
+    key: str | None
+    model_name: str | None = None
+
+
+def read_profile(path: Path) -> StoredProfile:
+    """The profile stored at `path`, not this machine's cached one: a plan.json's `cost_profile` (the
+    machine as profiled when that plan ran: replayed a day later under the cache as it then stood, a
+    plan's batches were predicted 1.21-1.25x too long, measured_profile) or an engine's cache file
+    (`opcost-<key>.json` from FLOWPREFILL_CACHE, the median of its start-ups: a target machine profiled
+    by one `serve` start-up there, planned for anywhere). ValueError (one line): unreadable, or neither
+    of those with every operator measured."""
+    try:
+        doc = json.loads(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read it ({exc.strerror})") from None
+    except ValueError:
+        raise ValueError("not JSON") from None
+    if isinstance(doc, dict) and isinstance(doc.get("cost_profile"), dict):
+        found = StoredProfile([doc["cost_profile"]], doc["cost_profile"].get("key"), doc.get("model"))
+    elif isinstance(doc, dict) and isinstance(doc.get("calibrations"), list):
+        if not path.name.startswith("opcost-"):  # what the start-ups were profiled for is in its name
+            raise ValueError("an engine's profile cache file says what it profiled in its name, "
+                             "opcost-<key>.json: keep that name")
+        found = StoredProfile(doc["calibrations"], path.stem.removeprefix("opcost-"))
     else:
+        raise ValueError("neither a plan.json with a cost_profile (`plan --cost cpu` writes one) nor an "
+                         "engine's profile cache file (opcost-*.json)")
+    history = [h for h in found.history if _well_formed(h) and all(name in h for name in _MEASURED)]
+    if not history:  # a missing operator would cost nothing, and one instance would do for any load
+        raise ValueError(f"its profile has no measurement with all of {', '.join(_MEASURED)}")
+    return found._replace(history=history)
+
+
+def stored_cost(model: LlamaModel, stored: StoredProfile) -> OpCost:
+    """A stored profile (`read_profile`) as `model`'s cost model. ValueError (one line): it was profiled
+    for another model, thread count, kernels or torch than `model` runs with."""
+    if stored.key is not None and stored.key != profile_key(model):
+        raise ValueError(f"profiled for {stored.key}, and this engine is {profile_key(model)} (the model, "
+                         "--threads, the kernels and torch must be the same)")
+    if stored.key is None and stored.model_name != model.cfg.name:
+        raise ValueError(f"profiled for the model {stored.model_name}, and this engine runs {model.cfg.name}")
+    return _median_of(model, stored.history)
+
+
+def _median_of(model: LlamaModel, history: list[dict], fresh: OpCost | None = None) -> OpCost:
+    """The profile of these start-ups' measurements: per operator their median, per row block size the
+    median of those that timed it; the block sizes are `fresh`'s (this start-up's calibration, which
+    becomes the profile), else the newest start-up's."""
+    cost = fresh
+    if cost is None:
         newest = history[-1].get("row_block_s", {})
         cost = OpCost(model.cfg, 0.0, 0.0, 0.0, row_block_s={op: [(int(r), float(t)) for r, t in table]
                                                              for op, table in newest.items()})

@@ -37,7 +37,7 @@ from engine.sim import SimConfig, simulate
 from engine.sim.errors import DEFAULT_LEVELS, PredictionError
 from engine.sim.oracle import BatchCostRecorder, ExactCosts
 from engine.sim.simulator import BatchRecord
-from gateway.cli.common import CommandLineError
+from gateway.cli.common import CommandLineError, Parser
 from gateway.cli.options import add_engine_options, check_model, engine_config
 from loadtest import report
 from loadtest.workload import ClassRule, Workload, azure_mix, head, load_trace, scale_to_rate, synthesize_prompt
@@ -78,6 +78,12 @@ def outcomes(reqs: list[Request]) -> list[report.Outcome]:
     return [report.Outcome(r.slo_class, r.ttft_target_s, r.ttft) for r in reqs]
 
 
+def measured_cost(cost_name: str) -> bool:
+    """Whether `--cost` names a measured CPU profile: this machine's (cpu) or one stored in a .json file
+    (engine/predictor.py's read_profile), not a roofline (MODEL@GPU)."""
+    return cost_name == "cpu" or cost_name.lower().endswith(".json")
+
+
 class Runner:
     """Runs one (policy, workload, slo scale) point on the real engine or the simulator."""
 
@@ -85,15 +91,21 @@ class Runner:
         self.kind, self.engine_cfg = kind, engine_cfg
         self._engines: dict[str, Any] = {}
         self._ideal: dict[tuple[float, float], dict[str, Any]] = {}  # (rate, slo scale) -> bound point
-        if kind == "real" or cost_name == "cpu":
+        self.profile_key: str | None = None  # the measured profile's (engine/predictor.py), not a roofline's
+        if kind == "real" or measured_cost(cost_name):
             from engine.engine import Engine, release_memory
+            from engine.predictor import profile_key, read_profile
 
             # the cost model profiled on this machine; a simulation reads the cached profile as it
             # stands (at 3 req/s the same simulation gave 90.4 % and 83.2 % in two runs a minute
-            # apart, each start-up's calibration having moved the median); engines add theirs to it
-            probe = Engine(engine_cfg, policy="fcfs", record_profile=kind == "real")
+            # apart, each start-up's calibration having moved the median); engines add theirs to it.
+            # A .json: the profile stored there (a plan.json's, another machine's cache file), read
+            # before the model loads so that a wrong file is said at once.
+            stored = read_profile(Path(cost_name)) if kind == "sim" and cost_name != "cpu" else None
+            probe = Engine(engine_cfg, policy="fcfs", record_profile=kind == "real", profile=stored)
             self.cost: OpCost = probe.cost
             self.model_name, self.vocab = probe.model.cfg.name, probe.model.cfg.vocab_size
+            self.profile_key = profile_key(probe.model)
             del probe
             release_memory()
         else:
@@ -180,7 +192,7 @@ def _scale_needed(points: list[dict[str, Any]]) -> float | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flowprefill bench goodput", description=__doc__)
+    p = Parser(prog="flowprefill bench goodput", description=__doc__)  # a mistake: one line, exit 2
     p.add_argument("--engine", choices=["real", "sim"], default="sim",
                    help="real: the engine in this process on this machine; sim: the simulator driving the "
                         "same scheduler code with a cost model (--cost) (default: sim)")
@@ -192,8 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated SLO scales for the sweep at --scale-rate; empty: no sweep "
                         "(default: 0.4,0.6,0.8,1.0,1.5,2.0)")
     p.add_argument("--scale-rate", type=float, default=None, help="rate for the SLO-scale sweep (default 2)")
-    p.add_argument("--cost", default="cpu", help="sim cost model: cpu (profile this machine) or MODEL@GPU, "
-                   "e.g. llama-3.1-8b@h100")
+    p.add_argument("--cost", default="cpu", help="sim cost model: cpu (profile this machine), MODEL@GPU, e.g. "
+                   "llama-3.1-8b@h100, or FILE.json: the CPU profile stored there (a plan.json's cost_profile, "
+                   "an engine's opcost-*.json cache file)")
     p.add_argument("--no-ideal", action="store_true", help="skip the ideal-preemption bound")
     p.add_argument("--errors", nargs="?", const=DEFAULT_LEVELS, default=None, metavar="LEVELS",
                    help="sim: sweep the rates once per injected prediction error instead (comma-separated: "
@@ -230,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     policies = [x for x in args.policies.split(",") if x]
     for name in policies:
         make_policy(name)  # reject bad names before any work
+    if real and args.cost != "cpu":
+        parser.error(f"--cost {args.cost}: the simulator's cost model; --engine real predicts with its own profile")
     if args.errors is not None:
         from loadtest.goodput_errors import levels_of, sweep_errors
 
@@ -237,14 +252,18 @@ def main(argv: list[str] | None = None) -> int:
             levels = levels_of(args)
         except ValueError as exc:
             parser.error(str(exc))  # one line, exit 2
-        return sweep_errors(args, console, levels, policies, rates, n, argv, engine_cfg)
+    try:
+        runner = Runner("sim" if args.errors is not None else args.engine, engine_cfg, args.cost)
+    except ValueError as exc:
+        parser.error(f"--cost {args.cost}: {exc}")  # one line, exit 2
+    if args.errors is not None:
+        return sweep_errors(args, console, levels, policies, rates, n, argv, runner)
     if not args.no_ideal and "flowprefill" in policies:
         policies.append(IDEAL)
     rule = ClassRule()
     base = azure_mix(rule) if args.workload == "azure-mix" else load_trace(args.workload, rule)
     base = head(base, n)
     classes = DEFAULT_CLASSES
-    runner = Runner(args.engine, engine_cfg, args.cost)
     scale_rate = args.scale_rate or 2.0
     results: dict[str, list[dict[str, Any]]] = {pol: [] for pol in policies}
     scale_results: dict[str, list[dict[str, Any]]] = {pol: [] for pol in policies}

@@ -20,7 +20,6 @@ from rich.progress import Progress
 from rich.table import Table
 
 from engine.bench.machine import machine_info
-from engine.config import EngineConfig
 from engine.protocol.slo import DEFAULT_CLASSES, SLOClass
 from engine.sim.errors import PredictionError
 from loadtest import report
@@ -44,13 +43,12 @@ def levels_of(args: argparse.Namespace) -> list[PredictionError]:
 
 
 def sweep_errors(args: argparse.Namespace, console: Console, levels: list[PredictionError], policies: list[str],
-                 rates: list[float], n: int, argv: list[str] | None, engine_cfg: EngineConfig) -> int:
-    from loadtest.goodput import Runner, _collapsed
+                 rates: list[float], n: int, argv: list[str] | None, runner: Runner) -> int:
+    from loadtest.goodput import _collapsed
 
     rule = ClassRule()
     base = head(azure_mix(rule) if args.workload == "azure-mix" else load_trace(args.workload, rule), n)
     classes = DEFAULT_CLASSES
-    runner = Runner("sim", engine_cfg, args.cost)
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
     results_conv: dict[str, dict[str, Any]] = {}
     with Progress(console=console) as progress:

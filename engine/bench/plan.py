@@ -37,7 +37,7 @@ from engine.config import EngineConfig
 from engine.scheduler import make_policy
 from gateway.cli.common import Parser
 from loadtest import report
-from loadtest.goodput import DEFAULT_POLICIES, Runner
+from loadtest.goodput import DEFAULT_POLICIES, Runner, measured_cost
 from loadtest.workload import (
     PREFIX_BLOCK_TOKENS,
     ClassRule,
@@ -77,11 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: all)")
     p.add_argument("--skip", type=int, default=0, metavar="N", help="leave out the workload's first N requests "
                    "(before --requests; e.g. the ones a pilot ran)")
-    p.add_argument("--cost", default="cpu", help="cost model: cpu (profile this machine) or MODEL@GPU, e.g. "
-                   "llama-3.1-8b@h100")
+    p.add_argument("--cost", default="cpu", help="cost model: cpu (profile this machine), MODEL@GPU, e.g. "
+                   "llama-3.1-8b@h100, or FILE.json: the CPU profile stored there, a plan.json's (the machine as "
+                   "that plan profiled it, whatever this machine's cache holds now) or an engine's opcost-*.json "
+                   "cache file (a machine profiled by a `serve` start-up there); no pilot then")
     p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="cpu: torch threads of the engine profiled, its pilots' and --against-serve's workers "
-                        "(as `serve --threads`; default: what `serve --workers 1` gives its worker here)")
+                   help="cpu or FILE.json: torch threads of the engine profiled, its pilots' and --against-serve's "
+                        "workers (as `serve --threads`; default: what `serve --workers 1` gives its worker here)")
     p.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated policy names")
     p.add_argument("--target", type=float, default=report.ATTAINMENT_TARGET,
                    help="TTFT SLO attainment to meet, a share in (0, 1]")
@@ -253,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(w.requests) < 2:
         parser.error("the workload has fewer than two requests")
     console = results_console()
-    if args.cost == "cpu" and args.threads is None:  # an instance is what `serve --workers 1` starts here
+    if measured_cost(args.cost) and args.threads is None:  # an instance is what `serve --workers 1` starts here
         args.threads = one_worker_threads()
     try:
         engine_cfg = EngineConfig(prefix_caching=False, num_threads=args.threads)
@@ -282,10 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     doc = document(args, argv, w, runner.model_name, results, time.perf_counter() - started, planner.sims)
     if speeds.key is not None:
         doc[speeds.key] = speeds.said
-    if args.cost == "cpu":
+    if runner.profile_key is not None:  # what `--cost THIS/plan.json` plans with again
         from engine.predictor import measured_profile
 
-        doc["cost_profile"] = measured_profile(runner.cost)
+        doc["cost_profile"] = measured_profile(runner.cost) | {"key": runner.profile_key}
     if args.against_serve is not None:
         from engine.bench.plan_real import compare_fleets, real_rounds
 
