@@ -13,8 +13,13 @@ rescaled to the profile they were planned with, `measured_profile`): 45 of 48 ce
 against 35 for the pooled plan against the runs' median; the three misses were one fleet (one
 `chunked:2048` worker, out of sample) whose pilots ran slower than the runs after them in most rounds.
 Then pre-registered: 12 of 12 out of sample (largest gap -2.4, where the pooled plan missed one worker by
-40 points), 11 of 12 in sample (two `flowprefill` workers' `standard`, +5.7). A single run is another
-matter: about two in three within 5 points, the rest off by up to 50 where the speed moved in between.
+40 points), 11 of 12 in sample (two `flowprefill` workers' `standard`, +5.7), 11 of 12 out of sample again
+(two `chunked:2048` workers' `standard`, +5.2; the pooled plan 3). Over those 27 rounds per fleet every
+cell's median gap is within 1.1 points: what misses is the scatter of a median of nine rounds (a
+`standard` cell with no bias lands past 5 in 10-16 % of runs), and every cell of a run within 5 asks
+some 24 rounds of this machine (docs/results/plan-vs-serve-paired/rounds_needed.py). A single run is
+another matter: 188 of the three runs' 324 cells within 5 points, the rest off by up to 50 where the
+speed moved in between.
 """
 
 from __future__ import annotations
