@@ -342,18 +342,19 @@ def test_n_choices(served: str) -> None:
 
 
 def test_a_workers_answer_reports_its_load_to_the_gateway_only(served: str) -> None:
-    """The worker's answer carries ORCA's load report with its predicted backlog, the request's own work
-    in it (a streamed answer's headers come once it is admitted); the gateway reads it and does not pass
-    it on."""
+    """The worker's answer carries ORCA's load report with its predicted backlog as the headers leave: a
+    streamed answer's once it is admitted, the request's own prefill in it; an answer sent whole, once
+    done, without it (nothing else queued: none). The gateway reads it and does not pass it on."""
     from engine.protocol.worker import LOAD_REPORT_HEADER, reported_backlog_s
 
     worker = f"http://127.0.0.1:{int(served.rsplit(':', 1)[1]) + 1}"
     body = {"model": "flowprefill-default", "prompt": "Hello there " * 40, "max_tokens": 1}
+    reported = {}
     for stream in (False, True):
         r = httpx.post(f"{worker}/v1/completions", json=body | {"stream": stream}, timeout=60)
         assert r.status_code == 200
-        backlog = reported_backlog_s(r.headers[LOAD_REPORT_HEADER])
-        assert backlog is not None and backlog > 0
+        reported[stream] = reported_backlog_s(r.headers[LOAD_REPORT_HEADER])
+    assert reported[True] is not None and reported[True] > 0 and reported[False] == 0.0, reported
     through = httpx.post(f"{served}/v1/completions", json=body, timeout=60)
     assert through.status_code == 200 and LOAD_REPORT_HEADER not in through.headers
 

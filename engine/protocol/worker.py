@@ -23,7 +23,8 @@ class WorkerLoad(msgspec.Struct, kw_only=True):
     kv_cache_usage: float = 0.0  # share of KV blocks in use
 
 
-# Each answer also carries the worker's predicted backlog as it stood once the request was admitted, in
+# Each answer also carries the worker's predicted backlog as its headers leave (streamed: once the request
+# is admitted; whole: once done, engine/serving.py's `finish`), in
 # ORCA's per-request load report (the `endpoint-load-metrics` header that Envoy, gRPC and vLLM read and
 # write, TEXT format): between its once-a-second polls of GET /load, a gateway that ranked workers on the
 # last poll sent a burst almost whole to the one that poll saw least loaded (docs/benchmarks.md).
