@@ -355,8 +355,8 @@ class Generation:
         # Its load report as the answer leaves, not as it was admitted: that one counted this request's own
         # prefill, done by now, and ranked this worker that much busier at the gateway until its next poll
         # (a conversation's next turn, sent at once, went to the other of two workers and found no history
-        # in CI on 2026-12-06: a 1,400-token prompt predicted past the 0.25 s affinity slack on a busy
-        # machine). A streamed answer's headers leave once it is admitted, its prefill still to come.
+        # in CI on 2026-12-06; inferred, not measured: its prompt's predicted prefill past the gateway's
+        # 0.25 s affinity slack). A streamed answer's headers leave once it is admitted, prefill to come.
         headers[LOAD_REPORT_HEADER] = load_report(self.engine.load())
         if reason := shed_reason(choices.error):  # turned hopeless while queued (a late = "shed" class)
             return _shed(choices.error or "", reason, 429, headers)
