@@ -36,6 +36,7 @@ from engine.protocol.headers import (
     REQUEST_ID_HEADER,
     SLO_CLASS_HEADER,
 )
+from gateway.cli.common import Parser
 from gateway.netio import UpstreamTransport
 from gateway.processes import free_port, start, stop, wait_healthy
 
@@ -79,8 +80,7 @@ async def _drive(url: str, concurrency: int, seconds: float) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flowprefill bench gateway", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="flowprefill bench gateway", description=__doc__)  # a mistake: one line, exit 2
     p.add_argument("--requests", type=int, default=300, help="latency samples per path and mode")
     p.add_argument("--concurrency", type=int, default=32, help="clients for the throughput run")
     p.add_argument("--seconds", type=float, default=15.0, help="length of the throughput run")

@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from engine.bench.console import results_console
+from gateway.cli.common import Parser
 from gateway.processes import free_port, start, stop, wait_healthy
 from loadtest import report
 from loadtest.goodput import RATIO_PAIRS
@@ -39,8 +40,7 @@ LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flowprefill loadtest", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="flowprefill loadtest", description=__doc__)  # a mistake: one line, exit 2
     p.add_argument("--profile", default="steady", help="steady | ramp | burst | azure, or a profile TOML file")
     p.add_argument("--host", default="http://127.0.0.1:8000", help="the gateway's base URL")
     p.add_argument("--rate", type=float, default=None, help="override the profile's rate (req/s)")

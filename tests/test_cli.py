@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from processes import free_port, in_process
 
-from gateway.cli import SERVERS, build_parser
+from gateway.cli import BENCHES, SERVERS, TOOLS, build_parser
 from gateway.cli.options import engine_config, to_argv, worker_options
 
 
@@ -159,6 +159,16 @@ def test_a_mistake_is_one_line_and_exit_2(argv: list[str], message: str, capsys:
     assert line.startswith(f"flowprefill {argv[0]}: error: ") and message in line, line
     if "--model" in argv:  # the loader's own words (docs/engine.md, Error messages)
         assert line == f"flowprefill {argv[0]}: error: {message}"
+
+
+@pytest.mark.parametrize("argv", [*(["bench", name] for name in BENCHES), *([name] for name in TOOLS)],
+                         ids=lambda argv: " ".join(argv))
+def test_every_benchmark_and_tool_says_a_mistake_in_one_line(argv: list[str],
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Each parses its own arguments: a wrong option is one line naming the command, and exit 2 (not
+    argparse's usage block, which buried the error under 20-40 lines of options)."""
+    line = one_line_error(in_process(capsys, *argv, "--no-such-option"))
+    assert line == (f"flowprefill {' '.join(argv)}: error: unrecognized arguments: --no-such-option"), line
 
 
 def test_a_model_directory_without_config_json(tmp_path: Path) -> None:

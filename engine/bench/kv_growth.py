@@ -36,6 +36,7 @@ from engine.observer import EngineObserver
 from engine.protocol.slo import DEFAULT_CLASSES
 from engine.request import Request, SamplingParams, TokenOutput
 from engine.worker import CHAT_DEFAULT_MAX_TOKENS
+from gateway.cli.common import Parser
 from loadtest.workload import ClassRule, head, load_trace, scale_to_rate, synthesize_prompt, traces_dir
 
 POLICIES = ("full", "grow")
@@ -199,8 +200,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flowprefill bench kv", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="flowprefill bench kv", description=__doc__)  # a mistake: one line, exit 2
     p.add_argument("--requests", type=int, default=64, help="the trace's first N requests")
     p.add_argument("--rate", type=float, default=8.0, help="offered requests/s (the trace's arrivals, scaled)")
     p.add_argument("--max-tokens", type=int, default=CHAT_DEFAULT_MAX_TOKENS, help="what each client asks for")

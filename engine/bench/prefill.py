@@ -52,6 +52,7 @@ from engine.kv_cache import KVCache
 from engine.model import LlamaModel, load_model
 from engine.model.plan import OpCost, SeqSpan
 from engine.predictor import load_cost
+from gateway.cli.common import Parser
 
 BASE_CONFIG = EngineConfig()  # main() replaces it with the command line's settings
 
@@ -238,7 +239,7 @@ def _finite(x: Any) -> Any:
 
 # -- CLI -------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(  # a mistake: one line, exit 2
         prog="flowprefill bench prefill",
         description="Prefill throughput vs transformers, checkpoint overhead and preemption stop latency, "
                     "on the embedded default model or a checkpoint (--model), on the CPU or a GPU (--device).")

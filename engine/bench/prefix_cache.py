@@ -29,6 +29,7 @@ from engine.bench.report import command, save_figure
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import Request, SamplingParams
+from gateway.cli.common import Parser
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -129,8 +130,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flowprefill bench prefix", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="flowprefill bench prefix", description=__doc__)  # a mistake: one line, exit 2
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--system-tokens", type=int, default=1024, help="the system prompt every conversation shares")

@@ -36,14 +36,15 @@ from typing import Any
 import httpx
 import numpy as np
 
+from gateway.cli.common import Parser
+
 NAME = "bench.flowprefill.test"
 HOSTS = ["127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"]
 PROMPT_CHARS = 8192  # 2K tokens at 4 characters a token
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flowprefill bench epp", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="flowprefill bench epp", description=__doc__)  # a mistake: one line, exit 2
     p.add_argument("--requests", type=int, default=2000, help="latency samples")
     p.add_argument("--concurrency", type=int, default=16, help="concurrent streams for the throughput run")
     p.add_argument("--seconds", type=float, default=10.0, help="length of the throughput run")

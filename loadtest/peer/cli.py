@@ -24,6 +24,7 @@ from pathlib import Path
 from rich.console import Console
 
 from engine.bench.machine import cpu_count
+from gateway.cli.common import Parser
 from loadtest.peer.servers import PEERS, Contender, Placement, ServerError, SpecError, parse_contenders
 from loadtest.peer.sweep import SCENARIOS
 
@@ -41,8 +42,7 @@ INSTALL = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flowprefill bench peer", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="flowprefill bench peer", description=__doc__)  # a mistake: one line, exit 2
     p.add_argument("--mode", choices=["sweep", "raw"], default="sweep")
     p.add_argument("--model", type=Path, default=None,
                    help="a local Hugging Face checkpoint dir (default: the embedded model, written to OUT/checkpoint)")
