@@ -228,7 +228,8 @@ class Generation:
             return shed
         if reqs[0].predicted_miss:  # served anyway, after feasible requests; a gateway may shed instead
             headers[PREDICTED_MISS_HEADER] = "true"
-        headers[LOAD_REPORT_HEADER] = load_report(self.engine.load())  # with this request in it
+        if body.stream:  # its headers leave now, with this request in the report; a whole answer's in finish
+            headers[LOAD_REPORT_HEADER] = load_report(self.engine.load())
         reasoner = self.reasoner
         choices = Choices(self.engine, reqs, queue, None if sampling.logprobs is None
                           else lambda: LogprobFormatter(self.engine.tokenizer.token_bytes, chat),
