@@ -17,9 +17,11 @@ Then pre-registered: 12 of 12 out of sample (largest gap -2.4, where the pooled 
 (two `chunked:2048` workers' `standard`, +5.2; the pooled plan 3). Over those 27 rounds per fleet every
 cell's median gap is within 1.1 points: what misses is the scatter of a median of nine rounds (a
 `standard` cell with no bias lands past 5 in 10-16 % of runs), and every cell of a run within 5 asks
-some 24 rounds of this machine (docs/results/plan-vs-serve-paired/rounds_needed.py). A single run is
-another matter: 188 of the three runs' 324 cells within 5 points, the rest off by up to 50 where the
-speed moved in between.
+some 24 rounds of this machine (docs/results/plan-vs-serve-paired/rounds_needed.py). At 18 rounds, one
+policy a run, pre-registered and out of sample: `flowprefill` 6 of 6 (largest -2.9), `chunked:2048` 6 of
+6 (largest +1.7, in an hour whose last four rounds ran 2-3x faster; the pooled plan missed 4 of 8 by up
+to 24). A single run is another matter: 188 of the three nine-round runs' 324 cells within 5 points, the
+rest off by up to 50 where the speed moved in between.
 """
 
 from __future__ import annotations
