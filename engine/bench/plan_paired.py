@@ -20,7 +20,8 @@ cell's median gap is within 1.1 points: what misses is the scatter of a median o
 some 24 rounds of this machine (docs/results/plan-vs-serve-paired/rounds_needed.py). At 18 rounds, one
 policy a run, pre-registered and out of sample: `flowprefill` 6 of 6 (largest -2.9), `chunked:2048` 6 of
 6 (largest +1.7, in an hour whose last four rounds ran 2-3x faster; the pooled plan missed 4 of 8 by up
-to 24). A single run is another matter: 188 of the three nine-round runs' 324 cells within 5 points, the
+to 24); `flowprefill` again, every class of >= 20 requests counted, 8 of 8 (largest +4.3). A
+single run is another matter: 188 of the three nine-round runs' 324 cells within 5 points, the
 rest off by up to 50 where the speed moved in between.
 """
 
