@@ -74,8 +74,8 @@ class Upstream(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
 class Discovery(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How `dns:NAME:PORT` workers are found (gateway/discovery.py): NAME's A and AAAA records (a
-    headless Service's ready pods), looked up every `interval_s` with `nameservers` (none: the
-    system's resolver, /etc/resolv.conf and its search domains) on `port`."""
+    headless Service's ready pods), looked up every `interval_s` with `nameservers` on `port` (none:
+    the system's resolver, getaddrinfo: /etc/hosts, /etc/resolv.conf and its search domains)."""
 
     interval_s: float = 5.0  # CoreDNS answers for Kubernetes Services with a 5 s TTL
     nameservers: list[str] = []

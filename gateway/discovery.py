@@ -2,8 +2,10 @@
 
 On Kubernetes, NAME is a headless Service (`clusterIP: None`): its A/AAAA records are the addresses
 of its ready pods, so a scaled StatefulSet or Deployment needs no hand-kept worker list. Each
-`dns:` source is looked up every `discovery.interval_s` (gateway/config.py) with dnspython's
-asynchronous resolver (the system's by default, or the configured nameservers); the pool
+`dns:` source is looked up every `discovery.interval_s` (gateway/config.py) through the system's
+resolver (getaddrinfo: /etc/hosts, /etc/resolv.conf and its search domains, as every other program
+on the machine or pod resolves), or, with `discovery.nameservers` configured, by asking those servers
+with dnspython's asynchronous resolver; the pool
 (gateway/routing.py `WorkerPool.set_members`) takes in the addresses that appeared, health-checks
 them before they get traffic, and lets the ones that disappeared finish what they have.
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -70,24 +73,21 @@ class LookupFailed(Exception):
 
 
 class Resolver:
-    """A and AAAA lookups with dnspython's asyncio resolver, configured once."""
+    """A and AAAA lookups with dnspython's asyncio resolver, asking the configured nameservers."""
 
     def __init__(self, settings: DiscoverySettings) -> None:
         import dns.asyncresolver
 
-        self._resolver = dns.asyncresolver.Resolver(configure=not settings.nameservers)
-        if settings.nameservers:
-            self._resolver.nameservers = list(settings.nameservers)
-            self._resolver.port = settings.port
+        self._resolver = dns.asyncresolver.Resolver(configure=False)
+        self._resolver.nameservers = list(settings.nameservers)
+        self._resolver.port = settings.port
         self._resolver.lifetime = settings.timeout_s
 
     async def addresses(self, name: str) -> set[str]:
         """Every IPv4 and IPv6 address of `name` (none when it does not exist); LookupFailed when
         the resolver could not find out."""
-        try:
-            return {str(ipaddress.ip_address(name))}  # an address already: nothing to look up
-        except ValueError:
-            pass
+        if (address := _literal(name)) is not None:
+            return address
         found = await asyncio.gather(self._lookup(name, "A"), self._lookup(name, "AAAA"), return_exceptions=True)
         for outcome in found:  # A's failure before AAAA's, not whichever lost the race: the same outage
             if isinstance(outcome, BaseException):  # reads the same at every lookup, so it is logged once
@@ -107,13 +107,57 @@ class Resolver:
         return {rr.address for rr in answer}
 
 
+# getaddrinfo's answers that mean "no such name, or no address for it": an empty source, as NXDOMAIN
+# and NoAnswer are above. Any other (EAI_AGAIN: no nameserver answered; EAI_FAIL) is a failed lookup.
+_NO_ADDRESS = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
+
+
+class SystemResolver:
+    """The system's resolver, as every other program on the machine uses it (getaddrinfo, in
+    asyncio's executor): /etc/hosts, then DNS with /etc/resolv.conf's servers, search domains and
+    ndots (a Kubernetes pod's short Service names), per /etc/nsswitch.conf."""
+
+    def __init__(self, settings: DiscoverySettings) -> None:
+        self.timeout_s = settings.timeout_s
+
+    async def addresses(self, name: str) -> set[str]:
+        """Every IPv4 and IPv6 address of `name` (none when it does not exist); LookupFailed when
+        the resolver could not find out."""
+        if (address := _literal(name)) is not None:
+            return address
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await asyncio.wait_for(loop.getaddrinfo(name, None, type=socket.SOCK_STREAM), self.timeout_s)
+        except socket.gaierror as exc:
+            if exc.errno in _NO_ADDRESS:
+                return set()
+            raise LookupFailed(f"lookup failed: {exc.strerror}") from None
+        except TimeoutError:
+            raise LookupFailed(f"lookup failed: no answer within {self.timeout_s:g} s") from None
+        return {str(ipaddress.ip_address(sockaddr[0])) for family, *_, sockaddr in infos
+                if family in (socket.AF_INET, socket.AF_INET6)}
+
+
+def _literal(name: str) -> set[str] | None:
+    """{name} when it is an address already (nothing to look up), else None."""
+    try:
+        return {str(ipaddress.ip_address(name))}
+    except ValueError:
+        return None
+
+
+def resolver(settings: DiscoverySettings) -> Resolver | SystemResolver:
+    """The configured nameservers' (dnspython), or, with none configured, the system's."""
+    return Resolver(settings) if settings.nameservers else SystemResolver(settings)
+
+
 class Discovery:
     """The worker URLs a pool's sources stand for now: its plain URLs, and each DNS target's
     addresses at its last successful lookup."""
 
     def __init__(self, urls: list[str], targets: list[DnsTarget], settings: DiscoverySettings) -> None:
         self.urls, self.targets, self.interval_s = urls, targets, settings.interval_s
-        self.resolver = Resolver(settings)
+        self.resolver = resolver(settings)
         self.resolved = False  # a first round of lookups has run
         self._known: dict[DnsTarget, set[str]] = {t: set() for t in targets}
         self._problem: dict[DnsTarget, str | None] = dict.fromkeys(targets)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import subprocess
 import sys
 import threading
@@ -134,6 +135,55 @@ def test_aaaa_records_are_workers_too() -> None:
                 assert sorted(w.address for w in pool.workers) == ["127.0.0.2:8001", "[fd00::7]:8001"]
 
         asyncio.run(main())
+
+
+def test_without_nameservers_the_system_resolver_reads_etc_hosts() -> None:
+    """No `discovery.nameservers`: NAME resolves as every program's names do (getaddrinfo: /etc/hosts,
+    resolv.conf's search domains), so `dns:localhost:PORT` finds a worker listening on 127.0.0.1
+    (/etc/hosts maps localhost; a DNS server is never asked for it)."""
+    port = free_port()
+    with serve_at(Worker("local"), "127.0.0.1", port):
+
+        async def main() -> None:
+            async with httpx.AsyncClient() as client:
+                pool = WorkerPool([f"dns:localhost:{port}"], client, discovery=Discovery())
+                await pool.poll_once()
+                healthy = [w.url for w in pool.workers if w.healthy]
+                assert f"http://127.0.0.1:{port}" in healthy, [w.url for w in pool.workers]
+
+        asyncio.run(main())
+
+
+@pytest.mark.parametrize(("errno", "members"), [(socket.EAI_NONAME, 0), (socket.EAI_AGAIN, 1)])
+def test_the_system_resolvers_answers(errno: int, members: int, monkeypatch: pytest.MonkeyPatch,
+                                      caplog: pytest.LogCaptureFixture) -> None:
+    """getaddrinfo's "no such name" empties the source, as NXDOMAIN does; "no nameserver answered"
+    (EAI_AGAIN) is a failed lookup: the members already known stay."""
+    pool_sources = ["dns:workers.flowprefill.test:8001"]
+
+    async def main() -> None:
+        async with httpx.AsyncClient() as client:
+            pool = WorkerPool(pool_sources, client, discovery=Discovery())
+            loop = asyncio.get_running_loop()
+
+            async def found(*_: object, **__: object) -> list[tuple]:
+                return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.2", 0))]
+
+            async def failing(*_: object, **__: object) -> list[tuple]:
+                raise socket.gaierror(errno, "refused by the test")
+
+            monkeypatch.setattr(loop, "getaddrinfo", found)
+            pool.set_members(await pool.discovery.members())
+            assert [w.url for w in pool.workers] == ["http://127.0.0.2:8001"]
+            monkeypatch.setattr(loop, "getaddrinfo", failing)
+            with caplog.at_level(logging.INFO, "flowprefill.gateway"):
+                pool.set_members(await pool.discovery.members())
+            assert len(pool.workers) == members
+            assert messages(caplog)[0] == (f"{pool_sources[0]}: lookup failed: refused by the test; keeping its 1 "
+                                           "known worker(s)" if members else
+                                           f"{pool_sources[0]}: no A or AAAA records (no worker there)")
+
+    asyncio.run(main())
 
 
 def test_a_malformed_dns_source_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
