@@ -12,6 +12,7 @@ from engine.protocol.slo import (
     HeaderError,
     SLOClass,
     class_for_ttft,
+    class_named,
     named_class,
     target_ms,
     with_tbt_target,
@@ -52,8 +53,8 @@ def _requested(cfg: GatewayConfig, headers: Mapping[str, str], body: Mapping[str
     if (ms := target_ms(headers, TTFT_HEADERS)) is not None:
         return class_for_ttft(cfg.classes, ms)
     tier = body.get("service_tier")
-    if isinstance(tier, str) and tier in cfg.classes:
-        return cfg.classes[tier]
+    if isinstance(tier, str) and (by_tier := class_named(cfg.classes, tier)) is not None:
+        return by_tier
     if key is not None and key.default_class:
         return cfg.classes[key.default_class]
     if cfg.rules:

@@ -117,6 +117,11 @@ class GatewayConfig(msgspec.Struct, kw_only=True):
         if self.prefix_affinity_chars < 0 or self.prefix_affinity_slack_s < 0:
             raise ValueError("prefix_affinity_chars and prefix_affinity_slack_s must be >= 0")
         names = set(self.classes)
+        folded: dict[str, str] = {}
+        for name in sorted(names):  # headers name a class in any case: two that differ only so are one
+            if (other := folded.setdefault(name.casefold(), name)) != name:
+                raise ValueError(f"SLO classes {other!r} and {name!r} differ only in case (headers name classes "
+                                 "in any case)")
         wanted = [self.default_class, *(r.slo_class for r in self.rules)]
         for key in self.api_keys.values():
             wanted += [c for c in (key.default_class, key.ceiling) if c]

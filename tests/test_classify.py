@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.protocol.slo import SLOClass, requested_slo
 from gateway.classify import ClassificationError, as_chat_view, classify
 from gateway.config import APIKey, GatewayConfig, LengthRule
 
@@ -89,6 +90,29 @@ def test_bad_values() -> None:
     for bad in ("fast", "-5", "0"):
         with pytest.raises(ClassificationError):
             classify(c, {"x-slo-ttft-ms": bad}, {}, None)
+
+
+def test_class_names_in_any_case() -> None:
+    """Header names are case-insensitive, and so are the classes they name (x-slo-class, the llm-d
+    objective headers, service_tier): the class applied is the configured one, by its configured name."""
+    c = cfg(classes={**GatewayConfig().classes, "Premium": SLOClass("Premium", ttft_ms=100, tbt_ms=50, priority=9)})
+    for header in ("x-slo-class", "x-llm-d-inference-objective", "x-gateway-inference-objective"):
+        for sent in ("Interactive", "INTERACTIVE", "interactive"):
+            assert classify(c, {header: sent}, {}, None).name == "interactive", (header, sent)
+    assert classify(c, {"x-slo-class": "premium"}, {}, None).name == "Premium"
+    assert classify(c, {}, {"service_tier": "Batch"}, None).name == "batch"
+    assert classify(c, {}, {"service_tier": "AUTO"}, None).name == "standard"  # OpenAI's own tiers name no class
+    assert requested_slo({"x-slo-class": "BATCH"}, None, c.classes, "standard").name == "batch"
+    assert requested_slo({}, "Relaxed", c.classes, "standard").name == "relaxed"
+    with pytest.raises(ClassificationError, match="unknown SLO class 'Gold'"):
+        classify(c, {"x-slo-class": "Gold"}, {}, None)
+
+
+def test_classes_that_differ_only_in_case_are_refused(tmp_path: Path) -> None:
+    p = tmp_path / "gw.toml"
+    p.write_text('[classes.Batch]\nttft_ms = 9000\ntbt_ms = 200\npriority = 0\n')
+    with pytest.raises(ValueError, match="SLO classes 'Batch' and 'batch' differ only in case"):
+        GatewayConfig.load(p)
 
 
 def test_toml_config(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ import openai
 import pytest
 from litestar import Litestar, Request, get, post
 from litestar.response import Stream
-from processes import free_port, mapped_heavy, start, stop, uvicorn_thread, wait_healthy
+from processes import free_port, in_process, mapped_heavy, start, stop, uvicorn_thread, wait_healthy
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.gateway_only
@@ -112,6 +112,18 @@ def test_the_openai_client_through_the_gateway(gateway: tuple[str, int, list[dic
     assert answered == {("interactive", "200"): 1, ("standard", "200"): 2, ("batch", "200"): 1}
 
 
+def test_a_class_named_in_any_case_is_answered_by_its_name(gateway: tuple[str, int, list[dict[str, Any]]]) -> None:
+    """`x-slo-class: Interactive` (or `INTERACTIVE`) is `interactive`, as header names are in any case:
+    accepted, sent on as `interactive` and echoed so (after the test above: it counts every request)."""
+    url, _, seen = gateway
+    for sent in ("Interactive", "INTERACTIVE"):
+        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "four", "max_tokens": 2},
+                       headers={"x-slo-class": sent, "x-request-id": f"case-{sent}"}, timeout=30)
+        assert r.status_code == 200 and r.headers["x-slo-class"] == "interactive", (sent, r.status_code, r.text)
+        upstream = next(s for s in seen if s["headers"].get("x-request-id") == f"case-{sent}")
+        assert upstream["headers"]["x-slo-class"] == "interactive" and upstream["body"]["priority"] == 0
+
+
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/PID/maps (Linux)")
 def test_the_running_gateway_maps_no_engine(gateway: tuple[str, int, list[dict[str, Any]]]) -> None:
     """Seen from the running process, whatever is installed beside it: no torch, numpy, tokenizers,
@@ -130,3 +142,17 @@ def test_a_command_that_needs_an_extra_says_which(command: list[str]) -> None:
     extra = "loadtest" if command == ["loadtest"] else "engine"
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert f"needs the {extra} extra" in done.stderr and f"pip install 'flowprefill[{extra}]'" in done.stderr
+
+
+def test_a_benchmarks_help_needs_no_extra(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`bench epp --help` prints its usage where the epp extra is not installed (here, or made to look
+    so); run, it still says which extra it needs, in one line."""
+    import gateway.cli.common
+
+    monkeypatch.setattr(gateway.cli.common, "missing_extra", lambda extra: ["grpcio"] if extra == "epp" else [])
+    helped = in_process(capsys, "bench", "epp", "--help")
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: flowprefill bench epp"), helped
+    assert "--concurrency" in helped.stdout and not helped.stderr
+    refused = in_process(capsys, "bench", "epp")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused
+    assert "needs the epp extra" in refused.stderr and "pip install 'flowprefill[epp]'" in refused.stderr

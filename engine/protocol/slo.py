@@ -93,14 +93,23 @@ def target_ms(headers: Mapping[str, str], names: tuple[str, ...]) -> float | Non
     return ms
 
 
+def class_named(classes: Mapping[str, SLOClass], name: str) -> SLOClass | None:
+    """The class `name` names, in any case (as header names are: `Interactive` is `interactive`);
+    None if none. The class returned carries its configured name, the one a response echoes."""
+    if (slo := classes.get(name)) is not None:
+        return slo
+    folded = name.casefold()
+    return next((c for key, c in classes.items() if key.casefold() == folded), None)
+
+
 def named_class(headers: Mapping[str, str], classes: dict[str, SLOClass]) -> SLOClass | None:
     """The class a header names: `x-slo-class`, else the inference objective; None if neither is sent."""
     if (found := first_header(headers, (SLO_CLASS_HEADER, *OBJECTIVE_HEADERS))) is None:
         return None
     header, name = found
-    if name not in classes:
+    if (slo := class_named(classes, name)) is None:
         raise HeaderError(f"unknown SLO class {name[:64]!r} in {header}; known: {sorted(classes)}", header)
-    return classes[name]
+    return slo
 
 
 def with_tbt_target(slo: SLOClass, headers: Mapping[str, str]) -> SLOClass:
@@ -129,5 +138,5 @@ def requested_slo(headers: Mapping[str, str], service_tier: str | None, classes:
     elif ttft is not None:
         slo = class_for_ttft(classes, ttft)
     else:  # OpenAI's own service_tier values ("auto", "default", ...) name no class
-        slo = classes.get(service_tier or "", classes[default_class])
+        slo = class_named(classes, service_tier or "") or classes[default_class]
     return with_tbt_target(slo, headers)

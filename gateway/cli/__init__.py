@@ -96,6 +96,20 @@ def build_parser(only: str | None = None) -> Parser:
     return parser
 
 
+def _run_tool(tool: Command, rest: list[str]) -> int:
+    """A benchmark or tool, once the extras it needs are there; its `--help` without them where its
+    module imports without them (its parser is what describes it), else the extra it needs."""
+    if "-h" in rest or "--help" in rest:
+        try:
+            module = tool.load()
+        except ImportError:
+            require_extras(tool.extras)
+            raise
+        return module.main(rest)
+    require_extras(tool.extras)
+    return tool.load().main(rest)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -111,8 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             require_extras(SERVERS[args.command].extras)
             return SERVERS[args.command].load().run(args)
         tool = BENCHES[args.bench] if args.command == "bench" else TOOLS[args.command]
-        require_extras(tool.extras)
-        return tool.load().main(rest)
+        return _run_tool(tool, rest)
     except CommandLineError as exc:
         print(f"flowprefill {args.command}: error: {exc}", file=sys.stderr, flush=True)
         return exc.code

@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 
 from gateway.cli.common import Parser
 
@@ -63,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     from gateway.epp import missing_extra
 
     args = build_parser().parse_args(argv)
-    problem = missing_extra() or (None if _has("dnslib") else "the benchmark's DNS server needs dnslib: "
-                                  "pip install 'flowprefill[dev]'")
+    absent = [m for m in ("dnslib", "numpy") if not _has(m)]  # not the epp extra's: its DNS server, its summary
+    problem = missing_extra() or (f"the benchmark needs {' and '.join(absent)}: pip install 'flowprefill[dev]'"
+                                  if absent else None)
     if problem:
         print(f"flowprefill bench epp: error: {problem}", file=sys.stderr)
         return 2
@@ -166,6 +166,8 @@ async def _one(stub: Any, request: list[Any], response: list[Any]) -> tuple[floa
 
 
 def _summary(samples: list[tuple[float, float]], request_bytes: int, client: str) -> dict[str, Any]:
+    import numpy as np  # here, not above: `--help` is read where only the gateway is installed
+
     routed = np.array([a for a, _ in samples]) * 1000
     whole = np.array([b for _, b in samples]) * 1000
     return {"client": client, "request_bytes": request_bytes, "samples": len(samples),
