@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _table(console: Console, doc: dict[str, Any]) -> None:
     t = Table(title=f"max goodput ({doc['engine']}, {doc['workload']['name']}, "
-                    f"{doc['workload']['requests']} requests, >= 90 % attainment)")
+                    f"{doc['workload']['requests']} requests, >= 90 % attainment)", caption=report.BELOW_CAPTION)
     for col in ("policy", "max goodput req/s", "every class >= 90 %", "tightest SLO scale"):
         t.add_column(col, justify="right")
     tight = doc["slo_scale_sweep"]["tightest_scale_at_target"]

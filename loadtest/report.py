@@ -70,6 +70,21 @@ def max_goodput(points: list[dict[str, Any]], per_class: bool = False,
     return best
 
 
+def goodput_note(max_rps: float, max_per_class_rps: float, points: list[dict[str, Any]],
+                 target: float = ATTAINMENT_TARGET) -> str | None:
+    """Why a max goodput is 0 though a point's goodput (rate x attainment) is not: no rate swept
+    reached the target, overall or in every class. None when both max goodputs are measured."""
+    if not points or (max_rps > 0 and max_per_class_rps > 0):
+        return None
+    if max_rps == 0:
+        return f"below {target * 100:g} % at every rate"
+    return f"no rate with every class >= {target * 100:g} %"
+
+
+# Under a table of max goodputs: what "below R" in it means.
+BELOW_CAPTION = f"below R: attainment below {ATTAINMENT_TARGET * 100:g} % at every rate, down to the lowest, R"
+
+
 def goodput_label(rps: float, points: list[dict[str, Any]]) -> str:
     """A max goodput as printed: 0 means no rate swept reached the target, "below" the lowest one."""
     if rps > 0 or not points:
@@ -89,8 +104,9 @@ def report(workload: dict[str, Any], engine: str, model: str, slo_scale: float, 
         "attainment_target": ATTAINMENT_TARGET, "classes": classes, "policies": {}, "ratios": {},
     }
     for name, pts in policies.items():
-        out["policies"][name] = {"max_goodput_rps": max_goodput(pts),
-                                 "max_goodput_per_class_rps": max_goodput(pts, per_class=True),
+        best, best_every = max_goodput(pts), max_goodput(pts, per_class=True)
+        out["policies"][name] = {"max_goodput_rps": best, "max_goodput_per_class_rps": best_every,
+                                 "max_goodput_note": goodput_note(best, best_every, pts),
                                  "points": sorted(pts, key=lambda p: p["rate"])}
     for a, b in baseline_pairs:
         if a in out["policies"] and b in out["policies"]:

@@ -68,11 +68,13 @@ def test_goodput_bench_below_every_rate_and_its_files(tmp_path: Path, monkeypatc
     printed = capsys.readouterr().out
     doc = _json_strict(out / "goodput-sim.json")
     assert all(p["max_goodput_rps"] == 0.0 for p in doc["policies"].values())
+    assert all(p["max_goodput_note"] == "below 90 % at every rate" for p in doc["policies"].values())
     assert doc["ratios"] and all(v is None for v in doc["ratios"].values())
     assert "inf" not in printed and "0.00" not in printed
     rows = [line for line in printed.splitlines() if re.match(r"│ +fcfs │", line)]
     assert len(rows) == 1 and rows[0].count("below 1000") == 2, printed
     assert "n/a (baseline below every rate)" in printed
+    assert "below R: attainment below 90 % at every rate, down to the lowest, R" in printed  # under the table
     header = next(line for line in printed.splitlines() if "max goodput req/s" in line)
     assert "every class >= 90 %" in header and "tightest SLO scale" in header, printed  # one line, uncut
     assert sorted(p.name for p in out.iterdir()) == ["goodput-sim.json", "goodput-sim.png"]
