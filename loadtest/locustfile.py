@@ -256,7 +256,9 @@ class OpenAIUser(HttpUser):
                               stream=True, catch_response=True, name=cls) as resp:
             rec.status = resp.status_code
             rec.applied_class = resp.headers.get(SLO_CLASS_HEADER, "")
-            if resp.status_code != 200:
+            if resp.status_code == 0:  # no HTTP answer: Locust keeps requests' exception
+                rec.error = results.no_answer(getattr(resp, "error", None))
+            elif resp.status_code != 200:
                 rec.error = f"HTTP {resp.status_code}: {resp.text[:1000]}"  # an OpenAI error body whole
             else:
                 done = False

@@ -47,6 +47,27 @@ class Record(msgspec.Struct, kw_only=True):
         return msgspec.convert(data, cls)
 
 
+CONNECT_FAILED = "connection failed"  # a request's error when it got no connection (refused, reset, unresolved)
+
+
+def no_answer(exc: BaseException | None) -> str:
+    """The error of a request that got no HTTP answer (requests' exception, which Locust keeps): it
+    could not connect (or lost the connection before an answer), or it connected and got none in time;
+    by the innermost cause, `connection failed (Connection refused)`."""
+    import requests
+
+    cause = exc
+    while cause is not None:  # requests' ConnectionError < urllib3's MaxRetryError < the socket's error
+        inner = getattr(cause, "reason", None) or cause.__cause__ or next(
+            (a for a in cause.args if isinstance(a, BaseException)), None)
+        if not isinstance(inner, BaseException) or inner is cause:
+            break
+        cause = inner
+    reason = (getattr(cause, "strerror", None) or str(cause) or type(cause).__name__) if cause else "unknown"
+    kind = CONNECT_FAILED if isinstance(exc, requests.exceptions.ConnectionError) else "no answer"
+    return f"{kind} ({reason})"
+
+
 def outcomes(records: list[Record]) -> list[report.Outcome]:
     return [report.Outcome(r.slo_class, DEFAULT_CLASSES[r.slo_class].ttft_ms / 1000 if r.slo_class in DEFAULT_CLASSES
                            else 0.0, r.ttft_s if r.ok else None) for r in records]

@@ -17,6 +17,7 @@ import json
 import os
 import resource
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -28,15 +29,18 @@ from rich.console import Console
 from rich.table import Table
 
 from engine.bench.console import results_console
-from gateway.cli.common import Parser
+from gateway.cli.common import CommandLineError, Parser
 from gateway.processes import free_port, start, stop, wait_healthy
 from loadtest import report
 from loadtest.goodput import RATIO_PAIRS
 from loadtest.priority import ORDERS
 from loadtest.profiles import Profile, ProfileError, load_profile
-from loadtest.results import percent
+from loadtest.results import CONNECT_FAILED, percent
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
+STAGE, FAILED = ".partial", "failed"  # under --out: the run in progress; the last failed run's files
+MOST = 0.5  # past this share of requests unconnected, a run measured the network, not the server
+REACH_TIMEOUT_S = 10.0  # the check before a run: a server busy with another load still answers within it
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,42 +83,129 @@ def main(argv: list[str] | None = None) -> int:
     except (ProfileError, ValueError) as exc:
         console.print(f"[red]error:[/] {exc}", soft_wrap=True, markup=True, highlight=False)
         return 2
+    if not args.serve_policies:
+        check_reachable(args.host)  # one line and exit 2, before anything is run or written
     out = Path(args.out)
-    policies = args.serve_policies.split(",") if args.serve_policies else [None]
+    stage = out / STAGE  # this run's files, moved into `out` only if it succeeds
+    shutil.rmtree(stage, ignore_errors=True)
     docs: list[dict[str, Any]] = []
+    try:
+        _runs(list(zip(profiles, sizes, strict=True)), len(rates), args, stage, console, docs)
+    except RunFailed as exc:
+        _write_report(docs, argv, stage, console)
+        failed = _set_aside(stage, out)
+        print(f"flowprefill loadtest: error: {exc}; this run's files are in {failed}, nothing in {out} "
+              "was replaced", file=sys.stderr, flush=True)
+        return 1
+    except BaseException:  # interrupted: set aside all the same, so that the next run starts clean
+        _set_aside(stage, out)
+        raise
+    _write_report(docs, argv, stage, console)
+    _publish(stage, out)
+    console.print(f"wrote {out / 'goodput.json'} and {out / 'goodput.png'}")
+    return 0
+
+
+class RunFailed(Exception):
+    """A run that measured nothing to keep (the server went away, Locust wrote no report, requests
+    unaccounted for): said in one line, exit 1, its files set aside."""
+
+
+def check_reachable(host: str) -> None:
+    """CommandLineError (one line, exit 2) unless `host` takes a connection and answers HTTP: a run
+    against nothing fails every request and measures nothing. A slow answer is an answer."""
+    import httpx
+
+    try:
+        httpx.get(f"{host.rstrip('/')}/v1/models", timeout=REACH_TIMEOUT_S)
+    except httpx.ReadTimeout:
+        return
+    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+        raise CommandLineError(f"cannot reach {host}: {_said(exc)} (nothing was run)") from None
+    except (httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:
+        raise CommandLineError(f"--host {host}: not a base URL such as http://127.0.0.1:8000 ({exc})") from None
+    except httpx.TransportError as exc:
+        raise CommandLineError(f"{host} does not answer HTTP: {_said(exc)} (nothing was run)") from None
+
+
+def _said(exc: Exception) -> str:
+    return str(exc) or type(exc).__name__  # httpx's timeouts may say nothing
+
+
+def _runs(profiles: list[tuple[Profile, int]], rates: int, args: argparse.Namespace, stage: Path,
+          console: Console, docs: list[dict[str, Any]]) -> None:
+    """Each policy's server (with --serve-policies) and each rate's Locust run, their docs into `docs`;
+    RunFailed at the first that failed."""
+    policies = args.serve_policies.split(",") if args.serve_policies else [None]
+    several = len(policies) > 1 or rates > 1
     for policy in policies:
         server = _serve(policy, args.serve_args, console) if policy else None
         try:
             host = server[1] if server else args.host
-            for profile, n in zip(profiles, sizes, strict=True):
-                several = len(policies) > 1 or len(rates) > 1
-                run_dir = out / f"{policy or args.label}@{profile.rate or 'native'}" if several else out
+            for profile, n in profiles:
+                run_dir = stage / f"{policy or args.label}@{profile.rate or 'native'}" if several else stage
                 pace = f"{profile.rate:g} req/s" if profile.rate else "the profile's pace"
                 console.print(f"[bold]loadtest[/] {profile.name or profile.kind}: {n} requests at {pace} "
                               f"against {host} ({policy or args.label})")
-                doc = _locust(profile, host, policy or args.label, run_dir, args)
-                if doc is None:
-                    return 1
-                docs.append(doc)
+                docs.append(_locust(profile, host, policy or args.label, run_dir, args))
+                _check(docs[-1], host)
         finally:
             if server:
                 stop(server[0])
+
+
+def _check(doc: dict[str, Any], host: str) -> None:
+    """RunFailed when most requests could not connect (the server is down or went away: no measure of
+    it), or some have no record at all."""
+    a = doc["accounting"]
+    unconnected = sum(n for cause, n in doc["errors"].items() if cause.startswith(CONNECT_FAILED))
+    if unconnected > MOST * a["scheduled"]:
+        causes = ", ".join(cause.removeprefix(CONNECT_FAILED).strip(" ()") for cause in doc["errors"]
+                           if cause.startswith(CONNECT_FAILED))  # "connection failed (Connection refused)"
+        raise RunFailed(f"{unconnected} of {a['scheduled']} requests could not connect to {host} ({causes}): "
+                        "the server is down or went away")
+    if a["missing"]:
+        raise RunFailed(f"{a['missing']} of {a['scheduled']} requests have no record (never sent, or their "
+                        "Locust process never reported them)")
+
+
+def _write_report(docs: list[dict[str, Any]], argv: list[str] | None, stage: Path, console: Console) -> None:
+    """goodput.json for all runs (and, for several, their side-by-side table and goodput.png) in `stage`."""
+    if not docs:
+        return
     doc = _merge(docs, argv) if len(docs) > 1 else docs[0]
     doc["machine"] = _machine()
-    (out / "goodput.json").write_text(json.dumps(doc, indent=2))
+    stage.mkdir(parents=True, exist_ok=True)
+    (stage / "goodput.json").write_text(json.dumps(doc, indent=2))
     if len(docs) > 1:
         _side_by_side(console, doc)
-        _plot_rates(doc, out / "goodput.png")
-    console.print(f"wrote {out / 'goodput.json'} and {out / 'goodput.png'}")
-    return 0 if all(d["accounting"]["missing"] == 0 for d in docs) else 1
+        _plot_rates(doc, stage / "goodput.png")
 
 
-def _locust(profile: Profile, host: str, label: str, out: Path, args: argparse.Namespace) -> dict[str, Any] | None:
-    """One headless Locust run (single process, or a master and --processes workers)."""
+def _publish(stage: Path, out: Path) -> None:
+    """A succeeded run's files into `out`, each replacing its earlier version (a rename: a reader
+    never sees half a file), files of earlier runs that this one did not write left as they are."""
+    for path in sorted(p for p in stage.rglob("*") if p.is_file()):
+        target = out / path.relative_to(stage)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, target)
+    shutil.rmtree(stage)
+
+
+def _set_aside(stage: Path, out: Path) -> Path:
+    """A failed or interrupted run's files, as <out>/failed (replacing the last failed run's)."""
+    failed = out / FAILED
+    shutil.rmtree(failed, ignore_errors=True)
+    if stage.exists():
+        stage.rename(failed)
+    return failed
+
+
+def _locust(profile: Profile, host: str, label: str, out: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """One headless Locust run (single process, or a master and --processes workers) writing into `out`
+    (a fresh folder); RunFailed if it wrote no report."""
     console = results_console()
     out.mkdir(parents=True, exist_ok=True)
-    for stale in ("goodput.json", "requests.csv", "goodput.png"):
-        (out / stale).unlink(missing_ok=True)
     resolved = out / "profile.json"  # the profile with its overrides: every Locust process reads it
     resolved.write_bytes(msgspec.json.encode(profile))
     common = ["-f", str(LOCUSTFILE), "--load-profile", str(resolved), "--max-in-flight", str(args.max_in_flight),
@@ -144,8 +235,7 @@ def _locust(profile: Profile, host: str, label: str, out: Path, args: argparse.N
     wall, cpu = time.monotonic() - t0, _children_cpu() - cpu0
     report = out / "goodput.json"
     if not report.exists():
-        console.print(f"[red]error:[/] Locust exited with {rc} and wrote no report")
-        return None
+        raise RunFailed(f"Locust exited with {rc} and wrote no report")
     doc: dict[str, Any] = json.loads(report.read_text())
     doc["loadgen"] |= {"processes": 1 + len(workers), "cpu_s": round(cpu, 2), "wall_s": round(wall, 2),
                        "cores_used": round(cpu / wall, 3), "machine_cores": os.cpu_count()}
@@ -184,7 +274,8 @@ def _merge(docs: list[dict[str, Any]], argv: list[str] | None) -> dict[str, Any]
 
 
 def _side_by_side(console: Console, doc: dict[str, Any]) -> None:
-    t = Table(title=f"goodput by policy and offered rate ({doc['workload']['name']}, over HTTP)")
+    t = Table(title=f"goodput by policy and offered rate ({doc['workload']['name']}, over HTTP)",
+              caption=report.BELOW_CAPTION)
     rates = sorted({pt["rate"] for pol in doc["policies"].values() for pt in pol["points"]})
     t.add_column("policy")
     for r in rates:
@@ -243,10 +334,14 @@ def _summary(console: Console, doc: dict[str, Any]) -> None:
         t.add_row(r["slo_class"], str(r["requests"]), str(r["failed"]), f"{r['ttft_target_ms']:g}",
                   percent(r["attainment"]), _f(r["ttft_p50_ms"]), _f(r["ttft_p99_ms"]), _f(r["tbt_p99_ms"]))
     console.print(t)
-    pts = doc["policies"][label]["points"]
-    for pt in pts:
+    pol = doc["policies"][label]
+    for pt in pol["points"]:
         console.print(f"offered {pt['rate']:.3g} req/s: attainment {percent(pt['attainment'])}, "
                       f"goodput {pt['goodput_rps']:.3g} req/s")
+    # what goodput.json's max goodput is, and why it is 0 beside a goodput above it (its note)
+    why = (pol["max_goodput_note"] if pol["max_goodput_rps"] == 0
+           else f"the highest rate with attainment >= {doc['attainment_target'] * 100:g} %")
+    console.print(f"max goodput: {pol['max_goodput_rps']:.3g} req/s ({why})")
     server = doc.get("server") or {}
     if server.get("preemptions") is None:
         console.print("preemptions: unknown (the server's workers expose no flowprefill metrics to this host)")

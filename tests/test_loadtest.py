@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import httpx
@@ -166,31 +170,124 @@ def test_distributed_two_workers(served: str, tmp_path: Path) -> None:
     assert doc["accounting"]["failed"] == 0 and doc["loadgen"]["processes"] == 3
 
 
-def test_dead_server_every_request_fails_explicitly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def _earlier_report(out: Path) -> dict[str, tuple[bytes, int]]:
+    """An earlier run's report files in `out`, a day old: {name: (bytes, mtime in ns)}."""
+    out.mkdir()
+    for name in ("goodput.json", "goodput.png", "requests.csv"):
+        (out / name).write_bytes(f"the earlier run's {name}".encode())
+        os.utime(out / name, ns=(time.time_ns() - 86_400 * 10**9,) * 2)
+    return _files(out)
+
+
+def _files(out: Path) -> dict[str, tuple[bytes, int]]:
+    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.iterdir() if p.is_file()}
+
+
+def test_an_unreachable_host_is_one_line_and_runs_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A closed port: said before anything starts, in one line naming the URL, exit 2; the earlier
+    report is left as it was, byte for byte, and nothing is added beside it."""
     (tmp_path / "small.toml").write_text(SMALL)
     out = tmp_path / "out"
-    assert flowprefill(["loadtest", "--profile", str(tmp_path / "small.toml"), "--host",
-                        f"http://127.0.0.1:{free_port()}", "--out", str(out), "--drain-s", "10"]) == 0
-    doc = _check_report(out, {"batch", "interactive"})
+    earlier = _earlier_report(out)
+    host = f"http://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    assert flowprefill(["loadtest", "--profile", str(tmp_path / "small.toml"), "--host", host,
+                        "--out", str(out)]) == 2
+    assert time.monotonic() - t0 < 5  # no Locust run, no waiting for answers
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"flowprefill loadtest: error: cannot reach {host}: "), err
+    assert _files(out) == earlier and sorted(p.name for p in out.iterdir()) == sorted(earlier)
+
+
+@contextmanager
+def answers_once() -> Iterator[str]:
+    """An HTTP server that answers one request (the load test's check that it is there), then goes
+    away: every request of the run is refused."""
+
+    class Once(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b'{"object": "list", "data": [{"id": "gone", "object": "model"}]}'
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Once)
+    thread = threading.Thread(target=lambda: (server.handle_request(), server.server_close()))
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        thread.join(10)
+
+
+def test_a_server_gone_after_the_start_fails_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Most requests could not connect: exit 1 and one line saying so; every request is still accounted
+    for, as a connection failure, in the run's own report, set aside under failed/; the earlier report
+    stays."""
+    (tmp_path / "small.toml").write_text(SMALL)
+    out = tmp_path / "out"
+    earlier = _earlier_report(out)
+    with answers_once() as host:
+        assert flowprefill(["loadtest", "--profile", str(tmp_path / "small.toml"), "--host", host,
+                            "--out", str(out), "--drain-s", "10"]) == 1
+    printed = capsys.readouterr()
+    assert printed.err.count("\n") == 1, printed.err
+    assert printed.err.startswith(f"flowprefill loadtest: error: 8 of 8 requests could not connect to {host} "
+                                  "(Connection refused): the server is down or went away; "), printed.err
+    assert f"this run's files are in {out / 'failed'}, nothing in {out} was replaced" in printed.err
+    assert _files(out) == earlier and sorted(p.name for p in out.iterdir()) == sorted([*earlier, "failed"])
+    doc = _check_report(out / "failed", {"batch", "interactive"})
     assert doc["accounting"]["failed"] == doc["accounting"]["sent"] == 8
-    assert doc["policies"]["http"]["points"][0]["attainment"] == 0.0
-    assert sum(doc["errors"].values()) == 8
-    printed = capsys.readouterr().out
-    assert "failed by cause: " + ", ".join(f"{n} {cause}" for cause, n in doc["errors"].items()) in printed
+    assert doc["errors"] == {"connection failed (Connection refused)": 8}
+    assert "failed by cause: 8 connection failed (Connection refused)" in printed.out
+    # its max goodput is 0, and says why: no rate reached 90 %
+    assert doc["policies"]["http"]["max_goodput_note"] == "below 90 % at every rate"
+    assert "max goodput: 0 req/s (below 90 % at every rate)" in printed.out
+
+
+def test_a_report_below_the_target_at_every_rate_says_so() -> None:
+    """goodput.json's max goodput of 0 beside a point's goodput of 1.6 req/s: its note says why."""
+    from loadtest.report import Outcome, point, report
+
+    def pt(rate: float, interactive: int, batch: int) -> dict:  # of 10 requests a class, how many attained
+        return point(rate, [Outcome(c, 1.0, 0.5 if i < k else None)
+                            for c, k in (("interactive", interactive), ("batch", batch)) for i in range(10)])
+
+    policies = {"below": [pt(2, 8, 8), pt(4, 5, 5)], "one class below": [pt(2, 10, 8), pt(4, 10, 6)],
+                "met": [pt(2, 10, 10), pt(4, 7, 7)]}
+    doc = report({}, "http", "m", 1.0, {}, policies)
+    below = doc["policies"]["below"]
+    assert below["max_goodput_rps"] == 0 and below["points"][0]["goodput_rps"] == pytest.approx(1.6)
+    assert below["max_goodput_note"] == "below 90 % at every rate"
+    assert doc["policies"]["one class below"]["max_goodput_rps"] > 0
+    assert doc["policies"]["one class below"]["max_goodput_note"] == "no rate with every class >= 90 %"
+    assert doc["policies"]["met"]["max_goodput_note"] is None
 
 
 def test_failures_counted_by_cause() -> None:
-    """A shed request is counted by the OpenAI error body's code, so a run's summary says why it failed."""
-    from loadtest.results import Record, _errors
+    """A shed request is counted by the OpenAI error body's code, one with no answer by its innermost
+    cause, so a run's summary says why it failed."""
+    import requests
+
+    from loadtest.results import Record, _errors, no_answer
 
     shed = ('HTTP 429: {"error": {"message": "predicted TTFT 7100 ms > 6000 ms", "type": '
             '"rate_limit_error", "param": null, "code": "predicted_slo_miss"}}')
+    with pytest.raises(requests.exceptions.ConnectionError) as refused:  # what Locust keeps of a closed port
+        requests.post(f"http://127.0.0.1:{free_port()}/v1/completions", timeout=5)
     errors = [shed, shed, 'HTTP 400: {"error": {"message": "bad", "type": "invalid_request_error"}}',
-              "HTTP 502: <html>bad gateway</html>", "interrupted: stream ended without [DONE]", None]
+              "HTTP 502: <html>bad gateway</html>", "interrupted: stream ended without [DONE]", None,
+              no_answer(refused.value), no_answer(requests.exceptions.ReadTimeout("read timed out"))]
     records = [Record(index=i, slo_class="batch", input_tokens=8, scheduled_s=0.0, error=e)
                for i, e in enumerate(errors)]
     assert _errors(records) == {"HTTP 429 predicted_slo_miss": 2, "HTTP 400 invalid_request_error": 1,
-                                "HTTP 502": 1, "interrupted": 1}
+                                "HTTP 502": 1, "interrupted": 1, "connection failed (Connection refused)": 1,
+                                "no answer (read timed out)": 1}
 
 
 @pytest.mark.slow
