@@ -32,6 +32,7 @@ from engine.scheduler import Policy, Scheduler, make_policy
 from engine.thread_cpu import ThreadCPU, readable
 
 log = logging.getLogger("flowprefill.engine")
+ENGINE_STOPPED = "the engine shut down"  # the error of every request still in it when it stops
 _GENERATED = itertools.count()  # `Engine.generate`'s request ids (an object's id() is reused once it is freed)
 
 
@@ -114,7 +115,11 @@ class Engine:
         return self
 
     def shutdown(self) -> None:
+        """Stops the engine thread; every request still in it ends with the error ENGINE_STOPPED
+        (a worker's answers in flight at its shutdown deadline). Idempotent."""
         with self._cv:
+            if self._stop:
+                return
             self._stop = True
             self._cv.notify()
         if self._thread.is_alive():
@@ -239,7 +244,7 @@ class Engine:
                 log.exception("engine iteration failed")
                 self._fail_current("internal engine error")
         for req in list(self._requests.values()):
-            self._finish(req, "error", "engine shut down")
+            self._finish(req, "error", ENGINE_STOPPED)
         for batch in self.scheduler.pool:
             batch.close()
             for r in batch.requests:

@@ -21,7 +21,8 @@ from opentelemetry.trace import INVALID_SPAN
 
 from engine import kv_transport
 from engine.endpoint import BadRequest, EventStream, decode_body
-from engine.engine import Engine
+from engine.engine import ENGINE_STOPPED, Engine
+from engine.protocol.drain import SHUTTING_DOWN, ClientGone, Drain, ShuttingDown
 from engine.protocol.headers import (
     CACHED_TOKENS_HEADER,
     DROPPED_REASON_HEADER,
@@ -112,8 +113,9 @@ class Generation:
 
     def __init__(self, engine: Engine, model_name: str, classes: dict[str, SLOClass], default_class: str,
                  tracer: EngineTracer | None, role: str, tool_parser: ToolCallParser | None,
-                 reasoner: ReasoningParser | None) -> None:
+                 reasoner: ReasoningParser | None, drain: Drain | None = None) -> None:
         self.engine, self.model, self.classes, self.default_class = engine, model_name, classes, default_class
+        self.drain = drain or Drain()
         self.tracer, self.role, self.tool_parser, self.reasoner = tracer, role, tool_parser, reasoner
         self.grammars = Grammars(engine.tokenizer, engine.model.cfg.vocab_size)
         self.inbox = kv_transport.KVInbox()
@@ -193,6 +195,8 @@ class Generation:
         """The request's engine requests, admitted and queued (or its KV taken from the prefill
         worker); a Response when it is shed. `id_prefix`: the id's when the client gave none."""
         self.check_model(body.model)
+        if self.drain.draining:  # a gateway retries it at another worker
+            raise BadRequest("the worker is shutting down; retry the request", status=503, code=SHUTTING_DOWN)
         prep = self.prepare(body, chat)
         grammar = None  # structured output: compiled off the event loop (a large schema takes a while),
         # and before the request id is made unique: nothing may wait between that and adding it
@@ -352,15 +356,22 @@ class Generation:
         """Waits for every choice of a request answered whole; the error answer when one failed. The
         prefill half of a disaggregated request then hands its KV on (its headers say how)."""
         choices, headers = started.choices, started.headers
-        await choices.gather()
-        # Its load report as the answer leaves, not as it was admitted: that one counted this request's own
-        # prefill, done by now, and ranked this worker that much busier at the gateway until its next poll
-        # (a conversation's next turn, sent at once, went to the other of two workers and found no history
-        # in CI on 2026-12-06; inferred, not measured: its prompt's predicted prefill past the gateway's
-        # 0.25 s affinity slack). A streamed answer's headers leave once it is admitted, prefill to come.
+        try:  # a client that leaves, or a shutdown's deadline, cancels every choice (gather's clean-up)
+            await self.drain.guard(request.receive, choices.gather())
+        except ClientGone:
+            return Response(error_body("the client disconnected", "invalid_request_error", code="client_gone"),
+                            status_code=499, headers=headers)  # nginx's "client closed request": never sent
+        except ShuttingDown:
+            return shutting_down(headers, "worker")
+        # Its load report as the answer leaves, not as it was admitted: that one counted this request's
+        # own prefill, done by now, and ranked this worker that much busier at the gateway until its next
+        # poll, so a conversation's next turn could go to a worker without its history. A streamed
+        # answer's headers leave once it is admitted, prefill to come.
         headers[LOAD_REPORT_HEADER] = load_report(self.engine.load())
         if reason := shed_reason(choices.error):  # turned hopeless while queued (a late = "shed" class)
             return _shed(choices.error or "", reason, 429, headers)
+        if choices.error == ENGINE_STOPPED:
+            return shutting_down(headers, "worker")
         if choices.error is not None:
             client = failed_by_constraint(choices.error)
             return Response(error_body(choices.error, "invalid_request_error" if client else "server_error"),
@@ -395,6 +406,12 @@ def _choice_ids(rid: str, n: int) -> list[str]:
 
 ADMISSION_SHED_MESSAGE = ("the request cannot meet its TTFT target here (predicted); retry later or with a looser "
                           "class")
+
+
+def shutting_down(headers: dict[str, str], what: str) -> Response:
+    """The answer to a request still in flight when its server's grace period ran out: 503, to retry."""
+    return Response(error_body(f"the {what} is shutting down; retry the request", "server_error", code=SHUTTING_DOWN),
+                    status_code=503, headers=headers | {"retry-after": "1"})
 
 
 def _shed(message: str, reason: str, status: int, headers: dict[str, str]) -> Response:

@@ -4,6 +4,7 @@ Each endpoint's handler is a small class of its own (the generating ones share e
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -14,6 +15,7 @@ from litestar.params import FromPath
 from engine import batch_log, handoff, kv_transport
 from engine.endpoint import BadRequest
 from engine.engine import Engine
+from engine.protocol.drain import Drain
 from engine.protocol.headers import KV_SHM_HEADER
 from engine.protocol.openai import error_body, http_error_body
 from engine.protocol.slo import DEFAULT_CLASS, DEFAULT_CLASSES, SLOClass
@@ -61,13 +63,16 @@ class ModelList:
 
 
 class Status:
-    """GET /health, /load (what a gateway routes on: Engine.load, one snapshot) and /metrics."""
+    """GET /health (503 once shutting down: a gateway stops sending it requests), /load (what a gateway
+    routes on: Engine.load, one snapshot) and /metrics."""
 
-    def __init__(self, engine: Engine, role: str, metrics: EngineMetrics) -> None:
-        self.engine, self.role, self.metrics = engine, role, metrics
+    def __init__(self, engine: Engine, role: str, metrics: EngineMetrics, drain: Drain) -> None:
+        self.engine, self.role, self.metrics, self.drain = engine, role, metrics, drain
 
-    async def health(self) -> dict[str, str]:
-        return {"status": "ok", "role": self.role}
+    async def health(self) -> Response[dict[str, str]]:
+        if self.drain.draining:
+            return Response({"status": "shutting down", "role": self.role}, status_code=503)
+        return Response({"status": "ok", "role": self.role})
 
     async def load(self) -> WorkerLoad:
         return msgspec.structs.replace(self.engine.load(), role=self.role)
@@ -105,11 +110,12 @@ class HandoffInbox:
 def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOClass] | None = None,
                       default_class: str = DEFAULT_CLASS, tracing: TracerProvider | None = None,
                       role: str = "colocated", tool_call_parser: str | None = None,
-                      reasoning_parser: str | None = None) -> Litestar:
+                      reasoning_parser: str | None = None, drain: Drain | None = None) -> Litestar:
     """`tracing`: a configured provider (telemetry.tracing.setup_tracing) turns on request and
     preemption spans; without one, no tracing code runs. `role`: colocated (prefill and decode),
     prefill (only the prefill half of disaggregated requests, handing the KV on) or decode (only
-    requests whose KV is handed to it)."""
+    requests whose KV is handed to it). `drain`: the server's graceful shutdown (gateway/cli/common.py
+    begins it): at its deadline the engine stops, and every request still in it ends with an error."""
     if role not in ROLES:
         raise ValueError(f"unknown worker role {role!r}; choose from {', '.join(ROLES)}")
     metrics = EngineMetrics(engine, model_name)
@@ -118,9 +124,11 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
     if tracing is not None:
         from telemetry.tracing import EngineTracer
         tracer = EngineTracer(engine, model_name)
+    drain = drain or Drain()
+    drain.on_deadline.append(lambda: asyncio.get_running_loop().run_in_executor(None, engine.shutdown))
     generation = Generation(engine, model_name, classes or DEFAULT_CLASSES, default_class, tracer, role,
                             ToolCallParser(tool_call_parser) if tool_call_parser else None,
-                            ReasoningParser(reasoning_parser) if reasoning_parser else None)
+                            ReasoningParser(reasoning_parser) if reasoning_parser else None, drain)
 
     @post("/v1/completions", status_code=200)
     async def completions(request: Request) -> Any:
@@ -135,7 +143,7 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
         from telemetry.tracing import litestar_plugin
         plugins.append(litestar_plugin(exclude=["/health", "/load", "/metrics"]))
     return Litestar(
-        route_handlers=[completions, chat_completions, *Status(engine, role, metrics).handlers(),
+        route_handlers=[completions, chat_completions, *Status(engine, role, metrics, drain).handlers(),
                         *HandoffInbox(generation.inbox).handlers(), *ModelList(engine, model_name).handlers(),
                         *TokenizeEndpoints(generation).handlers(), *ResponsesEndpoint(generation).handlers()],
         exception_handlers={BadRequest: _error, HTTPException: _http_error},

@@ -3,11 +3,11 @@ a deadline, route, forward, streaming or not) is gateway/forward.py's; the cheap
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from litestar import Litestar, Request, Response, asgi, get
 from litestar.datastructures import Headers
 from litestar.exceptions import HTTPException, MethodNotAllowedException
@@ -16,6 +16,7 @@ from litestar.handlers import ASGIRouteHandler
 from litestar.response import Stream
 from litestar.types import Receive, Scope, Send  # at run time: Litestar reads the annotations
 
+from engine.protocol.drain import SHUTTING_DOWN, ClientGone, Drain, ShuttingDown
 from engine.protocol.headers import DROPPED_REASON_HEADER, SLO_CLASS_HEADER
 from engine.protocol.openai import error_body, http_error_body
 from gateway.config import GatewayConfig
@@ -30,9 +31,13 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
 
 
-def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None) -> Litestar:
+def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None, drain: Drain | None = None
+                       ) -> Litestar:
     """`tracing`: a configured provider (telemetry.tracing.setup_tracing) turns on a server span per
-    request, annotated with the SLO decision and the route, and W3C propagation to the workers."""
+    request, annotated with the SLO decision and the route, and W3C propagation to the workers.
+    `drain`: the server's graceful shutdown (gateway/cli/common.py begins it): /health answers 503,
+    and at its deadline the requests in flight end with a 503 or a stream's error event."""
+    drain = drain or Drain()
     metrics = GatewayMetrics()
     annotate = _span_annotator() if tracing is not None else None
     upstreams = Upstreams(cfg)
@@ -83,8 +88,8 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
         plugins.append(litestar_plugin(exclude=["/health", "/metrics"]))
         on_shutdown.append(tracing.shutdown)
     lookups = Lookups(cfg, pool, upstreams.client, metrics, authorize, annotate)
-    return Litestar(route_handlers=[*(_proxied(p, forward, cfg.max_body_bytes) for p in GENERATING),
-                                    *lookups.handlers(), openapi, _health(pool, prefill_pool), prometheus],
+    return Litestar(route_handlers=[*(_proxied(p, forward, cfg.max_body_bytes, drain) for p in GENERATING),
+                                    *lookups.handlers(), openapi, _health(pool, prefill_pool, drain), prometheus],
                     openapi_config=None,  # gateway/openapi.py serves the complete document
                     exception_handlers={GatewayError: _error, HTTPException: _http_error,
                                         Exception: InternalErrors(metrics)},
@@ -95,7 +100,7 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
 GENERATING = ("/v1/completions", "/v1/chat/completions", RESPONSES)  # the routes Forwarder serves
 
 
-def _proxied(path: str, forward: Forwarder, max_body_bytes: int) -> ASGIRouteHandler:
+def _proxied(path: str, forward: Forwarder, max_body_bytes: int, drain: Drain) -> ASGIRouteHandler:
     # Litestar's raw-ASGI route handler: @post's per-request signature model and response
     # conversion were 40 % of Litestar's share of a proxied request (0.08 of 0.2 ms, measured);
     # errors still go through the app's exception handlers, streams through Litestar's Stream.
@@ -109,11 +114,17 @@ def _proxied(path: str, forward: Forwarder, max_body_bytes: int) -> ASGIRouteHan
         raw = await _read_body(scope, receive, max_body_bytes)
         if raw is None:  # the client left before it finished sending: nobody to answer
             return
-        out = await forward(Headers.from_scope(scope), raw, path, arrival)
+        try:  # a client that leaves cancels it: the upstream connection closes, so the worker's work stops
+            out = await drain.guard(receive, forward(Headers.from_scope(scope), raw, path, arrival))
+        except ClientGone:
+            return
+        except ShuttingDown:
+            raise GatewayError(503, "the gateway is shutting down; retry the request", "server_error",
+                               code=SHUTTING_DOWN, headers={"retry-after": "1"}) from None
         fields = [(b"content-type", (out.media_type or "application/json").encode())]
         fields += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in out.headers.items()]
         if isinstance(out, Stream):
-            await _send_stream(out.status_code, fields, out.iterator, receive, send)  # type: ignore[arg-type]
+            await _send_stream(out.status_code, fields, out.iterator, receive, send, drain)  # type: ignore[arg-type]
             return
         fields.append((b"content-length", str(len(out.content)).encode()))
         await send({"type": "http.response.start", "status": out.status_code, "headers": fields})
@@ -133,16 +144,19 @@ def _authorizer(cfg: GatewayConfig) -> Callable[[Headers], str | None]:
     return authorized
 
 
-def _health(pool: WorkerPool, prefill_pool: WorkerPool | None) -> Any:
+def _health(pool: WorkerPool, prefill_pool: WorkerPool | None, drain: Drain) -> Any:
     @get("/health")
     async def health() -> Response[dict[str, Any]]:
         """200 while each pool a request needs has a healthy worker; else 503, naming the empty pool(s)
-        (so a load balancer's readiness check takes this gateway out while it can serve nothing)."""
+        (so a load balancer's readiness check takes this gateway out while it can serve nothing), or
+        saying it is shutting down."""
         pools = [p for p in (pool, prefill_pool) if p is not None]
         body: dict[str, Any] = {"status": "ok", "workers": {w.url: w.healthy for p in pools for w in p.workers}}
         jobs = (("prefill ", prefill_pool), ("decode " if prefill_pool else "", pool))
         empty = [f"no healthy {job}worker" for job, p in jobs
                  if p is not None and not any(w.healthy for w in p.workers)]
+        if drain.draining:
+            empty = ["shutting down"]
         if not empty:
             return Response(body)
         return Response(body | {"status": "unavailable", "reason": "; ".join(empty)}, status_code=503)
@@ -169,34 +183,27 @@ def _bearer(value: str | None) -> str | None:
 
 
 async def _send_stream(status: int, fields: list[tuple[bytes, bytes]], chunks: AsyncGenerator[bytes, None],
-                       receive: Receive, send: Send) -> None:
+                       receive: Receive, send: Send, drain: Drain) -> None:
     """Chunks as they come. A client that leaves cancels the relay, whose closing the upstream
-    cancels the engine's work (the ASGI server drops writes to a gone client without a word)."""
-    relay = asyncio.current_task()
-    assert relay is not None
-    state = {"gone": False, "finished": False}
+    cancels the engine's work (the ASGI server drops writes to a gone client without a word); at a
+    shutdown's deadline the stream ends with an error event."""
+    await send({"type": "http.response.start", "status": status, "headers": fields})
 
-    async def watch() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        state["gone"] = True
-        if not state["finished"]:
-            relay.cancel()
-
-    watcher = asyncio.create_task(watch())
-    try:
-        await send({"type": "http.response.start", "status": status, "headers": fields})
+    async def relay() -> None:
         async for chunk in chunks:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b""})
-    except asyncio.CancelledError:
-        if not state["gone"]:
-            raise
-        relay.uncancel()  # the cancel was ours: the request is over
+
+    try:
+        await drain.guard(receive, relay())
+    except ClientGone:
+        return
+    except ShuttingDown:
+        err = error_body("the gateway is shutting down; the answer is cut short", "server_error", code=SHUTTING_DOWN)
+        event = b"data: " + msgspec.json.encode(err) + b"\n\ndata: [DONE]\n\n"
+        await send({"type": "http.response.body", "body": event, "more_body": True})
     finally:
-        state["finished"] = True
-        watcher.cancel()
         await chunks.aclose()
+    await send({"type": "http.response.body", "body": b""})
 
 
 async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes | None:

@@ -4,10 +4,15 @@ the error a user's mistake raises, the address options, and serving an ASGI app 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import os
 import re
 import socket
 import sys
+from collections.abc import Callable
 from typing import Any, NoReturn
+
+from engine.protocol.drain import DEFAULT_SHUTDOWN_TIMEOUT_S, Drain
 
 
 class CommandLineError(Exception):
@@ -98,12 +103,46 @@ def bind(host: str, port: int, what: str) -> socket.socket:
         raise CommandLineError(f"{what} on {host}:{port}: {exc.strerror}") from None
 
 
-def serve_app(app: Any, sock: socket.socket) -> None:
-    """uvicorn on `sock` until SIGINT or SIGTERM."""
+def add_shutdown_timeout(parser: argparse.ArgumentParser) -> None:
+    def seconds(value: str) -> float:
+        if not float(value) >= 0:
+            raise argparse.ArgumentTypeError(f"{value} is not a number of seconds >= 0")
+        return float(value)
+
+    parser.add_argument("--shutdown-timeout", type=seconds, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
+                        help="on SIGTERM or a first Ctrl-C: stop taking requests (/health answers 503), let those "
+                             "in flight finish for up to this long, end the rest with an error (503) and exit 0; a "
+                             "second Ctrl-C or SIGTERM exits at once (the default fits Kubernetes' 30 s grace period)")
+
+
+def serve_app(app: Any, sock: socket.socket, drain: Drain | None = None, shutdown_timeout_s: float = 0.0,
+              at_once: Callable[[], Any] | None = None) -> None:
+    """uvicorn on `sock` until SIGINT or SIGTERM, then the graceful shutdown `drain` describes (see
+    add_shutdown_timeout). A second signal exits at once (code 130), after `at_once` (serve's workers)."""
     import uvicorn
 
-    config = uvicorn.Config(app, log_level="warning", access_log=False, proxy_headers=False)
-    uvicorn.Server(config).run(sockets=[sock])
+    class Server(uvicorn.Server):
+        """uvicorn's, but the first signal begins the drain, and uvicorn does not raise it again once
+        stopped (the drain's end is no error: exit 0)."""
+
+        async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+            self.loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if self.should_exit:  # asyncio's teardown would cancel each request's task, each a traceback
+                if at_once is not None:
+                    at_once()
+                sys.stderr.flush()
+                os._exit(130)
+            self.should_exit = True
+            self.loop.call_soon_threadsafe(drain.begin, shutdown_timeout_s)
+
+    drain = drain or Drain()
+    # uvicorn's own limit is a backstop (it cancels what is left without a word): the drain answers first
+    config = uvicorn.Config(app, log_level="warning", access_log=False, proxy_headers=False,
+                            timeout_graceful_shutdown=int(shutdown_timeout_s) + 2)
+    Server(config).run(sockets=[sock])
 
 
 def exit_on_sigterm() -> None:

@@ -8,9 +8,10 @@ from __future__ import annotations
 import argparse
 import socket
 import typing
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from gateway.cli.common import CommandLineError, add_address, bind, serve_app
+from gateway.cli.common import CommandLineError, add_address, add_shutdown_timeout, bind, serve_app
 from gateway.config import GatewayConfig, Upstream
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, metavar="FILE",
                         help="gateway TOML: SLO classes, API keys, rules, [upstream]")
     add_address(parser)
+    add_shutdown_timeout(parser)
     upstream = Upstream()
     parser.add_argument("--upstream", choices=typing.get_args(typing.get_type_hints(Upstream)["kind"]),
                         default=None,
@@ -80,21 +82,24 @@ def load_config(path: str | None, workers: list[str], prefill_workers: list[str]
     return cfg
 
 
-def serve_gateway(cfg: GatewayConfig, sock: socket.socket, url: str, console: Console | None = None) -> int:
-    """Announce the gateway at `url` and serve on `sock` until stopped."""
+def serve_gateway(cfg: GatewayConfig, sock: socket.socket, url: str, shutdown_timeout_s: float,
+                  console: Console | None = None, at_once: Callable[[], Any] | None = None) -> None:
+    """Announce the gateway at `url` and serve on `sock` until stopped (with a graceful shutdown of up
+    to `shutdown_timeout_s`; `at_once`: what a second signal also stops, as it exits)."""
     from rich.console import Console
 
+    from engine.protocol.drain import Drain
     from gateway.app import create_gateway_app
     from telemetry.tracing import setup_tracing
 
     console = console or Console(stderr=True)
-    app = create_gateway_app(cfg, tracing=setup_tracing("flowprefill-gateway"))
+    drain = Drain()
+    app = create_gateway_app(cfg, tracing=setup_tracing("flowprefill-gateway"), drain=drain)
     route = (f"prefill {', '.join(cfg.prefill_workers)} → decode {', '.join(cfg.workers)}" if cfg.prefill_workers
              else ", ".join(cfg.workers))
     console.print(f"[bold green]FlowPrefill[/] gateway at [link={url}/v1]{url}/v1[/] → {route}", soft_wrap=True)
     print(url, flush=True)
-    serve_app(app, sock)
-    return 0
+    serve_app(app, sock, drain, shutdown_timeout_s, at_once)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,4 +111,5 @@ def run(args: argparse.Namespace) -> int:
                       slack=args.slack,
                       backfill=None if args.backfill is None else args.backfill == "on")
     sock = bind(args.host, args.port, "the gateway")
-    return serve_gateway(cfg, sock, f"http://{args.host}:{args.port}")
+    serve_gateway(cfg, sock, f"http://{args.host}:{args.port}", args.shutdown_timeout)
+    return 0

@@ -10,14 +10,21 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
 
-from gateway.cli.common import MAX_PORT, CommandLineError, add_address, bind, exit_on_sigterm
+from gateway.cli.common import (
+    MAX_PORT,
+    CommandLineError,
+    add_address,
+    add_shutdown_timeout,
+    bind,
+    exit_on_sigterm,
+)
 from gateway.cli.options import (
     add_engine_options,
     add_server_options,
@@ -30,12 +37,14 @@ if TYPE_CHECKING:
     from gateway.config import GatewayConfig
 
 WORKER_HOST = "127.0.0.1"
+WORKER_EXIT_S = 3.0  # past this, a stopping worker is killed
 log = logging.getLogger("flowprefill.serve")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_address(parser, "address the gateway listens on (its workers listen on 127.0.0.1)",
                 "the gateway's port; its engine workers take the ports after it")
+    add_shutdown_timeout(parser)
     parser.add_argument("--workers", type=int, default=1, metavar="N",
                         help="engine worker processes (on the ports after --port); each gets (cores - 1) / "
                              "workers torch threads, at least one, unless --threads says otherwise")
@@ -119,12 +128,14 @@ def _worker_argv(args: argparse.Namespace, port: int, role: str, cores: set[int]
     options = to_argv(argparse.Namespace(**{**vars(args), **own}), worker_options())
     config = ["--config", args.config] if args.config else []  # the classes' targets and late policies
     return [sys.executable, "-m", "gateway.cli", "worker", "--role", role, "--host", WORKER_HOST, "--port",
-            str(port), *options, *config]
+            str(port), "--shutdown-timeout", str(args.shutdown_timeout), *options, *config]
 
 
 @contextmanager
-def running(fleet: Fleet, args: argparse.Namespace) -> Iterator[None]:
-    """The fleet's workers, each healthy, for the `with` block; stopped after it (or on failure)."""
+def running(fleet: Fleet, args: argparse.Namespace) -> Iterator[Callable[[], None]]:
+    """The fleet's workers, each healthy, for the `with` block, which gets what kills them at once (a
+    second signal); stopped after it (or on failure), gracefully: they have nothing left in flight
+    once the gateway has drained."""
     from rich.console import Console
 
     from gateway.processes import Relayed, wait_healthy
@@ -146,13 +157,17 @@ def running(fleet: Fleet, args: argparse.Namespace) -> Iterator[None]:
                                            code=2 if child.proc.returncode == 2 else 1) from None
                 except TimeoutError as exc:
                     raise CommandLineError(f"engine worker on port {port}: {exc}", code=1) from None
-        yield
+        def kill() -> None:
+            for child in children:
+                child.proc.kill()
+
+        yield kill
     finally:
         for child in children:  # all at once: they drain in parallel
             child.proc.terminate()
         for child in children:
-            try:
-                child.proc.wait(timeout=10)
+            try:  # a worker has nothing in flight once the gateway has drained: it exits in about 1 s
+                child.proc.wait(timeout=WORKER_EXIT_S)
             except subprocess.TimeoutExpired:
                 child.proc.kill()
 
@@ -184,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
             check_free(WORKER_HOST, port)
         except PortInUse as exc:
             raise CommandLineError(f"engine worker on port {port}: {exc.strerror}") from None
-    exit_on_sigterm()
-    with running(fleet, args):
-        return serve_gateway(cfg, sock, f"http://{args.host}:{args.port}")
+    exit_on_sigterm()  # while the workers start; then the gateway's graceful shutdown takes over
+    with running(fleet, args) as kill_workers:
+        serve_gateway(cfg, sock, f"http://{args.host}:{args.port}", args.shutdown_timeout, at_once=kill_workers)
+    return 0
