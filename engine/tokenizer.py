@@ -143,24 +143,37 @@ def _split_specials(text: str, specials: tuple[str, ...]) -> list[str]:
 
 
 class HFTokenizer(_ChatTemplate):
-    """A checkpoint's tokenizer.json (+ tokenizer_config.json for the chat template and EOS)."""
+    """A checkpoint's tokenizer.json (+ tokenizer_config.json for the chat template and EOS), or a
+    `tokenizers` Tokenizer built otherwise (`built`: from a GGUF file's metadata)."""
 
     def __init__(self, path: Path, eos_token_ids: list[int]) -> None:
         from tokenizers import Tokenizer as _Tok
 
-        self._tok = _Tok.from_file(str(path / "tokenizer.json"))
-        spec = json.loads((path / "tokenizer.json").read_text())
-        self._byte_level = "ByteLevel" in json.dumps(spec.get("decoder"))
-        self._added = {t["id"] for t in spec.get("added_tokens", [])}
         cfg_file = path / "tokenizer_config.json"
         cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
         special = {k: t for k, v in cfg.items() if k.endswith("_token") and (t := _token_text(v))}
-        super().__init__(_chat_template(path, cfg), special)
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        tok = _Tok.from_file(str(path / "tokenizer.json"))
         eos = list(eos_token_ids)
-        if (name := _token_text(cfg.get("eos_token"))) and (tid := self._tok.token_to_id(name)) is not None:
+        if (name := _token_text(cfg.get("eos_token"))) and (tid := tok.token_to_id(name)) is not None:
             eos.append(tid)
-        self.eos_token_ids = sorted(set(eos))
+        self._setup(tok, _chat_template(path, cfg), special, eos)
+
+    @classmethod
+    def built(cls, tok: Any, chat_template: str | None, special: dict[str, str],
+              eos_token_ids: list[int]) -> HFTokenizer:
+        """`tok`: a tokenizers.Tokenizer; `special`: the `*_token` strings the template may use."""
+        self = cls.__new__(cls)
+        self._setup(tok, chat_template, special, eos_token_ids)
+        return self
+
+    def _setup(self, tok: Any, chat_template: str | None, special: dict[str, str], eos_token_ids: list[int]) -> None:
+        self._tok = tok
+        spec = json.loads(tok.to_str())
+        self._byte_level = "ByteLevel" in json.dumps(spec.get("decoder"))
+        self._added = {t["id"] for t in spec.get("added_tokens", [])}
+        super().__init__(chat_template, special)
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self.eos_token_ids = sorted(set(eos_token_ids))
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """`add_special_tokens`: what the tokenizer's post-processor adds (a BOS, for Llama's)."""
@@ -193,14 +206,14 @@ class HFTokenizer(_ChatTemplate):
         return IncrementalDecoder(self)
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte-level alphabet: printable bytes stand for themselves, the rest for 256 + n."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     extra = iter(range(256, 512))
     return {b: chr(b if b in printable else next(extra)) for b in range(256)}
 
 
-_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+_UNICODE_TO_BYTE = {c: b for b, c in bytes_to_unicode().items()}
 
 
 def _token_text(value: object) -> str | None:

@@ -24,7 +24,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.kv_cache import KVCache
 from engine.model import LlamaModel, load_model
-from engine.model.loader import default_model, load_checkpoint, save_checkpoint
+from engine.model.loader import load_checkpoint, save_checkpoint, tiny_model
 from engine.model.plan import ATTENTION, OpCost, SeqSpan, Step, plan_prefill
 from engine.request import Request, SamplingParams, TokenOutput
 
@@ -279,10 +279,10 @@ def test_prompt_logprobs_match_transformers(loaded: Loaded) -> None:
                 assert [t for t, _ in entry.top] == want[p].topk(3).indices.tolist()
 
 
-# -- the embedded default model -----------------------------------------------------------------
+# -- the embedded tiny model --------------------------------------------------------------------
 
-def test_default_model_saves_a_transformers_checkpoint(tmp_path: Path) -> None:
-    cfg, weights = default_model(seed=0)
+def test_tiny_model_saves_a_transformers_checkpoint(tmp_path: Path) -> None:
+    cfg, weights = tiny_model(seed=0)
     save_checkpoint(cfg, weights, tmp_path)
 
     cfg2, weights2 = load_checkpoint(tmp_path)  # round trip through our own loader
@@ -293,7 +293,7 @@ def test_default_model_saves_a_transformers_checkpoint(tmp_path: Path) -> None:
 
     ref = load_reference(tmp_path)  # transformers reads it, with no missing or unexpected tensors
     assert sum(p.numel() for p in ref.parameters()) == sum(w.numel() for w in weights.values())
-    embedded, _ = load_model(EngineConfig())  # model=None: the embedded default, same seed
+    embedded, _ = load_model(EngineConfig())  # model "tiny": the embedded model, same seed
     from_dir, _ = load_model(EngineConfig(model=str(tmp_path)))
     prompts = _prompts((6, 40), cfg.vocab_size, seed=5)
     spans = [SeqSpan(0, len(p)) for p in prompts]

@@ -14,7 +14,7 @@ import torch
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.model import LlamaModel
-from engine.model.loader import default_model, save_checkpoint
+from engine.model.loader import save_checkpoint, tiny_model
 from engine.model.plan import OpCost, SeqSpan
 from engine.prefill import PrefillBatch
 from engine.request import Request
@@ -79,7 +79,7 @@ def load_transformers(cfg: EngineConfig, model_dir: Path) -> tuple[Any | None, s
     if cfg.model:
         model_dir = Path(cfg.model)
     else:
-        save_checkpoint(*default_model(cfg.seed), model_dir)
+        save_checkpoint(*tiny_model(cfg.seed), model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, cfg.dtype), attn_implementation="sdpa")
     model.to(cfg.device).eval()
     return model, ""

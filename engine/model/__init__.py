@@ -2,27 +2,22 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from engine.attention import select_backend
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ModelConfig, model_path
 from engine.model.graphs import StepGraphs
 from engine.model.kernels import fuse_rope, select_kernels
 from engine.model.linear import select_linear
 from engine.model.llama import LlamaModel
-from engine.model.loader import default_model, load_checkpoint
+from engine.model.loader import load_checkpoint, tiny_model
 from engine.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = ["LlamaModel", "load_model", "use_device"]
 
 
 def load_model(cfg: EngineConfig) -> tuple[LlamaModel, ByteTokenizer | HFTokenizer]:
-    if cfg.model:
-        model_cfg, weights = load_checkpoint(cfg.model)
-    else:
-        model_cfg, weights = default_model(cfg.seed)
+    model_cfg, weights, tokenizer = load_weights(cfg)
     device = torch.device(cfg.device)
     use_device(device)
     dtype = getattr(torch, cfg.dtype)
@@ -34,9 +29,21 @@ def load_model(cfg: EngineConfig) -> tuple[LlamaModel, ByteTokenizer | HFTokeniz
                   required=cfg.row_kernels == model.kernels.name, kernels=model.kernels.name)
     if device.type == "cuda" and cfg.cuda_graph_tokens:
         model.graphs = StepGraphs(model, cfg.cuda_graph_tokens)
-    tokenizer = load_tokenizer(Path(cfg.model) if cfg.model else None, model_cfg.eos_token_id,
-                               model_cfg.vocab_size)
     return model, tokenizer
+
+
+def load_weights(cfg: EngineConfig) -> tuple[ModelConfig, dict[str, torch.Tensor], ByteTokenizer | HFTokenizer]:
+    """--model's config, weights (on the CPU, as stored or dequantized to float32) and tokenizer."""
+    path = model_path(cfg.model)
+    if path is None:
+        model_cfg, weights = tiny_model(cfg.seed)
+        return model_cfg, weights, ByteTokenizer(model_cfg.vocab_size)
+    if path.suffix == ".gguf":
+        from engine.model.gguf import load_gguf  # gguf is imported only where a GGUF file is read
+
+        return load_gguf(path)
+    model_cfg, weights = load_checkpoint(path)
+    return model_cfg, weights, load_tokenizer(path, model_cfg.eos_token_id, model_cfg.vocab_size)
 
 
 def use_device(device: torch.device) -> None:

@@ -1,4 +1,4 @@
-"""Load a local Hugging Face checkpoint directory, or build the embedded default model."""
+"""Load a local Hugging Face checkpoint directory, or build the embedded tiny model (GGUF files: gguf.py)."""
 
 from __future__ import annotations
 
@@ -72,8 +72,9 @@ def check_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
         raise ValueError(f"tensor {o_bias!r} has shape {tuple(weights[o_bias].shape)}")
 
 
-def default_model(seed: int = 0) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """The embedded model: Qwen2-shaped (see ModelConfig's defaults), seeded weights, byte vocabulary."""
+def tiny_model(seed: int = 0) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The embedded tiny model (--model tiny): Qwen2-shaped (see ModelConfig's defaults), seeded weights,
+    byte vocabulary."""
     cfg = ModelConfig(eos_token_id=[256, 258])
     gen = torch.Generator().manual_seed(seed)
     weights = {

@@ -13,22 +13,29 @@ import argparse
 import dataclasses
 import types
 import typing
-from pathlib import Path
 from typing import Any, Literal
 
-from engine.config import POLICIES, EngineConfig, ModelConfig, parse_policy
+from engine.config import POLICIES, SMOLLM2, EngineConfig, ModelConfig, check_gguf, model_path, parse_policy
 from gateway.cli.common import CommandLineError
 
+# What `serve` and `worker` serve without --model: a real model, where in-process engines (EngineConfig)
+# default to the tiny one.
+SERVED_MODEL = SMOLLM2
 
-def check_model(path: str | None) -> None:
-    """--model names a Hugging Face checkpoint directory whose config.json FlowPrefill can run (its
-    weights the worker reads when it loads them). Checked before anything starts, not when parsing:
+
+def check_model(model: str) -> None:
+    """--model names the tiny model, smollm2 (its package installed), a GGUF file (or a directory of one),
+    or a Hugging Face checkpoint directory whose config.json FlowPrefill can run; the worker reads the
+    weights (and a GGUF's metadata) when it loads them. Checked before anything starts, not when parsing:
     a command line can be read on a machine without the checkpoint (tests/test_docs.py does)."""
-    if path is not None:
-        try:
-            ModelConfig.from_dir(Path(path))
-        except (OSError, ValueError) as exc:
-            raise CommandLineError(str(exc)) from None
+    try:
+        path = model_path(model)
+        if path is not None and path.suffix == ".gguf":
+            check_gguf(path)
+        elif path is not None:
+            ModelConfig.from_dir(path)
+    except (OSError, ValueError) as exc:
+        raise CommandLineError(str(exc)) from None
 
 
 def _kind(hint: Any) -> tuple[type, tuple[str, ...] | None]:
@@ -41,8 +48,9 @@ def _kind(hint: Any) -> tuple[type, tuple[str, ...] | None]:
     return hint, None
 
 
-def add_engine_options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
-    """One option per EngineConfig field the command line sets, its dest the field's name."""
+def add_engine_options(parser: argparse.ArgumentParser, served: bool = False) -> list[argparse.Action]:
+    """One option per EngineConfig field the command line sets, its dest the field's name, its default the
+    field's; `served` (serve and worker): --model's is SERVED_MODEL."""
     group = parser.add_argument_group("engine", "each engine worker's settings (EngineConfig, docs/engine.md)")
     hints = typing.get_type_hints(EngineConfig)
     actions = []
@@ -53,10 +61,12 @@ def add_engine_options(parser: argparse.ArgumentParser) -> list[argparse.Action]
         kind, choices = _kind(hints[f.name])
         how: dict[str, Any] = ({"action": argparse.BooleanOptionalAction} if kind is bool
                                else {"type": kind, "choices": choices,
-                                     "metavar": "DIR" if f.name == "model" else "N" if kind in (int, float)
+                                     "metavar": "MODEL" if f.name == "model" else "N" if kind in (int, float)
                                      else None})
-        actions.append(group.add_argument(flag or f"--{f.name.replace('_', '-')}", dest=f.name, default=f.default,
-                                          help=f.metadata["help"], **how))
+        default = SERVED_MODEL if f.name == "model" and served else f.default
+        text = f.metadata["help"] + (f" (default: {default})" if f.name == "model" else "")
+        actions.append(group.add_argument(flag or f"--{f.name.replace('_', '-')}", dest=f.name, default=default,
+                                          help=text, **how))
     return actions
 
 
@@ -94,7 +104,7 @@ def add_server_options(parser: argparse.ArgumentParser) -> list[argparse.Action]
 def worker_options() -> list[argparse.Action]:
     """The options a worker takes that `serve` passes on to each of its workers."""
     parser = argparse.ArgumentParser()
-    return add_server_options(parser) + add_engine_options(parser)
+    return add_server_options(parser) + add_engine_options(parser, served=True)
 
 
 def to_argv(args: argparse.Namespace, actions: list[argparse.Action]) -> list[str]:

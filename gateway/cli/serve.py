@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disaggregate", action="store_true",
                         help="prefill/decode disaggregation: the first half of the workers prefill, the rest decode")
     add_server_options(parser)
-    add_engine_options(parser)
+    add_engine_options(parser, served=True)
 
 
 @dataclass(frozen=True)

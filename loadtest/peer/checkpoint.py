@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.tokenizer import _bytes_to_unicode  # the alphabet engine/tokenizer.py decodes with
+from engine.tokenizer import bytes_to_unicode  # the alphabet engine/tokenizer.py decodes with
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 256.. as engine/tokenizer.py's ByteTokenizer
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -19,7 +19,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
 
 def tokenizer_json() -> dict[str, object]:
     """A byte-level BPE with no merges: exactly one token per byte, ids equal to the byte."""
-    vocab = {c: b for b, c in _bytes_to_unicode().items()}
+    vocab = {c: b for b, c in bytes_to_unicode().items()}
     specials = [{"id": 256 + i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
                  "normalized": False, "special": True} for i, s in enumerate(SPECIALS)]
     return {
@@ -36,9 +36,9 @@ def tokenizer_json() -> dict[str, object]:
 def write_checkpoint(out: Path, seed: int = 0) -> Path:
     """The embedded model's config.json + model.safetensors (fp32; each server casts to its --dtype)
     and the tokenizer files, in `out` (created)."""
-    from engine.model.loader import default_model, save_checkpoint
+    from engine.model.loader import save_checkpoint, tiny_model
 
-    cfg, weights = default_model(seed)
+    cfg, weights = tiny_model(seed)
     save_checkpoint(cfg, weights, out)
     (out / "tokenizer.json").write_text(json.dumps(tokenizer_json(), ensure_ascii=False))
     (out / "tokenizer_config.json").write_text(json.dumps({

@@ -1,0 +1,224 @@
+"""Load a GGUF file (llama.cpp's format) of a Llama, Qwen2 or Qwen3 model: its ModelConfig from the
+metadata, its weights dequantized under the Hugging Face names the engine reads, and its tokenizer
+rebuilt with `tokenizers`, as transformers' GGUF loader does (modeling_gguf_pytorch_utils.py,
+integrations/gguf/gguf_tokenizer_mapping.py), so that both give the same logits and token ids."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers.models import BPE
+
+from engine.config import ModelConfig
+from engine.model.loader import check_weights, expected_shapes
+from engine.tokenizer import HFTokenizer, bytes_to_unicode
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+Q = GGMLQuantizationType
+# What gguf.quants dequantizes with numpy at a few hundred MB/s; its I-quants (IQ*) take minutes for a
+# small model, and so are refused.
+QUANTIZATIONS = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K,
+                           Q.Q5_K, Q.Q6_K})
+
+# The pre-tokenizer split of tokenizer.ggml.pre (llama.cpp's names), transformers' regexes; the names
+# that split as GPT-2 does (its ByteLevel regex) map to None. Another name is refused: with the wrong
+# split the merges still apply, to other pieces, and the model reads text it was not trained on.
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZERS: dict[str, str | None] = {
+    "default": None, "gpt2": None, "smollm": None,
+    "llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "smaug-bpe": _LLAMA3,
+    "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2,
+}
+# End-of-turn tokens (llama.cpp's list of the common ones): a chat answer ends at the one its chat
+# template writes after each turn, which need not be tokenizer.ggml.eos_token_id.
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>")
+CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
+_ID_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id", "pad": "padding_token_id"}
+
+
+class Metadata:
+    """A GGUF file's key-value metadata, read by key, with the file's name in every error."""
+
+    def __init__(self, reader: GGUFReader, path: Path) -> None:
+        self.reader, self.name = reader, path.name
+        self._read: dict[str, Any] = {}  # the vocabulary is read more than once, and is 50-150K strings
+
+    def get(self, key: str, default: Any = None) -> Any:
+        if key not in self._read:
+            field = self.reader.get_field(key)
+            self._read[key] = None if field is None else field.contents()
+        return default if self._read[key] is None else self._read[key]
+
+    def need(self, key: str) -> Any:
+        if (value := self.get(key)) is None:
+            raise ValueError(f"{self.name}: no {key!r} in its metadata")
+        return value
+
+
+def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], HFTokenizer]:
+    """The model in a GGUF file: its config, its weights (float32, Hugging Face names) and its tokenizer.
+    ValueError, in one line naming it, for an architecture, quantization or tokenizer it cannot run."""
+    path = Path(path)
+    reader = GGUFReader(path)
+    meta = Metadata(reader, path)
+    tokenizer = gguf_tokenizer(meta)  # first: its errors are cheaper than dequantizing
+    cfg = model_config(meta, path.stem)
+    weights = load_weights(meta, cfg)
+    check_weights(cfg, weights)
+    return cfg, weights, tokenizer
+
+
+def model_config(meta: Metadata, name: str) -> ModelConfig:
+    arch = meta.need("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{meta.name}: unsupported GGUF architecture {arch!r} (FlowPrefill runs "
+                         f"{', '.join(ARCHITECTURES)})")
+    if meta.get(f"{arch}.expert_count", 0):
+        raise ValueError(f"{meta.name}: unsupported: a mixture of experts ({arch}.expert_count)")
+    if (scaling := meta.get(f"{arch}.rope.scaling.type", "none")) != "none":
+        raise ValueError(f"{meta.name}: unsupported: rope scaling {scaling!r} (FlowPrefill reads GGUF files "
+                         "without rope scaling)")
+    tensors = {t.name for t in meta.reader.tensors}
+    if "rope_freqs.weight" in tensors:
+        raise ValueError(f"{meta.name}: unsupported: a rope_freqs tensor (Llama 3.1's rope scaling, as GGUF "
+                         "stores it)")
+    heads, hidden = int(meta.need(f"{arch}.attention.head_count")), int(meta.need(f"{arch}.embedding_length"))
+    tokens = len(meta.need("tokenizer.ggml.tokens"))
+    return ModelConfig(
+        architecture=ARCHITECTURES[arch],
+        vocab_size=int(meta.get(f"{arch}.vocab_size", tokens)),
+        hidden_size=hidden,
+        intermediate_size=int(meta.need(f"{arch}.feed_forward_length")),
+        num_hidden_layers=int(meta.need(f"{arch}.block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
+        max_position_embeddings=int(meta.get(f"{arch}.context_length", 4096)),
+        rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
+        qk_norm=arch == "qwen3",
+        tie_word_embeddings="output.weight" not in tensors,  # transformers' rule
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=eos_token_ids(meta),
+        name=name,
+    )
+
+
+def eos_token_ids(meta: Metadata) -> list[int]:
+    """tokenizer.ggml.eos_token_id, and the end-of-turn token the chat template writes."""
+    tokens = meta.need("tokenizer.ggml.tokens")
+    template = meta.get("tokenizer.chat_template") or ""
+    ids = {tokens.index(t) for t in END_OF_TURN if t in template and t in tokens}
+    if (eos := meta.get("tokenizer.ggml.eos_token_id")) is not None:
+        ids.add(int(eos))
+    return sorted(ids)
+
+
+def load_weights(meta: Metadata, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The tensors the engine reads, dequantized to float32 under their Hugging Face names (gguf's own
+    name map, the one llama.cpp's converter wrote them with); other tensors are ignored."""
+    arch = meta.need("general.architecture")
+    names = gguf.get_tensor_name_map(_MODEL_ARCH[arch], cfg.num_hidden_layers)
+    shapes = expected_shapes(cfg)
+    hf_name = {names.get_name(n, try_suffixes=(".weight", ".bias")): n for n in shapes}
+    weights: dict[str, torch.Tensor] = {}
+    for tensor in meta.reader.tensors:
+        name = hf_name.get(tensor.name)
+        if name is None:
+            continue
+        if tensor.tensor_type not in QUANTIZATIONS:
+            known = ", ".join(sorted(q.name for q in QUANTIZATIONS))
+            raise ValueError(f"{meta.name}: unsupported quantization {tensor.tensor_type.name} (tensor "
+                             f"{tensor.name}; FlowPrefill dequantizes {known})")
+        # As a plain ndarray: gguf dequantizes a row group at a time, and each slice of numpy's memmap
+        # subclass costs a finalizer call (SmolLM2's 272 tensors: 0.57 s instead of 1.05).
+        w = gguf.quants.dequantize(tensor.data.view(np.ndarray), tensor.tensor_type)
+        if w.size != np.prod(shapes[name]):
+            raise ValueError(f"{meta.name}: tensor {tensor.name} has {w.size} values, its config implies "
+                             f"{shapes[name]}")
+        w = w.reshape(shapes[name])
+        if arch == "llama" and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
+            kv = ".attn_k." in tensor.name
+            w = unpermute(w, cfg.num_key_value_heads if kv else cfg.num_attention_heads)
+        # A copy: F32 tensors are views of the read-only memory map.
+        weights[name] = torch.from_numpy(np.array(w, dtype=np.float32))
+    return weights
+
+
+_MODEL_ARCH = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
+
+
+def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's converter, which reorders each head's q_proj/k_proj rows (and bias) from the
+    rotate-half layout Hugging Face's Llama uses to interleaved pairs (convert_hf_to_gguf.py's
+    LlamaModel.permute); the same reshape as transformers' LlamaTensorProcessor._reverse_permute_weights."""
+    half = w.shape[0] // heads // 2
+    return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def gguf_tokenizer(meta: Metadata) -> HFTokenizer:
+    """The byte-level BPE tokenizer the metadata describes (tokenizer.ggml.model gpt2: GPT-2's, Llama 3's,
+    Qwen2's, SmolLM's), with its chat template, special tokens and end-of-sequence ids."""
+    kind = meta.need("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"{meta.name}: unsupported GGUF tokenizer {kind!r} (FlowPrefill builds gpt2's, "
+                         "byte-level BPE)")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise ValueError(f"{meta.name}: unsupported pre-tokenizer {pre!r} (tokenizer.ggml.pre; FlowPrefill "
+                         f"splits as {', '.join(PRE_TOKENIZERS)} do)")
+    tokens: list[str] = meta.need("tokenizer.ggml.tokens")
+    tok = byte_level_bpe(tokens, meta.need("tokenizer.ggml.merges"), PRE_TOKENIZERS[pre])
+    add_special_tokens(tok, meta, tokens)
+    special = {key: tokens[int(i)] for key in ("bos", "eos", "unk", "pad")
+               if (i := meta.get(f"tokenizer.ggml.{_ID_KEYS[key]}")) is not None}
+    if meta.get("tokenizer.ggml.add_bos_token", False) and "bos" in special:
+        bos = special["bos"]
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B:1",
+                                                           special_tokens=[(bos, tokens.index(bos))])
+    return HFTokenizer.built(tok, meta.get("tokenizer.chat_template"),
+                             {f"{key}_token": text for key, text in special.items()}, eos_token_ids(meta))
+
+
+
+def byte_level_bpe(tokens: list[str], merges: list[str], split: str | None) -> Tokenizer:
+    """GPT-2's BPE over tokens spelled in its byte alphabet (a token spelled otherwise is respelled from
+    its UTF-8 bytes, as transformers does); `split`: the regex that cuts text into pieces before the
+    merges, None for GPT-2's own."""
+    spelling = bytes_to_unicode()
+    alphabet = set(spelling.values())
+    vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode()): i for i, t in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tok = Tokenizer(BPE(vocab, pairs, dropout=None, continuing_subword_prefix="", end_of_word_suffix="",
+                        fuse_unk=False))
+    tok.pre_tokenizer = (pre_tokenizers.ByteLevel(add_prefix_space=False) if split is None else
+                         pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]))
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def add_special_tokens(tok: Tokenizer, meta: Metadata, tokens: list[str]) -> None:
+    """Control tokens (and the BOS/EOS/UNK/PAD ones) as special tokens, user-defined ones (such as
+    `<think>`) as plain added tokens: matched whole in text, never cut by the merges. A token spelled
+    outside the byte alphabet is not in the vocabulary as spelled (a control one is a llama.cpp
+    mislabel): transformers skips those, and so do we."""
+    types = meta.get("tokenizer.ggml.token_type") or []
+    alphabet = set(bytes_to_unicode().values())
+    ids = {int(i) for key in _ID_KEYS.values() if (i := meta.get(f"tokenizer.ggml.{key}")) is not None}
+    control = [t for i, (t, kind) in enumerate(zip(tokens, types, strict=False))
+               if (kind == CONTROL and set(t) <= alphabet) or i in ids]
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
+    user = [t for t, kind in zip(tokens, types, strict=False) if kind == USER_DEFINED and set(t) <= alphabet]
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
