@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     console = results_console()
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
     w_port, g_port = free_port(), free_port()
-    worker = start("worker", "--port", str(w_port), "--threads", "1", core=cores[-1])
+    worker = start("worker", "--model", "tiny", "--port", str(w_port), "--threads", "1", core=cores[-1])
     gateway = start("gateway", "--workers", f"http://127.0.0.1:{w_port}", "--port", str(g_port), core=cores[0])
     direct, via = f"http://127.0.0.1:{w_port}", f"http://127.0.0.1:{g_port}"
     results: dict[str, Any] = {"command": "flowprefill bench gateway " + " ".join(argv or sys.argv[3:]),
@@ -148,7 +148,7 @@ def _handoff(console: Console, prefill: str, lengths: list[int], cores: list[int
     transport (shared memory, as a same-host hand-off goes, and HTTP, as across hosts), alternating.
     The prefill worker reports the bytes and the time from packing to the decode worker's 204."""
     d_port = free_port()
-    decode = start("worker", "--port", str(d_port), "--threads", "1", core=cores[0])
+    decode = start("worker", "--model", "tiny", "--port", str(d_port), "--threads", "1", core=cores[0])
     rows = []
     try:
         with console.status("KV hand-off: starting a decode worker…"):

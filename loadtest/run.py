@@ -63,8 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--serve-policies", default=None,
                    help="comma-separated policies: start `flowprefill serve --policy P` for each (instead of "
                         "--host) and report them side by side")
-    p.add_argument("--serve-args", default="--threads 1",
-                   help="extra `flowprefill serve` options with --serve-policies (default leaves a core to Locust)")
+    p.add_argument("--serve-args", default="--threads 1 --model tiny",
+                   help="extra `flowprefill serve` options with --serve-policies (default: one core left to Locust, "
+                        "and the embedded tiny model, whose speed the default SLO classes were set for)")
     p.add_argument("--out", default="bench-results/loadtest",
                    help="directory for goodput.json, goodput.png and each run's Locust CSVs "
                         "(default: bench-results/loadtest)")

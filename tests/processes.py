@@ -69,10 +69,12 @@ def uvicorn_thread(app: Any, **config: Any) -> Iterator[int]:
 
 @contextmanager
 def serving(*args: str, env: dict[str, str] | None = None) -> Iterator[str]:
-    """`flowprefill serve` (gateway + one worker, one torch thread) on free ports: its URL.
+    """`flowprefill serve` (gateway + one worker, one torch thread) on free ports, on the tiny model unless
+    `args` say another --model: its URL.
     Stopped on exit; the no-orphans check is the caller's (the worker is on the next port)."""
     port = free_port(span=2)
-    proc = start("serve", "--port", str(port), "--kv-capacity-tokens", "65536", "--threads", "1", *args, env=env)
+    proc = start("serve", "--model", "tiny", "--port", str(port), "--kv-capacity-tokens", "65536", "--threads", "1",
+                 *args, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc)

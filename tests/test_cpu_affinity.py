@@ -51,7 +51,8 @@ def test_a_pinned_worker_computes_on_its_core_and_serves_http_on_the_others() ->
     cores = sorted(allowed_cores())
     compute, rest = cores[-1], set(cores[:-1])
     port = free_port()
-    proc = start("worker", "--port", str(port), "--cpu-cores", str(compute), "--kv-capacity-tokens", "4096")
+    proc = start("worker", "--model", "tiny", "--port", str(port), "--cpu-cores", str(compute),
+                 "--kv-capacity-tokens", "4096")
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, proc)

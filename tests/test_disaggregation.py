@@ -125,7 +125,7 @@ def test_inbox_waits_and_expires() -> None:
 @pytest.fixture(scope="module")
 def disaggregated() -> Iterator[int]:
     port = free_port(span=3)
-    proc = start("serve", "--workers", "2", "--disaggregate", "--port", str(port), "--threads", "1",
+    proc = start("serve", "--model", "tiny", "--workers", "2", "--disaggregate", "--port", str(port), "--threads", "1",
                  "--kv-capacity-tokens", "32768")
     try:
         wait_healthy(f"http://127.0.0.1:{port}", proc)

@@ -283,7 +283,7 @@ def test_a_real_worker_found_by_dns_serves_through_the_gateway(tmp_path: Path) -
     zone = Zone({NAME: ["127.0.0.2"]})
     port, gw_port = free_port(), free_port()
     with dns_server(zone) as dns_port:
-        worker = start("worker", "--host", "127.0.0.2", "--port", str(port), "--threads", "1",
+        worker = start("worker", "--model", "tiny", "--host", "127.0.0.2", "--port", str(port), "--threads", "1",
                        "--kv-capacity-tokens", "65536")
         try:
             wait_healthy(f"http://127.0.0.2:{port}", worker)

@@ -235,7 +235,8 @@ def test_unknown_route_and_method_get_openai_errors(served: str) -> None:
 
 def test_failover_when_a_worker_dies() -> None:
     ports = [free_port(), free_port()]
-    workers = [start("worker", "--port", str(p), "--threads", "1", "--kv-capacity-tokens", "32768") for p in ports]
+    workers = [start("worker", "--model", "tiny", "--port", str(p), "--threads", "1", "--kv-capacity-tokens", "32768")
+               for p in ports]
     gw_port = free_port()
     gateway = start("gateway", "--port", str(gw_port), "--workers", ",".join(f"http://127.0.0.1:{p}" for p in ports))
     url = f"http://127.0.0.1:{gw_port}"

@@ -184,7 +184,7 @@ def _children(pid: int) -> list[int]:
 def test_the_serve_process_maps_no_torch() -> None:
     """A running `flowprefill serve`: its workers map torch, the serve process itself (the gateway) not."""
     port = free_port(span=2)
-    proc = start("serve", "--port", str(port), "--kv-capacity-tokens", "8192", "--threads", "1")
+    proc = start("serve", "--model", "tiny", "--port", str(port), "--kv-capacity-tokens", "8192", "--threads", "1")
     try:
         wait_healthy(f"http://127.0.0.1:{port}", proc)
         (worker,) = _children(proc.pid)

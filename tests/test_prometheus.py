@@ -35,7 +35,7 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str
     for job in cfg["scrape_configs"]:
         job["static_configs"] = [{"targets": targets[job["job_name"]]}]
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(cfg))
-    serve = start("serve", "--port", str(port), "--kv-capacity-tokens", "65536", "--threads", "1")
+    serve = start("serve", "--model", "tiny", "--port", str(port), "--kv-capacity-tokens", "65536", "--threads", "1")
     prom = subprocess.Popen([PROMETHEUS, f"--config.file={tmp / 'prometheus.yml'}",
                              f"--storage.tsdb.path={tmp / 'data'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

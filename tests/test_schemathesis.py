@@ -19,7 +19,7 @@ EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "40"))  # per operation; a one-of
 def served_schema() -> Iterator[schemathesis.BaseSchema]:
     port = free_port(span=2)
     # a small KV cache bounds how long a generated request can decode (max_tokens past it is a 400)
-    proc = start("serve", "--port", str(port), "--kv-capacity-tokens", "2048", "--threads", "1")
+    proc = start("serve", "--model", "tiny", "--port", str(port), "--kv-capacity-tokens", "2048", "--threads", "1")
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc)

@@ -155,7 +155,7 @@ def test_grpc_export(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_preemptions_traced_gateway_to_worker(otlp_http: tuple[str, Collected]) -> None:
     endpoint, got = otlp_http
     port = free_port(span=2)
-    proc = start("serve", "--port", str(port), "--kv-capacity-tokens", "65536", "--threads", "1",
+    proc = start("serve", "--model", "tiny", "--port", str(port), "--kv-capacity-tokens", "65536", "--threads", "1",
                  env={"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"})
     url = f"http://127.0.0.1:{port}"
     trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -231,7 +231,7 @@ def test_preemptions_traced_gateway_to_worker(otlp_http: tuple[str, Collected]) 
 def test_disaggregated_request_traces_its_kv_transfer(otlp_http: tuple[str, Collected]) -> None:
     endpoint, got = otlp_http
     port = free_port(span=3)
-    proc = start("serve", "--workers", "2", "--disaggregate", "--port", str(port), "--threads", "1",
+    proc = start("serve", "--model", "tiny", "--workers", "2", "--disaggregate", "--port", str(port), "--threads", "1",
                  "--kv-capacity-tokens", "32768",
                  env={"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"})
     trace_id = "0af7651916cd43dd8448eb211c80319c"
@@ -319,7 +319,7 @@ def test_documented_preemption_recipe(otlp_http: tuple[str, Collected]) -> None:
     endpoint, got = otlp_http
     (recipe,) = re.findall(r"```bash\n(.*?)```", _section("observability.md", "## See a preemption"), re.S)
     port = free_port(span=2)
-    proc = start("serve", "--port", str(port), "--kv-capacity-tokens", "65536", "--threads", "1",
+    proc = start("serve", "--model", "tiny", "--port", str(port), "--kv-capacity-tokens", "65536", "--threads", "1",
                  env={"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"})
     try:
         wait_healthy(f"http://127.0.0.1:{port}", proc)

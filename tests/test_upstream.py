@@ -32,7 +32,7 @@ def gated() -> Iterator[str]:
     """A plain OpenAI server (a flowprefill worker scheduling FCFS, addressed only through the OpenAI
     API and /health) behind `flowprefill gateway --upstream openai --max-concurrency 1`."""
     up_port, gw_port = free_port(), free_port()
-    upstream = start("worker", "--port", str(up_port), "--policy", "fcfs", "--threads", "1",
+    upstream = start("worker", "--model", "tiny", "--port", str(up_port), "--policy", "fcfs", "--threads", "1",
                      "--kv-capacity-tokens", "65536")
     gateway = None
     try:

@@ -151,8 +151,9 @@ def _start_serve(policy: str, n: int, threads: int | None, logs: Path, tries: in
         port = free_port(span=n + 1)
         # --no-calibrate: the workers predict with the profile this planner reads (not each a start-up of its
         # own, 13 % apart per operator on 2 EPYC cores), so their logged speeds carry over to its cost model
-        argv = ["serve", "--port", str(port), "--workers", str(n), "--policy", policy, "--no-prefix-caching",
-                "--no-calibrate", *(["--threads", str(threads)] if threads else [])]
+        # --model tiny: the model the planner's profile is of (an engine's default, not serve's)
+        argv = ["serve", "--model", "tiny", "--port", str(port), "--workers", str(n), "--policy", policy,
+                "--no-prefix-caching", "--no-calibrate", *(["--threads", str(threads)] if threads else [])]
         log = logs / f"serve-{attempt}.log"  # its own: an earlier attempt's last line is not this one's cause
         proc = start(*argv, env={BATCH_LOG: str(logs)}, stderr_to=log)
         try:
