@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, model_path
 from engine.kv_cache import KVCache
 from engine.model import LlamaModel
 from engine.model.loader import save_checkpoint, tiny_model
@@ -68,7 +68,7 @@ class HFPrefill:
 
 
 def load_transformers(cfg: EngineConfig, model_dir: Path) -> tuple[Any | None, str]:
-    """transformers' model of the checkpoint the bench runs (the default model is written out first)."""
+    """transformers' model of the checkpoint the bench runs (the tiny model is written out first)."""
     try:
         import transformers
         from transformers import AutoModelForCausalLM
@@ -76,11 +76,13 @@ def load_transformers(cfg: EngineConfig, model_dir: Path) -> tuple[Any | None, s
         return None, "transformers is not installed (pip install 'flowprefill[dev]')"
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    if cfg.model:
-        model_dir = Path(cfg.model)
-    else:
+    path = model_path(cfg.model)
+    if path is None:
         save_checkpoint(*tiny_model(cfg.seed), model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, cfg.dtype), attn_implementation="sdpa")
+        path = model_dir
+    gguf = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
+    model = AutoModelForCausalLM.from_pretrained(path.parent if gguf else path, **gguf, dtype=getattr(torch, cfg.dtype),
+                                                 attn_implementation="sdpa")
     model.to(cfg.device).eval()
     return model, ""
 

@@ -47,7 +47,7 @@ from engine.bench.overhead import OverheadSection, median
 from engine.bench.prefill_markdown import markdown
 from engine.bench.prefill_plot import HF, PREEMPTIBLE, UNSPLIT, plot, size_label
 from engine.bench.stop_latency import StopLatencySection, cost_dict, random_prompt
-from engine.config import EngineConfig
+from engine.config import TINY_MODEL, EngineConfig
 from engine.kv_cache import KVCache
 from engine.model import LlamaModel, load_model
 from engine.model.plan import OpCost, SeqSpan
@@ -257,7 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-transformers", action="store_true", help="leave the transformers contender out")
     p.add_argument("--threads", type=int, help="torch threads (default: all cores)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", help="a local Hugging Face checkpoint directory (default: the embedded model)")
+    p.add_argument("--model", default=TINY_MODEL,
+                   help="a local Hugging Face checkpoint directory, a .gguf file, smollm2 or tiny (default: tiny, "
+                        "the embedded model)")
     p.add_argument("--device", default=EngineConfig().device, help="cpu (default) or cuda / cuda:N")
     p.add_argument("--dtype", default=EngineConfig().dtype, choices=["float32", "bfloat16", "float16"],
                    help="weights, activations and KV cache (default float32)")

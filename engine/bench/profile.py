@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from engine.bench.contenders import HFPrefill, OurPrefill, device_sync, load_transformers
 from engine.bench.stop_latency import random_prompt
-from engine.config import EngineConfig
+from engine.config import TINY_MODEL, EngineConfig
 from engine.kv_cache import KVCache
 from engine.model import load_model
 from engine.predictor import load_cost
@@ -60,7 +60,9 @@ def profile_one(name: str, fn: Callable[[], object], sync: Callable[[], None], r
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m engine.bench.profile", description=__doc__.split("\n")[0])
-    p.add_argument("--model", help="a local Hugging Face checkpoint directory (default: the embedded model)")
+    p.add_argument("--model", default=TINY_MODEL,
+                   help="a local Hugging Face checkpoint directory, a .gguf file, smollm2 or tiny (default: tiny, "
+                        "the embedded model)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--tokens", type=int, default=2048)
