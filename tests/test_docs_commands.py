@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -21,16 +22,30 @@ def blocks(doc: str, lang: str) -> list[str]:
     return re.findall(rf"```{lang}\n(.*?)```", (ROOT / doc).read_text(), re.S)
 
 
-@pytest.fixture(scope="module")
-def port() -> Iterator[int]:
+@contextmanager
+def serve(*args: str) -> Iterator[int]:
     port = free_port(span=2)
-    # The tiny model: what the commands show of the API, in a fraction of SmolLM2's time.
-    proc = start("serve", "--model", "tiny", "--port", str(port), "--kv-capacity-tokens", "65536", "--threads", "1")
+    proc = start("serve", "--port", str(port), "--threads", "1", *args)
     try:
-        wait_healthy(f"http://127.0.0.1:{port}", proc)
+        wait_healthy(f"http://127.0.0.1:{port}", proc, timeout=240)
         yield port
     finally:
         stop(proc)
+
+
+@pytest.fixture(scope="module")
+def port() -> Iterator[int]:
+    """`flowprefill serve` as the docs start it: the default model, SmolLM2 (with a KV cache of 16K tokens,
+    its default's 262K being 12 GB)."""
+    with serve("--kv-capacity-tokens", "16384") as port:
+        yield port
+
+
+@pytest.fixture(scope="module")
+def tiny_port() -> Iterator[int]:
+    """`flowprefill serve --model tiny`, which the Quickstart's load test runs against."""
+    with serve("--model", "tiny", "--kv-capacity-tokens", "65536") as port:
+        yield port
 
 
 def moved(text: str, port: int) -> str:
@@ -78,11 +93,11 @@ def test_python_snippets(port: int) -> None:
 
 
 @pytest.mark.slow
-def test_quickstart_load_test(port: int, tmp_path: Path) -> None:
+def test_quickstart_load_test(tiny_port: int, tmp_path: Path) -> None:
     from loadtest.profiles import BUILTIN
 
     (cmd,) = [b.strip() for b in blocks("docs/quickstart.md", "bash") if "flowprefill loadtest" in b]
-    out = run(f"cd {tmp_path} && {cmd}", port, timeout=300)
+    out = run(f"cd {tmp_path} && {cmd}", tiny_port, timeout=300)
     n = len(BUILTIN["burst"].schedule())  # 36 before the backlog was sized to be feasible on slow machines
     m = re.search(r"accounting: scheduled (\d+) = sent (\d+) \+ missing 0; sent = succeeded (\d+) \+ failed (\d+)",
                   " ".join(out.split()))

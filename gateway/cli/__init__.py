@@ -30,7 +30,7 @@ class Command:
 
 ENGINE, BENCH = ("engine",), ("engine", "loadtest")  # the benchmarks start engines and plot
 SERVERS = {
-    "serve": Command("gateway.cli.serve", "gateway + engine worker(s) on this machine (embedded model by default)",
+    "serve": Command("gateway.cli.serve", "gateway + engine worker(s) on this machine (SmolLM2-135M by default)",
                      ENGINE),
     "gateway": Command("gateway.cli.gateway", "the SLO gateway alone, in front of running workers"),
     "worker": Command("gateway.cli.worker", "one engine worker (OpenAI API + /load, /health, /metrics)", ENGINE),

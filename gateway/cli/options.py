@@ -93,7 +93,7 @@ def add_server_options(parser: argparse.ArgumentParser) -> list[argparse.Action]
                            help=f"prefill scheduling policy: {' | '.join(POLICIES)} (N: chunk tokens)"),
         group.add_argument("--tool-call-parser", choices=tool_calls.PARSERS, default=None,
                            help="serve chat requests with tools (tool_choice auto), reading the model's calls in "
-                                "this format: hermes (Qwen2.5, Hermes, the embedded model's template), "
+                                "this format: hermes (Qwen2.5, Hermes, the tiny model's template), "
                                 "llama3_json (Llama 3.1); without it such requests are refused"),
         group.add_argument("--reasoning-parser", choices=reasoning.PARSERS, default=None,
                            help="a reasoning model's: its <think> reasoning comes back apart from the content "

@@ -1,7 +1,7 @@
 """Run the SLO gateway in this process and its engine workers as child processes, all on this
 machine: the gateway on --port, the workers on the ports after it (127.0.0.1 only). Without --model
-the workers serve the embedded default model. Every port is checked before anything starts, and a
-worker that cannot start stops `serve` with the reason."""
+the workers serve SmolLM2-135M-Instruct (--model smollm2). Every port is checked before anything
+starts, and a worker that cannot start stops `serve` with the reason."""
 
 from __future__ import annotations
 
