@@ -241,6 +241,7 @@ def write_gguf(path: Path, arch: str, cfg: ModelConfig, qtype: Q, tok: dict[str,
     w.add_token_merges(tok["merges"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(4)
+    w.add_add_bos_token(True)  # as Llama 3's files ask
     w.add_chat_template(CHAT_TEMPLATE)
     expected = {}
     for name, shape in expected_shapes(cfg).items():
@@ -313,6 +314,17 @@ def test_a_gguf_tokenizer_is_its_tokenizer_json(tiny_gguf: Callable[..., Any], t
         assert ours.decode(ours.encode(text), skip_special_tokens=False) == text
     assert ours.apply_chat_template(CHAT) == original.apply_chat_template(CHAT)
     assert ours.eos_token_ids == [4]  # tokenizer.ggml.eos_token_id, also the template's <|im_end|>
+
+
+def test_a_gguf_tokenizer_adds_bos_where_asked_as_transformers_does(tiny_gguf: Callable[..., Any]) -> None:
+    from transformers import AutoTokenizer
+
+    path, _, _ = tiny_gguf("llama", Q.Q8_0, True)
+    ours, theirs = load_gguf(path)[2], AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for text in ["the quick brown fox", "<|im_start|>user\nhi<|im_end|>"]:
+        for special in (True, False):
+            assert ours.encode(text, add_special_tokens=special) == theirs.encode(text, add_special_tokens=special)
+    assert ours.encode("the", add_special_tokens=True)[0] == 1  # <s>
 
 
 # -- what is refused ------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from engine.model.loader import check_weights, expected_shapes
 from engine.tokenizer import HFTokenizer, bytes_to_unicode
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_MODEL_ARCH = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}  # gguf's enum, by its name
 
 Q = GGMLQuantizationType
 # What gguf.quants dequantizes with numpy at a few hundred MB/s; its I-quants (IQ*) take minutes for a
@@ -27,9 +28,11 @@ Q = GGMLQuantizationType
 QUANTIZATIONS = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K,
                            Q.Q5_K, Q.Q6_K})
 
-# The pre-tokenizer split of tokenizer.ggml.pre (llama.cpp's names), transformers' regexes; the names
-# that split as GPT-2 does (its ByteLevel regex) map to None. Another name is refused: with the wrong
-# split the merges still apply, to other pieces, and the model reads text it was not trained on.
+# The pre-tokenizer split of tokenizer.ggml.pre (llama.cpp's names), transformers' regexes; None: GPT-2's
+# own (ByteLevel's regex). smollm's (llama.cpp splits digits apart first) is GPT-2's in transformers too,
+# and gives the same tokens, since SmolLM's vocabulary has no token with a digit beside anything else.
+# Another name is refused: with the wrong split the merges still apply, to other pieces, and the model
+# reads text it was not trained on.
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
@@ -156,8 +159,6 @@ def load_weights(meta: Metadata, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     return weights
 
 
-_MODEL_ARCH = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
-
 
 def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     """Undo llama.cpp's converter, which reorders each head's q_proj/k_proj rows (and bias) from the
@@ -180,16 +181,15 @@ def gguf_tokenizer(meta: Metadata) -> HFTokenizer:
                          f"splits as {', '.join(PRE_TOKENIZERS)} do)")
     tokens: list[str] = meta.need("tokenizer.ggml.tokens")
     tok = byte_level_bpe(tokens, meta.need("tokenizer.ggml.merges"), PRE_TOKENIZERS[pre])
-    add_special_tokens(tok, meta, tokens)
-    special = {key: tokens[int(i)] for key in ("bos", "eos", "unk", "pad")
-               if (i := meta.get(f"tokenizer.ggml.{_ID_KEYS[key]}")) is not None}
-    if meta.get("tokenizer.ggml.add_bos_token", False) and "bos" in special:
-        bos = special["bos"]
+    ids = {key: int(i) for key, field in _ID_KEYS.items() if (i := meta.get(f"tokenizer.ggml.{field}")) is not None}
+    add_special_tokens(tok, meta, tokens, set(ids.values()))
+    if meta.get("tokenizer.ggml.add_bos_token", False) and "bos" in ids:
+        # What add_special_tokens=True adds (vLLM's /tokenize, a completion's prompt as Llama 3's are sent).
+        bos = tokens[ids["bos"]]
         tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B:1",
-                                                           special_tokens=[(bos, tokens.index(bos))])
+                                                           special_tokens=[(bos, ids["bos"])])
     return HFTokenizer.built(tok, meta.get("tokenizer.chat_template"),
-                             {f"{key}_token": text for key, text in special.items()}, eos_token_ids(meta))
-
+                             {f"{key}_token": tokens[i] for key, i in ids.items()}, eos_token_ids(meta))
 
 
 def byte_level_bpe(tokens: list[str], merges: list[str], split: str | None) -> Tokenizer:
@@ -209,14 +209,13 @@ def byte_level_bpe(tokens: list[str], merges: list[str], split: str | None) -> T
     return tok
 
 
-def add_special_tokens(tok: Tokenizer, meta: Metadata, tokens: list[str]) -> None:
-    """Control tokens (and the BOS/EOS/UNK/PAD ones) as special tokens, user-defined ones (such as
+def add_special_tokens(tok: Tokenizer, meta: Metadata, tokens: list[str], ids: set[int]) -> None:
+    """Control tokens (and `ids`, the BOS/EOS/UNK/PAD ones) as special tokens, user-defined ones (such as
     `<think>`) as plain added tokens: matched whole in text, never cut by the merges. A token spelled
     outside the byte alphabet is not in the vocabulary as spelled (a control one is a llama.cpp
     mislabel): transformers skips those, and so do we."""
     types = meta.get("tokenizer.ggml.token_type") or []
     alphabet = set(bytes_to_unicode().values())
-    ids = {int(i) for key in _ID_KEYS.values() if (i := meta.get(f"tokenizer.ggml.{key}")) is not None}
     control = [t for i, (t, kind) in enumerate(zip(tokens, types, strict=False))
                if (kind == CONTROL and set(t) <= alphabet) or i in ids]
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
