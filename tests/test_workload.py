@@ -117,9 +117,23 @@ def test_the_traces_ship_in_the_package(monkeypatch: pytest.MonkeyPatch, tmp_pat
     monkeypatch.delenv("FLOWPREFILL_TRACES", raising=False)
     d = traces_dir()
     assert d.is_relative_to(Path(__file__).resolve().parents[1] / "loadtest")
-    assert {"azure_llm_2023_conv.csv", "azure_llm_2023_code.csv", "README.md"} <= {p.name for p in d.iterdir()}
+    assert {"azure_llm_2023_conv.csv", "azure_llm_2023_code.csv", "mooncake_fast25_synthetic_trace.jsonl",
+            "README.md"} <= {p.name for p in d.iterdir()}
+    readme = (d / "README.md").read_text()
+    assert "Apache License 2.0" in readme and "FAST25-release/traces/synthetic_trace.jsonl" in readme
     monkeypatch.setenv("FLOWPREFILL_TRACES", str(tmp_path))
     assert traces_dir() == tmp_path
+
+
+def test_every_shipped_trace_is_package_data() -> None:
+    """A wheel carries every trace the workloads read, not only the checkout."""
+    import fnmatch
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["loadtest"]
+    for f in (root / "loadtest" / "traces").iterdir():
+        assert any(fnmatch.fnmatch(f"traces/{f.name}", pat) for pat in patterns), f.name
 
 
 def test_azure_mix_merges_both_traces() -> None:
