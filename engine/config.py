@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -182,6 +183,27 @@ def setting(default: Any, help: str, flag: str | None = "") -> Any:
     return field(default=default, metadata={"help": help, "flag": flag})
 
 
+# The KV cache's size when none is given: this many tokens, and on a CPU no more than KV_AUTO_CPU_GIB and a
+# quarter of the memory available at start-up (vLLM's CPU build reserves 4 GiB by default too). SmolLM2's
+# 262,144 tokens in fp32 would be 12 GiB: half of a 24 GiB host, and seconds of start-up to zero it.
+KV_AUTO_TOKENS = 262_144
+KV_AUTO_CPU_GIB = 4.0
+
+
+def kv_bytes_per_token(cfg: ModelConfig, element_bytes: int) -> int:
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * element_bytes
+
+
+def auto_kv_tokens(cfg: ModelConfig, element_bytes: int, device: str) -> int:
+    """The KV cache's tokens for `kv_capacity_tokens` 0 (see KV_AUTO_TOKENS)."""
+    if not device.startswith("cpu"):
+        return KV_AUTO_TOKENS
+    budget = KV_AUTO_CPU_GIB * 2**30
+    if hasattr(os, "sysconf") and "SC_AVPHYS_PAGES" in os.sysconf_names:
+        budget = min(budget, os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 4)
+    return min(KV_AUTO_TOKENS, int(budget // kv_bytes_per_token(cfg, element_bytes)))
+
+
 @dataclass
 class EngineConfig:
     """Knobs of one engine worker. A `Literal` type lists a setting's choices."""
@@ -205,7 +227,8 @@ class EngineConfig:
                 "when it loads and agrees with torch's; on an AMD CPU about 2.2x MKL's in fp32)")
     kv_block_size: int = setting(256, "tokens per KV-cache block, the unit of allocation and of prefix reuse")
     kv_capacity_tokens: int = setting(
-        262_144, "KV-cache size in tokens, allocated at start-up (rounded down to whole blocks)")
+        0, "KV-cache size in tokens, allocated at start-up (rounded down to whole blocks); 0: auto, "
+           f"{KV_AUTO_TOKENS:,} tokens, on a CPU at most {KV_AUTO_CPU_GIB:g} GiB and a quarter of the memory available")
     # When a request's KV blocks are taken. grow: its prompt's (and the first answer token's) when its
     # batch forms, the answer's as it grows; when blocks run out an answer is evicted and later
     # recomputed (vLLM's preemption by recompute, TensorRT-LLM's MAX_UTILIZATION). full: prompt +

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from engine import handoff
-from engine.config import EngineConfig
+from engine.config import EngineConfig, auto_kv_tokens
 from engine.cpu_affinity import CorePinning, on_passing_thread, team_ids
 from engine.decode import Answers
 from engine.kv_cache import KVCache, OutOfBlocks
@@ -83,12 +83,13 @@ class Engine:
         if self.pinning is not None:  # calibration runs on this thread's team: bound as the engine's will be
             self.pinning.bind_threads(torch.get_num_threads())
         self.model, self.tokenizer = load_model(cfg)
-        self.kv = KVCache(self.model.cfg, cfg.kv_block_size, cfg.kv_capacity_tokens, getattr(torch, cfg.dtype),
-                          torch.device(cfg.device))
+        dtype = getattr(torch, cfg.dtype)
+        tokens = cfg.kv_capacity_tokens or auto_kv_tokens(self.model.cfg, dtype.itemsize, cfg.device)
+        self.kv = KVCache(self.model.cfg, cfg.kv_block_size, tokens, dtype, torch.device(cfg.device))
         self.cost = (stored_cost(self.model, self.profile) if self.profile is not None
                      else load_cost(self.model, record=self.record_profile and cfg.calibrate))
         if self.model.activations is not None:  # the longest prompt's buffers mapped before it arrives
-            self.model.activations.warm(min(self.model.cfg.max_position_embeddings, cfg.kv_capacity_tokens))
+            self.model.activations.warm(min(self.model.cfg.max_position_embeddings, tokens))
         if self.model.graphs is not None:
             self.model.graphs.capture_all()
         if self.model.linear == "onednn":  # its kernels are built per row count: before the first request

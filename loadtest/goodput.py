@@ -28,7 +28,7 @@ from rich.table import Table
 from engine import batch_log
 from engine.bench.console import results_console
 from engine.bench.machine import machine_info
-from engine.config import EngineConfig
+from engine.config import KV_AUTO_TOKENS, EngineConfig
 from engine.model.plan import OpCost
 from engine.protocol.slo import DEFAULT_CLASSES, SLOClass
 from engine.request import Request, SamplingParams
@@ -40,7 +40,7 @@ from engine.sim.simulator import BatchRecord
 from gateway.cli.common import CommandLineError, Parser
 from gateway.cli.options import add_engine_options, check_model, engine_config
 from loadtest import report
-from loadtest.workload import ClassRule, Workload, azure_mix, head, load_trace, scale_to_rate, synthesize_prompt
+from loadtest.workload import ClassRule, Workload, head, named_or_trace, scale_to_rate, synthesize_prompt
 
 DEFAULT_POLICIES = "flowprefill,fcfs,chunked:2048,chunked:8192"
 RATIO_PAIRS = [("flowprefill", "fcfs"), ("flowprefill", "chunked:2048"), ("flowprefill", "chunked:8192"),
@@ -70,7 +70,7 @@ def sim_config(engine_cfg: EngineConfig, ideal: bool = False, error: PredictionE
     """The simulator set up as the engine `engine_cfg` describes (its step budget, batch bound, KV, late share)."""
     budget = engine_cfg.step_budget_ms / 1000 if engine_cfg.preemptible else None
     return SimConfig(step_budget_s=budget, max_batch_tokens=engine_cfg.max_batch_tokens,
-                     kv_capacity_tokens=engine_cfg.kv_capacity_tokens, ideal=ideal,
+                     kv_capacity_tokens=engine_cfg.kv_capacity_tokens or KV_AUTO_TOKENS, ideal=ideal,
                      late_share=engine_cfg.late_share, error=error or PredictionError(), seed=seed)
 
 
@@ -197,7 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="real: the engine in this process on this machine; sim: the simulator driving the "
                         "same scheduler code with a cost model (--cost) (default: sim)")
     p.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated policy names")
-    p.add_argument("--workload", default="azure-mix", help="azure-mix or a trace file (Azure/BurstGPT CSV, JSONL)")
+    p.add_argument("--workload", default="azure-mix",
+                   help="azure-mix, long-mix or a trace file (Azure/BurstGPT CSV, JSONL)")
     p.add_argument("--requests", type=int, default=None, help="first N requests of the workload")
     p.add_argument("--rates", default=None, help="offered rates, req/s (default: per engine)")
     p.add_argument("--slo-scales", default="0.4,0.6,0.8,1.0,1.5,2.0",
@@ -261,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_ideal and "flowprefill" in policies:
         policies.append(IDEAL)
     rule = ClassRule()
-    base = azure_mix(rule) if args.workload == "azure-mix" else load_trace(args.workload, rule)
+    base = named_or_trace(args.workload, rule)
     base = head(base, n)
     classes = DEFAULT_CLASSES
     scale_rate = args.scale_rate or 2.0
