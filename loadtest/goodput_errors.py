@@ -23,7 +23,7 @@ from engine.bench.machine import machine_info
 from engine.protocol.slo import DEFAULT_CLASSES, SLOClass
 from engine.sim.errors import PredictionError
 from loadtest import report
-from loadtest.workload import ClassRule, Workload, azure_mix, head, load_trace, scale_to_rate
+from loadtest.workload import ClassRule, Workload, head, named_or_trace, scale_to_rate
 
 if TYPE_CHECKING:
     from engine.sim.simulator import BatchRecord
@@ -47,7 +47,7 @@ def sweep_errors(args: argparse.Namespace, console: Console, levels: list[Predic
     from loadtest.goodput import _collapsed
 
     rule = ClassRule()
-    base = head(azure_mix(rule) if args.workload == "azure-mix" else load_trace(args.workload, rule), n)
+    base = head(named_or_trace(args.workload, rule), n)
     classes = DEFAULT_CLASSES
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
     results_conv: dict[str, dict[str, Any]] = {}

@@ -5,7 +5,7 @@ head-of-line blocking.
 A profile is a built-in name (`steady`, `ramp`, `burst`, `azure`) or a TOML file:
 
     kind = "trace"            # poisson | ramp | burst | trace
-    trace = "azure-mix"       # azure-mix, or a trace file (Azure / BurstGPT CSV, Mooncake JSONL)
+    trace = "azure-mix"       # azure-mix, long-mix, or a trace file (Azure / BurstGPT CSV, Mooncake JSONL)
     window_start_s = 0
     window_s = 300
     rate = 2.0                # replay at this mean rate (req/s); omit for the trace's own pace
@@ -21,13 +21,13 @@ import msgspec
 
 from engine.protocol.slo import DEFAULT_CLASSES
 from loadtest.workload import (
+    NAMED,
     ClassRule,
     TraceError,
     TraceRequest,
     Workload,
-    azure_mix,
     head,
-    load_trace,
+    named_or_trace,
     poisson,
     scale_to_rate,
     window,
@@ -52,7 +52,7 @@ class Profile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # poisson: `rate` req/s for `duration_s`, prompt sizes drawn from `lengths`
     rate: float | None = None
     duration_s: float = 60.0
-    lengths: str = "azure-mix"  # azure-mix, a trace file, or "mix" (50/50 short / long)
+    lengths: str = "azure-mix"  # azure-mix, long-mix, a trace file, or "mix" (50/50 short / long)
     # ramp: Poisson steps at each of `rates`, `step_s` each; reported per step to find the knee
     rates: list[float] = []
     step_s: float = 30.0
@@ -110,8 +110,8 @@ class Profile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if self.window_start_s < 0:
             raise bad("window_start_s", "must be >= 0")
         used = "trace" if self.kind == "trace" else "lengths" if self.kind in ("poisson", "ramp") else None
-        if used and getattr(self, used) not in ("azure-mix", "mix") and not Path(getattr(self, used)).is_file():
-            raise bad(used, f"{getattr(self, used)!r} is not azure-mix or an existing trace file")
+        if used and getattr(self, used) not in (*NAMED, "mix") and not Path(getattr(self, used)).is_file():
+            raise bad(used, f"{getattr(self, used)!r} is not {', '.join(NAMED)} or an existing trace file")
 
     def schedule(self) -> Schedule:
         """The open-loop arrival schedule. Deterministic: every Locust process builds the same one."""
@@ -153,11 +153,11 @@ class Profile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def _lengths(self, rule: ClassRule) -> Workload | None:
         if self.lengths == "mix":
             return None
-        return azure_mix(rule) if self.lengths == "azure-mix" else load_trace(self.lengths, rule)
+        return named_or_trace(self.lengths, rule)
 
     def _trace(self, rule: ClassRule) -> Workload:
         try:
-            return azure_mix(rule) if self.trace == "azure-mix" else load_trace(self.trace, rule)
+            return named_or_trace(self.trace, rule)
         except (TraceError, OSError) as exc:
             raise ProfileError(f"profile {self.name!r}: {exc}") from None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import random
 from collections.abc import Iterable
 from datetime import datetime
@@ -254,6 +255,52 @@ def azure_mix(rule: ClassRule | None = None) -> Workload:
 
 def _first_timestamp(path: Path) -> float:
     return min(t for t, *_ in _azure_rows(path))
+
+
+MOONCAKE_TRACE = "mooncake_fast25_synthetic_trace.jsonl"
+# long-mix's split: above SHORT_MAX tokens (the default rule's `standard` bound, so long prompts are
+# `relaxed` or `batch` and short ones `interactive` or `standard`) a prompt is long; long prompts are
+# compressed to at most LONG_MAX: the tiny model's bench peer context (16,384) and both servers' KV
+# hold that many with room to spare, and on one CPU core in bf16 an 8K prefill already takes seconds.
+SHORT_MAX, LONG_MAX = 2048, 8192
+
+
+def long_mix(rule: ClassRule | None = None, short_max: int = SHORT_MAX, long_max: int = LONG_MAX) -> Workload:
+    """Long prompts over short ones: the Mooncake FAST'25 trace's prompts longer than `short_max`
+    (their lengths compressed into (short_max, long_max]) merged, each at its own time, with azure-mix's
+    prompts of at most `short_max` tokens over the Mooncake trace's 17 minutes. About 30 % of its
+    requests are long; its first 80, 59 %."""
+    rule = rule or ClassRule()
+    moon = load_trace(traces_dir() / MOONCAKE_TRACE, rule)
+    longs = [r for r in moon.requests if r.input_tokens > short_max]
+    top = max(r.input_tokens for r in longs)
+    reqs = [TraceRequest(r.arrival_s, n, r.output_tokens, rule(n))
+            for r in longs for n in [compress(r.input_tokens, short_max, long_max, top)]]
+    shorts = [r for r in azure_mix(rule).requests if r.input_tokens <= short_max and r.arrival_s <= moon.duration_s]
+    source = (f"{MOONCAKE_TRACE} (inputs > {short_max} tokens, log-compressed into ({short_max}, {long_max}], "
+              f"no prefix) + azure-mix (inputs <= {short_max}), over the first {moon.duration_s:.0f} s of each")
+    return Workload("long-mix", source, rule.describe(), sorted(reqs + shorts, key=lambda r: r.arrival_s))
+
+
+def compress(n: int, low: int, high: int, top: int) -> int:
+    """n in (low, top] onto (low, high] on a log scale: low * (n / low) ** k with top landing on high,
+    so lengths keep their order and relative spread (a Mooncake prompt of 11.6K tokens, its median,
+    becomes 3.5K; its 191K longest, 8K). The prompt's hash ids are dropped: they name 512-token blocks
+    of the uncompressed prompt."""
+    if top <= high:
+        return n
+    k = math.log(high / low) / math.log(top / low)
+    return min(high, max(low + 1, math.ceil(low * (n / low) ** k)))
+
+
+NAMED = {"azure-mix": azure_mix, "long-mix": long_mix}
+
+
+def named_or_trace(spec: str, rule: ClassRule | None = None) -> Workload:
+    """A named workload (azure-mix, long-mix) or a trace file (Azure / BurstGPT CSV, Mooncake /
+    Qwen-Bailian JSONL)."""
+    build = NAMED.get(spec)
+    return build(rule) if build else load_trace(spec, rule)
 
 
 # -- prompts -----------------------------------------------------------------------------------

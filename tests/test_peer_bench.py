@@ -311,6 +311,22 @@ def _rec(i: int, cls: str, ttft_ms: float | None) -> Record:
                   ttft_s=None if ttft_ms is None else ttft_ms / 1000, error=None if ttft_ms else "HTTP 503")
 
 
+def test_the_long_prompt_mix_as_the_workload() -> None:
+    """--workload long-mix: its first N requests; a prompt the servers' context cannot hold is the
+    user's mistake, said before anything starts."""
+    import argparse
+
+    from loadtest.peer.run_sweep import workload as peer_workload
+
+    args = argparse.Namespace(workload="long-mix", requests=80, max_tokens=1, max_model_len=16384)
+    w = peer_workload(args)
+    assert w.name == "long-mix" and len(w.requests) == 80
+    assert max(r.input_tokens for r in w.requests) <= 8192
+    args.max_model_len = 4096
+    with pytest.raises(SpecError, match="do not fit --max-model-len 4096"):
+        peer_workload(args)
+
+
 def test_point_arithmetic() -> None:
     records = [_rec(0, "interactive", 100), _rec(1, "interactive", 300), _rec(2, "interactive", 200),
                _rec(3, "batch", 7000), _rec(4, "batch", None)]

@@ -143,3 +143,67 @@ def test_azure_mix_merges_both_traces() -> None:
     assert len(w.requests) == 19366 + 8819  # the rows of both traces
     assert all(a.arrival_s <= b.arrival_s for a, b in zip(w.requests, w.requests[1:], strict=False))
     assert {r.slo_class for r in w.requests} == {"interactive", "standard", "relaxed", "batch"}
+
+
+def test_compress_keeps_order_and_lands_the_longest_on_the_bound() -> None:
+    from loadtest.workload import compress
+
+    lengths = [2049, 3000, 11_587, 38_596, 191_378]
+    out = [compress(n, 2048, 8192, 191_378) for n in lengths]
+    assert out == sorted(out) and len(set(out)) == len(out)
+    assert out[0] == 2049 and out[-1] == 8192
+    assert 3400 <= out[2] <= 3550  # Mooncake's median prompt, as workload.compress says
+    assert compress(5000, 2048, 8192, 8000) == 5000  # all fit already: unchanged
+
+
+def test_long_mix_of_small_traces(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Mooncake's long prompts (compressed) and Azure's short ones, each at its own time, over the
+    Mooncake trace's span; Mooncake's short prompts and Azure's long ones and late ones left out."""
+    from loadtest.workload import long_mix, named_or_trace
+
+    head_ = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+    write(tmp_path, "azure_llm_2023_conv.csv", head_ + "2023-11-16 18:00:00.0,500,7\n"
+          "2023-11-16 18:00:03.0,3000,7\n2023-11-16 18:00:05.0,1500,7\n2023-11-16 18:05:00.0,100,7\n")
+    write(tmp_path, "azure_llm_2023_code.csv", head_ + "2023-11-16 18:00:01.5,2048,9\n")
+    write(tmp_path, "mooncake_fast25_synthetic_trace.jsonl", "\n".join(json.dumps(x) for x in [
+        {"timestamp": 0, "input_length": 40_000, "output_length": 6, "hash_ids": list(range(79))},
+        {"timestamp": 2000, "input_length": 300, "output_length": 6, "hash_ids": [80]},
+        {"timestamp": 4000, "input_length": 191_378, "output_length": 3, "hash_ids": [81]},
+        {"timestamp": 200_000, "input_length": 2500, "output_length": 2, "hash_ids": [82]}]))
+    monkeypatch.setenv("FLOWPREFILL_TRACES", str(tmp_path))  # over 100 s: read as milliseconds
+    w = long_mix()
+    got = [(r.arrival_s, r.input_tokens, r.slo_class) for r in w.requests]
+    assert got[:2] == [(0.0, compress_(40_000), "batch"), (0.0, 500, "interactive")]
+    assert got[2:] == [(1.5, 2048, "standard"), (4.0, 8192, "batch"), (5.0, 1500, "standard"),
+                       (200.0, compress_(2500), "relaxed")]
+    assert all(r.prefix == () for r in w.requests)  # hash ids name blocks of the uncompressed prompt
+    assert w.name == "long-mix" and "mooncake" in w.source and "azure-mix" in w.source
+    assert w.class_rule == ClassRule().describe()
+    assert named_or_trace("long-mix").requests == w.requests
+    assert len(named_or_trace("azure-mix").requests) == 5
+    with pytest.raises(TraceError, match="does not exist"):
+        named_or_trace("long_mix")  # neither a name nor a file
+
+
+def compress_(n: int) -> int:
+    from loadtest.workload import compress
+
+    return compress(n, 2048, 8192, 191_378)
+
+
+def test_long_mix_on_the_shipped_traces() -> None:
+    """The composition docs/loadtest.md states: 30 % long over the whole mix, every class in its first
+    80 requests (the hogs benchmark's), long ones relaxed or batch, short ones interactive or standard."""
+    from loadtest.workload import head, long_mix
+
+    w = long_mix()
+    longs = [r for r in w.requests if r.input_tokens > 2048]
+    assert len(longs) == 2692  # the Mooncake trace's prompts over 2,048 tokens
+    assert 0.28 < len(longs) / len(w.requests) < 0.32
+    assert max(r.input_tokens for r in longs) == 8192
+    assert {r.slo_class for r in longs} == {"relaxed", "batch"}
+    assert {r.slo_class for r in w.requests if r.input_tokens <= 2048} == {"interactive", "standard"}
+    first = head(w, 80).requests
+    assert {r.slo_class for r in first} == {"interactive", "standard", "relaxed", "batch"}
+    assert sum(r.input_tokens > 2048 for r in first) == 47
+    assert all(a.arrival_s <= b.arrival_s for a, b in zip(w.requests, w.requests[1:], strict=False))

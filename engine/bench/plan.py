@@ -43,9 +43,8 @@ from loadtest.workload import (
     ClassRule,
     TraceError,
     Workload,
-    azure_mix,
     head,
-    load_trace,
+    named_or_trace,
     scale_to_rate,
     skip,
 )
@@ -72,7 +71,8 @@ def workers_of(spec: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="flowprefill plan", description=__doc__)
-    p.add_argument("--workload", default="azure-mix", help="azure-mix or a trace file (Azure/BurstGPT CSV, JSONL)")
+    p.add_argument("--workload", default="azure-mix",
+                   help="azure-mix, long-mix or a trace file (Azure/BurstGPT CSV, JSONL)")
     p.add_argument("--requests", type=int, default=None, metavar="N", help="first N requests of the workload "
                    "(default: all)")
     p.add_argument("--skip", type=int, default=0, metavar="N", help="leave out the workload's first N requests "
@@ -203,7 +203,7 @@ def load_workload(args: argparse.Namespace) -> Workload:
 
 
 def _trace(args: argparse.Namespace) -> Workload:
-    return azure_mix(ClassRule()) if args.workload == "azure-mix" else load_trace(args.workload, ClassRule())
+    return named_or_trace(args.workload, ClassRule())
 
 
 def _planned(args: argparse.Namespace, trace: Workload) -> Workload:

@@ -24,7 +24,7 @@ from loadtest.peer.cli import model_dir, placement
 from loadtest.peer.client import Arrival, Target, arrivals, model_name, replay
 from loadtest.peer.servers import Contender, Launch, Placement, SpecError, fleet
 from loadtest.peer.sweep import SCENARIOS, Scenario, Sweep
-from loadtest.workload import ClassRule, TraceError, Workload, azure_mix, head, load_trace
+from loadtest.workload import ClassRule, TraceError, Workload, head, named_or_trace
 
 
 def floats(text: str, flag: str) -> list[float]:
@@ -40,12 +40,17 @@ def floats(text: str, flag: str) -> list[float]:
 def workload(args: argparse.Namespace) -> Workload:
     rule = ClassRule()
     try:
-        base = azure_mix(rule) if args.workload == "azure-mix" else load_trace(args.workload, rule)
+        base = named_or_trace(args.workload, rule)
     except (TraceError, OSError) as exc:
         raise SpecError(str(exc)) from None
     if args.requests < 1:
         raise SpecError("--requests must be >= 1")
-    return head(base, args.requests)
+    base = head(base, args.requests)
+    longest = max(r.input_tokens for r in base.requests)
+    if longest + args.max_tokens > args.max_model_len:  # else every server answers it 400, counted as a miss
+        raise SpecError(f"--workload {args.workload}: a prompt of {longest} tokens and --max-tokens "
+                        f"{args.max_tokens} do not fit --max-model-len {args.max_model_len}")
+    return base
 
 
 def pin_load_generator(where: Placement) -> str:
