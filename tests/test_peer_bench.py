@@ -337,6 +337,11 @@ def test_point_arithmetic() -> None:
     assert inter["late_max_ms"] == pytest.approx(50.0)  # 300 ms against 250
     assert batch["late_max_ms"] == pytest.approx(1000.0) and batch["failed"] == 1 and batch["goodput_rps"] == 0
     assert sum(c["goodput_rps"] for c in pt["per_class"].values()) == pytest.approx(pt["goodput_rps"])
+    assert batch["refused"] == inter["refused"] == 0  # a 503 is a failure, not a refusal
+    shed = _rec(5, "batch", None)
+    shed.status, shed.error = 429, "HTTP 429: cannot meet its TTFT target (predicted)"
+    batch = point(5.0, [*records, shed])["per_class"]["batch"]
+    assert batch["refused"] == 1 and batch["failed"] == 2
 
 
 def _pts(att: dict[float, tuple[float, float]]) -> list[dict[str, Any]]:
@@ -384,6 +389,44 @@ def test_comparison_ratios_and_targets() -> None:
     assert not any(t["name"].startswith("flowprefill interactive") for t in quiet["targets"])
 
 
+def test_hogs_targets_hold_at_every_rate() -> None:
+    """hogs: interactive p99 within 4x its target and attainment at least the best peer's, at the worst
+    rate swept (under hogs no rate may keep 90 %); the quiet report has neither."""
+    cs = parse_contenders("vllm:priority:512,vllm:fcfs:2048,flowprefill")
+    policies = {"vllm-priority-512": _pts({1: (0.7, 0.7), 2: (0.2, 0.05)}),
+                "vllm-fcfs-2048": _pts({1: (0.5, 0.5), 2: (0.3, 0.1)}),
+                "flowprefill": _pts({1: (0.56, 0.9), 2: (0.6, 0.9), 24: (0.4, 0.5)})}  # p99: 50 ms x rate
+    doc = report.report({}, "http", "m", 1.0, {}, policies)
+    met = {t["name"]: (t["value"], t["met"]) for t in summary.comparison(doc, cs, "hogs")["targets"]}
+    assert met["flowprefill interactive p99 TTFT / its target, worst rate (24 req/s)"] == (pytest.approx(4.8), False)
+    # at 1 req/s 0.56 against vllm-priority-512's 0.7; at 2 req/s 0.6 against the better peer there, 0.3
+    assert met["flowprefill attainment / the best peer's, worst rate (1 req/s)"] == (pytest.approx(0.8), False)
+    assert not any("interactive p99 TTFT / its target, at its" in n for n in met)  # contended/step's knee target
+    policies["flowprefill"] = _pts({1: (0.9, 0.9), 2: (0.35, 0.9)})
+    policies["flowprefill"][1]["per_class"]["interactive"] |= {"n": 10, "failed": 2}  # unanswered: no p99
+    doc = report.report({}, "http", "m", 1.0, {}, policies)
+    met = {t["name"]: (t["value"], t["met"]) for t in summary.comparison(doc, cs, "hogs")["targets"]}
+    assert met["flowprefill interactive p99 TTFT / its target, worst rate (2 req/s)"] == (None, False)
+    assert met["flowprefill attainment / the best peer's, worst rate (2 req/s)"] == (pytest.approx(1.167), True)
+    quiet = summary.comparison(doc, cs, "quiet")["targets"]
+    assert not any("worst rate" in t["name"] for t in quiet)
+
+
+def test_the_scenarios_table_names_each_rows_scenario() -> None:
+    from rich.console import Console
+
+    docs = []
+    for name, refused in (("quiet", 0), ("hogs", 3)):
+        pts = _pts({1: (0.8, 0.9)})
+        pts[0]["per_class"]["batch"] = {"attainment": 0.0, "ttft_p99_ms": None, "refused": refused}
+        docs.append({"peer": {"scenario": {"name": name}}, "policies": {"flowprefill": {"points": pts}}})
+    console = Console(width=200, record=True)
+    console.print(summary.scenarios_table(docs))
+    rows = [line for line in console.export_text().splitlines() if "flowprefill" in line]
+    assert len(rows) == 2 and "quiet" in rows[0] and "hogs" in rows[1]
+    assert "batch 3" in rows[1] and "batch" not in rows[0] and "80%" in rows[1] and "50" in rows[1]
+
+
 def test_a_peer_that_never_reaches_90_percent() -> None:
     """No ratio to give (its max goodput is 0): the target counts as met if ours is above 0, and says why."""
     cs = parse_contenders("vllm:priority:512,vllm:fcfs:2048,flowprefill")
@@ -419,6 +462,56 @@ def test_step_scenario_switches_the_load_on_halfway() -> None:
                        Scenario("step", (core,), 0.5), 1, 10)
     # on from the 5th arrival (0.5 s in) to the end: less than the whole run
     assert 0 < pt["busy"]["on_s"] < 0.875 + 1 and pt["failed"] == 0
+
+
+def test_hogs_run_unpinned_over_every_core_whatever_the_benchmark_is_pinned_to() -> None:
+    """The hogs' load: K always-busy processes, each allowed on every given core although the process
+    that starts them (the load generator) is pinned to one; none left after."""
+    every = tuple(sorted(os.sched_getaffinity(0)))
+    mine = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {every[0]})  # as pin_load_generator leaves the benchmark
+    try:
+        load = BusyLoad(every, 1.0, hogs=3).start()
+        pids = [p.pid for p in load._procs]
+        assert [os.sched_getaffinity(pid) for pid in pids] == [set(every)] * 3
+    finally:
+        os.sched_setaffinity(0, mine)
+    time.sleep(0.3)
+    stats = load.stop()
+    assert stats["processes"] == 3 and stats["cores_taken"] > 0.3
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    with pytest.raises(ValueError, match="hogs"):
+        BusyLoad(every, 1.0, hogs=-1)
+
+
+def test_hogs_scenario_loads_the_whole_run() -> None:
+    every = tuple(sorted(os.sched_getaffinity(0)))
+    scenario = Scenario("hogs", every, 1.0, hogs=2)
+    assert "2 busy processes at 100% duty, unpinned over cores" in scenario.describe()
+    with fake_servers("peer") as (urls, _):
+        pt = run_point(Target(urls["peer"], "peer"), arrivals(workload(8, rate=8)), 8.0, scenario, 1, 10)
+    # on from before the first arrival to past the last (0.875 s in)
+    assert pt["busy"]["processes"] == 2 and pt["busy"]["on_s"] > 0.875 and pt["failed"] == 0
+
+
+def test_scenarios_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """hogs roam every core this process may use (not only the servers'), --hogs of them; a
+    mistake is one line, exit 2, before any server starts."""
+    import argparse
+
+    from loadtest.peer.run_sweep import scenarios
+
+    args = argparse.Namespace(scenarios="quiet, contended,hogs", hogs=4, busy_duty=0.5, busy_period_ms=10.0)
+    quiet, contended, hogs = scenarios(args, Placement((1,), 1))
+    assert quiet.load() is None and contended.cores == (1,) and contended.hogs == 0
+    assert hogs.cores == tuple(sorted(os.sched_getaffinity(0))) and hogs.hogs == 4 and hogs.duty == 1.0
+    for flags, why in ((["--scenarios", "hogs", "--hogs", "0"], "--hogs 0: expected >= 1"),
+                       (["--scenarios", "quiet,hog"], "choose from quiet, contended, step, hogs")):
+        done = in_process(capsys, "bench", "peer", "--contenders", "flowprefill", "--out", str(tmp_path), *flags)
+        assert done.returncode == 2 and why in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "checkpoint").exists()  # refused before the checkpoint is written
 
 
 def test_prefill_flops() -> None:
@@ -465,12 +558,12 @@ def test_without_vllm_it_says_how_to_install_it_and_exits_2(tmp_path: Path, caps
 
 @pytest.mark.slow
 def test_command_end_to_end_with_flowprefill(tmp_path: Path) -> None:
-    """The whole command on FlowPrefill alone (no peer needed): the checkpoint written, a quiet and a
-    step run, each rate twice, goodput.json's schema per scenario, the plot and the tables."""
-    done = _peer("--contenders", "flowprefill", "--rates", "2,4", "--requests", "6", "--scenarios", "quiet,step",
-                 "--dtype", "float32", "--repeats", "2", "--out", str(tmp_path), timeout=280)
+    """The whole command on FlowPrefill alone (no peer needed): the checkpoint written, a quiet, a step
+    and a hogs run, each rate twice, goodput.json's schema per scenario, the plot and the tables."""
+    done = _peer("--contenders", "flowprefill", "--rates", "2,4", "--requests", "6", "--scenarios", "quiet,step,hogs",
+                 "--hogs", "1", "--dtype", "float32", "--repeats", "2", "--out", str(tmp_path), timeout=280)
     assert done.returncode == 0, done.stdout + done.stderr
-    for scenario in ("quiet", "step"):
+    for scenario in ("quiet", "step", "hogs"):
         doc = json.loads((tmp_path / f"peer-{scenario}-float32.json").read_text())
         assert doc["engine"] == "http" and list(doc["policies"]) == ["flowprefill"]
         pts = doc["policies"]["flowprefill"]["points"]
@@ -479,7 +572,8 @@ def test_command_end_to_end_with_flowprefill(tmp_path: Path) -> None:
         assert sum(c["n"] for c in pts[0]["per_class"].values()) == 6
         assert doc["peer"]["scenario"]["name"] == scenario and "pinned" in doc["peer"]["placement"]
         assert (tmp_path / f"peer-{scenario}-float32.png").stat().st_size > 10_000
-    assert "busy" in doc["policies"]["flowprefill"]["points"][0]
+    assert doc["policies"]["flowprefill"]["points"][0]["busy"]["processes"] == 1  # hogs, the last
+    assert "every scenario" in done.stdout
     assert "max goodput" in done.stdout and (tmp_path / "checkpoint" / "tokenizer.json").is_file()
 
 

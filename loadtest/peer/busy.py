@@ -1,7 +1,8 @@
 """A reproducible competing load for the contended scenarios: one busy process per core, pinned
 there, spinning `duty` of every `period_ms` and sleeping the rest (what another tenant's batch job or
-a noisy neighbour does to a shared CPU host). Started paused, it can be switched on at a set moment
-(the step slowdown in the middle of a run); its CPU time says how much it actually took.
+a noisy neighbour does to a shared CPU host); or K such processes left to the scheduler over a set of
+cores (hogs: unpinned jobs that oversubscribe the host). Started paused, it can be switched on at a
+set moment (the step slowdown in the middle of a run); its CPU time says how much it actually took.
 
     python -m loadtest.peer.busy --duty 0.5 --period-ms 10     # what the benchmark starts
 """
@@ -28,20 +29,26 @@ def spin(duty: float, period_s: float) -> None:
 
 
 class BusyLoad:
-    """One busy process per core in `cores` at `duty` (0 < duty <= 1)."""
+    """Busy processes at `duty` (0 < duty <= 1): one per core in `cores`, pinned there; or, with
+    `hogs` K >= 1, K of them each free to run on any of `cores`."""
 
-    def __init__(self, cores: tuple[int, ...], duty: float, period_ms: float = 10.0) -> None:
+    def __init__(self, cores: tuple[int, ...], duty: float, period_ms: float = 10.0, hogs: int = 0) -> None:
         if not 0 < duty <= 1:
             raise ValueError(f"busy duty cycle {duty} must be in (0, 1]")
-        self.cores, self.duty, self.period_ms = cores, duty, period_ms
+        if hogs < 0:
+            raise ValueError(f"{hogs} hogs: expected >= 0")
+        self.cores, self.duty, self.period_ms, self.hogs = cores, duty, period_ms, hogs
         self._procs: list[subprocess.Popen] = []
         self._started = 0.0
 
     def start(self, paused: bool = False) -> BusyLoad:
         argv = [sys.executable, "-m", "loadtest.peer.busy", "--duty", str(self.duty), "--period-ms",
                 str(self.period_ms)]
-        for core in self.cores:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=lambda c=core: _pin(c))
+        # A hog is given every core explicitly: a child inherits its parent's affinity, and the
+        # benchmark has pinned itself (the load generator) off the servers' cores by now.
+        slots = [set(self.cores)] * self.hogs if self.hogs else [{core} for core in self.cores]
+        for allowed in slots:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=lambda a=allowed: _pin(a))
             self._procs.append(proc)
             if paused:
                 os.kill(proc.pid, signal.SIGSTOP)  # before it spins: Python's start-up is ~50 ms
@@ -56,9 +63,10 @@ class BusyLoad:
         self._started = time.monotonic()
 
     def stop(self) -> dict[str, float]:
-        """Stop every busy process: how much CPU they took, per core, while switched on."""
+        """Stop every busy process: how much CPU they took, per core of `cores` and in all (in cores),
+        while switched on."""
         wall = time.monotonic() - self._started if self._started else 0.0
-        cpu = 0.0
+        cpu, n = 0.0, len(self._procs)
         for proc in self._procs:
             with suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGCONT)  # a stopped process does not die of SIGTERM until resumed
@@ -67,14 +75,15 @@ class BusyLoad:
             cpu += usage.ru_utime + usage.ru_stime
             proc.returncode = -signal.SIGTERM
         self._procs = []
-        share = cpu / wall / len(self.cores) if wall > 0 and self.cores else 0.0
-        return {"duty": self.duty, "period_ms": self.period_ms, "on_s": round(wall, 3),
-                "cpu_share_per_core": round(share, 3)}
+        taken = cpu / wall if wall > 0 else 0.0
+        return {"duty": self.duty, "period_ms": self.period_ms, "on_s": round(wall, 3), "processes": n,
+                "cpu_share_per_core": round(taken / len(self.cores), 3) if self.cores else 0.0,
+                "cores_taken": round(taken, 3)}
 
 
-def _pin(core: int) -> None:
+def _pin(cores: set[int]) -> None:
     if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {core})
+        os.sched_setaffinity(0, cores)
 
 
 def main(argv: list[str] | None = None) -> int:

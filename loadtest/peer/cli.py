@@ -2,6 +2,7 @@
 
     flowprefill bench peer --vllm-python ~/vllm-cpu/bin/python                       # quiet sweep, bf16
     flowprefill bench peer --vllm-python ~/vllm-cpu/bin/python --scenarios quiet,contended,step
+    flowprefill bench peer --vllm-python ~/vllm-cpu/bin/python --scenarios quiet,hogs --workload long-mix
     flowprefill bench peer --vllm-python ~/vllm-cpu/bin/python --mode raw            # one request alone
 
 Sweep (default): the contenders (vLLM alone with its priority policy at two chunked-prefill budgets and
@@ -69,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--busy-duty", type=float, default=0.5,
                    help="contended / step: the busy processes' duty cycle on the engines' cores")
     p.add_argument("--busy-period-ms", type=float, default=10.0)
+    p.add_argument("--hogs", type=int, default=4,
+                   help="hogs: how many busy processes (always busy) run unpinned over every core")
     # By prompt tokens, not by requests: on one AVX-512 core in fp32 a cap of 2 requests cost vLLM the
     # batching of its 2,048-token steps near capacity (0.85x vLLM alone's max goodput), and a cap of 8
     # let vLLM's own queue decide the order (0.79x in bf16); the fronted server's own step budget in

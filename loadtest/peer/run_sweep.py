@@ -16,7 +16,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from engine.bench.machine import machine_info
+from engine.bench.machine import cpu_count, machine_info
 from engine.protocol.slo import DEFAULT_CLASSES
 from loadtest import report
 from loadtest.peer import summary
@@ -53,6 +53,18 @@ def workload(args: argparse.Namespace) -> Workload:
     return base
 
 
+def scenarios(args: argparse.Namespace, where: Placement) -> list[Scenario]:
+    """--scenarios as Scenarios. Before pin_load_generator: hogs roam every core this process may use."""
+    names = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    if not names or any(n not in SCENARIOS for n in names):
+        raise SpecError(f"--scenarios {args.scenarios!r}: choose from {', '.join(SCENARIOS)}")
+    if "hogs" in names and args.hogs < 1:
+        raise SpecError(f"--hogs {args.hogs}: expected >= 1")
+    every = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else tuple(range(cpu_count()))
+    return [Scenario(n, every, 1.0, args.busy_period_ms, args.hogs) if n == "hogs"
+            else Scenario(n, where.cores, args.busy_duty, args.busy_period_ms) for n in names]
+
+
 def pin_load_generator(where: Placement) -> str:
     """This process (the client) onto the cores the servers do not use, where there are any."""
     if where.device != "cpu" or not hasattr(os, "sched_setaffinity"):
@@ -80,7 +92,8 @@ def scenario_doc(args: argparse.Namespace, base: Workload, chosen: list[Contende
         "http", context["model"], 1.0, classes, points,
         extra={"command": context["command"], "machine": context["machine"]})
     doc["peer"] = {"scenario": {"name": scenario.name, "describe": scenario.describe(), "duty": scenario.duty,
-                                "period_ms": scenario.period_ms, "cores": list(scenario.cores)},
+                                "period_ms": scenario.period_ms, "cores": list(scenario.cores),
+                                "hogs": scenario.hogs},
                    "dtype": args.dtype, "max_tokens": args.max_tokens, **context["peer"]}
     doc["peer"] |= summary.comparison(doc, chosen, scenario.name)
     doc["ratios"] = doc["peer"]["ratios"]
@@ -92,10 +105,8 @@ def run(args: argparse.Namespace, chosen: list[Contender], versions: dict[str, s
     rates = floats(args.rates, "--rates")
     if args.repeats < 1:
         raise SpecError("--repeats must be >= 1")
-    names = [s.strip() for s in args.scenarios.split(",") if s.strip()]
-    if not names or any(n not in SCENARIOS for n in names):
-        raise SpecError(f"--scenarios {args.scenarios!r}: choose from {', '.join(SCENARIOS)}")
     base, where = workload(args), placement(args)
+    plan = scenarios(args, where)
     model = model_dir(args, console)
     launch = Launch(model, args.dtype, where, {k: getattr(args, f"{k}_python") for k in versions}, args.out / "logs",
                     max_model_len=args.max_model_len, gateway_concurrency=args.gateway_concurrency,
@@ -114,16 +125,17 @@ def run(args: argparse.Namespace, chosen: list[Contender], versions: dict[str, s
             targets = {c.name: Target(urls[c.name], model_name(urls[c.name]),
                                       "lower_first" if c.sends_priority else None) for c in chosen}
             warm_up(targets)
-        return _sweep(args, base, chosen, targets, names, rates, where, context, console)
+        return _sweep(args, base, chosen, targets, plan, rates, context, console)
 
 
 def _sweep(args: argparse.Namespace, base: Workload, chosen: list[Contender], targets: dict[str, Target],
-           names: list[str], rates: list[float], where: Placement, context: dict[str, Any], console: Console) -> int:
+           plan: list[Scenario], rates: list[float], context: dict[str, Any], console: Console) -> int:
     sweep = Sweep(targets, base, arrivals, args.max_tokens, args.drain_s, repeats=args.repeats)
     args.out.mkdir(parents=True, exist_ok=True)
     columns = (TextColumn("{task.description:<48}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    for name in names:
-        scenario = Scenario(name, where.cores, args.busy_duty, args.busy_period_ms)
+    docs = []
+    for scenario in plan:
+        name = scenario.name
         with Progress(*columns, console=console) as progress:
             task = progress.add_task(name, total=len(rates) * len(targets) * args.repeats)
 
@@ -141,4 +153,7 @@ def _sweep(args: argparse.Namespace, base: Workload, chosen: list[Contender], ta
         for table in (summary.summary_table(doc), summary.class_table(doc), summary.targets_table(doc)):
             console.print(table)
         console.print(f"wrote {stem}.json and {stem}.png")
+        docs.append(doc)
+    if len(docs) > 1:
+        console.print(summary.scenarios_table(docs))
     return 0

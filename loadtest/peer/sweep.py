@@ -21,26 +21,38 @@ from loadtest.peer.client import Arrival, Target, replay, ttft_target_s
 from loadtest.results import Record, outcomes
 from loadtest.workload import Workload, scale_to_rate
 
-SCENARIOS = ("quiet", "contended", "step")
+SCENARIOS = ("quiet", "contended", "step", "hogs")
 COLLAPSED = 0.5  # two rates in a row below this attainment: higher rates only cost time
 
 
 @dataclass(frozen=True)
 class Scenario:
     """quiet: nothing else runs; contended: busy processes on the engines' cores for the whole run;
-    step: the same busy processes switched on halfway through the run's arrivals (a step slowdown)."""
+    step: the same busy processes switched on halfway through the run's arrivals (a step slowdown);
+    hogs: `hogs` busy processes unpinned over `cores` (every core: the servers' and the load
+    generator's) for the whole run, as another tenant's jobs on an oversubscribed host."""
 
     name: str
     cores: tuple[int, ...] = ()
     duty: float = 0.5
     period_ms: float = 10.0
+    hogs: int = 0
 
     def describe(self) -> str:
         if self.name == "quiet":
             return "quiet: nothing else started on the engines' cores"
+        if self.name == "hogs":
+            return (f"hogs: {self.hogs} busy processes at {self.duty:.0%} duty, unpinned over cores "
+                    f"{list(self.cores)}, the whole run")
         load = f"a busy process per core on {list(self.cores)} at {self.duty:.0%} duty ({self.period_ms:g} ms period)"
         return f"contended: {load}, the whole run" if self.name == "contended" else \
             f"step: {load}, switched on halfway through the arrivals"
+
+    def load(self) -> BusyLoad | None:
+        """The competing load, not started (None: quiet)."""
+        if self.name == "quiet":
+            return None
+        return BusyLoad(self.cores, self.duty, self.period_ms, hogs=self.hogs if self.name == "hogs" else 0)
 
 
 def rotation(names: list[str], k: int) -> list[str]:
@@ -52,10 +64,9 @@ def rotation(names: list[str], k: int) -> list[str]:
 def run_point(target: Target, schedule: list[Arrival], rate: float, scenario: Scenario, max_tokens: int,
               drain_s: float) -> dict[str, Any]:
     """One contender at one rate: its records under the scenario's load, as a report point."""
-    busy = None
     at: list[tuple[float, Callable[[], None]]] = []
-    if scenario.name != "quiet":
-        busy = BusyLoad(scenario.cores, scenario.duty, scenario.period_ms).start(paused=scenario.name == "step")
+    if busy := scenario.load():
+        busy.start(paused=scenario.name == "step")
         if scenario.name == "step":
             at.append((schedule[len(schedule) // 2].due_s if schedule else 0.0, busy.resume))
     before = split.read(target.url)
@@ -83,6 +94,7 @@ def point(rate: float, records: list[Record]) -> dict[str, Any]:
         late = [(r.ttft_s - ttft_target_s(name)) * 1000 for r in mine if r.ok and r.ttft_s is not None]
         cls["goodput_rps"] = rate * attained / len(records)
         cls["failed"] = sum(not r.ok for r in mine)
+        cls["refused"] = sum(r.status == 429 for r in mine)  # shed by admission, a subset of failed
         cls["late_max_ms"] = round(max(late), 1) if late else None  # < 0: every answer on time, by this margin
         cls["ttft_target_ms"] = ttft_target_s(name) * 1000
     lag = np.array([r.lag_s for r in records] or [0.0]) * 1000
