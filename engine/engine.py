@@ -10,6 +10,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -24,16 +25,34 @@ from engine.observer import EngineObserver
 from engine.predictor import StoredProfile, load_cost, stored_cost
 from engine.prefill import PrefillBatch
 from engine.prefix_cache import PrefixCache
-from engine.protocol.slo import SHED_ERROR
+from engine.protocol.slo import SHED_ERROR, SHED_REASON
 from engine.protocol.worker import WorkerLoad
 from engine.request import Request, RequestState, Sampled, SamplingParams, TokenOutput
 from engine.sampling import sample
-from engine.scheduler import Policy, Scheduler, make_policy
+from engine.scheduler import UNCONFIRMED_SPEEDUP, Policy, Scheduler, make_policy
 from engine.thread_cpu import ThreadCPU, readable
 
 log = logging.getLogger("flowprefill.engine")
 ENGINE_STOPPED = "the engine shut down"  # the error of every request still in it when it stops
 _GENERATED = itertools.count()  # `Engine.generate`'s request ids (an object's id() is reused once it is freed)
+
+
+class Refusal(NamedTuple):
+    """Why a request is refused at admission: the dropped reason (x-flowprefill-dropped-reason) and the
+    error message, which names the prediction that refused it."""
+
+    reason: str
+    message: str
+
+
+def _refusal_message(req: Request, predicted_s: float, factor: float, confirmed: bool) -> str:
+    by = (f"its {req.ttft_target_s * 1000:g} ms TTFT target" if req.shed_late else
+          f"{req.late_s * 1000:g} ms past its {req.ttft_target_s * 1000:g} ms TTFT target (its class's late bound)")
+    speed = (f"at the speed observed now, {factor:.2f}x the calibrated time" if confirmed else
+             f"calibration alone, no batch of its size has run yet; refused only as it misses even "
+             f"{UNCONFIRMED_SPEEDUP:g}x faster")
+    return (f"the request cannot be served even {by} here: its prefill alone is predicted to take "
+            f"{predicted_s:.2f} s ({speed}); retry later or with a looser class")
 
 
 class Engine:
@@ -145,18 +164,22 @@ class Engine:
         req.check(self.model.cfg.vocab_size, self.model.cfg.max_position_embeddings,
                   self.kv.num_blocks * self.kv.block_size)
 
-    def admission(self, reqs: list[Request], sheddable: bool) -> str | None:
+    def admission(self, reqs: list[Request], sheddable: bool) -> Refusal | None:
         """Why a new HTTP request (these engine requests: its prompts and their choices) should be
-        refused now, or None. Sheddable classes are refused when even running them all next could not
-        meet their deadline; every class when the queue is past its bound."""
+        refused now, or None. Sheddable classes are refused when even running them all next, at the
+        speed observed now, could not serve them by their class's late bound (`Request.latest`); every
+        class when the queue is past its bound."""
         s = self.scheduler
         if len(s.waiting) + sum(len(b.requests) for b in list(s.pool)) + len(reqs) > self.cfg.max_waiting:
-            return "queue_full"  # counted: every request whose prefill is not done
+            return Refusal("queue_full", "the worker's queue is full")  # counted: every request not prefilled
         if sheddable:  # requests queued together each compute what is not cached now
             spans = [SeqSpan(c, r.num_prompt_tokens - c) for r in reqs for c in [self.prefixes.cached_tokens(r)]]
             tokens = sum(span.length for span in spans)
-            if s.cannot_meet(reqs, s.cost_for(reqs).prefill_s(spans), tokens, self.clock()):
-                return "predicted_slo_miss"
+            cost = s.cost_for(reqs)
+            predicted_s = cost.prefill_s(spans)
+            if s.cannot_meet(reqs, predicted_s, tokens, self.clock()):
+                return Refusal(SHED_REASON, _refusal_message(reqs[0], predicted_s, cost.factor(tokens),
+                                                             cost.confirmed(tokens)))
         return None
 
     def has_request(self, request_id: str) -> bool:
@@ -222,7 +245,8 @@ class Engine:
             return WorkerLoad(waiting=len(s.waiting), decoding=self.num_decoding,
                               suspended_batches=max(0, len(s.pool) - 1),
                               predicted_backlog_s=formed + sum(backlog.values()),
-                              predicted_backlog_by_class_s=backlog, kv_cache_usage=self.kv.usage)
+                              predicted_backlog_by_class_s=backlog, kv_cache_usage=self.kv.usage,
+                              machine_factor=self.cost.machine)
 
     # -- the engine thread ---------------------------------------------------------------------
     def _loop(self) -> None:

@@ -162,6 +162,12 @@ class Request(msgspec.Struct, kw_only=True):
         return self.deadline + self.late_s
 
     @property
+    def latest(self) -> float:
+        """When its first token is of use at all: its bound, or its deadline where its class sheds its
+        late requests. Admission refuses a request only when it could not be served even by then."""
+        return self.deadline if self.shed_late else self.bound
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

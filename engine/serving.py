@@ -334,10 +334,8 @@ class Generation:
     def _admit(self, reqs: list[EngineRequest], slo: SLOClass, headers: dict[str, str],
                operation: str) -> Response | None:
         """Queues the engine requests; the answer when they are shed instead."""
-        if reason := self.engine.admission(reqs, slo.sheddable):
-            if reason == SHED_REASON:
-                return _shed(ADMISSION_SHED_MESSAGE, reason, 429, headers)
-            return _shed("the worker's queue is full", reason, 503, headers)
+        if refusal := self.engine.admission(reqs, slo.sheddable):
+            return _shed(refusal.message, refusal.reason, 429 if refusal.reason == SHED_REASON else 503, headers)
         for added, r in enumerate(reqs):
             if self.tracer is not None:
                 self.tracer.start(r, operation)
@@ -402,10 +400,6 @@ class Generation:
 def _choice_ids(rid: str, n: int) -> list[str]:
     """The engine request ids of a request's n choices: its own id for the first."""
     return [rid, *(f"{rid}-{i}" for i in range(1, n))]
-
-
-ADMISSION_SHED_MESSAGE = ("the request cannot meet its TTFT target here (predicted); retry later or with a looser "
-                          "class")
 
 
 def shutting_down(headers: dict[str, str], what: str) -> Response:

@@ -114,6 +114,9 @@ class EngineMetrics(EngineObserver):
                            registry=r)
         for label, tokens in zip(labels, [*SIZE_CLASSES, SIZE_CLASSES[-1] + 1], strict=True):
             correction.labels(label).set_function(lambda tokens=tokens: engine.cost.factor(tokens))
+        Gauge("flowprefill_prefill_machine_factor", "How much slower than calibrated the device runs now, as the "
+              "cost model learned it from measured steps (shared by every batch size)", registry=r
+              ).set_function(lambda: engine.cost.machine)
         r.register(_WorkerCPUCollector(engine))
         engine.observers.append(self)
 

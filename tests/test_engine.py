@@ -534,11 +534,14 @@ def test_admission_sheds_only_sheddable_predicted_misses_and_bounds_the_queue() 
 
     eng = _Engine(EngineConfig(max_waiting=1))  # not started: requests stay queued
     try:
-        hopeless = _Request(request_id="h", prompt_token_ids=[65] * 20000, ttft_target_s=0.01)
-        assert eng.admission([hopeless], sheddable=True) == "predicted_slo_miss"
+        hopeless = _Request(request_id="h", prompt_token_ids=[65] * 20000, ttft_target_s=0.01, late_s=0.01)
+        refusal = eng.admission([hopeless], sheddable=True)
+        assert refusal is not None and refusal.reason == "predicted_slo_miss"
+        assert "predicted to take" in refusal.message and "late bound" in refusal.message, refusal.message
         assert eng.admission([hopeless], sheddable=False) is None
         eng.add_request(_Request(request_id="q", prompt_token_ids=[65] * 10))
-        assert eng.admission([_Request(request_id="x", prompt_token_ids=[65] * 10)], sheddable=False) == "queue_full"
+        full = eng.admission([_Request(request_id="x", prompt_token_ids=[65] * 10)], sheddable=False)
+        assert full is not None and full.reason == "queue_full"
     finally:
         eng.shutdown()
 
@@ -557,15 +560,55 @@ def test_a_miss_only_calibration_predicts_is_admitted_until_a_batch_of_its_size_
         n = 3000
         cost = eng.scheduler.cost
         predicted = cost.prefill_s([SeqSpan(0, n)])
-        def late() -> _Request:  # due in half its predicted time
-            return _Request(request_id="l", prompt_token_ids=[65] * n, ttft_target_s=predicted / 2)
+        def late() -> _Request:  # due, late bound included, in half its predicted time
+            return _Request(request_id="l", prompt_token_ids=[65] * n, ttft_target_s=predicted / 4,
+                            late_s=predicted / 4)
         assert not cost.confirmed(n)
         assert eng.admission([late()], sheddable=True) is None
-        far = _Request(request_id="f", prompt_token_ids=[65] * n, ttft_target_s=predicted / (2 * UNCONFIRMED_SPEEDUP))
-        assert eng.admission([far], sheddable=True) == "predicted_slo_miss"
+        far = _Request(request_id="f", prompt_token_ids=[65] * n, ttft_target_s=predicted / (2 * UNCONFIRMED_SPEEDUP),
+                       late_s=0.0)
+        assert eng.admission([far], sheddable=True).reason == "predicted_slo_miss"
         cost.observe(n, predicted, predicted)  # a batch of this size ran as predicted
         assert cost.confirmed(n)
-        assert eng.admission([late()], sheddable=True) == "predicted_slo_miss"
+        assert eng.admission([late()], sheddable=True).reason == "predicted_slo_miss"
+    finally:
+        eng.shutdown()
+
+
+def test_a_request_that_can_only_be_late_is_admitted_and_served_late() -> None:
+    """Admission refuses a sheddable request only when, at the speed observed now, even its class's
+    late bound cannot hold; one that misses only its target is served late, as the late tier promises.
+    A class whose late requests are shed is refused by its target. The machine factor the cost model
+    learned is what predicts it (and what /load reports)."""
+    from engine.engine import Engine as _Engine
+    from engine.model.plan import SeqSpan
+    from engine.request import Request as _Request
+
+    eng = _Engine(EngineConfig())  # not started
+    try:
+        n = 3000
+        cost = eng.scheduler.cost
+        for _ in range(3):  # confirmed: predictions are refused on as they stand
+            cost.observe(n, 1.0, 1.0)
+        predicted = cost.prefill_s([SeqSpan(0, n)])
+
+        def req(target_s: float, late_s: float, shed_late: bool = False) -> _Request:
+            return _Request(request_id="r", prompt_token_ids=[65] * n, ttft_target_s=target_s, late_s=late_s,
+                            shed_late=shed_late)
+
+        assert eng.admission([req(predicted / 2, predicted)], sheddable=True) is None  # late, within its bound
+        assert eng.admission([req(predicted / 2, predicted, shed_late=True)], sheddable=True).reason == \
+            "predicted_slo_miss"
+        assert eng.admission([req(predicted / 4, predicted / 4)], sheddable=True).reason == "predicted_slo_miss"
+        for _ in range(3):  # each size's own way, on the quiet machine
+            for tokens in (100, 1000):
+                cost.observe(tokens, 0.1, 0.1)
+        for _ in range(3):  # then a machine 3x slower, measured by batches of every size
+            for tokens in (100, 1000, n):
+                cost.observe(tokens, 0.1, 0.3)
+        assert 2.5 < eng.load().machine_factor < 3.3
+        refusal = eng.admission([req(predicted / 2, predicted)], sheddable=True)  # 3x its prediction: hopeless
+        assert refusal is not None and "x the calibrated time" in refusal.message, refusal
     finally:
         eng.shutdown()
 

@@ -21,6 +21,9 @@ class WorkerLoad(msgspec.Struct, kw_only=True):
     predicted_backlog_s: float = 0.0
     predicted_backlog_by_class_s: dict[str, float] = {}  # the waiting requests' share, by SLO class
     kv_cache_usage: float = 0.0  # share of KV blocks in use
+    # How much slower than its start-up calibration the worker runs now, as its cost model has learned it
+    # from measured steps (the correction every batch size shares): 3.0 on a machine slowed threefold.
+    machine_factor: float = 1.0
 
 
 # Each answer also carries the worker's predicted backlog as its headers leave (streamed: once the request

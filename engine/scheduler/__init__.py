@@ -204,12 +204,14 @@ class Scheduler:
         return batch.remaining_base_s * cost.scale * cost.factor(batch.num_tokens)
 
     def cannot_meet(self, reqs: Sequence[Request], predicted_s: float, tokens: int, now: float) -> bool:
-        """Whether requests predicted to take `predicted_s` (alone, `tokens` prompt tokens to compute)
-        miss the first one's deadline on a prediction strong enough to refuse them on
-        (UNCONFIRMED_SPEEDUP)."""
+        """Whether requests predicted to take `predicted_s` (alone, `tokens` prompt tokens to compute, at
+        the speed the cost model observes now) could not be served even by the first one's `latest`
+        (its class's late bound, or its deadline where late requests are shed), on a prediction strong
+        enough to refuse them on (UNCONFIRMED_SPEEDUP). A request that is only late is served late, as
+        the late tier promises, not refused."""
         if not self.cost_for(reqs).confirmed(tokens):
             predicted_s /= UNCONFIRMED_SPEEDUP
-        return reqs[0].deadline - now - predicted_s < 0
+        return reqs[0].latest - now - predicted_s < 0
 
     def predict_s(self, req: Request) -> float:
         """Predicted time to prefill the rest of a queued request's prompt. Remembered until its prompt

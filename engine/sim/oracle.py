@@ -100,7 +100,7 @@ class OracleScheduler(Scheduler):
 
     def cannot_meet(self, reqs: Sequence[Request], predicted_s: float, tokens: int, now: float) -> bool:
         """Exact costs are measured ones: no margin for an unconfirmed calibration."""
-        return reqs[0].deadline - now - predicted_s < 0
+        return reqs[0].latest - now - predicted_s < 0
 
     def on_progress(self, batch: PrefillBatch) -> None:
         """Exact costs need no correction."""
