@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from engine import handoff
-from engine.config import EngineConfig, auto_kv_tokens
+from engine.config import EngineConfig, auto_kv_tokens, kv_bytes_per_token
 from engine.cpu_affinity import CorePinning, on_passing_thread, team_ids
 from engine.decode import Answers
 from engine.kv_cache import KVCache, OutOfBlocks
@@ -101,12 +101,22 @@ class Engine:
         cfg = self.cfg
         if self.pinning is not None:  # calibration runs on this thread's team: bound as the engine's will be
             self.pinning.bind_threads(torch.get_num_threads())
+        # Each phase logged as it ends: a first start with a new model takes tens of seconds on a CPU.
+        t0 = time.perf_counter()
         self.model, self.tokenizer = load_model(cfg)
+        log.info("model %s loaded (%s, %s) in %.1f s", self.model.cfg.name, cfg.dtype, cfg.device,
+                 time.perf_counter() - t0)
         dtype = getattr(torch, cfg.dtype)
         tokens = cfg.kv_capacity_tokens or auto_kv_tokens(self.model.cfg, dtype.itemsize, cfg.device)
+        t0 = time.perf_counter()
         self.kv = KVCache(self.model.cfg, cfg.kv_block_size, tokens, dtype, torch.device(cfg.device))
+        log.info("KV cache: %d tokens, %.2f GiB, allocated in %.1f s", self.kv.num_blocks * self.kv.block_size,
+                 self.kv.num_blocks * self.kv.block_size * kv_bytes_per_token(self.model.cfg, dtype.itemsize) / 2**30,
+                 time.perf_counter() - t0)
+        t0 = time.perf_counter()
         self.cost = (stored_cost(self.model, self.profile) if self.profile is not None
                      else load_cost(self.model, record=self.record_profile and cfg.calibrate))
+        log.info("operators profiled in %.1f s", time.perf_counter() - t0)
         if self.model.activations is not None:  # the longest prompt's buffers mapped before it arrives
             self.model.activations.warm(min(self.model.cfg.max_position_embeddings, tokens))
         if self.model.graphs is not None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
-from engine.attention import select_backend
+from engine.attention import cpu, select_backend
 from engine.config import EngineConfig, ModelConfig, model_path
 from engine.model.graphs import StepGraphs
 from engine.model.kernels import fuse_rope, select_kernels
@@ -17,8 +19,11 @@ __all__ = ["LlamaModel", "load_model", "use_device"]
 
 
 def load_model(cfg: EngineConfig) -> tuple[LlamaModel, ByteTokenizer | HFTokenizer]:
-    model_cfg, weights, tokenizer = load_weights(cfg)
     device = torch.device(cfg.device)
+    build = _cpu_kernels_built_meanwhile(cfg, device)
+    model_cfg, weights, tokenizer = load_weights(cfg)
+    if build is not None:
+        build.join()
     use_device(device)
     dtype = getattr(torch, cfg.dtype)
     backend = select_backend(cfg.attention_backend, device, dtype, model_cfg.head_dim)
@@ -30,6 +35,18 @@ def load_model(cfg: EngineConfig) -> tuple[LlamaModel, ByteTokenizer | HFTokeniz
     if device.type == "cuda" and cfg.cuda_graph_tokens:
         model.graphs = StepGraphs(model, cfg.cuda_graph_tokens)
     return model, tokenizer
+
+
+def _cpu_kernels_built_meanwhile(cfg: EngineConfig, device: torch.device) -> threading.Thread | None:
+    """Where the CPU kernels may serve, their first build (g++ in a child process: 20-35 s on 2 cores)
+    starts now, beside the weights' loading (a GGUF's parsing and dequantization: ~6 s for SmolLM2),
+    instead of after it; `cpu.build` is cached, so the backend's choice later finds it done."""
+    may_serve = cfg.attention_backend in ("auto", "cpu") or cfg.row_kernels in ("auto", "cpu")
+    if device.type != "cpu" or not may_serve:
+        return None
+    thread = threading.Thread(target=cpu.build, name="flowprefill-kernel-build", daemon=True)
+    thread.start()
+    return thread
 
 
 def load_weights(cfg: EngineConfig) -> tuple[ModelConfig, dict[str, torch.Tensor], ByteTokenizer | HFTokenizer]:
