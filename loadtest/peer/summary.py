@@ -264,8 +264,9 @@ def scenarios_table(docs: list[dict[str, Any]]) -> Table:
     """Every scenario's runs in one table: per scenario, rate and contender, overall attainment,
     interactive attainment and p99 TTFT, and the requests refused with 429 by class."""
     t = Table(title="every scenario: attainment, interactive p99 TTFT, 429s by class")
-    for col in ("scenario", "rate", "contender", "overall", "interactive", "int. p99 ms", "429s"):
-        t.add_column(col, justify="left" if col in ("scenario", "contender", "429s") else "right")
+    for col in ("scenario", "rate", "contender", "overall", "int.", "int. p99 ms", "429s"):
+        # fold, not cut: an 80-column log would show "vllm-prio…" for every vLLM configuration
+        t.add_column(col, justify="left" if col in ("scenario", "contender", "429s") else "right", overflow="fold")
     for doc in docs:
         name = doc["peer"]["scenario"]["name"]
         rows = sorted(((p["rate"], p.get("order", 0), contender, p) for contender, pol in doc["policies"].items()
