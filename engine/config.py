@@ -183,6 +183,11 @@ def setting(default: Any, help: str, flag: str | None = "") -> Any:
     return field(default=default, metadata={"help": help, "flag": flag})
 
 
+def cache_dir() -> Path:
+    """Where an engine keeps what it measured or converted between start-ups ($FLOWPREFILL_CACHE)."""
+    return Path(os.environ.get("FLOWPREFILL_CACHE", "~/.cache/flowprefill")).expanduser()
+
+
 # The KV cache's size when none is given: this many tokens, and on a CPU no more than KV_AUTO_CPU_GIB and a
 # quarter of the memory available at start-up (vLLM's CPU build reserves 4 GiB by default too). SmolLM2's
 # 262,144 tokens in fp32 would be 12 GiB: half of a 24 GiB host, and seconds of start-up to zero it.

@@ -23,15 +23,12 @@ from typing import Any, NamedTuple
 
 import torch
 
+from engine.config import cache_dir
 from engine.kv_cache import KVCache
 from engine.model.llama import LlamaModel
 from engine.model.plan import ATTENTION, ATTN_IN, FFN, OpCost, SeqSpan, plan_prefill
 
 _MEASURED = ("attn_in_s_per_row", "ffn_s_per_row", "attn_s_per_pair", "row_step_floor_s", "step_overhead_s")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("FLOWPREFILL_CACHE", "~/.cache/flowprefill")).expanduser()
 
 
 # Part of the key: a profile measured by an older calibration is not merged into a newer one's (before

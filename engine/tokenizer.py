@@ -79,13 +79,13 @@ class _ChatTemplate:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
         self._template = env.from_string(template or DEFAULT_CHAT_TEMPLATE)
-        self._special = special
+        self.chat_template, self.special = template, special  # as given (None: the default template)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[Any] | None = None,
                             add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """`tools`: OpenAI's tool list as the request gave it (templates read the function schemas);
         `kwargs`: more variables (a request's chat_template_kwargs, such as Qwen3's enable_thinking)."""
-        return self._template.render(**(self._special | kwargs), messages=messages, tools=tools,
+        return self._template.render(**(self.special | kwargs), messages=messages, tools=tools,
                                      add_generation_prompt=add_generation_prompt)
 
 

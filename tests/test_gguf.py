@@ -316,6 +316,24 @@ def test_a_gguf_tokenizer_is_its_tokenizer_json(tiny_gguf: Callable[..., Any], t
     assert ours.eos_token_ids == [4]  # tokenizer.ggml.eos_token_id, also the template's <|im_end|>
 
 
+def test_a_conversion_kept_in_the_cache_loads_as_the_file(tiny_gguf: Callable[..., Any], tmp_path: Path) -> None:
+    """The second load reads the converted copy (not the file): the same config, weights, tokenizer,
+    template and EOS ids; a damaged copy is converted again, not trusted."""
+    path, _, _ = tiny_gguf("llama", Q.Q8_0, True)
+    cache = tmp_path / "gguf"
+    first = load_gguf(path, cache)
+    (kept,) = cache.iterdir()
+    again = load_gguf(path, cache)
+    assert again[0] == first[0]
+    assert again[1].keys() == first[1].keys() and all(torch.equal(again[1][k], w) for k, w in first[1].items())
+    for text in ["the quick brown fox", "<|im_start|>hi<|im_end|>"]:
+        assert again[2].encode(text) == first[2].encode(text)
+    assert again[2].apply_chat_template(CHAT) == first[2].apply_chat_template(CHAT)
+    assert again[2].eos_token_ids == first[2].eos_token_ids
+    (kept / "model.safetensors").write_bytes(b"damaged")
+    assert torch.equal(load_gguf(path, cache)[1]["model.norm.weight"], first[1]["model.norm.weight"])
+
+
 def test_a_gguf_tokenizer_adds_bos_where_asked_as_transformers_does(tiny_gguf: Callable[..., Any]) -> None:
     from transformers import AutoTokenizer
 

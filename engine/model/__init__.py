@@ -7,7 +7,7 @@ import threading
 import torch
 
 from engine.attention import cpu, select_backend
-from engine.config import EngineConfig, ModelConfig, model_path
+from engine.config import EngineConfig, ModelConfig, cache_dir, model_path
 from engine.model.graphs import StepGraphs
 from engine.model.kernels import fuse_rope, select_kernels
 from engine.model.linear import select_linear
@@ -58,7 +58,7 @@ def load_weights(cfg: EngineConfig) -> tuple[ModelConfig, dict[str, torch.Tensor
     if path.suffix == ".gguf":
         from engine.model.gguf import load_gguf  # gguf is imported only where a GGUF file is read
 
-        return load_gguf(path)
+        return load_gguf(path, cache_dir() / "gguf")
     model_cfg, weights = load_checkpoint(path)
     return model_cfg, weights, load_tokenizer(path, model_cfg.eos_token_id, model_cfg.vocab_size)
 

@@ -5,6 +5,12 @@ integrations/gguf/gguf_tokenizer_mapping.py), so that both give the same logits 
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +18,7 @@ import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
+from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import BPE
 
@@ -19,6 +26,7 @@ from engine.config import ModelConfig
 from engine.model.loader import check_weights, expected_shapes
 from engine.tokenizer import HFTokenizer, bytes_to_unicode
 
+log = logging.getLogger("flowprefill.engine")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _MODEL_ARCH = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}  # gguf's enum, by its name
 
@@ -68,17 +76,58 @@ class Metadata:
         return value
 
 
-def load_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], HFTokenizer]:
+def load_gguf(path: str | Path, cache: Path | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor], HFTokenizer]:
     """The model in a GGUF file: its config, its weights (float32, Hugging Face names) and its tokenizer.
-    ValueError, in one line naming it, for an architecture, quantization or tokenizer it cannot run."""
+    ValueError, in one line naming it, for an architecture, quantization or tokenizer it cannot run.
+    `cache`: a folder where the conversion is kept, keyed by the file's name, size and time, and read
+    back by a later load: gguf's reader parses every metadata string in Python (2-3 s for SmolLM2's
+    49K tokens and merges, of its 4-5 s load), safetensors maps the result in a fraction of a second."""
     path = Path(path)
+    stat = path.stat()
+    kept = cache / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}-v{CACHE_VERSION}" if cache is not None else None
+    if kept is not None and (kept / "meta.json").is_file():
+        try:
+            return _read_kept(kept)
+        except Exception as exc:  # a damaged copy (safetensors' own error type too): made again
+            log.warning("%s: converted copy unreadable (%s); converting again", kept, exc)
+            shutil.rmtree(kept, ignore_errors=True)
     reader = GGUFReader(path)
     meta = Metadata(reader, path)
     tokenizer = gguf_tokenizer(meta)  # first: its errors are cheaper than dequantizing
     cfg = model_config(meta, path.stem)
     weights = load_weights(meta, cfg)
     check_weights(cfg, weights)
+    if kept is not None:
+        _keep(kept, cfg, weights, tokenizer)
     return cfg, weights, tokenizer
+
+
+CACHE_VERSION = 1  # of the converted copy's layout (and of the conversion: bump when it changes)
+
+
+def _keep(kept: Path, cfg: ModelConfig, weights: dict[str, torch.Tensor], tokenizer: HFTokenizer) -> None:
+    """Write the conversion beside the others, whole or not at all (a folder renamed into place)."""
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=kept.parent) as tmp:
+            save_file(weights, str(Path(tmp) / "model.safetensors"))
+            (Path(tmp) / "tokenizer.json").write_text(tokenizer.to_json())
+            (Path(tmp) / "meta.json").write_text(json.dumps({
+                "config": asdict(cfg), "chat_template": tokenizer.chat_template, "special": tokenizer.special,
+                "eos_token_ids": tokenizer.eos_token_ids}))
+            os.rename(tmp, kept)
+            Path(tmp).mkdir()  # for TemporaryDirectory's clean-up, which expects it
+    except OSError as exc:  # a full or read-only disk: the next start converts again
+        log.warning("could not keep the converted model in %s: %s", kept.parent, exc)
+
+
+def _read_kept(kept: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], HFTokenizer]:
+    meta = json.loads((kept / "meta.json").read_text())
+    cfg = ModelConfig(**meta["config"])
+    weights = load_file(str(kept / "model.safetensors"))
+    check_weights(cfg, weights)
+    tok = Tokenizer.from_file(str(kept / "tokenizer.json"))
+    return cfg, weights, HFTokenizer.built(tok, meta["chat_template"], meta["special"], meta["eos_token_ids"])
 
 
 def model_config(meta: Metadata, name: str) -> ModelConfig:
