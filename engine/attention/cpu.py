@@ -52,11 +52,14 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def _header_version() -> str:
-    """torch rebuilds an extension when its sources or flags change, not its headers: a flag naming
-    the header's content makes a changed header a changed build."""
-    digest = hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]
-    return f"-DFLOWPREFILL_SIMD_H={digest}"
+def _sources_digest() -> str:
+    """The sources' and header's content, in the build's name: torch keeps one build per name and
+    rebuilds it when its sources or flags change, so two installs of different versions on one machine
+    (a checkout and a release, a benchmark's copy) would rebuild it, 20-70 s, each time the other ran."""
+    digest = hashlib.sha256()
+    for path in (*SOURCES, HEADER):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 @cache
@@ -67,13 +70,13 @@ def build() -> tuple[frozenset[torch.dtype], str]:
     if not {"avx512f", "avx512bw", "avx512dq", "avx512vl", "fma"} <= flags:
         return frozenset(), "needs a CPU with AVX-512 (avx512f/bw/dq/vl)"
     bf16 = "avx512_bf16" in flags
-    name = "flowprefill_attention_" + ("avx512bf16" if bf16 else "avx512")
+    name = f"flowprefill_attention_{'avx512bf16' if bf16 else 'avx512'}_{_sources_digest()}"
     cflags = _BASE_FLAGS + (["-mavx512bf16", "-DFLOWPREFILL_BF16=1"] if bf16 else [])
     try:
         from torch.utils.cpp_extension import load
 
         with _lock:
-            load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=[*cflags, _header_version()],
+            load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=cflags,
                  extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, a read-only cache: torch's SDPA serves instead
         return frozenset(), f"could not be built ({type(e).__name__}: {str(e).strip().splitlines()[-1][:300]})"
