@@ -26,9 +26,12 @@ import torch
 from engine.config import cache_dir
 from engine.kv_cache import KVCache
 from engine.model.llama import LlamaModel
-from engine.model.plan import ATTENTION, ATTN_IN, FFN, OpCost, SeqSpan, plan_prefill
+from engine.model.plan import ATTENTION, ATTN_IN, FFN, FFN_IN, MLP, OpCost, SeqSpan, plan_prefill
 
 _MEASURED = ("attn_in_s_per_row", "ffn_s_per_row", "attn_s_per_pair", "row_step_floor_s", "step_overhead_s")
+# Measured only for a model whose MLP has column slices (LlamaModel.mlp_slices): a profile without them
+# (an older one, or a plan.json's) still serves, its FFN cut by rows only.
+_MEASURED_SLICED = ("ffn_in_s_per_row", "mlp_s_per_row")
 
 
 # Part of the key: a profile measured by an older calibration is not merged into a newer one's (before
@@ -84,7 +87,11 @@ def calibrate(model: LlamaModel, block_rows: Sequence[int] | None = None) -> OpC
         if op == ATTN_IN:
             rope = model.rotary.rows(torch.arange(rows, device=dev) % c.max_position_embeddings)
             return _best_time(lambda: model._attn_in(layer, x, rope), dev, repeat)
+        if op == MLP:
+            return _best_time(lambda: model._mlp_part(layer, 0, x, x), dev, repeat)
         attn = torch.randn(rows, c.num_attention_heads, c.head_dim, dtype=dtype, device=dev)
+        if op == FFN_IN:
+            return _best_time(lambda: model._ffn_in(layer, x, attn), dev, repeat)
         return _best_time(lambda: model._ffn(layer, x, attn), dev, repeat)
 
     with torch.inference_mode():
@@ -113,6 +120,9 @@ def calibrate(model: LlamaModel, block_rows: Sequence[int] | None = None) -> OpC
             cost.row_step_floor_s = min(block_s(ATTN_IN, 128), block_s(FFN, 128))
         else:
             cost.step_overhead_s, cost.row_step_floor_s = _cpu_step_costs(model, cost)
+        cost.mlp_slices = model.mlp_slices
+        if model.mlp_slices > 1:
+            cost.ffn_in_s_per_row, cost.mlp_s_per_row = per_row(FFN_IN), per_row(MLP)
     return cost
 
 
@@ -146,7 +156,8 @@ def measured_profile(cost: OpCost) -> dict[str, Any]:
     on 2026-12-06 the morning's plans' batches were predicted 1.21-1.25x longer under the profile cached by
     10:40 (FFN 12.1 us per row, the median of five start-ups, three of them at 12-16.5), so a plan replayed
     later needs the one it was made with (`--cost THAT/plan.json`, read_profile)."""
-    return {name: float(getattr(cost, name)) for name in _MEASURED} | {"row_block_s": cost.row_block_s}
+    sliced = {name: float(getattr(cost, name)) for name in _MEASURED_SLICED if getattr(cost, name) > 0}
+    return {name: float(getattr(cost, name)) for name in _MEASURED} | sliced | {"row_block_s": cost.row_block_s}
 
 
 def load_cost(model: LlamaModel, use_cache: bool = True, record: bool = True) -> OpCost:
@@ -225,7 +236,8 @@ def _median_of(model: LlamaModel, history: list[dict], fresh: OpCost | None = No
         newest = history[-1].get("row_block_s", {})
         cost = OpCost(model.cfg, 0.0, 0.0, 0.0, row_block_s={op: [(int(r), float(t)) for r, t in table]
                                                              for op, table in newest.items()})
-    for name in _MEASURED:
+    cost.mlp_slices = model.mlp_slices
+    for name in (*_MEASURED, *_MEASURED_SLICED):
         if any(name in h for h in history):
             setattr(cost, name, statistics.median(float(h[name]) for h in history if name in h))
     cost.row_block_s = _median_blocks(cost.row_block_s, [h.get("row_block_s", {}) for h in history])
@@ -257,7 +269,7 @@ def _well_formed(h: object) -> bool:
     if not isinstance(h, dict):
         return False
     try:
-        [float(h[name]) for name in _MEASURED if name in h]
+        [float(h[name]) for name in (*_MEASURED, *_MEASURED_SLICED) if name in h]
         [(int(rows), float(s)) for table in h.get("row_block_s", {}).values() for rows, s in table]
     except (TypeError, ValueError, AttributeError):
         return False

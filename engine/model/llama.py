@@ -17,11 +17,34 @@ from engine.attention import AttentionBackend
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.model.activations import ActivationPool, Activations
-from engine.model.graphs import StepGraphs
+from engine.model.graphs import GraphBuffers, StepGraphs
 from engine.model.kernels import RowKernels, TorchKernels
 from engine.model.linear import LinearKind, TorchLinear
-from engine.model.plan import ATTENTION, ATTN_IN, FFN, SeqSpan, Step
+from engine.model.plan import ATTENTION, ATTN_IN, FFN, FFN_IN, MLP, SeqSpan, Step
 from engine.model.rope import Rotary, Rows
+
+# An MLP whose weights (per layer) exceed this is cut into intermediate-column slices for the split
+# (`mlp_slices`); a smaller one stays whole, exactly as before: the embedded model's 2.2 MB MLP runs
+# 320-row whole-FFN blocks at the 2 ms budget, where SmolLM2-135M's 10.6 MB (fp32) ran 32-row ones, each
+# re-reading its weights, +19 to +30 % over the unsplit FFN (2,048 tokens, one AMD EPYC core).
+MLP_SLICE_MIN_BYTES = 4 << 20
+
+
+def mlp_slices(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
+    """How many intermediate-column slices of equal width (a multiple of 16) the MLP is cut into.
+
+    About 3 x intermediate / hidden: a slice's MLP step then costs per row what the block's FFN_IN step
+    (o_proj, hidden x hidden) does, so both fill the budget on the same rows: fewer slices make the
+    blocks shorter, more make more steps (SmolLM2: 8 slices of 1.33 MB, 192 columns; 6 to 16 slices
+    measured within noise of each other, 2.4 to 8 % over the unsplit prefill at 2K, 4 slices 5 to 6.5 %).
+    1 where the MLP is at most MLP_SLICE_MIN_BYTES, no such width divides the intermediate size, or on
+    CUDA (a GPU reads weights from HBM at any block size; unmeasured there)."""
+    inter = cfg.intermediate_size
+    if device.type != "cpu" or 3 * cfg.hidden_size * inter * dtype.itemsize <= MLP_SLICE_MIN_BYTES:
+        return 1
+    need = max(2, -(-3 * inter // cfg.hidden_size))
+    return next((s for s in range(need, 4 * need + 1) if inter % s == 0 and inter // s % 16 == 0), 1)
+
 
 # Row-wise steps warmed in this process (`LlamaModel.warm_steps`): (model shapes, op, rows).
 _WARMED: set[tuple] = set()
@@ -41,7 +64,7 @@ class PrefillInputs(NamedTuple):
 
 class LayerWeights:
     def __init__(self, w: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig,
-                 linear: LinearKind = TorchLinear) -> None:
+                 linear: LinearKind = TorchLinear, slices: int = 1) -> None:
         a, m = f"{prefix}.self_attn", f"{prefix}.mlp"
         self.input_norm = w[f"{prefix}.input_layernorm.weight"]
         self.post_norm = w[f"{prefix}.post_attention_layernorm.weight"]
@@ -51,22 +74,35 @@ class LayerWeights:
         self.o = linear(w[f"{a}.o_proj.weight"], w.get(f"{a}.o_proj.bias"))  # a bias: Llama with attention_bias
         self.q_norm = w[f"{a}.q_norm.weight"] if cfg.qk_norm else None  # Qwen3
         self.k_norm = w[f"{a}.k_norm.weight"] if cfg.qk_norm else None
-        self.gate_up = linear(torch.cat([w[f"{m}.gate_proj.weight"], w[f"{m}.up_proj.weight"]]), None)
-        self.down = linear(w[f"{m}.down_proj.weight"], None)
+        # gate/up fused as [gate_0 | up_0 | gate_1 | up_1 ...] by column slice (`mlp_slices`): slice j's
+        # outputs are one column range, and the whole projection's SiLU-and-mul runs on it viewed as
+        # `slices` times the rows ([gate | up] when slices = 1).
+        gate, up, down = w[f"{m}.gate_proj.weight"], w[f"{m}.up_proj.weight"], w[f"{m}.down_proj.weight"]
+        width = cfg.intermediate_size // slices
+        gate_up = torch.cat([t[j * width:(j + 1) * width] for j in range(slices) for t in (gate, up)])
+        self.gate_up = linear(gate_up, None)
+        self.down = linear(down, None)
+        # Per slice, its gate/up and down: what an MLP step of the split runs (decode and whole steps
+        # run the whole projections).
+        self.mlp = [(self.gate_up.out_slice(gate_up, 2 * j * width, 2 * (j + 1) * width),
+                     self.down.in_slice(down, j * width, (j + 1) * width)) for j in range(slices)] if slices > 1 else []
 
 
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], backend: AttentionBackend,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 linear: LinearKind = TorchLinear) -> None:
+                 linear: LinearKind = TorchLinear, slices: int | None = None) -> None:
+        """slices: the MLP's intermediate-column slices (default `mlp_slices`)."""
         self.cfg, self.backend = cfg, backend
         self.device = torch.device(device)
+        self.mlp_slices = mlp_slices(cfg, dtype, self.device) if slices is None else slices
         w = {k: v.to(self.device, dtype) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
         self.linear = linear.name  # the projections' kernels (engine/model/linear.py)
-        self.layers = [LayerWeights(w, f"model.layers.{i}", cfg, linear) for i in range(cfg.num_hidden_layers)]
+        self.layers = [LayerWeights(w, f"model.layers.{i}", cfg, linear, self.mlp_slices)
+                       for i in range(cfg.num_hidden_layers)]
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings,
                              dtype, self.device)
         self.q_size = cfg.num_attention_heads * cfg.head_dim
@@ -95,17 +131,34 @@ class LlamaModel:
     def _ffn(self, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         # Residual adds inside the matmuls, as vLLM's and SGLang's fused GEMM epilogues do.
         x = layer.o(attn.flatten(1), residual=x)
-        return layer.down(self.kernels.silu_and_mul(layer.gate_up(self._rms(x, layer.post_norm))), residual=x)
+        gate_up = layer.gate_up(self._rms(x, layer.post_norm))
+        rows, s = x.shape[0], self.mlp_slices  # gate/up interleaved by slice (LayerWeights)
+        act = self.kernels.silu_and_mul(gate_up.view(rows * s, -1) if s > 1 else gate_up)
+        return layer.down(act.view(rows, -1) if s > 1 else act, residual=x)
+
+    def _ffn_in(self, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """An FFN cut by the MLP's columns, its first step: the residual stream after o_proj, and its
+        post-attention norm, which each slice's step reads (`_mlp_part`)."""
+        x = layer.o(attn.flatten(1), residual=x)
+        return x, self._rms(x, layer.post_norm)
+
+    def _mlp_part(self, layer: LayerWeights, part: int, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """x plus the MLP's output through its intermediate-column slice `part`, of normed input h."""
+        gate_up, down = layer.mlp[part]
+        return down(self.kernels.silu_and_mul(gate_up(h)), residual=x)
 
     def warm_steps(self, attn_in_rows: Sequence[int], ffn_rows: Sequence[int]) -> None:
         """Run the first layer's row-wise operators once at each of these row counts, so that a kernel
         built per row count (oneDNN's linear, engine/model/linear.py) is built before the first request
         needs it, not in its prefill's steps. Shapes, not weights, key those kernels, and their cache is
         the process's: one layer does, and a second engine of the same shapes in this process (the
-        test suite builds 210) skips what the first warmed (0.45 s each on one 2.1 GHz Xeon core)."""
+        test suite builds 210) skips what the first warmed (0.45 s each on one 2.1 GHz Xeon core).
+        Where the MLP has column slices, an FFN row count warms a slice's step too (FFN_IN's o_proj is
+        the whole FFN's)."""
         c, layer = self.cfg, self.layers[0]
         shapes = (self.linear, self.embed.dtype, self.device, c.hidden_size, c.intermediate_size,
-                  c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.attention_bias, torch.get_num_threads())
+                  c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.attention_bias, torch.get_num_threads(),
+                  self.mlp_slices)
         attn_in_rows = [n for n in attn_in_rows if (shapes, ATTN_IN, n) not in _WARMED]
         ffn_rows = [n for n in ffn_rows if (shapes, FFN, n) not in _WARMED]
         if not attn_in_rows and not ffn_rows:
@@ -119,6 +172,8 @@ class LlamaModel:
                 self._attn_in(layer, x[:rows], self.rotary.span_rows(0, rows))
             for rows in ffn_rows:
                 self._ffn(layer, x[:rows], attn[:rows])
+                if layer.mlp:
+                    self._mlp_part(layer, 0, x[:rows], x[:rows])
         _WARMED.update((shapes, ATTN_IN, n) for n in attn_in_rows)
         _WARMED.update((shapes, FFN, n) for n in ffn_rows)
 
@@ -153,6 +208,7 @@ class LlamaModel:
             keys: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per sequence: its keys this layer
             outs: list[torch.Tensor] = []  # partial results of the current query block's key tiles
             lses: list[torch.Tensor] = []
+            block = (x, x)  # an FFN block's residual stream and normed input, from its FFN_IN step on
             for i, step in enumerate(steps):
                 layer = self.layers[step.layer]
                 a, b = step.rows
@@ -179,13 +235,8 @@ class LlamaModel:
                     if step.causal:  # the diagonal tile is the last of its query block
                         attn[a:b] = self.backend.merge(outs, lses)
                         outs, lses = [], []
-                elif step.op == FFN:
-                    if whole and lease is not None:
-                        lease.replay(step.layer, FFN)
-                    elif whole:
-                        x = self._ffn(layer, x, attn)
-                    else:
-                        x[a:b] = self._ffn(layer, x[a:b], attn[a:b])
+                else:
+                    x, block = self._ffn_step(step, layer, x, attn, block, whole, lease)
                 yield i
             if all_logits:
                 return self._logits(x)
@@ -196,6 +247,33 @@ class LlamaModel:
                 StepGraphs.release(lease)
             if kept is not None:
                 self.activations.release(kept)
+
+    def _ffn_step(self, step: Step, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor,
+                  block: tuple[torch.Tensor, torch.Tensor], whole: bool, lease: GraphBuffers | None
+                  ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """A prefill's FFN, FFN_IN or MLP step (`whole`: its rows are the batch's). Returns x (a new tensor
+        where a whole step computed it) and `block`: an FFN cut by the MLP's columns keeps its block's
+        residual stream and normed input from its FFN_IN step through its MLP steps, and writes the
+        stream back after the last, one copy per block, not one per step (12 us each for a 192-row
+        block of SmolLM2's, one EPYC core)."""
+        a, b = step.rows
+        if step.op == FFN:
+            if whole and lease is not None:
+                lease.replay(step.layer, FFN)
+            elif whole:
+                x = self._ffn(layer, x, attn)
+            else:
+                x[a:b] = self._ffn(layer, x[a:b], attn[a:b])
+        elif step.op == FFN_IN:
+            block = self._ffn_in(layer, x[a:b], attn[a:b])
+        elif step.op == MLP:
+            block = (self._mlp_part(layer, step.part, *block), block[1])
+            if step.part == len(layer.mlp) - 1:
+                if whole:
+                    x = block[0]
+                else:
+                    x[a:b] = block[0]
+        return x, block
 
     def _prefill_inputs(self, token_ids: list[list[int]], spans: list[SeqSpan], block_tables: list[list[int]],
                         kv: KVCache) -> PrefillInputs:

@@ -2,268 +2,42 @@
 
 This is where the *sub-operator split* lives: row-wise operators are cut into token blocks and
 attention into (query block x key tile) pieces, so that no step outlasts `budget_s` and a
-preemption request never waits longer than one step, whatever the prompt length.
+preemption request never waits longer than one step, whatever the prompt length. Where the FFN's
+blocks would be too short to run well, its MLP is cut by intermediate columns as well (FFN_IN and MLP
+steps, `OpCost.sliced_ffn_rows`), and the blocks grow by as much.
 """
 
 from __future__ import annotations
 
-import math
-import statistics
-from bisect import bisect_left
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
-from typing import NamedTuple, overload
+from typing import overload
 
-from engine.config import ModelConfig
+# The cost model and the steps' vocabulary live in engine/model/cost.py; importers of this module keep
+# finding them here.
+from engine.model.cost import (
+    ATTENTION,
+    ATTN_IN,
+    CAUSAL_BLOCK,
+    FFN,
+    FFN_IN,
+    MAX_FACTOR,
+    MAX_SURPRISE,
+    MLP,
+    ROW_ALIGN,
+    SIZE_CLASSES,
+    OpCost,
+    SeqSpan,
+    Step,
+    _fit,
+    size_class,
+)
 
-# The CPU's projections run on row counts in steps of this (engine/model/linear.py: oneDNN builds a kernel
-# per row count); blocks cut on the line (a CPU, or an analytical GPU model) are cut to it, so that only a
-# batch's last block is padded.
-ROW_ALIGN = 16
-
-ATTN_IN, ATTENTION, FFN = "attn_in", "attention", "ffn"
-CAUSAL_BLOCK = 256  # granularity at which attention kernels skip masked work
-# Batch sizes (prompt tokens) whose prediction errors are learned apart (`OpCost.observe`): a short
-# batch replaying CUDA graphs beats the calibrated line by far more than a long eager one, and one
-# correction for both would size an 8K batch's steps by the speed of 32-token ones.
-SIZE_CLASSES = (128, 512, 2048, 8192)  # upper bounds; longer batches are the last class
-
-
-def size_class(tokens: int) -> int:
-    return bisect_left(SIZE_CLASSES, tokens)
-
-
-class Step(NamedTuple):
-    layer: int
-    op: str  # attn_in | attention | ffn
-    rows: tuple[int, int]  # rows of the batch's flattened tokens this step produces
-    seq: int = -1  # attention: which sequence of the batch
-    keys: tuple[int, int] = (0, 0)  # attention: absolute key positions of this tile
-    # attention: the tile ending at the queries' own positions, masked causally from the bottom right
-    # (query j of n sees keys up to keys[1] - n + j); it completes its query block
-    causal: bool = False
-    cost: float = 0.0  # predicted seconds
-
-
-class SeqSpan(NamedTuple):
-    """One sequence of a prefill batch: prompt tokens [start, start + length) of a request."""
-
-    start: int  # tokens already in the KV cache (chunked prefill); 0 for a whole prompt
-    length: int
-
-
-@dataclass
-class OpCost:
-    """Predicted seconds of each operator step, measured on this device with the model's own ops."""
-
-    cfg: ModelConfig
-    attn_in_s_per_row: float
-    ffn_s_per_row: float
-    attn_s_per_pair: float  # one query against one key, all heads
-    step_overhead_s: float = 20e-6
-    row_step_floor_s: float = 0.0  # a row-wise step reads its weights once, however few its rows
-    # Host time per finished batch outside its steps: the first token's sampling, finishing the requests,
-    # the next decision. The simulator charges it (the engine's steps do not include it); on an H200 it
-    # was a quarter of a short batch (docs/benchmarks.md), on a CPU under 1 %.
-    batch_host_s: float = 0.0
-    scale: float = 1.0  # a multiplier on every prediction (for_batch sets it to the batch's correction)
-    budget_s: float | None = None  # the step budget plans use (prefill_s counts the steps it makes)
-    # Online correction (see `observe`, `factor`): how much slower than calibrated the machine runs now
-    # (`machine`, shared by every batch size), and how each size class runs apart from that (`class_scale`).
-    class_scale: list[float] = field(default_factory=lambda: [1.0] * (len(SIZE_CLASSES) + 1))
-    class_observations: list[int] = field(default_factory=lambda: [0] * (len(SIZE_CLASSES) + 1))
-    class_first: list[list[float]] = field(default_factory=lambda: [[] for _ in range(len(SIZE_CLASSES) + 1)])
-    machine: float = 1.0
-    # Measured seconds of one row-wise step of a given number of rows, per op: [(rows, s)] by rows
-    # (CUDA calibration). A GPU runs a matmul in whole waves of output tiles over its SMs, so its time
-    # is a staircase in rows, not a line: 3,104 rows can cost as many waves as 4,096. It decides where
-    # the split cuts (`row_block`); predictions stay on the line, since small batches replay CUDA
-    # graphs far faster than the eager blocks timed here.
-    row_block_s: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
-
-    def row_op_s(self, op: str, rows: int) -> float:
-        per_row = self.attn_in_s_per_row if op == ATTN_IN else self.ffn_s_per_row
-        return self.scale * (self.step_overhead_s + max(self.row_step_floor_s, rows * per_row))
-
-    def row_block(self, op: str, rows: int, work_s: float) -> int:
-        """Token-block size for `rows` rows of a row-wise op whose steps get `work_s` each (unscaled,
-        overhead excluded): on the line (a CPU), as many blocks as the largest multiple of 32 that
-        fits needs, of even size (a multiple of ROW_ALIGN); with a measured staircase, the size up to that
-        fit whose blocks (remainder included) add up to the least measured time, among those measured
-        within the budget."""
-        per_row = self.attn_in_s_per_row if op == ATTN_IN else self.ffn_s_per_row
-        fit = _fit(work_s, per_row, 32)
-        table = self.row_block_s.get(op)
-        if not table:
-            # Even blocks: 512 rows of the embedded model's FFN as 320 + 192 took 3.06 ms on one
-            # AVX-512 core, as 256 + 256 2.91 ms (its rows run 5.4 us each from 256 to 384, 5.7 at
-            # 128-192): three layers of that were the split's overhead at 512 tokens (+2.6 to +6.3 %
-            # by medians before, -2.0 to +1.7 % after; docs/benchmarks.md). Rounded up to ROW_ALIGN rows,
-            # which oneDNN's linear runs on.
-            per_block = math.ceil(rows / math.ceil(rows / fit))  # rows over the blocks `fit` needs
-            return min(fit, math.ceil(per_block / ROW_ALIGN) * ROW_ALIGN)
-
-        def measured_s(n: int) -> float:  # a block costs the next timed size's time
-            i = bisect_left(table, n, key=lambda entry: entry[0])
-            return self.step_overhead_s + (table[i][1] if i < len(table) else n * per_row)
-
-        def total(size: int) -> float:
-            full, rest = divmod(rows, size)
-            return full * measured_s(size) + (measured_s(rest) if rest else 0.0)
-
-        # Sizes the line fits; of those, the ones whose own measurement fits too (a block just past a
-        # whole wave is measured over the budget while the line predicts it under), unless none does.
-        sizes = [n for n, _ in table if n < fit] + [fit]
-        return min(sizes, key=lambda size: (measured_s(size) > work_s + self.step_overhead_s, total(size), -size))
-
-    def step_rows(self, op: str, budget_s: float | None, most: int) -> list[int]:
-        """Every row count a row-wise step of `op` runs on (padded as engine/model/linear.py pads them):
-        1 to ROW_ALIGN, then multiples of ROW_ALIGN up to the largest block `row_block` cuts for a
-        device running twice as fast as calibrated (a correction of 0.5: calibration keeps each
-        operator's best of several runs, which serving seldom beats), or up to `most` rows where that
-        is less, or where there is no budget (one step per operator)."""
-        per_row = self.attn_in_s_per_row if op == ATTN_IN else self.ffn_s_per_row
-        top = most if budget_s is None else min(most, _fit(2 * budget_s, per_row, 32))
-        return [*range(1, ROW_ALIGN + 1), *range(2 * ROW_ALIGN, top + ROW_ALIGN, ROW_ALIGN)]
-
-    def attn_s(self, queries: int, keys: int, causal: bool) -> float:
-        # Causal (bottom-right): every key before the queries' own, then the diagonal square, of which
-        # kernels skip the blocks above the diagonal but compute the diagonal blocks whole: half the
-        # square plus one kernel block's worth (which makes a small diagonal tile cost a full one).
-        if causal:
-            square = min(queries, keys)
-            pairs = queries * (keys - square) + square * (square + min(square, CAUSAL_BLOCK)) / 2
-        else:
-            pairs = queries * keys
-        return self.scale * (self.step_overhead_s + pairs * self.attn_s_per_pair)
-
-    @classmethod
-    def calibrate(cls, model: object) -> OpCost:
-        """Measure this model's operators on its device (see engine.predictor)."""
-        from engine.predictor import calibrate
-
-        return calibrate(model)  # type: ignore[arg-type]
-
-    def factor(self, tokens: int) -> float:
-        """The correction for a batch of `tokens` prompt tokens: the machine's times its size class's.
-        A class no batch has measured yet borrows its nearest measured class's, but only to slow down:
-        running faster than calibration is what one size does (short batches replay CUDA graphs),
-        running slower is what the device does (load, clocks, a calibration that kept its fastest run)."""
-        k = size_class(tokens)
-        if self.class_observations[k]:
-            shape = self.class_scale[k]
-        elif seen := [j for j, n in enumerate(self.class_observations) if n]:
-            shape = max(1.0, self.class_scale[min(seen, key=lambda j: (abs(j - k), -j))])
-        else:
-            shape = 1.0
-        return min(MAX_FACTOR, max(1 / MAX_FACTOR, self.machine * shape))
-
-    def confirmed(self, tokens: int) -> bool:
-        """Whether batches of this size class have run: its predictions are measured, not calibration alone."""
-        return bool(self.class_observations[size_class(tokens)])
-
-    def for_batch(self, tokens: int) -> OpCost:
-        """This cost model as it predicts a batch of `tokens` prompt tokens: its class's correction
-        folded into `scale`, on a copy that learns nothing and shares nothing with this one."""
-        n = len(self.class_scale)
-        return replace(self, scale=self.scale * self.factor(tokens), class_scale=[1.0] * n,
-                       class_observations=[0] * n, class_first=[[] for _ in range(n)], machine=1.0)
-
-    def observe(self, tokens: int, base_s: float, measured_s: float, whole: bool = True) -> None:
-        """Refine online from steps of a batch of `tokens` prompt tokens (a running batch's progress, or
-        the rest of it when it completes) that the calibrated model (no correction: `Plan.base_cost`)
-        predicted at `base_s`: the device may be slower or faster than at calibration (other load,
-        clocks, CUDA graphs).
-
-        Two speeds. A class's first three measurements say how that size runs (`class_scale`, their
-        median: the first steps of a new shape also pay for its first allocations, 3.2x the prediction
-        for the first 50 ms of the first 8K prefill here, 1.2-1.4x after). After that, what surprises
-        the prediction is mostly the machine, common to every size: half of each surprise goes to
-        `machine`, so a 3x slowdown seen by short batches slows the long ones' predictions too, within
-        a few batches of any size (see docs/benchmarks.md); the class keeps a slow average of what the
-        machine does not explain. `whole`: the measurement is a whole batch (or its first part), which
-        weighs at least a fifth however short; the last few milliseconds of a long batch weigh their time.
-        A measurement weighs the work it measured (its predicted time), not the time a pause stretched it
-        to, and its surprise counts up to MAX_SURPRISE."""
-        if not (base_s > 0 and measured_s > 0):
-            return
-        k = size_class(tokens)
-        target = measured_s / (base_s * self.scale)
-        self.class_observations[k] += 1
-        first = self.class_first[k]
-        if len(first) < 3:  # the class's own way, whatever the machine does
-            first.append(target / self.machine)
-            self.class_scale[k] = _clamp(statistics.median(first))
-            return
-        expected_s = base_s * self.scale * self.machine * self.class_scale[k]
-        surprise = min(MAX_SURPRISE, max(1 / MAX_SURPRISE, measured_s / expected_s))
-        floor = 0.2 if whole else 0.0
-        weight = _weight(expected_s, MACHINE_HALF_LIFE_S, floor)  # the work it measured, not its pauses
-        self.machine = _clamp(self.machine * (1 + weight * (surprise - 1)))
-        w = _weight(measured_s, CLASS_HALF_LIFE_S, 0.0)
-        self.class_scale[k] = _clamp((1 - w) * self.class_scale[k] + w * target / self.machine)
-
-    def step_s(self, step: Step) -> float:
-        """What this cost model says one planned step takes."""
-        if step.op == ATTENTION:
-            return self.attn_s(step.rows[1] - step.rows[0], step.keys[1] - step.keys[0], step.causal)
-        return self.row_op_s(step.op, step.rows[1] - step.rows[0])
-
-    def prefill_s(self, spans: list[SeqSpan]) -> float:
-        """Predicted time of a whole prefill (every layer) of these spans, as the engine plans it
-        (the last layer computes attention and MLP for each sequence's last token only; an operator
-        longer than `budget_s` is split into steps, each with its overhead), with its size class's
-        correction. Each operator is counted once with the steps its own split adds: counting a
-        sequence's attention as two (its prefix and its square, the first empty without a prefix) and
-        the split's steps over the whole prefill, as this did, predicted a 16-token prefill 16 % over
-        its plan and 128 tokens 5 % (a 2-core EPYC's profile, 88 us a step)."""
-        rows = sum(s.length for s in spans)
-        factor = self.factor(rows)  # applied to the sum: one for_batch copy per call would cost more
-        step_s = self.scale * factor * self.step_overhead_s
-        work = max(self.budget_s - step_s, self.budget_s / 2) if self.budget_s else math.inf
-
-        def op(seconds: float) -> float:  # with the overheads of the steps its split adds
-            seconds *= factor
-            return seconds + max(0.0, math.ceil(seconds / work) - 1) * step_s
-
-        attn_in = op(self.row_op_s(ATTN_IN, rows))
-        per_layer = attn_in + op(self.row_op_s(FFN, rows))
-        per_layer += sum(op(self.attn_s(s.length, s.start + s.length, True)) for s in spans)
-        last = attn_in + sum(op(self.attn_s(1, s.start + s.length, True)) + op(self.row_op_s(FFN, 1)) for s in spans)
-        return per_layer * (self.cfg.num_hidden_layers - 1) + last
-
-
-MAX_FACTOR = 20.0  # a correction stays within 1/20 .. 20x of calibration
-# One measurement moves the machine's factor by at most this ratio's worth of its weight (which is its
-# predicted time's, see `observe`). A short batch that a pause (the collector, the OS, a process starting
-# beside it) stretches from 13 ms to 200 ms reads 15x: weighed by its 200 ms, as before, it would multiply
-# every prediction by 14 at once (enough for a long `batch` request to predict past its 6 s target and
-# be refused); now by 1.6. A real 3x slowdown is still followed within three batches (tests/test_predictor.py).
-MAX_SURPRISE = 4.0
-# The machine's factor is an exponential average over the predicted time of what was measured, with this half-life
-# (half of a 50 ms progress report's surprise), and takes at least a fifth of any batch's surprise:
-# after a 3x slowdown its predictions are within 10 % in 3 batches (docs/benchmarks.md).
-MACHINE_HALF_LIFE_S = 0.05
-# A size class's own way, after a running mean of its first three measurements: an exponential
-# average over its measured time with this half-life, slow, so that a slowdown goes to the machine.
-CLASS_HALF_LIFE_S = 2.0
-
-
-def _clamp(x: float) -> float:
-    return min(MAX_FACTOR, max(1 / MAX_FACTOR, x))
-
-
-def _weight(measured_s: float, half_life_s: float, floor: float) -> float:
-    """The weight of a measurement of `measured_s` in an average over time with this half-life."""
-    return max(floor, 1 - 0.5 ** (measured_s / half_life_s))
+__all__ = ["ATTENTION", "ATTN_IN", "CAUSAL_BLOCK", "FFN", "FFN_IN", "MAX_FACTOR", "MAX_SURPRISE", "MLP", "ROW_ALIGN",
+           "SIZE_CLASSES", "OpCost", "Plan", "SeqSpan", "Step", "plan_prefill", "size_class"]
 
 
 def _blocks(total: int, size: int) -> list[tuple[int, int]]:
     return [(a, min(a + size, total)) for a in range(0, total, size)]
-
-
-def _fit(budget_s: float, per_unit_s: float, quantum: int) -> int:
-    return max(quantum, int(budget_s / per_unit_s) // quantum * quantum)
 
 
 class Plan(Sequence[Step]):
@@ -353,6 +127,7 @@ def plan_prefill(cost: OpCost, spans: list[SeqSpan], budget_s: float | None, las
     for s in spans:
         starts.append(starts[-1] + s.length)
     big = 1 << 62
+    sliced = 0  # rows per block of an FFN cut by the MLP's columns too (0: whole-FFN blocks)
     if budget_s is None:
         in_rows = ffn_rows = q_block = key_tile = big
     else:
@@ -361,6 +136,7 @@ def plan_prefill(cost: OpCost, spans: list[SeqSpan], budget_s: float | None, las
         work_s = max(budget_s / cost.scale - cost.step_overhead_s, budget_s / cost.scale / 2)
         in_rows = cost.row_block(ATTN_IN, rows, work_s)
         ffn_rows = cost.row_block(FFN, rows, work_s)
+        sliced = cost.sliced_ffn_rows(rows, work_s)
         # Query blocks as large as the budget allows (fewer, larger tiles parallelise better and
         # need fewer merges), down to 32 when even a small diagonal tile would outlast it.
         longest = max((s.length for s in spans), default=1)
@@ -387,6 +163,11 @@ def plan_prefill(cost: OpCost, spans: list[SeqSpan], budget_s: float | None, las
                     steps.append(Step(0, ATTENTION, block, i, (ka, kb), cost=cost.attn_s(qe - qs, kb - ka, False)))
                 steps.append(Step(0, ATTENTION, block, i, (span.start + qs, end), True,
                                   cost.attn_s(qe - qs, qe - qs, True)))
+        if query_rows is None and sliced:
+            for a, b in _blocks(rows, sliced):
+                steps.append(Step(0, FFN_IN, (a, b), cost=cost.row_op_s(FFN_IN, b - a)))
+                steps += [Step(0, MLP, (a, b), cost=cost.row_op_s(MLP, b - a), part=j) for j in range(cost.mlp_slices)]
+            return steps
         ffn_rows_ranges = (_blocks(rows, ffn_rows) if query_rows is None
                            else [(starts[i] + qs, starts[i] + qe) for i, (qs, qe) in enumerate(query_rows)])
         steps += [Step(0, FFN, (a, b), cost=cost.row_op_s(FFN, b - a)) for a, b in ffn_rows_ranges]
