@@ -20,7 +20,7 @@ from engine.cpu_affinity import CorePinning, on_passing_thread, team_ids
 from engine.decode import Answers
 from engine.kv_cache import KVCache, OutOfBlocks
 from engine.model import load_model, use_device
-from engine.model.plan import ATTN_IN, FFN, SeqSpan
+from engine.model.plan import ATTN_IN, FFN, MLP, SeqSpan
 from engine.observer import EngineObserver
 from engine.predictor import StoredProfile, load_cost, stored_cost
 from engine.prefill import PrefillBatch
@@ -133,9 +133,10 @@ class Engine:
         budget_s = cfg.step_budget_ms / 1000 if cfg.preemptible else None
         attn_in = self.cost.step_rows(ATTN_IN, budget_s, cfg.max_batch_tokens)
         ffn = self.cost.step_rows(FFN, budget_s, cfg.max_batch_tokens)
-        self.model.warm_steps(attn_in, ffn)
-        log.info("row-wise kernels warmed: %d attention-input and %d FFN row counts in %.2f s",
-                 len(attn_in), len(ffn), time.perf_counter() - t0)
+        mlp = self.cost.step_rows(MLP, budget_s, cfg.max_batch_tokens)  # an FFN cut by the MLP's columns
+        self.model.warm_steps(attn_in, ffn, mlp)
+        log.info("row-wise kernels warmed: %d attention-input, %d FFN and %d MLP-slice row counts in %.2f s",
+                 len(attn_in), len(ffn), len(mlp), time.perf_counter() - t0)
 
     # -- public API (any thread) ---------------------------------------------------------------
     def start(self) -> Engine:

@@ -21,7 +21,7 @@ from engine.attention.sdpa import SDPABackend
 from engine.config import ModelConfig
 from engine.model.linear import OneDnnLinear, TorchLinear, onednn_unavailable
 from engine.model.llama import MLP_SLICE_MIN_BYTES, LlamaModel, mlp_slices
-from engine.model.plan import ATTN_IN, FFN, FFN_IN, MLP, OpCost, SeqSpan, plan_prefill
+from engine.model.plan import FFN, FFN_IN, MLP, OpCost, SeqSpan, plan_prefill
 from engine.predictor import _median_of, calibrate, measured_profile
 
 # The whole FFN costs 10 us a row: 32-row blocks (the least) under a 100 us budget; a slice's MLP step
@@ -203,7 +203,27 @@ def test_calibration_measures_the_slices_and_the_profile_keeps_them(model: Llama
     assert calibrate(plain).mlp_s_per_row == 0.0
 
 
-def test_warm_steps_runs_the_slices_at_each_ffn_row_count(model: LlamaModel) -> None:
-    rows = COST.step_rows(FFN, BUDGET, 2048)
-    assert max(rows) >= 96 > max(replace(COST, mlp_slices=1).step_rows(FFN, BUDGET, 2048))
-    model.warm_steps(COST.step_rows(ATTN_IN, BUDGET, 2048), rows)
+def test_the_warmed_row_counts_cover_every_sliced_step() -> None:
+    """`OpCost.step_rows(MLP)` names every row count an FFN_IN or MLP step runs on (what the engine
+    warms at start), for batches of one to many prompts at corrections from half to 20x calibration;
+    none where the FFN is never cut by columns."""
+    most = 2048
+    want = set(COST.step_rows(MLP, BUDGET, most))
+    assert max(want) >= 96
+    for lengths in ([100], [333], [2048], [40, 24], [700, 700, 648], [1] * 30, [5000]):
+        for scale in (0.5, 1.0, 1.7, 20.0):
+            plan = plan_prefill(replace(COST, scale=scale), [SeqSpan(0, n) for n in lengths], BUDGET,
+                                last_token_only=True)
+            for step in plan:
+                if step.op in (FFN_IN, MLP):
+                    n = step.rows[1] - step.rows[0]
+                    assert (n if n <= 16 else -(-n // 16) * 16) in want, (lengths, scale, step)
+    assert COST.step_rows(MLP, None, most) == []
+    assert replace(COST, mlp_slices=1).step_rows(MLP, BUDGET, most) == []
+    assert replace(COST, mlp_s_per_row=0.0).step_rows(MLP, BUDGET, most) == []
+
+
+def test_warm_steps_runs_the_slices_at_their_row_counts(model: LlamaModel) -> None:
+    model.warm_steps([1, 32], [1, 32], COST.step_rows(MLP, BUDGET, 2048))
+    plain = LlamaModel(CFG, make_weights(CFG), SDPABackend())
+    plain.warm_steps([1], [1], [1, 32])  # no slices: nothing to warm for them

@@ -108,12 +108,15 @@ class OpCost:
     def row_op_s(self, op: str, rows: int) -> float:
         return self.scale * (self.step_overhead_s + max(self.row_step_floor_s, rows * self.per_row_s(op)))
 
+    def _slices_measured(self) -> bool:
+        return self.mlp_slices > 1 and self.ffn_in_s_per_row > 0 and self.mlp_s_per_row > 0
+
     def sliced_ffn_rows(self, rows: int, work_s: float) -> int:
         """Rows per block where `rows` rows of the FFN are cut by the MLP's columns as well (steps get
         `work_s` each, unscaled, overhead excluded), or 0 where whole-FFN blocks do: the model has no
         slices (or they are not measured), the whole FFN's blocks would be SLICE_BELOW_ROWS tall or more,
         or the rows fit one whole step."""
-        if self.mlp_slices < 2 or not (self.ffn_in_s_per_row > 0 and self.mlp_s_per_row > 0):
+        if not self._slices_measured():
             return 0
         whole = _fit(work_s, self.ffn_s_per_row, 32)
         if whole >= SLICE_BELOW_ROWS or rows <= whole:
@@ -156,12 +159,11 @@ class OpCost:
         1 to ROW_ALIGN, then multiples of ROW_ALIGN up to the largest block `row_block` cuts for a
         device running twice as fast as calibrated (a correction of 0.5: calibration keeps each
         operator's best of several runs, which serving seldom beats), or up to `most` rows where that
-        is less, or where there is no budget (one step per operator). FFN: also the rows of the FFN_IN
-        and MLP steps of an FFN cut by columns (`sliced_ffn_rows`), whose blocks are taller."""
-        per_row = self.per_row_s(op)
-        if op == FFN and self.mlp_slices > 1 and self.ffn_in_s_per_row > 0 and self.mlp_s_per_row > 0:
-            per_row = min(per_row, self._block_per_row_s(MLP))
-        top = most if budget_s is None else min(most, _fit(2 * budget_s, per_row, 32))
+        is less, or where there is no budget (one step per operator). MLP: the rows of the FFN_IN and MLP
+        steps of an FFN cut by columns (`sliced_ffn_rows`; none where it never is)."""
+        if op == MLP and (budget_s is None or not self._slices_measured()):
+            return []
+        top = most if budget_s is None else min(most, _fit(2 * budget_s, self._block_per_row_s(op), 32))
         return [*range(1, ROW_ALIGN + 1), *range(2 * ROW_ALIGN, top + ROW_ALIGN, ROW_ALIGN)]
 
     def attn_s(self, queries: int, keys: int, causal: bool) -> float:

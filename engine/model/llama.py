@@ -147,23 +147,23 @@ class LlamaModel:
         gate_up, down = layer.mlp[part]
         return down(self.kernels.silu_and_mul(gate_up(h)), residual=x)
 
-    def warm_steps(self, attn_in_rows: Sequence[int], ffn_rows: Sequence[int]) -> None:
+    def warm_steps(self, attn_in_rows: Sequence[int], ffn_rows: Sequence[int], mlp_rows: Sequence[int] = ()) -> None:
         """Run the first layer's row-wise operators once at each of these row counts, so that a kernel
         built per row count (oneDNN's linear, engine/model/linear.py) is built before the first request
         needs it, not in its prefill's steps. Shapes, not weights, key those kernels, and their cache is
         the process's: one layer does, and a second engine of the same shapes in this process (the
         test suite builds 210) skips what the first warmed (0.45 s each on one 2.1 GHz Xeon core).
-        Where the MLP has column slices, an FFN row count warms a slice's step too (FFN_IN's o_proj is
-        the whole FFN's)."""
+        mlp_rows: those of an FFN cut by the MLP's columns, its FFN_IN and MLP steps."""
         c, layer = self.cfg, self.layers[0]
         shapes = (self.linear, self.embed.dtype, self.device, c.hidden_size, c.intermediate_size,
                   c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.attention_bias, torch.get_num_threads(),
                   self.mlp_slices)
         attn_in_rows = [n for n in attn_in_rows if (shapes, ATTN_IN, n) not in _WARMED]
         ffn_rows = [n for n in ffn_rows if (shapes, FFN, n) not in _WARMED]
-        if not attn_in_rows and not ffn_rows:
+        mlp_rows = [n for n in mlp_rows if (shapes, MLP, n) not in _WARMED] if layer.mlp else []
+        if not attn_in_rows and not ffn_rows and not mlp_rows:
             return
-        most = max([*attn_in_rows, *ffn_rows])
+        most = max([*attn_in_rows, *ffn_rows, *mlp_rows])
         self.rotary.reserve(most)
         x = torch.randn(most, c.hidden_size, dtype=self.embed.dtype, device=self.device) * 0.02
         attn = torch.randn(most, c.num_attention_heads, c.head_dim, dtype=self.embed.dtype, device=self.device)
@@ -172,10 +172,11 @@ class LlamaModel:
                 self._attn_in(layer, x[:rows], self.rotary.span_rows(0, rows))
             for rows in ffn_rows:
                 self._ffn(layer, x[:rows], attn[:rows])
-                if layer.mlp:
-                    self._mlp_part(layer, 0, x[:rows], x[:rows])
+            for rows in mlp_rows:  # every slice has the first's shapes
+                self._mlp_part(layer, 0, *self._ffn_in(layer, x[:rows], attn[:rows]))
         _WARMED.update((shapes, ATTN_IN, n) for n in attn_in_rows)
         _WARMED.update((shapes, FFN, n) for n in ffn_rows)
+        _WARMED.update((shapes, MLP, n) for n in mlp_rows)
 
     def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [rows, vocab] of final hidden states (a prefill's `keep_rows`)."""
