@@ -7,6 +7,7 @@ transformers) are tests/test_reference.py's, which run on this kernel wherever i
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -146,3 +147,12 @@ def test_the_kernels_run_on_torchs_threads() -> None:
             assert cpu.parallel_width(64) == threads
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_lock_left_by_a_stopped_build_is_removed(tmp_path: Path) -> None:
+    """torch's builder waits without end for a `lock` file that a process killed mid-build left."""
+    from engine.attention.cpu import _no_stale_lock
+
+    (tmp_path / "lock").touch()
+    with _no_stale_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()

@@ -17,10 +17,12 @@ used, `load` says why and the engine keeps torch's SDPA backend.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -62,6 +64,21 @@ def _sources_digest() -> str:
     return digest.hexdigest()[:12]
 
 
+@contextlib.contextmanager
+def _no_stale_lock(build_dir: Path) -> Iterator[None]:
+    """torch's builder marks a build in progress with a `lock` file, which a process that dies meanwhile
+    (a Ctrl-C during a first start) leaves behind: every later start then waits for it without end. A
+    flock of our own, which the OS releases with its process, tells a live builder from a dead one:
+    holding it, no other FlowPrefill process is building, so a `lock` file there is stale."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "flowprefill.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # waits for a live builder
+        if (stale := build_dir / "lock").exists():
+            log.warning("%s: removing the lock a stopped build left", stale)
+            stale.unlink(missing_ok=True)
+        yield
+
+
 @cache
 def build() -> tuple[frozenset[torch.dtype], str]:
     """Build (or load the cached build of) the kernel for this CPU: the dtypes it runs, and why
@@ -73,9 +90,9 @@ def build() -> tuple[frozenset[torch.dtype], str]:
     name = f"flowprefill_attention_{'avx512bf16' if bf16 else 'avx512'}_{_sources_digest()}"
     cflags = _BASE_FLAGS + (["-mavx512bf16", "-DFLOWPREFILL_BF16=1"] if bf16 else [])
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
-        with _lock:
+        with _lock, _no_stale_lock(Path(_get_build_directory(name, verbose=False))):
             load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=cflags,
                  extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, a read-only cache: torch's SDPA serves instead

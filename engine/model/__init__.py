@@ -21,9 +21,12 @@ __all__ = ["LlamaModel", "load_model", "use_device"]
 def load_model(cfg: EngineConfig) -> tuple[LlamaModel, ByteTokenizer | HFTokenizer]:
     device = torch.device(cfg.device)
     build = _cpu_kernels_built_meanwhile(cfg, device)
-    model_cfg, weights, tokenizer = load_weights(cfg)
-    if build is not None:
-        build.join()
+    try:
+        model_cfg, weights, tokenizer = load_weights(cfg)
+    finally:  # also when loading fails: torch's builder holds a lock file in its build folder until it
+        if build is not None:  # ends, and a process that exits meanwhile leaves it there, where every
+            build.join()  # later start waits for it without end
+
     use_device(device)
     dtype = getattr(torch, cfg.dtype)
     backend = select_backend(cfg.attention_backend, device, dtype, model_cfg.head_dim)
