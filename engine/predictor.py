@@ -152,10 +152,10 @@ def _cpu_step_costs(model: LlamaModel, cost: OpCost, repeat: int = 7) -> tuple[f
 def measured_profile(cost: OpCost) -> dict[str, Any]:
     """What a calibration measured, as the cache keeps each start-up's: the per-operator costs and the
     timed row blocks. Also the profile a plan ran with (plan.json's `cost_profile`): the cached profile
-    is the median of the last start-ups', and moves when start-ups on a busy machine join it: on this Xeon
-    on 2026-12-06 the morning's plans' batches were predicted 1.21-1.25x longer under the profile cached by
-    10:40 (FFN 12.1 us per row, the median of five start-ups, three of them at 12-16.5), so a plan replayed
-    later needs the one it was made with (`--cost THAT/plan.json`, read_profile)."""
+    is the median of the last start-ups', and moves when start-ups on a busy machine join it (three busy
+    start-ups of five put a 2-core Xeon's FFN at 12.1 us per row, and a stored plan's batches 1.21-1.25x
+    longer than under the profile it was made with), so a plan replayed later needs the one it was made
+    with (`--cost THAT/plan.json`, read_profile)."""
     sliced = {name: float(getattr(cost, name)) for name in _MEASURED_SLICED if getattr(cost, name) > 0}
     return {name: float(getattr(cost, name)) for name in _MEASURED} | sliced | {"row_block_s": cost.row_block_s}
 
@@ -179,8 +179,8 @@ def load_cost(model: LlamaModel, use_cache: bool = True, record: bool = True) ->
 
 class StoredProfile(NamedTuple):
     """A CPU cost profile kept in a file (`read_profile`): its start-ups' measurements and what they were
-    profiled for, the profile key (`profile_key`), or only the model's name for a plan.json from before
-    plans kept the key (2026-12-06)."""
+    profiled for, the profile key (`profile_key`), or only the model's name for an older plan.json, which
+    did not keep the key."""
 
     history: list[dict]
     key: str | None

@@ -5,7 +5,7 @@ The engine loop shares its process, and its GIL, with the worker's HTTP side. vL
 in a process of its own; what that would give this engine is at most the CPU the serving side takes
 beside it. Measured (2 cores, the worker on one, 100 azure-mix requests at 1-16 req/s): 2-4 ms a
 request with 1 output token, 3.5-8.5 ms with 64 streamed, 4-8 % of the worker's CPU, so the engine
-stays in this process (docs/benchmarks.md, "The serving side's share of a worker's CPU").
+stays in this process; above about 20 % a process of its own would pay.
 `flowprefill loadtest` reads the split from each worker's /metrics
 (`flowprefill_worker_cpu_seconds_total`) and reports it per run.
 

@@ -6,7 +6,7 @@ engine's default model (head size 32, 4:1 grouped-query heads) at about 50 GFLOP
 core in bf16 and 58 in fp32 (8K-token causal tile), vLLM's CPU kernel at 57-67 and 68; this one at
 106-130 and 78, by computing bf16 scores and P.V with AVX-512 BF16's dot-product instruction, reading
 the keys of each KV head once for all the query heads that share it and skipping the causal
-triangle's masked blocks (docs/benchmarks.md, issue 24). inductor's CPU flex attention was timed too:
+triangle's masked blocks. inductor's CPU flex attention was timed too:
 17 GFLOP/s in bf16, and it cannot return the log-sum-exp the split's tiles need.
 
 The kernel is compiled once per machine by torch's extension builder (g++ and ninja; about 25 s) into

@@ -237,7 +237,7 @@ def at_rate_of(earlier: Workload, planned: Workload) -> Workload:
     pessimistic in two of three runs; the planned prompt tokens per second (20.8 req/s) ran two workers'
     batches of 384-2K tokens up to 21 % slower per size than their fleet's (-1 to +21 % by size bin; at
     the planned requests per second -7 to +12 %), the gateway and both workers' HTTP sides sharing the
-    cores (every fleet pessimistic in one of three runs; docs/benchmarks.md, 2026-12-05)."""
+    cores (every fleet pessimistic in one of three runs)."""
     return scale_to_rate(earlier, planned.rate) if planned.rate else earlier
 
 

@@ -143,7 +143,7 @@ def idle_wake(workers: Sequence[Sequence[MeasuredBatch]]) -> float | None:
     begun on a busy one ran at (their median speed): the median of that excess over the idle ones, in
     seconds (None: none to measure). The worker's thread wakes from its wait, its caches are cold: on 2
     EPYC cores 1-3 ms a batch under 2K tokens by the median, more and noisier above (twelve fleets'
-    pilots and runs, 2026-12-05), 12 % of a batch under 512 tokens and 3 % of one of 512-1.5K. A pilot
+    pilots and runs), 12 % of a batch under 512 tokens and 3 % of one of 512-1.5K. A pilot
     over a quiet stretch of the trace began half its batches idle, its fleet's runs over the busy one 1 %
     (out of sample; `flowprefill` on one worker): a speed per size taken from all of them was 3-7 % slow
     for the runs, and the plan 6-8 points pessimistic per class, at the runs' own speed within 1."""
@@ -190,7 +190,7 @@ def relative_speeds(runs: Sequence[Sequence[MeasuredBatch]]) -> list[float] | No
     calibrated seconds, each over its size class's median across every run (1.0: as pooled; 2.0: twice as
     slow). The plan runs at the pooled speed; this says how steady the machine was under it: one
     `chunked:2048` worker's nine pilots on a shared Xeon took 0.69-2.01 of it in an hour when the machine
-    ran at two speeds, 0.72-1.14 in another (2026-12-06). None: fewer than two runs, or logs without the
+    ran at two speeds, 0.72-1.14 in another. None: fewer than two runs, or logs without the
     batches' sizes."""
     kept = [[b for b in bs if sized(b)] for bs in runs]
     if len(runs) < 2 or not any(kept):
@@ -212,9 +212,9 @@ def _off_size(b: MeasuredBatch, medians: list[float]) -> float:
 class Wander(NamedTuple):
     """How a worker's speed strays from its size's within a run: each batch's own lognormal sigma
     (`batch`), and a slow wander of sigma `drift` that forgets itself over `drift_s` seconds
-    (engine/sim/errors.py's Drift). On this Xeon's 2 shared cores, of the 0.19-0.21 sigma of a batch's
+    (engine/sim/errors.py's Drift). On a Xeon's 2 shared cores, of the 0.19-0.21 sigma of a batch's
     log speed about half was still there between batches 0.3 s apart and little 4 s apart (nine runs of
-    four fleets, 2026-12-06): a stretch of slow batches queues requests where as many slow batches
+    four fleets): a stretch of slow batches queues requests where as many slow batches
     scattered do not, and a fast stretch drains them."""
 
     batch: float

@@ -1,28 +1,19 @@
 """`plan --against-serve --interleave-pilots`: each real run against the plan made at the pilot just before it.
 
-On a shared machine whose speed moves, the median of a fleet's runs at its knee is itself a draw: on this
-2-core Xeon (2026-12-06) one `chunked:2048` worker at 5.5 req/s ran 42-55 % in the minutes the machine was
-slow and 96-98 % in the others, so nine runs put their median on either side, and a plan at the pilots'
-pooled speed can be right and miss it by 20 points. What a planner is for is the fleet at the speed the
-machine has: in each round the pilot runs just before the fleet (other requests: with `--skip` ones the
-runs never send), and the fleet's run is predicted from that pilot alone (its speed per size, its time
-outside the batches, how its batches strayed), a pair per round. The fleet's error is the median over the
-rounds of prediction minus run, per class: a round the machine changed speed in between is one outlier,
-not the verdict. Replayed over the four stored nine-round comparisons of that day (their logged seconds
-rescaled to the profile they were planned with, `measured_profile`): 45 of 48 cells within 5 points,
-against 35 for the pooled plan against the runs' median; the three misses were one fleet (one
-`chunked:2048` worker, out of sample) whose pilots ran slower than the runs after them in most rounds.
-Then pre-registered: 12 of 12 out of sample (largest gap -2.4, where the pooled plan missed one worker by
-40 points), 11 of 12 in sample (two `flowprefill` workers' `standard`, +5.7), 11 of 12 out of sample again
-(two `chunked:2048` workers' `standard`, +5.2; the pooled plan 3). Over those 27 rounds per fleet every
-cell's median gap is within 1.1 points: what misses is the scatter of a median of nine rounds (a
-`standard` cell with no bias lands past 5 in 10-16 % of runs), and every cell of a run within 5 asks
-some 24 rounds of this machine (docs/results/plan-vs-serve-paired/rounds_needed.py). At 18 rounds, one
-policy a run, pre-registered and out of sample: `flowprefill` 6 of 6 (largest -2.9), `chunked:2048` 6 of
-6 (largest +1.7, in an hour whose last four rounds ran 2-3x faster; the pooled plan missed 4 of 8 by up
-to 24); `flowprefill` again, every class of >= 20 requests counted, 8 of 8 (largest +4.3). A
-single run is another matter: 188 of the three nine-round runs' 324 cells within 5 points, the
-rest off by up to 50 where the speed moved in between.
+On a shared machine whose speed moves, the median of a fleet's runs at its knee is itself a draw: one
+`chunked:2048` worker at 5.5 req/s on a 2-core Xeon met 42-55 % of its targets while the machine was slow
+and 96-98 % while it was fast, so a plan at the pilots' pooled speed can be right and miss nine runs' median
+by 20 points. What a planner is for is the fleet at the speed the machine has: in each round the pilot runs
+just before the fleet (on other requests: with `--skip`, ones the runs never send), and the fleet's run is
+predicted from that pilot alone (its speed per size, its time outside the batches, how its batches strayed),
+a pair per round. The fleet's error is the median over the rounds of prediction minus run, per class: a round
+in which the machine changed speed between pilot and run is one outlier, not the verdict.
+
+The median of nine rounds still scatters (a `standard` cell with no bias lands past 5 points in 10-16 % of
+runs): every cell of a run within 5 points takes some 18-24 rounds on such a machine, and 18 did it in
+pre-registered out-of-sample runs of each policy (largest gaps -2.9, +1.7 and +4.3 points). A single run is
+predicted within 5 points about two times in three; the rest are off by up to 50 where the speed moved
+between pilot and run.
 """
 
 from __future__ import annotations

@@ -102,8 +102,8 @@ def real_point(policy: str, n: int, threads: int | None, w: Workload, schedule: 
     served = [net_of_serving(bs, (pt["serving_cpu_ms"] or 0.0) / 1000) for bs in workers]
     # Where the workers share their cores with the gateway (two workers on 2 cores), a batch begun idle is
     # also one that ran while the rest of the fleet was quiet, faster: its excess is not the wake-up alone.
-    # Replayed over nine runs' pilots (2026-12-05), netting it brought one worker's plans within 5 points in
-    # 53 of 54 cells (50 without) and two workers' in 48 (50 without).
+    # So it is netted out for one worker (over nine runs' pilots: 53 of 54 cells within 5 points, 50 without)
+    # and not for two workers on 2 cores (48 of 54 with it, 50 without).
     wake_s = idle_wake(served) if gateway_cores(n, threads) is not None else None
     pt["idle_wake_ms"] = None if wake_s is None else wake_s * 1000
     batches = [b for bs in served for b in net_of_wake(bs, wake_s or 0.0)]
@@ -311,8 +311,8 @@ def planned_over_real(planned: OpCost, batches: list[MeasuredBatch]) -> float | 
     """The real runs' batches at the speed the plan simulated (its factor for each batch's size) over the
     seconds they took: how far the plan's speed was off on the runs' own sizes. A median factor over
     requests compares mixes, not speeds: the pilot sends the workload's first 100 requests, the runs 200,
-    and at the same speed per size a mix with more short batches reads slower (in session 14's in-sample
-    run the pilots read 7-17 % slower that way; on the runs' own batches they were 2.5-13 % faster)."""
+    and at the same speed per size a mix with more short batches reads slower (pilots that read 7-17 %
+    slower that way were 2.5-13 % faster on the runs' own batches)."""
     sized = [b for b in batches if b.tokens and b.exec_s > 0]
     took = sum(b.exec_s for b in sized)
     return sum(b.base_s * planned.scale * planned.factor(b.tokens) for b in sized) / took if took else None
@@ -320,8 +320,8 @@ def planned_over_real(planned: OpCost, batches: list[MeasuredBatch]) -> float | 
 
 def as_simulated(batches: list[MeasuredBatch], reqs: list[Request]) -> list[MeasuredBatch]:
     """The batches with their requests named as the simulation names them (`reqs`, in the schedule's
-    order): the workers logged the client's x-request-id, which ExactCosts would not find, and every
-    request would be charged the runs' median factor (so it was until 2026-12-06)."""
+    order): the workers log the client's x-request-id, which ExactCosts would not find, and every
+    request would be charged the runs' median factor instead of its own cost."""
     def named(rid: str) -> str:
         k = arrival_index(rid)
         return reqs[k].request_id if k is not None and k < len(reqs) else rid
@@ -334,8 +334,8 @@ def replayed_runs(planner: Planner, policy: str, n: int, cost: OpCost, runs: lis
     """Each real run replayed with its own requests' measured costs, and their median per class, as the
     real runs' (`median_run`): pooled over the runs, a request's cost is its mean over moments the
     machine ran at different speeds, and a run's attainment at its knee is decided by when it was slow
-    (one `chunked:2048` worker at 5.5 req/s on this Xeon: each run alone within 1.3 points of its real
-    one on average, 2026-12-06)."""
+    (one `chunked:2048` worker at 5.5 req/s on a 2-core Xeon: each run alone within 1.3 points of its
+    real one on average)."""
     points = [planner.evaluate(policy, n, stop_early=False, exact=ExactCosts.from_batches(cost, as_simulated(bs, reqs)))
               for bs in runs]
     return median_run([pt | {"failed": 0, "command": None} for pt in points])

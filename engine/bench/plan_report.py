@@ -80,7 +80,7 @@ def against_table(console: Console, rows: list[dict[str, Any]]) -> None:
 
 # What `--against-serve`'s verdict counts: a class of fewer requests moves more than the band with one request
 # (`relaxed`'s 14 of azure-mix's 200: 7.1 points each), and is shown in the table but not counted.
-AGREEMENT_BAND = 0.05  # issue 22's target: within 5 points of the real run, per class
+AGREEMENT_BAND = 0.05  # the planner's target: within 5 points of the real run, per class
 AGREEMENT_MIN_REQUESTS = 20
 
 
@@ -138,9 +138,9 @@ def _cell(pt: dict[str, Any], c: str) -> dict[str, Any]:
 def _beyond(sim: float, interval: tuple[float, float]) -> bool:
     """Whether `sim` misses the real median by more than the band even at the nearer end of the median's
     90 % interval: a miss the real runs themselves can tell. A miss inside it may be the runs' own scatter:
-    of 13 cells missed by more than 5 points in four nine-run comparisons at 5.5 req/s on a shared Xeon
-    (2026-12-06), ten were inside, six of them by 7.5-24 points where the machine ran at two speeds 2.5x
-    apart; the three beyond were one fleet, whose pilots' speed made its runs' batches 19 % longer."""
+    of 13 cells missed by more than 5 points in four nine-run comparisons at 5.5 req/s on a shared Xeon,
+    ten were inside, six of them by 7.5-24 points where the machine ran at two speeds 2.5x apart; the
+    three beyond were one fleet, whose pilots' speed made its runs' batches 19 % longer."""
     lo, hi = interval
     return not lo - AGREEMENT_BAND - 1e-9 <= sim <= hi + AGREEMENT_BAND + 1e-9
 
@@ -165,7 +165,7 @@ def pilot_against_runs(doc: dict[str, Any]) -> list[str]:
     """Per fleet the plan simulated at a pilot's speed, how far that speed was off on its real runs' own
     batches (`plan_real.planned_over_real`): at a fleet's knee the plan is off by about as much (one
     `chunked:2048` worker at 5.5 req/s on a Xeon: its runs' batches 19 % longer at its pilots' speed,
-    18 points; 2026-12-06)."""
+    18 points)."""
     lines = [f"  {row['policy']} on {row['workers']} worker(s): at the plan's speed its real runs' batches take "
              f"{abs(ratio - 1) * 100:.0f} % {'longer' if ratio >= 1 else 'less time'} than they did"
              for row in doc.get("against_serve", []) if (ratio := row.get("planned_over_real_s"))]

@@ -7,25 +7,24 @@ through a fresh engine one at a time ran 1.25-1.33x the profile's seconds (2.1x 
 tokens, where a step's fixed costs dominate; 1.3x from 2K), and 1.14x on a second pass over the same
 prompts (a fresh engine meets every shape for the first time, as a fresh `serve` worker does). Real
 `serve --workers 1/2` fleets ran 1.23-1.39x. Planned from the profile alone, `plan` was 0-32 points
-optimistic per class at one instance's knee (docs/benchmarks.md). So the planner first runs the first
+optimistic per class at one instance's knee. So the planner first runs the first
 `--engine-pass` prompts of the workload through a fresh engine in this process, one at a time (no
 queueing: only the engine's speed is measured, not the schedule), and simulates at the speed it
 measured, a factor per batch size (`at_speed`, as `--speed-from` does with a pilot's logs).
 
-One at a time in a bare engine is still not how a worker runs: on 2026-12-05 (2 AMD EPYC cores, one
-torch thread, azure-mix at 16 req/s) real `serve --workers 1` spent 7-15 % more time in its batches than
-the engine pass's speed per size predicts for them, in twelve runs: the worker's HTTP server and its
+One at a time in a bare engine is still not how a worker runs: real `serve --workers 1` (2 AMD EPYC
+cores, one torch thread, azure-mix at 16 req/s) spent 7-15 % more time in its batches than the engine
+pass's speed per size predicts for them, over twelve runs: the worker's HTTP server and its
 streams share the engine's core, and requests arrive open loop into batches of every shape. So the
 default is a **pilot** (`--pilot N`, `serve_pilot`): the workload's first N requests sent at their own
 arrival times to a real `flowprefill serve --workers 1 --no-calibrate` of each policy (bench peer's
 client, as `--against-serve` sends them; the worker predicts with the profile this planner reads), and
 each policy planned at the speed its pilot's worker logged (engine/batch_log.py). 100 requests took
-14-16 s per policy at 16 req/s. Against four `--against-serve` runs (three real runs per fleet), the
-plan at the pilots' speed was a mean 2.4 points off per class at one worker in the first three (max
-4.8) and 4.1 in the fourth, at the speed of an engine pass measured just before the same runs 4.9 (max
-17.5) and 5.5. Neither foresees the machine's drift: out of sample, in a run during which this shared
-machine slowed down, the plan at pilots taken a minute before the fleets ran was 16.2 points off per class
-at one worker (docs/benchmarks.md).
+14-16 s per policy at 16 req/s. Against real fleets at one worker, the plan at the pilots' speed was a
+mean 2.4-4.1 points off per class, at an engine pass's speed 4.9-5.5 (up to 17.5). Neither foresees the
+machine's drift: where a shared machine slowed down within minutes, the plan at pilots taken a minute
+before the fleets ran was 16.2 points off per class at one worker (hence `--interleave-pilots`,
+engine/bench/plan_paired.py).
 
 Speed per size is not all a pilot measures (engine/bench/plan_measured.py): also the worker's own time
 between batches, the time a request spends outside the worker, how far one batch's speed strays from
@@ -228,9 +227,9 @@ def _pilots(args: argparse.Namespace, pilot: Callable[[], tuple[Workload, str]],
 def interleaved_pilots(args: argparse.Namespace, w: Workload, pilot: Callable[[], tuple[Workload, str]], cost: OpCost,
                        policies: list[str], console: Console) -> tuple[Speeds, Rounds]:
     """`--interleave-pilots`: the pilots run in `--against-serve`'s rounds, each fleet's once per round
-    just before its real run, not all before the plan: on this shared 2-core machine the speed moved a
-    fifth between pilots and the fleets they planned minutes later (2026-12-05 13:16: 4 of 12 cells within
-    5 points, all pessimistic; at the runs' own speed all 12). The plan's speeds (`from_pilots`, each
+    just before its real run, not all before the plan: on a shared 2-core machine the speed can move a
+    fifth between pilots and the fleets they plan minutes later (then 4 of 12 cells within 5 points, all
+    pessimistic, where the runs' own speed put all 12 within 5). The plan's speeds (`from_pilots`, each
     fleet's round runs pooled) and the real rounds (plan_real's `Rounds`) to compare them with."""
     import shutil
 

@@ -73,8 +73,8 @@ class OpCost:
     step_overhead_s: float = 20e-6
     row_step_floor_s: float = 0.0  # a row-wise step reads its weights once, however few its rows
     # Host time per finished batch outside its steps: the first token's sampling, finishing the requests,
-    # the next decision. The simulator charges it (the engine's steps do not include it); on an H200 it
-    # was a quarter of a short batch (docs/benchmarks.md), on a CPU under 1 %.
+    # the next decision. The simulator charges it (the engine's steps do not include it): on an H200 it
+    # is a quarter of a short batch (3.8 ms against 5-15 ms), on a CPU under 1 %.
     batch_host_s: float = 0.0
     scale: float = 1.0  # a multiplier on every prediction (for_batch sets it to the batch's correction)
     budget_s: float | None = None  # the step budget plans use (prefill_s counts the steps it makes)
@@ -133,11 +133,10 @@ class OpCost:
         fit = _fit(work_s, per_row, 32)
         table = self.row_block_s.get(op)
         if not table:
-            # Even blocks: 512 rows of the embedded model's FFN as 320 + 192 took 3.06 ms on one
-            # AVX-512 core, as 256 + 256 2.91 ms (its rows run 5.4 us each from 256 to 384, 5.7 at
-            # 128-192): three layers of that were the split's overhead at 512 tokens (+2.6 to +6.3 %
-            # by medians before, -2.0 to +1.7 % after; docs/benchmarks.md). Rounded up to ROW_ALIGN rows,
-            # which oneDNN's linear runs on.
+            # Even blocks: a row costs less in blocks of 256-384 rows than of 128-192 (the tiny model's
+            # FFN on one AVX-512 core: 5.4 against 5.7 us), so 512 rows run 2.91 ms as 256 + 256 and
+            # 3.06 ms as 320 + 192; over the split layers that difference was 2-6 % of a 512-token
+            # prefill. Rounded up to ROW_ALIGN rows, which oneDNN's linear runs on.
             per_block = math.ceil(rows / math.ceil(rows / fit))  # rows over the blocks `fit` needs
             return min(fit, math.ceil(per_block / ROW_ALIGN) * ROW_ALIGN)
 
@@ -220,7 +219,7 @@ class OpCost:
         for the first 50 ms of the first 8K prefill here, 1.2-1.4x after). After that, what surprises
         the prediction is mostly the machine, common to every size: half of each surprise goes to
         `machine`, so a 3x slowdown seen by short batches slows the long ones' predictions too, within
-        a few batches of any size (see docs/benchmarks.md); the class keeps a slow average of what the
+        a few batches of any size (three after a 3x step, in the simulator); the class keeps a slow average of what the
         machine does not explain. `whole`: the measurement is a whole batch (or its first part), which
         weighs at least a fifth however short; the last few milliseconds of a long batch weigh their time.
         A measurement weighs the work it measured (its predicted time), not the time a pause stretched it
@@ -295,7 +294,7 @@ MAX_FACTOR = 20.0  # a correction stays within 1/20 .. 20x of calibration
 MAX_SURPRISE = 4.0
 # The machine's factor is an exponential average over the predicted time of what was measured, with this half-life
 # (half of a 50 ms progress report's surprise), and takes at least a fifth of any batch's surprise:
-# after a 3x slowdown its predictions are within 10 % in 3 batches (docs/benchmarks.md).
+# after a 3x slowdown its predictions are within 10 % in 3 batches (the simulator's slowdown levels).
 MACHINE_HALF_LIFE_S = 0.05
 # A size class's own way, after a running mean of its first three measurements: an exponential
 # average over its measured time with this half-life, slow, so that a slowdown goes to the machine.

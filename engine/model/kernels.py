@@ -7,7 +7,7 @@ prefill. FlashInfer's fused kernels (the ones vLLM and SGLang use) read and writ
 They compute the norm in fp32 and round once, where transformers rounds before the weight: results
 differ by bfloat16 rounding, as the attention kernels' do. With them the engine also rotates q and k
 with FlashInfer's RoPE kernel (`fuse_rope`, engine/model/rope.py): one kernel where torch runs five
-over each, about 1.5 % of an 8K prefill of an 8B model on an H200 in session 6's profile.
+over each, about 1.5 % of an 8K prefill of an 8B model on an H200.
 
 `select_kernels` probes FlashInfer's on the model's device before using them (one call each at the
 model's widths, checked against torch): if either fails to load or disagrees, the engine keeps torch's
@@ -112,7 +112,7 @@ def select_kernels(name: str, device: torch.device, dtype: torch.dtype, hidden: 
         return TorchKernels()
     if name not in ("auto", "flashinfer", "cpu"):
         raise ValueError(f"unknown row kernels {name!r} (auto, torch, flashinfer, cpu)")
-    if name == "cpu":  # asked for only: auto keeps torch's on a CPU, where they gain 0-7 % (docs/benchmarks.md)
+    if name == "cpu":  # asked for only: auto keeps torch's on a CPU, where they gain 0-7 %, within run-to-run noise
         if device.type != "cpu":
             raise ValueError("--row-kernels cpu: runs on the CPU (--device cpu)")
         return _cpu_kernels(device, dtype, hidden, intermediate)

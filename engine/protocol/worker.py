@@ -30,7 +30,7 @@ class WorkerLoad(msgspec.Struct, kw_only=True):
 # is admitted; whole: once done, engine/serving.py's `finish`), in
 # ORCA's per-request load report (the `endpoint-load-metrics` header that Envoy, gRPC and vLLM read and
 # write, TEXT format): between its once-a-second polls of GET /load, a gateway that ranked workers on the
-# last poll sent a burst almost whole to the one that poll saw least loaded (docs/benchmarks.md).
+# last poll alone would send a burst almost whole to the one that poll saw least loaded.
 LOAD_REPORT_HEADER = "endpoint-load-metrics"
 _BACKLOG = "named_metrics.predicted_backlog_s"
 
