@@ -105,7 +105,7 @@ def _proxied(path: str, forward: Forwarder, max_body_bytes: int, drain: Drain) -
     # conversion were 40 % of Litestar's share of a proxied request (0.08 of 0.2 ms, measured);
     # errors still go through the app's exception handlers, streams through Litestar's Stream.
     # copy_scope=False: the endpoint only reads its scope. Unset, Litestar 2 compares the scope with a
-    # copy after each request and warns as each app starts (all 12 of the suite's warnings, 2026-12-06).
+    # copy after each request and warns as each app starts.
     @asgi(path, copy_scope=False)
     async def endpoint(scope: Scope, receive: Receive, send: Send) -> None:
         arrival = time.monotonic()

@@ -40,8 +40,8 @@ class Upstream(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # openai, with a token budget: tokens of it that a long prompt leaves to shorter ones (-1: a quarter
     # of the budget). A prompt longer than budget - reserve counts as budget - reserve, so prompts of up
     # to `reserve` tokens still go in beside it, as they would join its last chunk at the server; charged
-    # the whole budget, a long prompt kept every urgent request at the gateway until its first token, a
-    # server step later than vLLM alone serves them (docs/benchmarks.md, the gateway by prompt tokens).
+    # the whole budget, a long prompt would keep every urgent request at the gateway until its first token,
+    # a server step (200-400 ms on a CPU) later than vLLM alone serves them.
     reserve_tokens: int = -1
     max_queue: int = 1024  # openai: requests waiting at the gateway; past it, 503 queue_full
     # openai: what a waiter's slack is. `observed`: its deadline less the time from dispatch to first

@@ -82,7 +82,8 @@ class Fleet:
 
 def worker_threads(args: argparse.Namespace) -> int:
     # One core stays with the gateway (and the engine's own Python threads): on a 2-core host one torch
-    # thread per worker gave far more goodput than two (docs/benchmarks.md, ideal-bound runs).
+    # thread per worker gave more goodput than two, whose OpenMP teams wait for a descheduled thread at
+    # every step's barrier.
     return args.num_threads or max(1, ((os.cpu_count() or 1) - 1) // args.workers)
 
 

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     check_device(args.device)
     # The engine thread takes the GIL back after every operator; while the HTTP thread runs Python it
     # waits up to the switch interval (5 ms by default) each time. With a Python thread busy beside it an
-    # 8K prefill took 11 s instead of 1.4 (2.8 s at 1 ms, 1.9 s at 0.2 ms; docs/benchmarks.md, issue 24).
+    # 8K prefill took 11 s instead of 1.4 (2.8 s at 1 ms, 1.9 s at 0.2 ms).
     sys.setswitchinterval(0.0002)
     console = Console(stderr=True)
     try:

@@ -75,8 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     # By prompt tokens, not by requests: on one AVX-512 core in fp32 a cap of 2 requests cost vLLM the
     # batching of its 2,048-token steps near capacity (0.85x vLLM alone's max goodput), and a cap of 8
     # let vLLM's own queue decide the order (0.79x in bf16); the fronted server's own step budget in
-    # prompt tokens keeps its steps full while the order stays the gateway's (docs/benchmarks.md,
-    # "The gateway in front of vLLM").
+    # prompt tokens keeps its steps full while the order stays the gateway's.
     p.add_argument("--gateway-concurrency", type=int, default=64,
                    help="the gateway contender's --max-concurrency (requests it lets run on the peer at once)")
     p.add_argument("--gateway-tokens", type=int, default=None,

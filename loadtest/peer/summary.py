@@ -15,16 +15,16 @@ from loadtest import report
 from loadtest.peer.servers import Contender
 
 # FlowPrefill's max goodput / the peer's best configuration, by scenario; the gateway in front of the
-# peer / the peer alone; every-class max goodput / the peer's best (docs/benchmarks.md, peer section).
+# peer / the peer alone; every-class max goodput / the peer's best (docs/benchmarks.md, "Next to vLLM").
 TARGETS = {"quiet": 2.0, "contended": 1.0, "step": 1.0, "hogs": 1.0}
 GATEWAY_TARGET = 1.2
 EVERY_CLASS_TARGET = 1.5
 P99_TARGET_FACTOR = 2.0  # contended: interactive p99 TTFT <= this x its target where attainment >= 90 %
 # Every scenario: no class's p99 TTFT beyond this x its target at the rate where overall attainment is
 # 90 % (the highest rate swept that kept it): overall goodput must not be bought by starving a class
-# (on long prompts FlowPrefill once led vLLM 3x overall while `batch` waited 29-43 s past its target).
+# (leading vLLM 3x overall on long prompts while `batch` waits 29-43 s past its target is no win).
 TAIL_TARGET_FACTOR = 3.0
-# hogs (issue 56): at every rate swept, not only where 90 % holds (under hogs there may be none), ours
+# hogs: at every rate swept, not only where 90 % holds (under hogs there may be none), ours
 # keeps interactive p99 TTFT within this x its target and at least the best peer's overall attainment.
 HOGS_P99_FACTOR = 4.0
 HOGS_ATTAINMENT_RATIO = 1.0
