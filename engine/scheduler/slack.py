@@ -16,10 +16,10 @@ first by bound (the late work that can still make it), then lost by bound, then 
 request waits for the on-time stream, only for the late work due before it, at that share at worst.
 
 Lost work that fits in one turn (*brief*: 100 ms at the defaults) ranks with the critical work: behind
-it, a lost 1K-token chat prompt, 2 ms from done, waited 4 s at 4 req/s in the simulator (18x its target)
-while an overload of long critical prompts took every turn; first, it costs them at most one turn. Lost
-long work stays behind (all lost work first, by bound, made the long prompts' lateness everyone's:
-interactive p99 3.1x -> 48x at 5 req/s).
+it, a lost chat prompt 2 ms from done could wait for every turn an overload of long critical prompts
+takes (18x its target at 4 req/s in the simulator); first, it costs them at most one turn. Lost long
+work stays behind: all lost work first, by bound, would make the long prompts' lateness everyone's
+(interactive p99 3.1x -> 48x at 5 req/s).
 """
 
 from __future__ import annotations
@@ -48,12 +48,12 @@ def remaining_of(s: Scheduler, item: Item) -> float:
 def judge(s: Scheduler, item: Item, remaining: float) -> tuple[int, float]:
     """One item alone: ON_TIME, LATE or LOST (CRITICAL needs the others: `standings`), and when it is
     due (its deadline while on time, its bound once late). A batch's requests finish together; it is as
-    urgent as the most savable of them. Judged by a lost one's passed deadline, the batch, and an on-time
-    request in it, waited behind every on-time and late request (at 4 req/s in the simulator an
-    interactive request, 78 ms into its prefill, waited 2.7 s that way). Judged by a late one (so that
-    a batch formed for critical work stays critical when an on-time request joined it) did worse there:
-    interactive p99 at the knee 5.5x against 3.0x without noise, max goodput 4.06 against 4.53 req/s at
-    sigma 1 (median of 5 seeds): run as on-time work, such a batch serves its late request early too."""
+    urgent as the most savable of them: judged by a lost one's passed deadline, the batch, and an on-time
+    request in it, would wait behind every on-time and late request (2.7 s for an interactive request
+    78 ms into its prefill, at 4 req/s in the simulator). Judged by its most savable member, a batch
+    formed for critical work that an on-time request joined runs as on-time work and serves its late
+    request early too (interactive p99 at the knee 3.0x its target against 5.5x when judged by the late
+    one; max goodput 4.53 against 4.06 req/s at prediction error sigma 1)."""
     end = s.now + remaining
     requests = item.requests if isinstance(item, PrefillBatch) else [item]
     counted = [r for r in requests if not r.state.done] or requests  # one cancelled in a batch no longer counts

@@ -20,9 +20,9 @@ class GPU:
     matmul_mfu: float = 0.65  # fraction of peak large prefill GEMMs reach
     attn_mfu: float = 0.45  # flash-attention prefill kernels
     launch_s: float = 8e-6  # per operator step (kernel launches, Python)
-    # Per finished batch, outside its steps (OpCost.batch_host_s): this engine's host on an H200, 2026-12-04,
-    # at 35 req/s of azure-mix: 2.0-2.4 ms completing a batch (first-token sampling, the next decision)
-    # and 1.6-1.7 ms more before the next batch's first step (docs/benchmarks.md, goodput on the GPU).
+    # Per finished batch, outside its steps (OpCost.batch_host_s), as measured on an H200 host at 35 req/s
+    # of azure-mix: 2.0-2.4 ms completing a batch (first-token sampling, the next decision) and 1.6-1.7 ms
+    # more before the next batch's first step.
     batch_host_s: float = 3.8e-3
 
 
