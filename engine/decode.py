@@ -9,6 +9,7 @@ import torch
 
 from engine.kv_cache import BlockPool, KVCache
 from engine.model.llama import LlamaModel
+from engine.owner import Owned, owned
 from engine.request import Request, RequestState, Sampled, TokenOutput
 from engine.sampling import sample
 from engine.text import prefix_overlap
@@ -74,7 +75,7 @@ class OutputStream:
 DECODE_TBT_SHARE = 0.5
 
 
-class Answers:
+class Answers(Owned):
     """The answers being generated (`running`), and those evicted until their recompute.
 
     KV for an answer is taken as it grows, a block at a time. When blocks run out, the least
@@ -94,6 +95,7 @@ class Answers:
             tbt = min(s.req.tbt_target_s for s in self.running.values())
             self.next_step_at = min(self.next_step_at, now + DECODE_TBT_SHARE * tbt)
 
+    @owned
     def step(self, model: LlamaModel, kv: KVCache, generators: dict[str, torch.Generator]
              ) -> tuple[list[OutputStream], list[Sampled | Exception]]:
         """One decode step of every running answer (continuous batching): each one's next token."""
@@ -103,6 +105,7 @@ class Answers:
                               [r.block_table for r in reqs], kv)
         return streams, sample(logits, reqs, generators, self.tokenizer.eos_token_ids)
 
+    @owned
     def start(self, req: Request, token: Sampled, now: float) -> TokenOutput:
         """Its prefill is done: its first token, or after a recompute its next one."""
         stream = self.evicted.pop(req.request_id, None)
@@ -114,6 +117,7 @@ class Answers:
         self.running[req.request_id] = stream
         return stream.push(token)
 
+    @owned
     def make_room(self, release: Callable[[Request], None]) -> list[Request]:
         """Give each running answer the block its next token's KV goes into, evicting answers
         (`release` gives their blocks back) while too few are free. Returns the evicted, to be
@@ -131,6 +135,7 @@ class Answers:
             self.running[rid].req.block_table += self.kv.allocate_blocks(need)
         return evicted
 
+    @owned
     def drop(self, request_id: str) -> None:
         self.running.pop(request_id, None)
         self.evicted.pop(request_id, None)

@@ -6,11 +6,13 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+import math
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import NamedTuple
+from concurrent.futures import Future
+from typing import TypeVar
 
 import torch
 
@@ -19,8 +21,9 @@ from engine.config import EngineConfig, auto_kv_tokens, kv_bytes_per_token
 from engine.cpu_affinity import CorePinning, on_passing_thread, team_ids
 from engine.decode import Answers
 from engine.kv_cache import KVCache, OutOfBlocks
+from engine.messages import Arrive, Call, Cancel, EngineSnapshot, ImportKV, Message, Refusal
 from engine.model import load_model, use_device
-from engine.model.plan import ATTN_IN, FFN, MLP, SeqSpan
+from engine.model.plan import ATTN_IN, FFN, MLP, SIZE_CLASSES, SeqSpan
 from engine.observer import EngineObserver
 from engine.predictor import StoredProfile, load_cost, stored_cost
 from engine.prefill import PrefillBatch
@@ -35,14 +38,10 @@ from engine.thread_cpu import ThreadCPU, readable
 log = logging.getLogger("flowprefill.engine")
 ENGINE_STOPPED = "the engine shut down"  # the error of every request still in it when it stops
 _GENERATED = itertools.count()  # `Engine.generate`'s request ids (an object's id() is reused once it is freed)
-
-
-class Refusal(NamedTuple):
-    """Why a request is refused at admission: the dropped reason (x-flowprefill-dropped-reason) and the
-    error message, which names the prediction that refused it."""
-
-    reason: str
-    message: str
+# How stale a published snapshot's predicted backlog may be while the engine runs: it predicts every waiting
+# request (cached; about 1 us each), which publishing after every step would repeat for nothing.
+PUBLISH_BACKLOG_S = 0.001
+T = TypeVar("T")
 
 
 def _refusal_message(req: Request, predicted_s: float, factor: float, confirmed: bool) -> str:
@@ -86,7 +85,10 @@ class Engine:
                                    self._reserve_tokens, self._headroom_blocks, cfg.late_share)
         self.observers: list[EngineObserver] = []
         self.preemptions = 0
-        self._cv = threading.Condition()
+        self._cv = threading.Condition()  # guards the inbox and `_stop`: all other state is the engine thread's
+        self._inbox: deque[Message] = deque()
+        self._ids: set[str] = set()  # ids in use, from submission to the last output (`has_request`)
+        self._ids_lock = threading.Lock()
         self._requests: dict[str, Request] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._cancels: deque[str] = deque()
@@ -94,6 +96,10 @@ class Engine:
         self._current: PrefillBatch | None = None
         self._stop = False
         self.thread_cpu: ThreadCPU | None = None  # its compute threads' CPU and the serving side's, once running
+        self._backlog: tuple[float, dict[str, float]] = (0.0, {})
+        self._backlog_at = -math.inf
+        self._snapshot = EngineSnapshot(WorkerLoad())
+        self._publish(full=True)
         self._thread = threading.Thread(target=self._loop, name="flowprefill-engine", daemon=True)
 
     def _build(self) -> None:
@@ -127,8 +133,8 @@ class Engine:
     def _warm_steps(self) -> None:
         """Run every row count the prefill's and decode's row-wise steps can have once. oneDNN builds a
         kernel at the first call of each, 2.6 ms for an FFN step of the embedded model, one thread (a
-        2 ms step run at 4.6 ms): without this, a fresh worker's first prefills of each size ran 8-13 %
-        slower than the same sizes later (the capacity planner's pilot, docs/benchmarks.md)."""
+        2 ms step run at 4.6 ms): without this, a fresh worker's first prefills of each size run 8-13 %
+        slower than the same sizes later."""
         cfg, t0 = self.cfg, time.perf_counter()
         budget_s = cfg.step_budget_ms / 1000 if cfg.preemptible else None
         attn_in = self.cost.step_rows(ATTN_IN, budget_s, cfg.max_batch_tokens)
@@ -138,7 +144,7 @@ class Engine:
         log.info("row-wise kernels warmed: %d attention-input, %d FFN and %d MLP-slice row counts in %.2f s",
                  len(attn_in), len(ffn), len(mlp), time.perf_counter() - t0)
 
-    # -- public API (any thread) ---------------------------------------------------------------
+    # -- public API (any thread): messages in, outputs and snapshots out ---------------------------
     def start(self) -> Engine:
         self._thread.start()
         if self.pinning is not None:  # the caller goes on serving: off the compute cores
@@ -157,50 +163,47 @@ class Engine:
             self._thread.join()
         self._notify("on_shutdown")
 
+    def submit(self, reqs: list[Request], sheddable: bool = False,
+               on_queued: Callable[[], None] | None = None) -> Future[Refusal | None]:
+        """Queue one HTTP request's engine requests (an arrival event), or have them refused together: the
+        future is set on the engine thread to None (queued; `on_queued` ran first, there) or to a
+        `Refusal` (the queue is full, or, `sheddable`, they could not be served even late). Raises
+        ValueError for bad input (a prompt this worker cannot serve, an id already in use)."""
+        verdict: Future[Refusal | None] = Future()
+        self._arrive(reqs, Arrive(tuple(reqs), sheddable, verdict, on_queued))
+        return verdict
+
     def add_request(self, req: Request) -> None:
-        """Validate and queue a request (an arrival event). Raises ValueError for bad input."""
-        self.validate(req)
-        self.prefixes.cached_tokens(req)  # hashed outside the lock: found again under it
-        with self._cv:
-            if req.request_id in self._requests:
-                raise ValueError(f"duplicate request id {req.request_id!r}")
-            if cached := self.prefixes.cached_tokens(req):  # engine/prefix_cache.py
-                req.num_computed_tokens = req.cached_tokens = cached
-            self._requests[req.request_id] = req
-            self.scheduler.on_arrival(req)
-            self._cv.notify()
+        """Queue a request, never refused (no admission). Raises ValueError for bad input."""
+        self._arrive([req], Arrive((req,)))
+
+    def _arrive(self, reqs: list[Request], msg: Arrive) -> None:
+        for req in reqs:
+            self.validate(req)
+            self.prefixes.hash_prompt(req)  # its blocks' hashes, here: the engine thread only looks them up
+        self._register(reqs)
+        self._post_or_forget(reqs, msg)
+
+    def _post_or_forget(self, reqs: list[Request], msg: Message) -> None:
+        try:
+            self._post(msg)
+        except RuntimeError:  # the engine has stopped: their ids are free again
+            for r in reqs:
+                self._unregister(r.request_id)
+            raise
 
     def validate(self, req: Request) -> None:
         """Raises ValueError for a request this worker cannot serve (its model, its cache)."""
         req.check(self.model.cfg.vocab_size, self.model.cfg.max_position_embeddings,
                   self.kv.num_blocks * self.kv.block_size)
 
-    def admission(self, reqs: list[Request], sheddable: bool) -> Refusal | None:
-        """Why a new HTTP request (these engine requests: its prompts and their choices) should be
-        refused now, or None. Sheddable classes are refused when even running them all next, at the
-        speed observed now, could not serve them by their class's late bound (`Request.latest`); every
-        class when the queue is past its bound."""
-        s = self.scheduler
-        if len(s.waiting) + sum(len(b.requests) for b in list(s.pool)) + len(reqs) > self.cfg.max_waiting:
-            return Refusal("queue_full", "the worker's queue is full")  # counted: every request not prefilled
-        if sheddable:  # requests queued together each compute what is not cached now
-            spans = [SeqSpan(c, r.num_prompt_tokens - c) for r in reqs for c in [self.prefixes.cached_tokens(r)]]
-            tokens = sum(span.length for span in spans)
-            cost = s.cost_for(reqs)
-            predicted_s = cost.prefill_s(spans)
-            if s.cannot_meet(reqs, predicted_s, tokens, self.clock()):
-                return Refusal(SHED_REASON, _refusal_message(reqs[0], predicted_s, cost.factor(tokens),
-                                                             cost.confirmed(tokens)))
-        return None
-
     def has_request(self, request_id: str) -> bool:
         """Whether a request of this id is in the engine (queued, prefilling or decoding)."""
-        return request_id in self._requests
+        with self._ids_lock:
+            return request_id in self._ids
 
     def cancel(self, request_id: str) -> None:
-        with self._cv:
-            self._cancels.append(request_id)
-            self._cv.notify()
+        self._post(Cancel(request_id))
 
     def add_prefilled(self, req: Request, kv: dict[str, torch.Tensor], first: Sampled) -> None:
         """Decode a request another worker prefilled (PD disaggregation): its prompt's KV
@@ -209,12 +212,17 @@ class Engine:
         self.validate(req)
         handoff.check(self.model.cfg, req, kv, first)
         req.prefilled_elsewhere = True
-        with self._cv:
-            if req.request_id in self._requests:
-                raise ValueError(f"duplicate request id {req.request_id!r}")
-            self._requests[req.request_id] = req
-            self._imports.append((req, kv, first))
-            self._cv.notify()
+        self._register([req])
+        self._post_or_forget([req], ImportKV(req, kv, first))
+
+    def call(self, fn: Callable[[], T], timeout_s: float | None = 30.0) -> T:
+        """Run `fn` as the engine's state's owner: on the engine thread while it runs (its result, or its
+        exception raised here), on this thread before it starts or after it ended."""
+        if not self._thread.is_alive() or threading.current_thread() is self._thread:
+            return fn()
+        done: Future[T] = Future()
+        self._post(Call(fn, done))
+        return done.result(timeout_s)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None,
                  request_ids: list[str] | None = None, timeout_s: float | None = None,
@@ -240,24 +248,44 @@ class Engine:
         return reqs
 
     @property
+    def snapshot(self) -> EngineSnapshot:
+        """The queue as the engine thread last published it (engine/messages.py)."""
+        return self._snapshot
+
+    @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return self._snapshot.waiting
 
     @property
     def num_decoding(self) -> int:
-        return len(self.answers.running)
+        return self._snapshot.decoding
 
     def load(self) -> WorkerLoad:
-        """The queue's state as a gateway routes on it (GET /load), read under the lock that every
-        change to the scheduler's state holds, so waiting and pool are of one moment (any thread)."""
+        """The queue's state as a gateway routes on it (GET /load): the engine's last snapshot."""
+        return self._snapshot.load
+
+    def admission(self, reqs: list[Request], sheddable: bool) -> Refusal | None:
+        """Whether these requests would be refused now (`submit`'s verdict, without queuing them)."""
+        return self.call(lambda: self._admit(reqs, sheddable))
+
+    def _register(self, reqs: list[Request]) -> None:
+        """Their ids are in use until each one's last output (all or none: ValueError for one in use)."""
+        ids = [r.request_id for r in reqs]
+        with self._ids_lock:
+            if (dup := next((i for k, i in enumerate(ids) if i in self._ids or i in ids[:k]), None)) is not None:
+                raise ValueError(f"duplicate request id {dup!r}")
+            self._ids.update(ids)
+
+    def _unregister(self, request_id: str) -> None:
+        with self._ids_lock:
+            self._ids.discard(request_id)
+
+    def _post(self, msg: Message) -> None:
         with self._cv:
-            s = self.scheduler
-            formed, backlog = s.backlog()
-            return WorkerLoad(waiting=len(s.waiting), decoding=self.num_decoding,
-                              suspended_batches=max(0, len(s.pool) - 1),
-                              predicted_backlog_s=formed + sum(backlog.values()),
-                              predicted_backlog_by_class_s=backlog, kv_cache_usage=self.kv.usage,
-                              machine_factor=self.cost.machine)
+            if self._stop:
+                raise RuntimeError(ENGINE_STOPPED)
+            self._inbox.append(msg)
+            self._cv.notify()
 
     # -- the engine thread ---------------------------------------------------------------------
     def _loop(self) -> None:
@@ -265,20 +293,38 @@ class Engine:
         if self.pinning is not None:  # the team this thread's parallel regions run on: one thread per core
             self.pinning.bind_threads(torch.get_num_threads())
         self.thread_cpu = ThreadCPU(team_ids(torch.get_num_threads())) if readable() else None
+        self._claim(threading.current_thread())
         while True:
-            if not (self._cancels or self._imports_ready() or self.scheduler.chosen or self.answers.running
-                    or self.scheduler.shed):
-                with self._cv:
-                    while not (self._stop or self._cancels or self._imports_ready() or self.scheduler.chosen
-                               or self.answers.running or self.scheduler.shed):
-                        self._cv.wait()
-            if self._stop:
-                break
+            with self._cv:
+                while not (self._stop or self._inbox or self._has_work()):
+                    self._publish(full=True)  # idle: what it reports is exact
+                    self._cv.wait()
+                if self._stop:
+                    break
             try:
                 self._iteration()
             except Exception:  # a bug must not strand requests: fail what was running, go on
                 log.exception("engine iteration failed")
                 self._fail_current("internal engine error")
+            self._publish()
+        self._stopped()
+
+    def _has_work(self) -> bool:
+        return bool(self._cancels or self._imports_ready() or self.scheduler.chosen or self.answers.running
+                    or self.scheduler.shed)
+
+    def _stopped(self) -> None:
+        """The engine thread's last act: every request in it, or still in its inbox, ends with ENGINE_STOPPED."""
+        with self._cv:
+            inbox, self._inbox = self._inbox, deque()
+        for msg in inbox:
+            if isinstance(msg, Arrive | ImportKV):
+                reqs = msg.reqs if isinstance(msg, Arrive) else (msg.req,)
+                self._requests.update((r.request_id, r) for r in reqs)
+                if isinstance(msg, Arrive) and msg.verdict is not None:
+                    msg.verdict.set_result(None)  # queued, and ended at once below
+            elif isinstance(msg, Call):
+                msg.done.set_exception(RuntimeError(ENGINE_STOPPED))
         for req in list(self._requests.values()):
             self._finish(req, "error", ENGINE_STOPPED)
         for batch in self.scheduler.pool:
@@ -286,8 +332,87 @@ class Engine:
             for r in batch.requests:
                 self.kv.free(r.block_table)
         self.scheduler.pool.clear()
+        self._publish(full=True)
+        self._claim(None)
+
+    def _claim(self, thread: threading.Thread | None) -> None:
+        for state in (self.scheduler, self.kv, self.answers):
+            state.claim(thread)
+
+    def _take_inbox(self) -> None:
+        """Every message sent since the last boundary, in order (the engine thread's, or its owner's)."""
+        with self._cv:
+            inbox, self._inbox = self._inbox, deque()
+        for msg in inbox:
+            if isinstance(msg, Arrive):
+                self._queue(msg)
+            elif isinstance(msg, Cancel):
+                self._cancels.append(msg.request_id)
+            elif isinstance(msg, ImportKV):
+                self._requests[msg.req.request_id] = msg.req
+                self._imports.append((msg.req, msg.kv, msg.first))
+            else:  # it sees every earlier message taken, and their snapshot published
+                self._publish(full=True)
+                try:
+                    msg.done.set_result(msg.fn())
+                except Exception as exc:  # the caller's to see
+                    msg.done.set_exception(exc)
+
+    def _queue(self, msg: Arrive) -> None:
+        """Arrival events: admitted requests are queued (prefix cache looked up), refused ones forgotten."""
+        refusal = self._admit(list(msg.reqs), msg.sheddable) if msg.verdict is not None else None
+        if refusal is not None:
+            for r in msg.reqs:
+                self._unregister(r.request_id)
+            msg.verdict.set_result(refusal)  # type: ignore[union-attr]
+            return
+        if msg.on_queued is not None:
+            msg.on_queued()
+        for req in msg.reqs:
+            if cached := self.prefixes.cached_tokens(req):  # engine/prefix_cache.py
+                req.num_computed_tokens = req.cached_tokens = cached
+            self._requests[req.request_id] = req
+            self.scheduler.on_arrival(req)
+        if msg.verdict is not None:
+            self._publish(full=True)  # a streamed answer's headers report the queue with it in
+            msg.verdict.set_result(None)
+
+    def _admit(self, reqs: list[Request], sheddable: bool) -> Refusal | None:
+        """Why new requests (one HTTP request's prompts and choices) are refused now, or None. Sheddable
+        classes are refused when even running them all next, at the speed observed now, could not serve
+        them by their class's late bound (`Request.latest`); every class when the queue is past its bound."""
+        s = self.scheduler
+        if len(s.waiting) + sum(len(b.requests) for b in s.pool) + len(reqs) > self.cfg.max_waiting:
+            return Refusal("queue_full", "the worker's queue is full")  # counted: every request not prefilled
+        if sheddable:  # requests queued together each compute what is not cached now
+            spans = [SeqSpan(c, r.num_prompt_tokens - c) for r in reqs for c in [self.prefixes.cached_tokens(r)]]
+            tokens = sum(span.length for span in spans)
+            cost = s.cost_for(reqs)
+            predicted_s = cost.prefill_s(spans)
+            if s.cannot_meet(reqs, predicted_s, tokens, self.clock()):
+                return Refusal(SHED_REASON, _refusal_message(reqs[0], predicted_s, cost.factor(tokens),
+                                                             cost.confirmed(tokens)))
+        return None
+
+    def _publish(self, full: bool = False) -> None:
+        """A new snapshot of the queue for other threads; the predicted backlog (a prediction per waiting
+        request) is recomputed at most every PUBLISH_BACKLOG_S unless `full`."""
+        s, now = self.scheduler, time.perf_counter()
+        if full or now - self._backlog_at >= PUBLISH_BACKLOG_S:
+            self._backlog, self._backlog_at = s.backlog(), now
+        formed, by_class = self._backlog
+        running = s.chosen is not None
+        self._snapshot = EngineSnapshot(
+            WorkerLoad(waiting=len(s.waiting), decoding=len(self.answers.running),
+                       suspended_batches=max(0, len(s.pool) - 1), predicted_backlog_s=formed + sum(by_class.values()),
+                       predicted_backlog_by_class_s=by_class, kv_cache_usage=self.kv.usage,
+                       machine_factor=self.cost.machine),
+            waiting=len(s.waiting), decoding=len(self.answers.running), evicted=len(self.answers.evicted),
+            suspended=max(0, len(s.pool) - running), cached_blocks=self.kv.num_cached_blocks,
+            corrections=tuple(self.cost.factor(t) for t in (*SIZE_CLASSES, SIZE_CLASSES[-1] + 1)))
 
     def _iteration(self) -> None:
+        self._take_inbox()
         if self._cancels:
             self._process_cancels()
         if self._imports_ready():
@@ -295,8 +420,7 @@ class Engine:
         if self.scheduler.shed:
             self._process_shed()
         if self.scheduler.wake_at <= self.clock():  # the late tier's turn begins or ends
-            with self._cv:
-                self.scheduler.on_timer()
+            self.scheduler.on_timer()
         batch = self.scheduler.chosen  # read before the clock: a later decision never looks negative
         now = self.clock()
         if self.answers.running and (batch is None or now >= self.answers.next_step_at):
@@ -395,8 +519,7 @@ class Engine:
         for r in batch.requests:  # cancelled while the batch ran: their KV was in use until now
             if r.state.done:
                 self.kv.free(r.block_table)  # on_completion below decides anyway
-        with self._cv:
-            self.scheduler.on_completion(batch, unfinished)
+        self.scheduler.on_completion(batch, unfinished)
         self._current = None
         self.answers.schedule(now)
 
@@ -420,8 +543,7 @@ class Engine:
             req.deadline = now + self.scheduler.predict_s(req) + req.tbt_target_s
             req.evictions += 1
             self._notify("on_evict", req, now)
-            with self._cv:
-                self.scheduler.on_evicted(req)
+            self.scheduler.on_evicted(req)
 
     def _give_back(self, req: Request) -> None:
         self.prefixes.answered(req)  # what it wrote stays findable for its recompute
@@ -490,11 +612,13 @@ class Engine:
         self.answers.drop(req.request_id)
         self._generators.pop(req.request_id, None)
         self._requests.pop(req.request_id, None)
+        self._unregister(req.request_id)
         if not self._in_running_batch(req):
             if reason in ("stop", "length"):
                 self.prefixes.answered(req)
             self._free_blocks(req.block_table)
         self._notify("on_finish", req)
+        self._publish()  # before its client hears of it: what it reads then counts it gone
 
     def _notify(self, event: str, *args: object) -> None:
         """Tell the observers (telemetry). They watch, never steer: one that raises is logged, and
@@ -511,11 +635,8 @@ class Engine:
         if not block_table:
             return
         self.kv.free(block_table)
-        if (self.scheduler.waiting and self.scheduler.chosen is None) or self._imports:
-            with self._cv:
-                if self.scheduler.waiting and self.scheduler.chosen is None:
-                    self.scheduler.on_kv_freed()
-                self._cv.notify()  # called off the engine thread too (tests): wake it for what now fits
+        if self.scheduler.waiting and self.scheduler.chosen is None:
+            self.scheduler.on_kv_freed()
 
     def _in_running_batch(self, req: Request) -> bool:
         """KV of a request inside a batch that goes on is still being written: free it at completion."""
@@ -527,8 +648,7 @@ class Engine:
     def _process_shed(self) -> None:
         """Queued requests the scheduler shed (late, of a `late = "shed"` class): each ends with the
         error the worker answers as a refusal (429, Retry-After; engine/protocol/slo.py)."""
-        with self._cv:
-            shed, self.scheduler.shed = self.scheduler.shed, []
+        shed, self.scheduler.shed = self.scheduler.shed, []
         for req in shed:
             self._finish(req, "error", SHED_ERROR)
 
@@ -537,8 +657,7 @@ class Engine:
             req = self._requests.get(self._cancels.popleft())
             if req is None:
                 continue
-            with self._cv:
-                dropped = self.scheduler.on_cancel(req)
+            dropped = self.scheduler.on_cancel(req)
             if dropped is not None:
                 dropped.close()
                 if dropped is self._current:
@@ -550,9 +669,8 @@ class Engine:
             self._finish(req, "cancelled")
 
     def _fail_batch(self, batch: PrefillBatch, message: str) -> None:
-        with self._cv:
-            if batch in self.scheduler.pool:
-                self.scheduler.on_completion(batch)
+        if batch in self.scheduler.pool:
+            self.scheduler.on_completion(batch)
         batch.close()
         if self._current is batch:
             self._current = None

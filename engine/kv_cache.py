@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.config import ModelConfig
+from engine.owner import Owned, owned
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ def block_hashes(tokens: Sequence[int], block_size: int, prev: list[bytes] | Non
     return out
 
 
-class BlockPool:
+class BlockPool(Owned):
     """Accounting of fixed-size KV blocks: what the scheduler (and the simulator) reason about.
 
     A request owns a block table (list of block ids); token t of it lives in
@@ -79,6 +80,7 @@ class BlockPool:
     def allocate(self, num_tokens: int) -> list[int]:
         return self.allocate_blocks(self.blocks_for(num_tokens))
 
+    @owned
     def allocate_blocks(self, n: int) -> list[int]:
         with self._lock:
             if n > len(self._free):
@@ -93,6 +95,7 @@ class BlockPool:
                 out.append(block)
             return out
 
+    @owned
     def free(self, block_table: list[int]) -> None:
         with self._lock:
             for block in reversed(block_table):
@@ -113,6 +116,7 @@ class BlockPool:
                 n += 1
         return n
 
+    @owned
     def acquire_prefix(self, hashes: list[bytes]) -> list[int]:
         """The cached blocks of the longest cached prefix of `hashes`, one reference each."""
         out: list[int] = []
@@ -127,6 +131,7 @@ class BlockPool:
                 out.append(block)
         return out
 
+    @owned
     def register(self, block_table: list[int], hashes: list[bytes]) -> None:
         """Make the leading blocks of a table, whose KV is written and whose content `hashes`
         names, findable. A block whose content another block already holds stays private."""

@@ -21,6 +21,11 @@ class PrefixCache:
     def __init__(self, pool: BlockPool, enabled: bool) -> None:
         self.pool, self.enabled = pool, enabled
 
+    def hash_prompt(self, req: Request) -> None:
+        """Its prompt's block hashes, computed once (on the submitting thread: the pool is not read)."""
+        if self.enabled and req.block_hashes is None and not req.block_table:
+            req.block_hashes = block_hashes(req.prompt_token_ids, self.pool.block_size)
+
     def _matchable(self, req: Request) -> list[bytes]:
         if req.block_hashes is None:
             req.block_hashes = block_hashes(req.prompt_token_ids, self.pool.block_size)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import time
 import uuid
 from dataclasses import dataclass
@@ -228,7 +229,7 @@ class Generation:
         thinking = self._constrain(reqs, prep.prompt, grammar)
         if kv_id:
             await self._receive_handoff(request, reqs[0], kv_id, "chat" if chat else "text_completion")
-        elif (shed := self._admit(reqs, slo, headers, "chat" if chat else "text_completion")) is not None:
+        elif (shed := await self._admit(reqs, slo, headers, "chat" if chat else "text_completion")) is not None:
             return shed
         if reqs[0].predicted_miss:  # served anyway, after feasible requests; a gateway may shed instead
             headers[PREDICTED_MISS_HEADER] = "true"
@@ -331,23 +332,22 @@ class Generation:
                 self.tracer.on_finish(req)
             raise BadRequest(str(exc)) from None
 
-    def _admit(self, reqs: list[EngineRequest], slo: SLOClass, headers: dict[str, str],
-               operation: str) -> Response | None:
-        """Queues the engine requests; the answer when they are shed instead."""
-        if refusal := self.engine.admission(reqs, slo.sheddable):
+    async def _admit(self, reqs: list[EngineRequest], slo: SLOClass, headers: dict[str, str],
+                     operation: str) -> Response | None:
+        """Queues the engine requests; the answer when they are shed instead (the engine decides, on its
+        own thread, with its queue as it is then: engine/messages.py)."""
+        on_queued = None
+        if (tracer := self.tracer) is not None:  # their spans open as they queue, children of this HTTP span
+            ctx = contextvars.copy_context()
+            on_queued = lambda: [ctx.run(tracer.start, r, operation) for r in reqs]  # noqa: E731
+        try:
+            verdict = self.engine.submit(reqs, slo.sheddable, on_queued)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        except RuntimeError:  # the engine stopped (the worker's shutdown deadline passed)
+            return shutting_down(headers, "worker")
+        if refusal := await asyncio.wrap_future(verdict):
             return _shed(refusal.message, refusal.reason, 429 if refusal.reason == SHED_REASON else 503, headers)
-        for added, r in enumerate(reqs):
-            if self.tracer is not None:
-                self.tracer.start(r, operation)
-            try:
-                self.engine.add_request(r)
-            except ValueError as exc:
-                if self.tracer is not None:  # never queued: the engine will not close its span
-                    r.finish_reason = "error"
-                    self.tracer.on_finish(r)
-                for queued in reqs[:added]:  # choices already queued go too
-                    self.engine.cancel(queued.request_id)
-                raise BadRequest(str(exc)) from None
         return None
 
     async def finish(self, request: Request, started: Started) -> Response | None:

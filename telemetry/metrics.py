@@ -88,17 +88,17 @@ class EngineMetrics(EngineObserver):
         self.prefix_hits = Counter("flowprefill_prefix_cache_hits", "Prompt tokens found in the prefix cache "
                                    "(their KV reused, not computed)", registry=r)
         Gauge("flowprefill_prefix_cache_blocks", "KV blocks findable by content (in use or free)",
-              registry=r).set_function(lambda: engine.kv.num_cached_blocks)
+              registry=r).set_function(lambda: engine.snapshot.cached_blocks)
         Gauge("flowprefill_requests_waiting", "Requests queued for prefill", registry=r).set_function(
             lambda: engine.num_waiting)
         Gauge("flowprefill_requests_running", "Requests decoding", registry=r).set_function(
             lambda: engine.num_decoding)
         Gauge("flowprefill_requests_evicted", "Answers evicted while decoding, waiting for their recompute "
-              "(their streams stalled)", registry=r).set_function(lambda: len(engine.answers.evicted))
+              "(their streams stalled)", registry=r).set_function(lambda: engine.snapshot.evicted)
         Gauge("flowprefill_requests_preempted", "Prefill batches suspended", registry=r).set_function(
-            lambda: max(0, len(engine.scheduler.pool) - (engine.scheduler.chosen is not None)))
+            lambda: engine.snapshot.suspended)
         Gauge("flowprefill_kv_cache_usage_ratio", "Share of KV blocks in use", registry=r).set_function(
-            lambda: engine.kv.usage)
+            lambda: engine.snapshot.load.kv_cache_usage)
         # How far the TTFT predictor, on which every slack rests, is off: per batch size class, each
         # finished batch's measured over predicted time, and the correction the engine has learned.
         from engine.model.plan import SIZE_CLASSES, size_class  # the engine, hence torch, is loaded
@@ -112,11 +112,11 @@ class EngineMetrics(EngineObserver):
         correction = Gauge("flowprefill_prefill_time_correction",
                            "The factor the cost model applies to its calibrated prefill time", ["batch_tokens_le"],
                            registry=r)
-        for label, tokens in zip(labels, [*SIZE_CLASSES, SIZE_CLASSES[-1] + 1], strict=True):
-            correction.labels(label).set_function(lambda tokens=tokens: engine.cost.factor(tokens))
+        for i, label in enumerate(labels):
+            correction.labels(label).set_function(lambda i=i: engine.snapshot.corrections[i])
         Gauge("flowprefill_prefill_machine_factor", "How much slower than calibrated the device runs now, as the "
               "cost model learned it from measured steps (shared by every batch size)", registry=r
-              ).set_function(lambda: engine.cost.machine)
+              ).set_function(lambda: engine.snapshot.load.machine_factor)
         r.register(_WorkerCPUCollector(engine))
         engine.observers.append(self)
 

@@ -4,10 +4,15 @@ also run where only the base install is (.ci/run), and there only they are colle
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+# Engine state changed off the engine thread raises (engine/owner.py), in every test and every worker or
+# serve process a test starts (they inherit the environment). Set before any engine module is imported.
+os.environ["FLOWPREFILL_CHECK_OWNER"] = "1"
 
 ENGINE_INSTALLED = importlib.util.find_spec("torch") is not None
 GATEWAY_ONLY = "pytestmark = pytest.mark.gateway_only"  # a test module that runs without the engine extra

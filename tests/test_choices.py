@@ -61,17 +61,18 @@ def test_seeds_at_the_top_of_their_range(make_engine: EngineFactory) -> None:
 def test_admission_counts_every_choice(make_engine: EngineFactory) -> None:
     """max_waiting 4: a request of n=8 can never be admitted (400); with one request queued, n=4 or
     two prompts of n=2 would queue 5 (503); with none, n=4 is served."""
-    eng = make_engine(max_waiting=4, start=False)
+    eng = make_engine(max_waiting=4)
     app = create_worker_app(eng, "m")
     r = call(app, "POST", "/v1/completions", {"prompt": "hello", "max_tokens": 2, "n": 8})
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    held = eng.call(lambda: eng.kv.allocate_blocks(eng.kv.num_free_blocks))  # nothing fits: it stays queued
     queued = Request(request_id="queued", prompt_token_ids=[65] * 10)
     queued.sink = done = Sink(queued)
     eng.add_request(queued)
     for body in ({"prompt": "hello", "n": 4}, {"prompt": ["hello", "again"], "n": 2}):
         r = call(app, "POST", "/v1/completions", body | {"max_tokens": 2})
         assert r.status_code == 503 and r.headers["x-flowprefill-dropped-reason"] == "queue_full", body
-    eng.start()
+    eng.call(lambda: eng._free_blocks(held))
     done.wait()
     assert call(app, "POST", "/v1/completions", {"prompt": "hello", "max_tokens": 2, "n": 4}).status_code == 200
 

@@ -321,10 +321,15 @@ def test_engine_decode_equals_teacher_forced_prefill(make_engine: Callable[..., 
         out = req.output_token_ids
         assert req.finish_reason == "length" and len(out) == 30
         seq = ids + out[:-1]
-        table = kv.allocate(len(seq))
-        span = [SeqSpan(0, len(seq))]
-        logits = drain(model.prefill([seq], span, [table], kv, plan_prefill(cost, span, None), all_logits=True))
-        kv.free(table)
+
+        def teacher_forced(seq: list[int] = seq) -> torch.Tensor:  # on the engine thread: it owns the KV
+            table = kv.allocate(len(seq))
+            span = [SeqSpan(0, len(seq))]
+            logits = drain(model.prefill([seq], span, [table], kv, plan_prefill(cost, span, None), all_logits=True))
+            kv.free(table)
+            return logits
+
+        logits = eng.call(teacher_forced)
         assert logits[len(ids) - 1 :].argmax(-1).tolist() == out, "decode diverged from prefill over the same tokens"
 
 

@@ -73,7 +73,7 @@ def test_a_handoff_waits_for_kv_blocks_instead_of_failing(monkeypatch: pytest.Mo
         prompt = [5] * 100
         kv = {f"{k}.{i}": torch.zeros(100, cfg.num_key_value_heads, cfg.head_dim)
               for k in "kv" for i in range(cfg.num_hidden_layers)}
-        held = decode.kv.allocate_blocks(decode.kv.num_free_blocks - 1)  # running answers' KV
+        held = decode.call(lambda: decode.kv.allocate_blocks(decode.kv.num_free_blocks - 1))  # running answers' KV
         outs: dict[str, list[str | None]] = {}
         reqs = []
         for rid in ("wait", "gone", "next"):
@@ -86,7 +86,7 @@ def test_a_handoff_waits_for_kv_blocks_instead_of_failing(monkeypatch: pytest.Mo
         decode.cancel("gone")
         time.sleep(0.3)
         assert outs["wait"] == [] and outs["gone"] == ["cancelled"] and outs["next"] == []  # none failed
-        decode._free_blocks(held)
+        decode.call(lambda: decode._free_blocks(held))
         for req in (reqs[0], reqs[2]):
             deadline = time.monotonic() + 30
             while req.finish_reason is None and time.monotonic() < deadline:

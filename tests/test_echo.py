@@ -39,7 +39,12 @@ def post(app: Any, body: dict[str, Any], headers: dict[str, str] | None = None) 
 
 
 def full_forward_logprobs(eng: Engine, ids: list[int]) -> torch.Tensor:
-    """log_softmax of every position's logits, from one unsplit forward of the whole prompt."""
+    """log_softmax of every position's logits, from one unsplit forward of the whole prompt (on the
+    engine thread, which owns the KV cache)."""
+    return eng.call(lambda: _full_forward_logprobs(eng, ids))
+
+
+def _full_forward_logprobs(eng: Engine, ids: list[int]) -> torch.Tensor:
     table = eng.kv.allocate(len(ids))
     try:
         run = eng.model.prefill([ids], [SeqSpan(0, len(ids))], [table], eng.kv,

@@ -158,7 +158,7 @@ def test_an_evicted_answer_can_be_cancelled_while_it_waits(make_engine: EngineFa
     assert len(req.output_token_ids) == 13
     assert b'flowprefill_decode_preemptions_total{slo_class="standard"} 1.0' in metrics.render()
     assert b"flowprefill_requests_evicted 0.0" in metrics.render()
-    eng._free_blocks(sink.taken)  # type: ignore[attr-defined]
+    eng.call(lambda: eng._free_blocks(sink.taken))  # type: ignore[attr-defined]
     assert_idle_and_free(eng)
 
 
@@ -173,7 +173,7 @@ def test_an_evicted_answer_resumes_when_blocks_come_back(make_engine: EngineFact
     prompt = tokens(20, seed=4)
     req, sink = submit(eng, "a", prompt, max_tokens=40, sink_cls=Squeeze)
     assert evictions.happened.wait(60)
-    eng._free_blocks(sink.taken)  # type: ignore[attr-defined]
+    eng.call(lambda: eng._free_blocks(sink.taken))  # type: ignore[attr-defined]
     assert sink.wait() == "length"
     ref, ref_sink = submit(ref_eng, "ref", prompt, max_tokens=40)
     assert ref_sink.wait() == "length"
@@ -222,7 +222,7 @@ def test_a_handed_off_answer_evicted_on_its_decode_worker_is_recomputed_there(ma
     req.sink = sink
     decode.add_prefilled(req, kv, token)
     assert evictions.happened.wait(60)
-    decode._free_blocks(sink.taken)  # type: ignore[arg-type]
+    decode.call(lambda: decode._free_blocks(sink.taken))  # type: ignore[arg-type]
     assert sink.wait() == "length"
     ref, ref_sink = submit(alone, "ref", prompt, max_tokens=40)
     assert ref_sink.wait() == "length"
@@ -251,7 +251,7 @@ def test_an_eviction_shows_on_the_request_trace(make_engine: EngineFactory) -> N
     tracer.start(req, "text_completion")
     eng.add_request(req)
     assert evictions.happened.wait(60)
-    eng._free_blocks(sink.taken)  # type: ignore[arg-type]
+    eng.call(lambda: eng._free_blocks(sink.taken))  # type: ignore[arg-type]
     assert sink.wait() == "length"
     spans = exporter.get_finished_spans()
     root = next(s for s in spans if s.name == "text_completion tiny")
@@ -299,6 +299,7 @@ def test_an_evicted_answer_does_not_stall_the_prefill_holding_the_kv(make_engine
         eng._iteration()  # the engine thread's loop, driven here
     p, p_sink = submit(eng, "p", tokens(7 * BS - 1, seed=8), max_tokens=4)  # 7 blocks: 1 left, the headroom
     p.deadline += 100  # a relaxed prompt: the evicted answer ranks first
+    eng._take_inbox()  # its arrival, as the engine thread takes it
     while not e.evictions:  # p's prefill is long: decode steps fall due meanwhile
         eng._decode_step()  # e takes the last block, then is evicted at 49 tokens
     assert eng.kv.num_free_blocks == 3 < eng.kv.blocks_for(e.num_tokens + 1) == 4
@@ -320,6 +321,7 @@ def test_an_urgent_arrival_that_must_wait_for_kv_does_not_stall_the_batch_holdin
                      sampling=SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
     urgent.sink = a_sink = Sink(urgent)
     eng.add_request(urgent)
+    eng._take_inbox()  # not started: this thread takes the arrivals, as the engine thread would
     assert eng.scheduler.chosen is not None and eng.scheduler.chosen.head is relaxed
     eng.start()
     assert a_sink.wait() == "length" and p_sink.wait() == "length"

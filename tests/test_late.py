@@ -51,8 +51,9 @@ def queued_then_late(factory: EngineFactory, cls: SLOClass) -> httpx.Response:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as c:
             sent = asyncio.create_task(c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
                                               headers={"x-slo-class": cls.name}))
-            while eng.num_waiting < 1 and not sent.done():
+            while len(eng._inbox) < 2 and not sent.done():  # the blocker's arrival, then this request's
                 await asyncio.sleep(0.005)
+            eng._take_inbox()  # not started: this thread takes the arrivals, as the engine thread would
             assert eng.scheduler.chosen.requests == [blocker]  # admitted, and queued behind it
             offset[0] = 10.0
             eng.start()

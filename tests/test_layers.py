@@ -30,7 +30,7 @@ HTTP = ("httpx", "httpcore", "litestar", "uvicorn")  # the serving layer's, and 
 PROTOCOL = ("engine/protocol/*.py",)
 CORE = ("engine/config.py", "engine/request.py", "engine/kv_cache.py", "engine/prefix_cache.py", "engine/prefill.py",
         "engine/decode.py", "engine/sampling.py", "engine/engine.py", "engine/predictor.py", "engine/observer.py",
-        "engine/batch_log.py",
+        "engine/batch_log.py", "engine/messages.py", "engine/owner.py",
         "engine/tokenizer.py", "engine/text.py", "engine/handoff.py", "engine/cpu_affinity.py", "engine/thread_cpu.py",
         "engine/scheduler/*.py",
         "engine/model/*.py",

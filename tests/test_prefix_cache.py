@@ -115,6 +115,7 @@ def test_a_cancelled_batch_returns_its_prefix_blocks(make_engine: EngineFactory)
     done = threading.Event()
     req.sink = lambda out: out.finish_reason and done.set()
     eng2.add_request(req)
+    eng2._take_inbox()  # not started: this thread takes the arrival, as the engine thread would
     # its 4 cached blocks (the 5th holds the last prompt token) and one more for the rest
     assert req.cached_tokens == 64 and len(req.block_table) == 5 and eng2.scheduler.chosen is not None
     assert eng2.kv.num_free_blocks == eng2.kv.num_blocks - 5  # held by the batch: not evictable
@@ -175,7 +176,7 @@ def test_waiting_requests_hold_no_blocks_so_the_first_in_line_always_fits(make_e
     p1, p2 = tokens(65, seed=20), tokens(65, seed=21)
     run(eng, "p1", p1, max_tokens=1)
     run(eng, "p2", p2, max_tokens=1)
-    held = eng.kv.allocate_blocks(6)  # another request's KV: the never-used blocks, nothing evicted
+    held = eng.call(lambda: eng.kv.allocate_blocks(6))  # another request's KV: the never-used blocks, nothing evicted
     waiting = []
     for rid, prompt in (("a", p1), ("b", p2)):
         req = Request(request_id=rid, prompt_token_ids=prompt,
@@ -183,10 +184,11 @@ def test_waiting_requests_hold_no_blocks_so_the_first_in_line_always_fits(make_e
         sink = Sink(req)
         req.sink = sink
         eng.add_request(req)
+        eng.call(lambda: None)  # once the engine thread has taken the arrival
         assert req.cached_tokens == 64 and req.block_table == []  # found, not taken
         waiting.append((req, sink))
     assert eng.num_waiting == 2
-    eng._free_blocks(held)  # what the engine does when that request ends
+    eng.call(lambda: eng._free_blocks(held))  # what the engine does when that request ends
     for req, sink in waiting:
         assert sink.done.wait(60) and req.finish_reason == "length", req.request_id
     assert_idle_and_free(eng)
@@ -196,18 +198,19 @@ def test_a_prefix_evicted_while_its_request_waits_is_computed(make_engine: Engin
     eng, plain = make_engine(kv_capacity_tokens=16 * BS, kv_reservation="full"), make_engine(prefix_caching=False)
     prompt = tokens(70, seed=30)
     run(eng, "warm", prompt, max_tokens=1)
-    held = eng.kv.allocate_blocks(eng.kv.num_free_blocks - 5)  # only the cached prompt's 5 blocks free
+    held = eng.call(lambda: eng.kv.allocate_blocks(eng.kv.num_free_blocks - 5))  # only the cached prompt: free
     req = Request(request_id="r", prompt_token_ids=prompt,
                   sampling=SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))  # 7 blocks: waits
     sink = Sink(req)
     req.sink = sink
     eng.add_request(req)
+    eng.call(lambda: None)  # once the engine thread has taken the arrival
     assert req.cached_tokens == 64 and eng.num_waiting == 1
-    evicted = eng.kv.allocate_blocks(5)  # evicts them, and overwrites them
+    evicted = eng.call(lambda: eng.kv.allocate_blocks(5))  # evicts them, and overwrites them
     for t in (*eng.kv.k, *eng.kv.v):
         t[evicted] = float("nan")
     held += evicted
-    eng._free_blocks(held)
+    eng.call(lambda: eng._free_blocks(held))
     assert sink.done.wait(30) and req.finish_reason == "length"
     assert req.cached_tokens == 0  # found at arrival, gone when its batch formed: all 70 computed
     assert req.output_token_ids == run(plain, "ref", prompt, max_tokens=40)[0].output_token_ids

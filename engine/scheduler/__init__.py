@@ -17,6 +17,7 @@ from typing import Protocol
 from engine.config import POLICIES, parse_policy  # noqa: F401 (the names, also read from here)
 from engine.kv_cache import BlockPool
 from engine.model.plan import OpCost, SeqSpan
+from engine.owner import Owned, owned
 from engine.prefill import PrefillBatch
 from engine.request import Request
 from engine.scheduler.slack import SHARED, LateShare, judge, remaining_of, standings
@@ -44,7 +45,7 @@ class Policy(Protocol):
         ...
 
 
-class Scheduler:
+class Scheduler(Owned):
     def __init__(self, policy: Policy, make_batch: Callable[[list[Request], list[SeqSpan]], PrefillBatch],
                  cost: OpCost, kv: BlockPool, max_batch_tokens: int,
                  clock: Callable[[], float] = time.monotonic,
@@ -72,11 +73,13 @@ class Scheduler:
         self._predicted: dict[str, tuple[OpCost, tuple[object, ...], float]] = {}  # predict_s's, by request id
 
     # -- events --------------------------------------------------------------------------------
+    @owned
     def on_arrival(self, req: Request) -> None:
         req.predicted_miss = req.deadline - self.clock() - self.predict_s(req) < 0
         self.waiting.append(req)
         self._decide()
 
+    @owned
     def on_completion(self, batch: PrefillBatch, unfinished: Sequence[Request] = ()) -> None:
         """`unfinished`: requests of the batch with prompt left (chunks): they queue again."""
         self.pool.remove(batch)
@@ -86,6 +89,7 @@ class Scheduler:
             self.waiting.sort(key=lambda r: r.arrival_time)
         self._decide()
 
+    @owned
     def on_cancel(self, req: Request) -> PrefillBatch | None:
         """Returns the batch to drop when every request in it is now cancelled."""
         dropped = None
@@ -99,6 +103,7 @@ class Scheduler:
         self._decide()
         return dropped
 
+    @owned
     def on_evicted(self, req: Request) -> None:
         """An answer's KV was taken back while it decoded: it queues to be recomputed, in arrival
         order among the waiting (so first-come policies resume it first, as vLLM does)."""
@@ -106,10 +111,12 @@ class Scheduler:
         self.waiting.sort(key=lambda r: r.arrival_time)
         self._decide()
 
+    @owned
     def on_kv_freed(self) -> None:
         """A request finished decoding or was cancelled: queued requests may now fit."""
         self._decide()
 
+    @owned
     def on_timer(self) -> None:
         """`wake_at` has come: the late tier's turn begins or ends."""
         self._decide()
@@ -118,6 +125,7 @@ class Scheduler:
     # 2 s prefill corrects its size class 40 times on its way, 25 steps of 2 ms each time.
     progress_every_s = 0.05
 
+    @owned
     def on_progress(self, batch: PrefillBatch) -> None:
         """The batch ran more steps (every `progress_every_s` of measured time, and when it completes):
         the cost model's correction learns what they measured against what it predicted."""
