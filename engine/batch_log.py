@@ -4,7 +4,7 @@ names a folder (one file per worker process): what `flowprefill plan --against-s
 
 A line: [request ids, the calibrated model's seconds for the batch's plan, the seconds it took, the
 correction its plan was made with, the prompt tokens it computed, when it finished on the engine's
-clock, when its first step began, when each of its requests arrived]. One line per batch, written on
+clock, when its first step began, when each of its requests arrived, its host gap]. One line per batch, written on
 the engine thread (a few microseconds: a diagnostic, off unless asked for).
 """
 
@@ -42,12 +42,22 @@ class MeasuredBatch(NamedTuple):
     # worker, which the client's TTFT exceeds by what the gateway and the HTTP hops add.
     began_at: float | None = None
     arrived_at: Sequence[float] | None = None
+    host_gap_s: float | None = None  # the device idle before its first step while its work waited (prefill.py)
+
+
+def host_gaps_ms(batches: Sequence[MeasuredBatch]) -> dict[str, float] | None:
+    """The host gaps' median and 99th percentile, in ms (None: no batch recorded one)."""
+    gaps = sorted(b.host_gap_s * 1000 for b in batches if b.host_gap_s is not None)
+    if not gaps:
+        return None
+    return {"p50": gaps[len(gaps) // 2], "p99": gaps[min(len(gaps) - 1, round(0.99 * (len(gaps) - 1)))],
+            "batches": len(gaps)}
 
 
 def measured(batch: PrefillBatch, now: float) -> MeasuredBatch:
     return MeasuredBatch([r.request_id for r in batch.requests], batch.steps.base_cost, batch.exec_s,
                          batch.steps.scale, batch.num_tokens, now, batch.began_at,
-                         [r.arrival_time for r in batch.requests])
+                         [r.arrival_time for r in batch.requests], batch.host_gap_s)
 
 
 class BatchLog(EngineObserver):

@@ -94,6 +94,7 @@ class Engine:
         self._cancels: deque[str] = deque()
         self._imports: deque[tuple[Request, dict[str, torch.Tensor], Sampled]] = deque()
         self._current: PrefillBatch | None = None
+        self._device_free_at = -math.inf  # when the last step (prefill or decode) ended, the engine's clock
         self._stop = False
         self.thread_cpu: ThreadCPU | None = None  # its compute threads' CPU and the serving side's, once running
         self._backlog: tuple[float, dict[str, float]] = (0.0, {})
@@ -438,6 +439,7 @@ class Engine:
             self._switch(batch, now)
         try:
             finished = batch.advance()
+            self._device_free_at = self.clock()
         except Exception as exc:
             log.exception("prefill step failed")
             self._fail_batch(batch, f"prefill failed: {exc}")
@@ -456,6 +458,9 @@ class Engine:
             prev.suspend(now, self.scheduler.chosen_at, batch, queued)
             self.preemptions += 1
             self._notify("on_segment_end", prev, now)
+        if batch.began_at is None:
+            waited_from = max(self._device_free_at, min(r.arrival_time for r in batch.requests))
+            batch.host_gap_s = max(0.0, now - waited_from)
         batch.begin_segment(now)
         self._notify("on_segment_start", batch, now)
         if preempted:
@@ -578,7 +583,7 @@ class Engine:
         if not self.answers.running:  # every answer was evicted
             return
         streams, tokens = self.answers.step(self.model, self.kv, self._generators)
-        now = self.clock()
+        now = self._device_free_at = self.clock()
         got = [(s.req, now - s.req.last_token_time) for s, t in zip(streams, tokens, strict=True)
                if not isinstance(t, Exception)]
         self._notify("on_tokens", [r for r, _ in got], [gap for _, gap in got])

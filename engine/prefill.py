@@ -96,6 +96,9 @@ class PrefillBatch:
         self._device = RunAhead(device or torch.device("cpu"))
         self.segment_start: float | None = None
         self.began_at: float | None = None  # its first step's start (the engine's clock)
+        # The host gap before it: from the device's last step (prefill or decode) or its first request's
+        # arrival, whichever was later, to its first step: the device idle while its work waited.
+        self.host_gap_s: float | None = None
 
     @classmethod
     def on_model(cls, requests: list[Request], spans: list[SeqSpan], model: LlamaModel, kv: KVCache,

@@ -158,6 +158,7 @@ class Runner:
         while any(engine.has_request(r.request_id) for r in reqs) and time.monotonic() < deadline + 30:
             time.sleep(0.01)  # the cancels are the engine thread's to carry out: the next point reuses the ids
         pt = report.point(w.rate, outcomes(reqs), engine.preemptions - start_preemptions)
+        pt["host_gap_ms"] = batch_log.host_gaps_ms(measured.batches)  # the device idle between batches
         # The simulator's twins of this very point: with the cost model as the engine began it, and
         # with the costs each batch measured (what is left is the simulator's mechanics: the same
         # decisions, or not).
@@ -339,6 +340,14 @@ def _table(console: Console, doc: dict[str, Any]) -> None:
                 a.add_row(label, str(len(gaps)), f"{statistics.median(gaps):.1f}",
                           f"{sum(g <= 5 for g in gaps)} of {len(gaps)}")
         console.print(a)
+        g = Table(title="host gap: the engine idle between batches while work waited (ms)")
+        for col in ("policy", "rate", "batches", "median", "p99"):
+            g.add_column(col, justify="right")
+        for name, pol in doc["policies"].items():
+            for pt in pol["points"]:
+                if gap := pt.get("host_gap_ms"):
+                    g.add_row(name, f"{pt['rate']:g}", str(gap["batches"]), f"{gap['p50']:.3f}", f"{gap['p99']:.3f}")
+        console.print(g)
 
 
 def _plot(doc: dict[str, Any], path: Path) -> None:

@@ -21,11 +21,13 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from engine.batch_log import host_gaps_ms
 from engine.bench.prefill_plot import size_label
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model.plan import SIZE_CLASSES, OpCost, SeqSpan
 from engine.request import Request, SamplingParams
+from engine.sim.oracle import BatchCostRecorder
 
 STOP_TARGET_MS = 5.0  # what a preemption should cost at most (the line on the plot)
 URGENT_PROMPT_TOKENS = 32
@@ -72,16 +74,22 @@ class StopLatencySection:
                                "long_ttft_target_s": LONG_TTFT_S, "modes": {}}
         for mode, preemptible in (("split", True), ("unsplit", False)):
             self.progress.update(task, description=f"stop latency: engine start ({mode})")
-            engine = Engine(replace(self.cfg, preemptible=preemptible), policy="flowprefill").start()
+            engine = Engine(replace(self.cfg, preemptible=preemptible), policy="flowprefill")
+            batches = BatchCostRecorder()
+            engine.observers.append(batches)
+            engine.start()
             per: dict[str, Any] = {"budget_s": engine.budget_s, "calibration": cost_dict(engine.cost)}
             try:
                 self._warm_up(engine)
+                batches.batches.clear()
                 for n in sizes:
                     self.progress.update(task, description=f"stop latency {size_label(n)} {mode}")
                     per[str(n)] = self._stop_cell(engine, n, targets[mode][n], rng, task)
                 # what the engine learned of its own speed, per batch size class (OpCost.observe)
                 per["correction"] = {"size_classes": [*SIZE_CLASSES, None], "factor": list(engine.cost.class_scale),
                                      "batches": list(engine.cost.class_observations)}
+                # the engine idle between batches while work waited (every urgent batch follows a preemption)
+                per["host_gap_ms"] = host_gaps_ms(batches.batches)
             finally:
                 engine.shutdown()
                 del engine
@@ -181,6 +189,10 @@ class StopLatencySection:
                         f"{c['max_ms']:.2f}", f"{c['urgent_ttft_p99_ms']:.0f} ms"]
             t.add_row(*row)
         self.console.print(t)
+        for mode, per in r["modes"].items():
+            if gap := per.get("host_gap_ms"):
+                self.console.print(f"host gap ({mode}): median {gap['p50']:.3f} ms, p99 {gap['p99']:.3f} ms "
+                                   f"over {gap['batches']} batches")
 
 
 def _request(rid: str, ids: list[int], slo_class: str, ttft_s: float) -> tuple[Request, threading.Event]:
