@@ -50,6 +50,8 @@ BENCHES = {
                       "prefix caching on a multi-turn chat workload: TTFT per turn, on vs off", BENCH),
     "kv": Command("engine.bench.kv_growth",
                   "KV taken as answers grow vs reserved up front, on chat requests of a trace", BENCH),
+    "health": Command("engine.bench.health", "GET /health latency while a burst of requests arrives (the "
+                      "event loop never waits on scheduling)", BENCH),
     "peer": Command("loadtest.peer.cli", "FlowPrefill next to vLLM / SGLang on this machine: goodput sweep or raw "
                     "TTFT", BENCH),
 }
