@@ -56,7 +56,8 @@ class Profile(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # ramp: Poisson steps at each of `rates`, `step_s` each; reported per step to find the knee
     rates: list[float] = []
     step_s: float = 30.0
-    # burst: a backlog of long batch requests, then an interactive spike over it. Each backlog request
+    # burst: a backlog of long batch requests, then an interactive spike over it (these defaults: the
+    # tiny model's sizes). Each backlog request
     # is feasible alone with room to spare: a 3,000-token prefill of the embedded model is predicted
     # at 0.3-0.4 s on a 2-core machine, so a machine 8x slower (or busier) still sends it rather than
     # shedding it as a predicted miss of batch's 6 s target (at 8,000 tokens, 2 s predicted, a busy
@@ -175,7 +176,13 @@ class Schedule(msgspec.Struct):
 BUILTIN: dict[str, Profile] = {
     "steady": Profile(kind="poisson", name="steady", rate=2.0, duration_s=60),
     "ramp": Profile(kind="ramp", name="ramp", rates=[1, 2, 4, 8], step_s=30),
-    "burst": Profile(kind="burst", name="burst"),
+    # Sized for the default model (SmolLM2-135M on a CPU core: about 275 prompt tokens/s, and a decode step
+    # of some 60 ms, which a prefill cannot preempt): four 800-token batch prompts (some 3 s each: the
+    # first meet batch's 6 s, the rest are served late, within its 18 s bound), then ten interactive
+    # 24-token prompts (about 0.1 s each) at 1 req/s, four tokens each.
+    "burst": Profile(kind="burst", name="burst", max_tokens=4, backlog_requests=4, backlog_tokens=800,
+                     burst_at_s=1.0, burst_requests=10, burst_rate=1.0, burst_tokens=24),
+    "burst-tiny": Profile(kind="burst", name="burst-tiny"),  # the embedded tiny model (`serve --model tiny`)
     "azure": Profile(kind="trace", name="azure", trace="azure-mix", requests=200),
 }
 

@@ -45,7 +45,8 @@ REACH_TIMEOUT_S = 10.0  # the check before a run: a server busy with another loa
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="flowprefill loadtest", description=__doc__)  # a mistake: one line, exit 2
-    p.add_argument("--profile", default="steady", help="steady | ramp | burst | azure, or a profile TOML file")
+    p.add_argument("--profile", default="steady",
+                   help="steady | ramp | burst | burst-tiny | azure, or a profile TOML file")
     p.add_argument("--host", default="http://127.0.0.1:8000", help="the gateway's base URL")
     p.add_argument("--rate", type=float, default=None, help="override the profile's rate (req/s)")
     p.add_argument("--rates", default=None, help="comma-separated rates: one run (one report point) per rate")

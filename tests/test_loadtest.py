@@ -92,7 +92,7 @@ def test_bad_profiles_rejected(tmp_path: Path, text: str, message: str,
 def test_unknown_profile_name() -> None:
     with pytest.raises(ProfileError, match="neither a built-in"):
         load_profile("stedy")
-    assert set(BUILTIN) == {"steady", "ramp", "burst", "azure"}
+    assert set(BUILTIN) == {"steady", "ramp", "burst", "burst-tiny", "azure"}
 
 
 def _check_report(out: Path, n_classes: set[str]) -> dict:
@@ -400,7 +400,7 @@ def test_burst_profile_shows_preemption(served: str, tmp_path: Path, monkeypatch
 
     before = preemptions()
     out = tmp_path / "out"
-    assert flowprefill(["loadtest", "--profile", "burst", "--host", served, "--out", str(out)]) == 0
+    assert flowprefill(["loadtest", "--profile", "burst-tiny", "--host", served, "--out", str(out)]) == 0
     counted = preemptions() - before
     printed = capsys.readouterr().out
     doc = _check_report(out, {"batch", "interactive"})
