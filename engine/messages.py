@@ -71,12 +71,10 @@ Message = Arrive | Cancel | ImportKV | Call
 
 @dataclass(frozen=True, slots=True)
 class EngineSnapshot:
-    """The engine's queue as it last published it (after each event; at most a step old while it
-    runs): what GET /load, the load report headers and the metrics read, on any thread."""
+    """The engine's queue as it last published it (after each event, and every PUBLISH_EVERY_S while a
+    batch runs): what GET /load, the load report headers and the metrics read, on any thread."""
 
-    load: WorkerLoad
-    waiting: int = 0
-    decoding: int = 0
+    load: WorkerLoad  # waiting and decoding counts too
     evicted: int = 0  # answers whose KV was taken back, waiting for their recompute
     suspended: int = 0  # prefill batches formed or preempted, not running
     cached_blocks: int = 0

@@ -23,8 +23,8 @@ class PrefixCache:
 
     def hash_prompt(self, req: Request) -> None:
         """Its prompt's block hashes, computed once (on the submitting thread: the pool is not read)."""
-        if self.enabled and req.block_hashes is None and not req.block_table:
-            req.block_hashes = block_hashes(req.prompt_token_ids, self.pool.block_size)
+        if self.enabled:
+            self._matchable(req)
 
     def _matchable(self, req: Request) -> list[bytes]:
         if req.block_hashes is None:
