@@ -394,7 +394,7 @@ class Engine:
             spans = [SeqSpan(c, r.num_prompt_tokens - c) for r in reqs for c in [self.prefixes.cached_tokens(r)]]
             tokens = sum(span.length for span in spans)
             cost = s.cost_for(reqs)
-            predicted_s = cost.prefill_s(spans)
+            predicted_s = cost.batch_s(spans)
             if s.cannot_meet(reqs, predicted_s, tokens, self.clock()):
                 return Refusal(SHED_REASON, _refusal_message(reqs[0], predicted_s, cost.factor(tokens),
                                                              cost.confirmed(tokens)))
@@ -476,6 +476,7 @@ class Engine:
         if batch.began_at is None:
             waited_from = max(self._device_free_at, min(r.arrival_time for r in batch.requests))
             batch.host_gap_s = max(0.0, now - waited_from)
+            self.cost.observe_host(batch.host_gap_s)  # what a batch costs the host: its predictions add it
         batch.begin_segment(now)
         self._notify("on_segment_start", batch, now)
         if preempted:

@@ -645,3 +645,5 @@ def test_each_batch_records_its_host_gap(make_engine: Callable[..., Engine]) -> 
     assert len(gaps) == 3 and all(g is not None and 0.0 <= g < 1.0 for g in gaps), gaps
     summary = host_gaps_ms(recorder.batches)
     assert summary is not None and summary["batches"] == 3 and 0.0 <= summary["p50"] <= summary["p99"] < 1000.0
+    # the cost model learns the host's time per batch from them, and predictions add it once per batch
+    assert 0.0 < eng.call(lambda: eng.cost.batch_host_s) <= max(gaps)

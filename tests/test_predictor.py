@@ -223,3 +223,16 @@ def test_a_cpu_calibration_does_not_count_time_its_thread_was_off_the_core() -> 
     assert _best_time(lambda: time.sleep(0.02), cpu, repeat=3) < 0.005
     spin_s = _best_time(lambda: sum(range(200_000)), cpu, repeat=3)  # real work still counts
     assert spin_s > 0.0005
+
+
+def test_the_host_time_per_batch_is_learned_from_measured_gaps_and_shrugs_off_a_pause() -> None:
+    cost = cost_model()
+    for _ in range(40):
+        cost.observe_host(0.004)
+    assert cost.batch_host_s == pytest.approx(0.004, rel=0.02)
+    cost.observe_host(0.5)  # one stall: counted as at most 4x the average plus a millisecond
+    assert cost.batch_host_s < 0.006
+    cost.observe_host(-1.0)  # no gap measured
+    assert cost.batch_host_s < 0.006
+    spans = [SeqSpan(0, 300)]
+    assert cost.batch_s(spans) == pytest.approx(cost.prefill_s(spans) + cost.batch_host_s)

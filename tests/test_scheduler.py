@@ -357,3 +357,29 @@ def test_the_backlog_is_predicted_with_the_correction_as_it_is_now() -> None:
     s.cost.machine = 3.0  # the correction learned a 3x slowdown
     formed_now, waiting_now = s.backlog()
     assert formed_now == pytest.approx(3 * formed) and waiting_now["batch"] == pytest.approx(3 * waiting["batch"])
+
+
+def _late_pair(host_s: float) -> list[list[str]]:
+    """A late 1,000-token head and a 16-token request queued behind it: the batch FlowPrefill forms."""
+    s, clock, _ = make_scheduler("flowprefill")
+    s.cost = copy.copy(COST)
+    s.cost.batch_host_s = host_s
+    clock.t = 100.0  # both long past their bounds: the head misses whatever runs with it
+    s.waiting += [req("head", 1000, "interactive", 0.0), req("small", 16, "interactive", 0.01)]
+    s.on_timer()
+    return [[r.request_id for r in b.requests] for b in s.pool]
+
+
+def test_a_late_head_takes_a_request_whose_own_batch_would_cost_more_host_time_than_it_adds() -> None:
+    small_alone = COST.prefill_s([SeqSpan(0, 16)])
+    assert _late_pair(host_s=0.0) == [["head"]]  # no host time: joining only delays the head
+    assert _late_pair(host_s=4 * small_alone) == [["head", "small"]]
+
+
+def test_predictions_count_the_host_time_once_per_batch() -> None:
+    s, _, _ = make_scheduler("fcfs")
+    s.cost = copy.copy(COST)
+    s.cost.batch_host_s = 0.01
+    a, b = req("a", 300, "standard", 0.0), req("b", 500, "standard", 0.0)
+    assert s.predict_batch_s([a, b]) == pytest.approx(COST.prefill_s([SeqSpan(0, 300), SeqSpan(0, 500)]) + 0.01)
+    assert s.predict_s(a) == pytest.approx(COST.prefill_s([SeqSpan(0, 300)]) + 0.01)

@@ -72,8 +72,9 @@ class OpCost:
     attn_s_per_pair: float  # one query against one key, all heads
     step_overhead_s: float = 20e-6
     row_step_floor_s: float = 0.0  # a row-wise step reads its weights once, however few its rows
-    # Host time per finished batch outside its steps: the first token's sampling, finishing the requests,
-    # the next decision. The simulator charges it (the engine's steps do not include it): on an H200 it
+    # Host time per batch outside its steps: the first token's sampling, finishing the requests, the next
+    # decision and the next batch's set-up. Predictions of a batch add it once (`batch_s`), the engine
+    # learns it from the host gaps it measures (`observe_host`), the simulator charges it: on an H200 it
     # is a quarter of a short batch (3.8 ms against 5-15 ms), on a CPU under 1 %.
     batch_host_s: float = 0.0
     scale: float = 1.0  # a multiplier on every prediction (for_batch sets it to the batch's correction)
@@ -271,6 +272,21 @@ class OpCost:
         last = attn_in + sum(op(self.attn_s(1, s.start + s.length, True)) + op(self.row_op_s(FFN, 1)) for s in spans)
         return per_layer * (self.cfg.num_hidden_layers - 1) + last
 
+    def batch_s(self, spans: list[SeqSpan]) -> float:
+        """Predicted time from a batch's start to its first tokens: its prefill (`prefill_s`) and the host's
+        time per batch, which a batch pays once whatever its size (what merging requests saves)."""
+        return self.prefill_s(spans) + self.batch_host_s
+
+    def observe_host(self, seconds: float) -> None:
+        """Learn the host's time per batch from one measured host gap (the device idle between a batch's
+        work arriving, or the previous step ending, and its first step): an exponential average whose
+        sample counts up to MAX_SURPRISE times the current value (plus a millisecond), so that one pause
+        (the collector, a process starting beside it) does not make every batch look expensive."""
+        if seconds < 0:
+            return
+        sample = min(seconds, MAX_SURPRISE * self.batch_host_s + 1e-3)
+        self.batch_host_s += HOST_WEIGHT * (sample - self.batch_host_s)
+
     def _sliced_ffn_s(self, rows: int, factor: float) -> float:
         """`prefill_s`'s FFN of `rows` rows where the plan cuts its MLP by columns (0.0 where it does not):
         per block an FFN_IN step and `mlp_slices` MLP steps, each with its overhead."""
@@ -299,6 +315,9 @@ MACHINE_HALF_LIFE_S = 0.05
 # A size class's own way, after a running mean of its first three measurements: an exponential
 # average over its measured time with this half-life, slow, so that a slowdown goes to the machine.
 CLASS_HALF_LIFE_S = 2.0
+# The host time per batch is an exponential average of the measured gaps with this weight: about the
+# last ten batches.
+HOST_WEIGHT = 0.1
 
 
 def _clamp(x: float) -> float:

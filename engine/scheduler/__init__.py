@@ -209,7 +209,7 @@ class Scheduler(Owned):
         """Predicted time to finish a formed batch from where it stands, with the correction as it is
         now (not as it was when the batch was planned: a batch suspended before a slowdown owes more)."""
         cost = self.cost_for(batch.requests)
-        return batch.remaining_base_s * cost.scale * cost.factor(batch.num_tokens)
+        return batch.remaining_base_s * cost.scale * cost.factor(batch.num_tokens) + cost.batch_host_s
 
     def cannot_meet(self, reqs: Sequence[Request], predicted_s: float, tokens: int, now: float) -> bool:
         """Whether requests predicted to take `predicted_s` (alone, `tokens` prompt tokens to compute, at
@@ -229,7 +229,8 @@ class Scheduler(Owned):
         cost = self.cost_for([req])
         span = SeqSpan(req.num_computed_tokens, req.remaining_prefill_tokens)
         key = (span, cost.scale, cost.factor(span.length), cost.budget_s, cost.step_overhead_s,
-               cost.attn_in_s_per_row, cost.ffn_s_per_row, cost.attn_s_per_pair, cost.row_step_floor_s)
+               cost.attn_in_s_per_row, cost.ffn_s_per_row, cost.attn_s_per_pair, cost.row_step_floor_s,
+               cost.batch_host_s)
         known = self._predicted.get(req.request_id)
         if known is not None and known[0] is cost and known[1] == key:
             return known[2]
@@ -240,9 +241,10 @@ class Scheduler(Owned):
         return seconds
 
     def predict_batch_s(self, reqs: Sequence[Request]) -> float:
-        """Predicted time to prefill the rest of these requests' prompts as one batch."""
+        """Predicted time to prefill the rest of these requests' prompts as one batch, to its first
+        tokens (the host's time per batch included)."""
         spans = [SeqSpan(r.num_computed_tokens, r.remaining_prefill_tokens) for r in reqs]
-        return self.cost_for(reqs).prefill_s(spans)
+        return self.cost_for(reqs).batch_s(spans)
 
     def _blocks_needed(self, r: Request) -> int:
         # Whole: blocks of a cached prefix may be free ones, which taking them uses up.
