@@ -10,7 +10,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TypeVar
 
@@ -38,9 +38,10 @@ from engine.thread_cpu import ThreadCPU, readable
 log = logging.getLogger("flowprefill.engine")
 ENGINE_STOPPED = "the engine shut down"  # the error of every request still in it when it stops
 _GENERATED = itertools.count()  # `Engine.generate`'s request ids (an object's id() is reused once it is freed)
-# How stale a published snapshot's predicted backlog may be while the engine runs: it predicts every waiting
-# request (cached; about 1 us each), which publishing after every step would repeat for nothing.
-PUBLISH_BACKLOG_S = 0.001
+# How stale a published snapshot's predicted backlog may be while the engine runs (routing polls it every
+# second): it predicts every waiting request, 2.7 us each once the correction has moved, which publishing
+# at each finished answer and arrival repeated: 0.4 ms a publish with 300 waiting, half a batch's host time.
+PUBLISH_BACKLOG_S = 0.01
 # Between events (a decision, an answer starting or ending, KV taken or freed) the snapshot is refreshed this
 # often, for a running batch's shrinking backlog and the learned machine factor: building it takes some 25 us,
 # 1 % of a 2 ms step were it done after each.
@@ -380,7 +381,7 @@ class Engine:
             self._requests[req.request_id] = req
             self.scheduler.on_arrival(req)
         if msg.verdict is not None:
-            self._publish(full=True)  # a streamed answer's headers report the queue with it in
+            self._publish(added=msg.reqs)  # a streamed answer's headers report the queue with it in
             msg.verdict.set_result(None)
 
     def _admit(self, reqs: list[Request], sheddable: bool) -> Refusal | None:
@@ -409,12 +410,18 @@ class Engine:
         if self._events_mark() != mark or time.perf_counter() - at >= PUBLISH_EVERY_S:
             self._publish()
 
-    def _publish(self, full: bool = False) -> None:
+    def _publish(self, full: bool = False, added: Sequence[Request] = ()) -> None:
         """A new snapshot of the queue for other threads; the predicted backlog (a prediction per waiting
-        request) is recomputed at most every PUBLISH_BACKLOG_S unless `full`."""
+        request) is recomputed at most every PUBLISH_BACKLOG_S unless `full`; in between, the requests just
+        `added` have their own predictions added to it."""
         s, now = self.scheduler, time.perf_counter()
         if full or now - self._backlog_at >= PUBLISH_BACKLOG_S:
             self._backlog, self._backlog_at = s.backlog(), now
+        elif added:
+            by_class = dict(self._backlog[1])
+            for r in added:
+                by_class[r.slo_class] = by_class.get(r.slo_class, 0.0) + s.predict_s(r)
+            self._backlog = self._backlog[0], by_class
         formed, by_class = self._backlog
         running = s.chosen is not None
         self._snapshot = EngineSnapshot(
