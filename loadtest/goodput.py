@@ -18,6 +18,7 @@ import json
 import statistics
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -209,6 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cost", default="cpu", help="sim cost model: cpu (profile this machine), MODEL@GPU, e.g. "
                    "llama-3.1-8b@h100, or FILE.json: the CPU profile stored there (a plan.json's cost_profile, "
                    "an engine's opcost-*.json cache file)")
+    p.add_argument("--host-ms", type=float, default=None,
+                   help="sim: the host's time per batch outside its steps, ms (OpCost.batch_host_s: sampling, "
+                        "finishing, the next decision); 0 models it overlapped with the device, as asynchronous "
+                        "scheduling would (default: the cost model's, 3.8 for MODEL@GPU)")
     p.add_argument("--no-ideal", action="store_true", help="skip the ideal-preemption bound")
     p.add_argument("--errors", nargs="?", const=DEFAULT_LEVELS, default=None, metavar="LEVELS",
                    help="sim: sweep the rates once per injected prediction error instead (comma-separated: "
@@ -247,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
         make_policy(name)  # reject bad names before any work
     if real and args.cost != "cpu":
         parser.error(f"--cost {args.cost}: the simulator's cost model; --engine real predicts with its own profile")
+    if real and args.host_ms is not None:
+        parser.error("--host-ms: the simulator's; --engine real measures its own host time")
+    if args.host_ms is not None and args.host_ms < 0:
+        parser.error(f"--host-ms {args.host_ms:g}: a time, 0 or more")
     if args.errors is not None:
         from loadtest.goodput_errors import levels_of, sweep_errors
 
@@ -258,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         runner = Runner("sim" if args.errors is not None else args.engine, engine_cfg, args.cost)
     except ValueError as exc:
         parser.error(f"--cost {args.cost}: {exc}")  # one line, exit 2
+    if args.host_ms is not None:
+        runner.cost = replace(runner.cost, batch_host_s=args.host_ms / 1000)
     if args.errors is not None:
         return sweep_errors(args, console, levels, policies, rates, n, argv, runner)
     if not args.no_ideal and "flowprefill" in policies:

@@ -207,3 +207,24 @@ def test_batches_to_converge() -> None:
     assert batches_to_converge([0.0] * 9 + [0.5] + [0.0] * 10) == 10
     assert batches_to_converge([0.0] * 9) is None
     assert batches_to_converge([-0.1] * 10) == 0
+
+
+def test_the_host_time_per_batch_is_a_what_if_of_the_simulator(tmp_path: Path) -> None:
+    """--host-ms: the same sweep with the host's time per batch serialized (the H200 model's 3.8 ms) and
+    overlapped with the device (0): goodput can only rise when the host stops costing device time."""
+    trace = _trace(tmp_path)
+    best = {}
+    for host in ("3.8", "0"):
+        out = tmp_path / host
+        assert main(["bench", "goodput", "--engine", "sim", "--cost", "llama-3.1-8b@h200", "--workload", str(trace),
+                     "--policies", "flowprefill", "--rates", "5,20,40,80,160", "--slo-scales", "", "--no-ideal",
+                     "--host-ms", host, "--out", str(out)]) == 0
+        doc = json.loads((out / "goodput-sim.json").read_text())
+        assert "--host-ms " + host in doc["command"]
+        best[host] = doc["policies"]["flowprefill"]["points"]
+    served = [(sum(p["attainment"] for p in best[h])) for h in ("3.8", "0")]
+    assert served[1] >= served[0] and best["0"] != best["3.8"]
+    for bad in (["--engine", "real", "--host-ms", "1"], ["--host-ms", "-1"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(["bench", "goodput", *bad])
+        assert exit_.value.code == 2
