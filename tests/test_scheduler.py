@@ -321,25 +321,33 @@ def test_a_shed_class_needs_to_be_sheddable() -> None:
 def test_a_waiting_request_s_prediction_is_remembered_until_its_prompt_or_the_correction_moves(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Every decision judges every waiting request: `predict_s` computes each once, and again when the
-    cost model's correction, its step budget or the request's prompt left changes (or the model itself)."""
+    cost model's correction or host time, its step budget or the request's prompt left changes (or the
+    model itself); its calibrated terms only when the prompt left or the calibration does."""
     s, _, _ = make_scheduler("flowprefill")
     s.cost = copy.deepcopy(COST)
     r = req("doc", 4000, "relaxed", 0.0)
     computed: list[float] = []
     real = s.predict_batch_s
-    monkeypatch.setattr(s, "predict_batch_s", lambda reqs: computed.append(real(reqs)) or computed[-1])
+    monkeypatch.setattr(s, "predict_batch_s",
+                        lambda reqs, terms=None: computed.append(real(reqs, terms)) or computed[-1])
+    made: list[list[SeqSpan]] = []
+    real_terms = OpCost.prefill_terms
+    monkeypatch.setattr(OpCost, "prefill_terms", lambda cost, spans: made.append(spans) or real_terms(cost, spans))
     first = s.predict_s(r)
-    assert s.predict_s(r) == first and len(computed) == 1
+    assert s.predict_s(r) == first and len(computed) == 1 and len(made) == 1
     s.cost.machine = 2.0  # the correction learned a 2x slowdown
     slower = s.predict_s(r)
-    assert slower == pytest.approx(2 * first, rel=0.02) and len(computed) == 2
+    assert slower == pytest.approx(2 * first, rel=0.02) and len(computed) == 2 and len(made) == 1
+    s.cost.batch_host_s = 0.001  # and a host time per batch
+    assert s.predict_s(r) == pytest.approx(slower + 0.001) and len(computed) == 3 and len(made) == 1
     r.num_computed_tokens = 2048  # a chunk ran
-    assert s.predict_s(r) < slower and len(computed) == 3
+    assert s.predict_s(r) < slower and len(computed) == 4 and len(made) == 2
     s.cost.budget_s = (s.cost.budget_s or 0.002) * 2
     s.predict_s(r)
+    assert len(made) == 3
     s.cost = copy.deepcopy(s.cost)  # another model, the same numbers: asked anew
     s.predict_s(r)
-    assert len(computed) == 5 and s.predict_s(r) == computed[-1] and len(computed) == 5
+    assert len(computed) == 6 and len(made) == 4 and s.predict_s(r) == computed[-1] and len(computed) == 6
 
 
 def test_the_backlog_is_predicted_with_the_correction_as_it_is_now() -> None:

@@ -55,6 +55,17 @@ class Step(NamedTuple):
     part: int = 0  # mlp: which of the MLP's intermediate-column slices
 
 
+class PrefillTerms(NamedTuple):
+    """What `OpCost.prefill_s` sums for a batch, before the correction (`OpCost.prefill_terms`)."""
+
+    rows: int
+    attn_in: float
+    ffn: float
+    ffn_one: float  # the last layer's FFN of one sequence's last token
+    attn: tuple[float, ...]  # per sequence: its attention, causal over its keys
+    attn_last: tuple[float, ...]  # per sequence: its last token's attention (the last layer)
+
+
 class SeqSpan(NamedTuple):
     """One sequence of a prefill batch: prompt tokens [start, start + length) of a request."""
 
@@ -249,16 +260,17 @@ class OpCost:
             return self.attn_s(step.rows[1] - step.rows[0], step.keys[1] - step.keys[0], step.causal)
         return self.row_op_s(step.op, step.rows[1] - step.rows[0])
 
-    def prefill_s(self, spans: list[SeqSpan]) -> float:
+    def prefill_s(self, spans: list[SeqSpan], terms: PrefillTerms | None = None) -> float:
         """Predicted time of a whole prefill (every layer) of these spans, as the engine plans it
         (the last layer computes attention and MLP for each sequence's last token only; an operator
         longer than `budget_s` is split into steps, each with its overhead), with its size class's
         correction. Each operator is counted once with the steps its own split adds: counting a
         sequence's attention as two (its prefix and its square, the first empty without a prefix) and
         the split's steps over the whole prefill, as this did, predicted a 16-token prefill 16 % over
-        its plan and 128 tokens 5 % (a 2-core EPYC's profile, 88 us a step)."""
-        rows = sum(s.length for s in spans)
-        factor = self.factor(rows)  # applied to the sum: one for_batch copy per call would cost more
+        its plan and 128 tokens 5 % (a 2-core EPYC's profile, 88 us a step). `terms`: the spans'
+        `prefill_terms` from this cost model, computed before (what a caller remembers per request)."""
+        t = terms or self.prefill_terms(spans)
+        factor = self.factor(t.rows)  # applied to the sum: one for_batch copy per call would cost more
         step_s = self.scale * factor * self.step_overhead_s
         work = max(self.budget_s - step_s, self.budget_s / 2) if self.budget_s else math.inf
 
@@ -266,11 +278,18 @@ class OpCost:
             seconds *= factor
             return seconds + max(0.0, math.ceil(seconds / work) - 1) * step_s
 
-        attn_in = op(self.row_op_s(ATTN_IN, rows))
-        per_layer = attn_in + (self._sliced_ffn_s(rows, factor) or op(self.row_op_s(FFN, rows)))
-        per_layer += sum(op(self.attn_s(s.length, s.start + s.length, True)) for s in spans)
-        last = attn_in + sum(op(self.attn_s(1, s.start + s.length, True)) + op(self.row_op_s(FFN, 1)) for s in spans)
+        attn_in = op(t.attn_in)
+        per_layer = attn_in + (self._sliced_ffn_s(t.rows, factor) or op(t.ffn)) + sum(op(a) for a in t.attn)
+        last = attn_in + sum(op(a) for a in t.attn_last) + op(t.ffn_one) * len(t.attn)
         return per_layer * (self.cfg.num_hidden_layers - 1) + last
+
+    def prefill_terms(self, spans: list[SeqSpan]) -> PrefillTerms:
+        """The operators' calibrated seconds a prediction of these spans sums (`prefill_s`), before the
+        correction: they change only with the spans and the calibration."""
+        rows = sum(s.length for s in spans)
+        return PrefillTerms(rows, self.row_op_s(ATTN_IN, rows), self.row_op_s(FFN, rows), self.row_op_s(FFN, 1),
+                            tuple(self.attn_s(s.length, s.start + s.length, True) for s in spans),
+                            tuple(self.attn_s(1, s.start + s.length, True) for s in spans))
 
     def batch_s(self, spans: list[SeqSpan]) -> float:
         """Predicted time from a batch's start to its first tokens: its prefill (`prefill_s`) and the host's

@@ -12,10 +12,11 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from engine.config import POLICIES, parse_policy  # noqa: F401 (the names, also read from here)
 from engine.kv_cache import BlockPool
+from engine.model.cost import PrefillTerms
 from engine.model.plan import OpCost, SeqSpan
 from engine.owner import Owned, owned
 from engine.prefill import PrefillBatch
@@ -45,6 +46,16 @@ class Policy(Protocol):
         ...
 
 
+class _Predicted(NamedTuple):
+    """A request's remembered prediction (`Scheduler.predict_s`): what it was made from, and the seconds."""
+
+    cost: OpCost
+    calibration: tuple[object, ...]
+    terms: PrefillTerms
+    correction: tuple[float, float]
+    seconds: float
+
+
 class Scheduler(Owned):
     def __init__(self, policy: Policy, make_batch: Callable[[list[Request], list[SeqSpan]], PrefillBatch],
                  cost: OpCost, kv: BlockPool, max_batch_tokens: int,
@@ -70,7 +81,7 @@ class Scheduler(Owned):
         self.shed: list[Request] = []  # late requests of `late = "shed"` classes, for the engine to end
         self._standing: dict[int, tuple[int, float]] = {}  # this decision's (standing, due), by id (slack.py)
         self._turns_at = math.inf
-        self._predicted: dict[str, tuple[OpCost, tuple[object, ...], float]] = {}  # predict_s's, by request id
+        self._predicted: dict[str, _Predicted] = {}  # predict_s's, by request id
 
     # -- events --------------------------------------------------------------------------------
     @owned
@@ -222,29 +233,37 @@ class Scheduler(Owned):
         return reqs[0].latest - now - predicted_s < 0
 
     def predict_s(self, req: Request) -> float:
-        """Predicted time to prefill the rest of a queued request's prompt. Remembered until its prompt
-        left or the cost model's correction moves: a decision judges every waiting request, and
-        predicting each anew took 18 of the 27 us a decision spent per waiting request (3.2 ms with
-        375 waiting on an EPYC core; the engine serves none meanwhile)."""
+        """Predicted time to prefill the rest of a queued request's prompt. A decision judges every waiting
+        request: predicting each anew took 18 of the 27 us a decision spent per waiting request (3.2 ms with
+        375 waiting on an EPYC core; the engine serves none meanwhile). So the prediction is remembered
+        until its prompt left or the cost model moves, and so are its calibrated terms until its prompt
+        left or the calibration moves: the correction moves at every finished batch, and remaking the
+        terms with it took 1.2 of a 2.5 ms host gap with 300 waiting (tiny model)."""
         cost = self.cost_for([req])
         span = SeqSpan(req.num_computed_tokens, req.remaining_prefill_tokens)
-        key = (span, cost.scale, cost.factor(span.length), cost.budget_s, cost.step_overhead_s,
-               cost.attn_in_s_per_row, cost.ffn_s_per_row, cost.attn_s_per_pair, cost.row_step_floor_s,
-               cost.batch_host_s)
+        calibration = (span, cost.scale, cost.budget_s, cost.step_overhead_s, cost.attn_in_s_per_row,
+                       cost.ffn_s_per_row, cost.attn_s_per_pair, cost.row_step_floor_s)
+        correction = (cost.factor(span.length), cost.batch_host_s)
         known = self._predicted.get(req.request_id)
-        if known is not None and known[0] is cost and known[1] == key:
-            return known[2]
+        terms = None
+        if known is not None and known.cost is cost and known.calibration == calibration:
+            if known.correction == correction:
+                return known.seconds
+            terms = known.terms
         if len(self._predicted) > 2 * (len(self.waiting) + len(self.pool)) + 64:
             self._predicted.clear()  # requests long gone (bounded without tracking how each left)
-        seconds = self.predict_batch_s([req])
-        self._predicted[req.request_id] = (cost, key, seconds)  # (the cost model held: `is` stays sound)
+        terms = terms or cost.prefill_terms([span])
+        seconds = self.predict_batch_s([req], terms)
+        # (the cost model is held: `is` stays sound)
+        self._predicted[req.request_id] = _Predicted(cost, calibration, terms, correction, seconds)
         return seconds
 
-    def predict_batch_s(self, reqs: Sequence[Request]) -> float:
+    def predict_batch_s(self, reqs: Sequence[Request], terms: PrefillTerms | None = None) -> float:
         """Predicted time to prefill the rest of these requests' prompts as one batch, to its first
-        tokens (the host's time per batch included)."""
+        tokens (the host's time per batch included). `terms`: their `prefill_terms`, if known."""
         spans = [SeqSpan(r.num_computed_tokens, r.remaining_prefill_tokens) for r in reqs]
-        return self.cost_for(reqs).batch_s(spans)
+        cost = self.cost_for(reqs)
+        return cost.prefill_s(spans, terms) + cost.batch_host_s
 
     def _blocks_needed(self, r: Request) -> int:
         # Whole: blocks of a cached prefix may be free ones, which taking them uses up.

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 from engine.batch_log import MeasuredBatch, measured
+from engine.model.cost import PrefillTerms
 from engine.model.plan import SIZE_CLASSES, OpCost, SeqSpan, size_class
 from engine.observer import EngineObserver
 from engine.prefill import PrefillBatch
@@ -89,7 +90,7 @@ class OracleScheduler(Scheduler):
     def cost_for(self, reqs: Sequence[Request]) -> OpCost:
         return self.exact.for_requests(reqs)
 
-    def predict_batch_s(self, reqs: Sequence[Request]) -> float:
+    def predict_batch_s(self, reqs: Sequence[Request], terms: PrefillTerms | None = None) -> float:
         """What the batch will be charged: planned at the engine's scale, at the measured factor per
         planned second. Predicting at the factor alone counted the step overheads of a plan cut at it:
         for a request measured 2x slow (88 us per step), 1.21x / 1.10x what a 200 / 1,500-token prefill
