@@ -3,7 +3,7 @@ as one safetensors blob (`k.{layer}`, `v.{layer}`: [prompt tokens, kv heads, hea
 `first_token`, and its log-probabilities `first_logprob`/`first_top_ids` when the request asked for
 them), and the check a decode worker's engine makes before it takes such KV in (Engine.add_prefilled).
 How the blob travels from the prefill worker to the decode worker is the serving layer's:
-engine/kv_transport.py."""
+engine/serving/kv_transport.py."""
 
 from __future__ import annotations
 

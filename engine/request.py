@@ -111,7 +111,7 @@ class Request(msgspec.Struct, kw_only=True):
     # its first token is out (on the engine thread, before its blocks can be freed), for hand-off.
     kv_sink: Callable[[dict[str, Any]], None] | None = None
     prefilled_elsewhere: bool = False  # a decode worker's: its prompt's KV was handed to it
-    # The serving layer's state of this request (engine/serving.py's Served: which of its HTTP
+    # The serving layer's state of this request (engine/serving/generation.py's Served: which of its HTTP
     # request's n choices it is, its KV to hand off); the engine core never reads it.
     serving: Any = None
     prompt_token_mask: Any = None  # repetition_penalty's: which vocabulary ids the prompt holds (made once)

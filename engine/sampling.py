@@ -13,7 +13,7 @@ from engine.request import Logprob, Request, Sampled
 
 class TokenConstraint(Protocol):
     """What an answer must follow token by token (`Request.constraint`): the serving layer's structured
-    output, which a reasoning model's reasoning may come before (engine/structured_output.py's
+    output, which a reasoning model's reasoning may come before (engine/serving/structured_output.py's
     GuidedAnswer). The engine thread calls it: `mask` before each token is sampled, `accept` after."""
 
     def mask(self, row: torch.Tensor, hold: list[int] | None) -> torch.Tensor:

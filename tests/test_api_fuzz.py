@@ -19,7 +19,7 @@ from helpers import module_engine
 from test_engine import assert_idle_and_free
 
 from engine.engine import Engine
-from engine.worker import create_worker_app
+from engine.serving.worker import create_worker_app
 
 REQUESTS = 600
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {

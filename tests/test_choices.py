@@ -15,7 +15,7 @@ from test_engine import Sink
 
 from engine.protocol.headers import KV_TO_HEADER, KV_TRANSPORT_HEADER
 from engine.request import Request, SamplingParams
-from engine.worker import create_worker_app
+from engine.serving.worker import create_worker_app
 
 
 @pytest.fixture

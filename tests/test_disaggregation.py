@@ -18,11 +18,12 @@ from helpers import EngineFactory
 from processes import answers, free_port, start, stop, wait_healthy
 from safetensors.torch import save
 
-from engine import handoff, kv_transport
+from engine import handoff
 from engine.engine import Engine
 from engine.protocol.headers import KV_SHM_HEADER
 from engine.request import Request, Sampled, SamplingParams
-from engine.structured_output import Grammars, Guide, GuidedAnswer
+from engine.serving import kv_transport
+from engine.serving.structured_output import Grammars, Guide, GuidedAnswer
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 

@@ -22,7 +22,7 @@ from engine.engine import Engine
 from engine.model.plan import SeqSpan, plan_prefill
 from engine.observer import EngineObserver
 from engine.request import Request, SamplingParams
-from engine.worker import create_worker_app
+from engine.serving.worker import create_worker_app
 
 
 @pytest.fixture(scope="module")

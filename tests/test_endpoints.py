@@ -18,7 +18,7 @@ from pydantic import BaseModel
 
 from engine.observer import EngineObserver
 from engine.request import Request
-from engine.worker import create_worker_app
+from engine.serving.worker import create_worker_app
 
 MODEL = "org/tiny"  # a slash, as Hugging Face ids have: the client sends it percent-encoded in the path
 NO_WHITESPACE = {str(b): -100 for b in b" \t\n\r"}  # random weights would pad JSON with it

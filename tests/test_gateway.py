@@ -219,7 +219,7 @@ def test_stream_options(served: str) -> None:
 
 
 def test_chat_without_max_tokens_runs_to_its_end() -> None:
-    from engine.worker import CHAT_DEFAULT_MAX_TOKENS, chat_default_max_tokens
+    from engine.serving.worker import CHAT_DEFAULT_MAX_TOKENS, chat_default_max_tokens
 
     assert chat_default_max_tokens(100, 32768) == CHAT_DEFAULT_MAX_TOKENS  # not OpenAI's completions 16
     assert chat_default_max_tokens(1500, 2048) == 548  # what the KV cache (or the context) leaves

@@ -1,4 +1,4 @@
-"""Reasoning models (engine/reasoning.py, --reasoning-parser): reasoning apart from content, whole
+"""Reasoning models (engine/serving/reasoning.py, --reasoning-parser): reasoning apart from content, whole
 and streamed (any cut of the text streams to what the whole answer gives), with tool calls after
 the reasoning, chat_template_kwargs, and a structured output that waits for the reasoning to close."""
 
@@ -19,14 +19,14 @@ from helpers import module_engine
 from engine.decode import OutputStream
 from engine.engine import Engine
 from engine.protocol.openai import ChatCompletionRequest, StreamOptions
-from engine.reasoning import CLOSE, ReasoningParser, ReasoningStream
 from engine.request import Request, Sampled, SamplingParams, TokenOutput
-from engine.responses import Choices, sse
 from engine.sampling import sample
-from engine.structured_output import Grammars, Guide, GuidedAnswer
+from engine.serving.choices import Choices, sse
+from engine.serving.reasoning import CLOSE, ReasoningParser, ReasoningStream
+from engine.serving.structured_output import Grammars, Guide, GuidedAnswer
+from engine.serving.tool_calls import ToolCallParser
+from engine.serving.worker import create_worker_app
 from engine.tokenizer import ByteTokenizer, _ChatTemplate
-from engine.tool_calls import ToolCallParser
-from engine.worker import create_worker_app
 
 R1, QWEN3 = ReasoningParser("deepseek_r1"), ReasoningParser("qwen3")
 

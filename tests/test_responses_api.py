@@ -20,7 +20,7 @@ from pydantic import TypeAdapter
 
 from engine.engine import Engine
 from engine.protocol.responses import ResponsesRequest
-from engine.worker import create_worker_app
+from engine.serving.worker import create_worker_app
 
 EVENTS: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
 GREEDY = {"temperature": 0, "ignore_eos": True}

@@ -13,8 +13,8 @@ import torch
 from engine import handoff
 from engine.protocol.openai import ChatCompletionRequest, CompletionRequest, Unsupported
 from engine.request import Logprob, Request, Sampled, SamplingParams
-from engine.responses import LogprobFormatter
 from engine.sampling import penalized, sample
+from engine.serving.choices import LogprobFormatter
 
 VOCAB = 12
 

@@ -1,4 +1,4 @@
-"""Structured output (engine/structured_output.py): the request fields that ask for it, the token
+"""Structured output (engine/serving/structured_output.py): the request fields that ask for it, the token
 masks over the embedded byte-level vocabulary and over a BPE tokenizer.json (checked against the
 tokens' own bytes), answers that match their constraint through a worker (whole, streamed, n
 choices, completions, forced tool calls), a constrained greedy answer equal to one whose excluded
@@ -25,10 +25,10 @@ from engine.decode import OutputStream
 from engine.engine import Engine
 from engine.protocol.openai import ChatCompletionRequest, CompletionRequest, Unsupported
 from engine.request import Request, Sampled, SamplingParams
-from engine.structured_output import Grammars, Guide, GuidedAnswer, allowed_logits
+from engine.serving.structured_output import Grammars, Guide, GuidedAnswer, allowed_logits
+from engine.serving.tool_calls import ForcedCall
+from engine.serving.worker import create_worker_app
 from engine.tokenizer import ByteTokenizer, HFTokenizer
-from engine.tool_calls import ForcedCall
-from engine.worker import create_worker_app
 
 pytest.importorskip("llguidance")
 

@@ -16,7 +16,7 @@ from checkpoints import CORPUS, write_tokenizer
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.worker import create_worker_app
+from engine.serving.worker import create_worker_app
 
 TEXTS = [*CORPUS, "", "  two  spaces\n\tand a tab", "<|im_start|>not a chat"]
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world, naïve café"}]

@@ -1,4 +1,4 @@
-"""Tool calls (engine/tool_calls.py): the parsers, the request fields, tool-call responses whole and
+"""Tool calls (engine/serving/tool_calls.py): the parsers, the request fields, tool-call responses whole and
 streamed, and a worker with --tool-call-parser offering tools to the embedded model's template."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from helpers import EngineFactory
 
 from engine.protocol.openai import ChatCompletionRequest, ChatMessage, StreamOptions, Unsupported
 from engine.request import Request, TokenOutput
-from engine.responses import Choices, sse
-from engine.tool_calls import ToolCallParser
-from engine.worker import create_worker_app
+from engine.serving.choices import Choices, sse
+from engine.serving.tool_calls import ToolCallParser
+from engine.serving.worker import create_worker_app
 
 HERMES, LLAMA = ToolCallParser("hermes"), ToolCallParser("llama3_json")
 WEATHER = {"type": "function", "function": {

@@ -35,7 +35,7 @@ from engine.engine import Engine
 from engine.observer import EngineObserver
 from engine.protocol.slo import DEFAULT_CLASSES
 from engine.request import Request, SamplingParams, TokenOutput
-from engine.worker import CHAT_DEFAULT_MAX_TOKENS
+from engine.serving.worker import CHAT_DEFAULT_MAX_TOKENS
 from gateway.cli.common import Parser
 from loadtest.workload import ClassRule, head, load_trace, scale_to_rate, synthesize_prompt, traces_dir
 

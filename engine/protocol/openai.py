@@ -1,6 +1,6 @@
 """OpenAI's chat and completions request bodies (msgspec), with what they ask of sampling and structured
 output; error bodies and request ids. Shared by the worker, which decodes them, and the gateway, whose
-OpenAPI document is written from them (the answers' bodies: engine/responses.py)."""
+OpenAPI document is written from them (the answers' bodies: engine/serving/choices.py)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class _Common(msgspec.Struct, kw_only=True, omit_defaults=True):
     include_stop_str_in_output: bool | None = None
     use_beam_search: bool | None = None  # refused when true
     prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs and this many likeliest
-    # Structured output (engine/structured_output.py), at most one of: OpenAI's response_format
+    # Structured output (engine/serving/structured_output.py), at most one of: OpenAI's response_format
     # (json_object, json_schema), vLLM's structured_outputs, and its older guided_* fields.
     response_format: dict[str, Any] | None = None
     structured_outputs: StructuredOutputs | None = None

@@ -5,7 +5,7 @@ become chat tools, `text.format` becomes `response_format`, `max_output_tokens` 
 `reasoning.effort` reaches the chat template as `reasoning_effort` (as vLLM's). Nothing is stored, so
 what needs a stored response (`previous_response_id`, `conversation`, `background`) is refused by
 name, as is every other field this server does not do (never silently ignored).
-engine/responses_endpoint.py writes the response."""
+engine/serving/responses_api.py writes the response."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""vLLM's `POST /tokenize` and `POST /detokenize` request bodies (served by engine/tokenize_api.py)."""
+"""vLLM's `POST /tokenize` and `POST /detokenize` request bodies (served by engine/serving/tokenize_api.py)."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ class WorkerLoad(msgspec.Struct, kw_only=True):
 
 
 # Each answer also carries the worker's predicted backlog as its headers leave (streamed: once the request
-# is admitted; whole: once done, engine/serving.py's `finish`), in
+# is admitted; whole: once done, engine/serving/generation.py's `finish`), in
 # ORCA's per-request load report (the `endpoint-load-metrics` header that Envoy, gRPC and vLLM read and
 # write, TEXT format): between its once-a-second polls of GET /load, a gateway that ranked workers on the
 # last poll alone would send a burst almost whole to the one that poll saw least loaded.

@@ -4,7 +4,7 @@ server's (the policy, the output parsers). `serve` hands them to its workers wit
 
 Nothing here loads torch, so neither does parsing `serve`'s command line (the engine runs only in its
 workers' processes): the policies' names come from engine/config.py, the output parsers' from
-engine.tool_calls and engine.reasoning (torch-free, imported only by `add_server_options`). The
+engine.serving.tool_calls and engine.serving.reasoning (torch-free, imported only by `add_server_options`). The
 address options, which `flowprefill gateway` shares, are in common.py."""
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def add_server_options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     """What an engine worker's server does with requests: the prefill policy, the output parsers."""
-    from engine import reasoning, tool_calls  # torch-free: the parsers' names
+    from engine.serving import reasoning, tool_calls  # torch-free: the parsers' names
 
     def policy(name: str) -> str:
         try:

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
 
     from engine.engine import Engine
     from engine.protocol.drain import Drain
-    from engine.worker import create_worker_app
+    from engine.serving.worker import create_worker_app
     from gateway.cli.gateway import load_config
     from telemetry.tracing import setup_tracing
 

@@ -155,7 +155,7 @@ def _check(matcher: llguidance.LLMatcher, start: float, what: str) -> None:
 
 class GuidedAnswer:
     """An answer's structured output as the engine follows it (engine/sampling.py's TokenConstraint):
-    its matcher, and for a reasoning model (engine/reasoning.py) the reasoning before the content,
+    its matcher, and for a reasoning model (engine/serving/reasoning.py) the reasoning before the content,
     where the constraint does not apply yet. `thinking_until`: the text that closes the reasoning
     the answer begins in (None: it begins in content); `opens_thinking`: the tokens that open it,
     allowed beside the constraint's at the first token only (an answer that decides there whether it

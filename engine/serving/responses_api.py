@@ -1,4 +1,4 @@
-"""`POST /v1/responses`, served on the chat path (engine/serving.py; the request's translation is
+"""`POST /v1/responses`, served on the chat path (engine/serving/generation.py; the request's translation is
 engine/protocol/responses.py): the answer as OpenAI's response object, whole, or streamed as its events
 (`response.created`, `response.in_progress`, then per output item `response.output_item.added`,
 `response.content_part.added`, the text, reasoning or arguments deltas and their `.done`,
@@ -18,13 +18,13 @@ import msgspec
 from litestar import Request, Response, post
 from litestar.response import Stream
 
-from engine.endpoint import BadRequest, EventStream, decode_body
 from engine.protocol.openai import Unsupported
 from engine.protocol.responses import ResponsesRequest
-from engine.responses import tool_delta
-from engine.serving import Generation, Started
-from engine.structured_output import failed_by_constraint
-from engine.tool_calls import ForcedCall
+from engine.serving.choices import tool_delta
+from engine.serving.endpoint import BadRequest, EventStream, decode_body
+from engine.serving.generation import Generation, Started
+from engine.serving.structured_output import failed_by_constraint
+from engine.serving.tool_calls import ForcedCall
 
 
 class ResponsesEndpoint:

@@ -15,10 +15,10 @@ import msgspec
 
 from engine.engine import Engine
 from engine.protocol.openai import StreamOptions, error_body
-from engine.reasoning import ReasoningStream
 from engine.request import Logprob, Request, TokenOutput
-from engine.structured_output import failed_by_constraint
-from engine.tool_calls import ForcedCall, ToolCallParser
+from engine.serving.reasoning import ReasoningStream
+from engine.serving.structured_output import failed_by_constraint
+from engine.serving.tool_calls import ForcedCall, ToolCallParser
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:

@@ -20,8 +20,6 @@ from litestar import Request, Response
 from litestar.response import Stream
 from opentelemetry.trace import INVALID_SPAN
 
-from engine import kv_transport
-from engine.endpoint import BadRequest, EventStream, decode_body
 from engine.engine import ENGINE_STOPPED, Engine
 from engine.protocol.drain import SHUTTING_DOWN, ClientGone, Drain, ShuttingDown
 from engine.protocol.headers import (
@@ -48,12 +46,14 @@ from engine.protocol.openai import (
 )
 from engine.protocol.slo import SHED_REASON, SLOClass, requested_slo, shed_reason
 from engine.protocol.worker import LOAD_REPORT_HEADER, load_report
-from engine.reasoning import CLOSE, OPEN, ReasoningParser, ReasoningStream
 from engine.request import Request as EngineRequest
 from engine.request import Sampled, SamplingParams, TokenOutput
-from engine.responses import Choices, LogprobFormatter, completion_body, sse
-from engine.structured_output import Grammars, GuidedAnswer, failed_by_constraint
-from engine.tool_calls import ForcedCall, ToolCallParser
+from engine.serving import kv_transport
+from engine.serving.choices import Choices, LogprobFormatter, completion_body, sse
+from engine.serving.endpoint import BadRequest, EventStream, decode_body
+from engine.serving.reasoning import CLOSE, OPEN, ReasoningParser, ReasoningStream
+from engine.serving.structured_output import Grammars, GuidedAnswer, failed_by_constraint
+from engine.serving.tool_calls import ForcedCall, ToolCallParser
 
 if TYPE_CHECKING:
     from telemetry.tracing import EngineTracer

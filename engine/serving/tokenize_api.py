@@ -18,8 +18,8 @@ from engine.protocol.openai import ChatCompletionRequest
 from engine.protocol.tokenize import DetokenizeRequest, TokenizeRequest
 
 if TYPE_CHECKING:
-    from engine.serving import Generation
-from engine.endpoint import BadRequest, decode_body
+    from engine.serving.generation import Generation
+from engine.serving.endpoint import BadRequest, decode_body
 
 
 class TokenizeEndpoints:

@@ -1,6 +1,6 @@
 """The engine worker's HTTP server: OpenAI-compatible endpoints over one Engine, plus /health,
 /load and /metrics. SLO metadata comes in headers (set by the gateway, or by a client directly).
-Each endpoint's handler is a small class of its own (the generating ones share engine/serving.py)."""
+Each endpoint's handler is a small class of its own (the generating ones share engine/serving/generation.py)."""
 
 from __future__ import annotations
 
@@ -12,24 +12,25 @@ from litestar import Litestar, Request, Response, get, post
 from litestar.exceptions import HTTPException
 from litestar.params import FromPath
 
-from engine import batch_log, handoff, kv_transport
-from engine.endpoint import BadRequest
+from engine import batch_log, handoff
 from engine.engine import Engine
 from engine.protocol.drain import Drain
 from engine.protocol.headers import KV_SHM_HEADER
 from engine.protocol.openai import error_body, http_error_body
 from engine.protocol.slo import DEFAULT_CLASS, DEFAULT_CLASSES, SLOClass
 from engine.protocol.worker import ROLES, WorkerLoad
-from engine.reasoning import ReasoningParser
-from engine.responses_endpoint import ResponsesEndpoint
-from engine.serving import (  # noqa: F401 (the limits' names, also read from here)
+from engine.serving import kv_transport
+from engine.serving.endpoint import BadRequest
+from engine.serving.generation import (  # noqa: F401 (the limits' names, also read from here)
     CHAT_DEFAULT_MAX_TOKENS,
     DEFAULT_MAX_TOKENS,
     Generation,
     chat_default_max_tokens,
 )
-from engine.tokenize_api import TokenizeEndpoints
-from engine.tool_calls import ToolCallParser
+from engine.serving.reasoning import ReasoningParser
+from engine.serving.responses_api import ResponsesEndpoint
+from engine.serving.tokenize_api import TokenizeEndpoints
+from engine.serving.tool_calls import ToolCallParser
 from telemetry.metrics import EngineMetrics
 
 if TYPE_CHECKING:
@@ -87,7 +88,7 @@ class Status:
 
 class HandoffInbox:
     """POST /v1/internal/kv/{request id}: a prefill worker's KV for a request this decode worker will
-    get (engine/kv_transport.py), by shared memory or in the body."""
+    get (engine/serving/kv_transport.py), by shared memory or in the body."""
 
     def __init__(self, inbox: kv_transport.KVInbox) -> None:
         self.inbox = inbox

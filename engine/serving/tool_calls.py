@@ -68,7 +68,7 @@ class ForcedCall:
     each (finish_reason "tool_calls"). It reads like a parser: nothing is content, the answer is the
     calls (a "required" answer cut short by max_tokens is content; a named call's arguments are what
     was written, whole or cut short, as vLLM's); streamed, a named call's arguments go out as they
-    are written (engine/responses.py), "required" calls whole at the end."""
+    are written (engine/serving/choices.py), "required" calls whole at the end."""
 
     def __init__(self, tools: list[Any], tool_choice: Any, parallel: bool = True) -> None:
         """`parallel`: OpenAI's parallel_tool_calls; false, "required" makes exactly one call."""
