@@ -1,6 +1,6 @@
 """Prefix affinity: requests that start alike go to the same worker, where their prefix is cached.
 
-Each worker caches the KV of the prompts it served (engine/kv_cache.py); a conversation's next turn,
+Each worker caches the KV of the prompts it served (engine/core/kv_cache.py); a conversation's next turn,
 or another request with the same long system prompt, finds it only on the worker that computed it.
 Least-backlog routing alone spreads a conversation's turns over the workers, each computing the
 whole history again.

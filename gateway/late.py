@@ -1,5 +1,5 @@
 """What the gateway's gate in front of plain OpenAI servers does with a request that can no longer
-meet its deadline while it waits there: the engine's slack and late tier (engine/scheduler), as far as
+meet its deadline while it waits there: the engine's slack and late tier (engine/core/scheduler), as far as
 a gateway can see them.
 
 Plain EDF serves the request with the earliest deadline first, and under overload that is the one

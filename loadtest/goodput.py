@@ -26,14 +26,14 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from engine import batch_log
 from engine.bench.console import results_console
 from engine.bench.machine import machine_info
-from engine.config import KV_AUTO_TOKENS, EngineConfig
+from engine.core import batch_log
+from engine.core.config import KV_AUTO_TOKENS, EngineConfig
+from engine.core.request import Request, SamplingParams
+from engine.core.scheduler import make_policy
 from engine.model.plan import OpCost
 from engine.protocol.slo import DEFAULT_CLASSES, SLOClass
-from engine.request import Request, SamplingParams
-from engine.scheduler import make_policy
 from engine.sim import SimConfig, simulate
 from engine.sim.errors import DEFAULT_LEVELS, PredictionError
 from engine.sim.oracle import BatchCostRecorder, ExactCosts
@@ -81,7 +81,7 @@ def outcomes(reqs: list[Request]) -> list[report.Outcome]:
 
 def measured_cost(cost_name: str) -> bool:
     """Whether `--cost` names a measured CPU profile: this machine's (cpu) or one stored in a .json file
-    (engine/predictor.py's read_profile), not a roofline (MODEL@GPU)."""
+    (engine/core/predictor.py's read_profile), not a roofline (MODEL@GPU)."""
     return cost_name == "cpu" or cost_name.lower().endswith(".json")
 
 
@@ -92,10 +92,10 @@ class Runner:
         self.kind, self.engine_cfg = kind, engine_cfg
         self._engines: dict[str, Any] = {}
         self._ideal: dict[tuple[float, float], dict[str, Any]] = {}  # (rate, slo scale) -> bound point
-        self.profile_key: str | None = None  # the measured profile's (engine/predictor.py), not a roofline's
+        self.profile_key: str | None = None  # the measured profile's (engine/core/predictor.py), not a roofline's
         if kind == "real" or measured_cost(cost_name):
-            from engine.engine import Engine, release_memory
-            from engine.predictor import profile_key, read_profile
+            from engine.core.engine import Engine, release_memory
+            from engine.core.predictor import profile_key, read_profile
 
             # the cost model profiled on this machine; a simulation reads the cached profile as it
             # stands (at 3 req/s the same simulation gave 90.4 % and 83.2 % in two runs a minute
@@ -127,7 +127,7 @@ class Runner:
         return report.point(w.rate, outcomes(reqs), pre)
 
     def real(self, policy: str, w: Workload, classes: dict[str, SLOClass], scale: float) -> dict[str, Any]:
-        from engine.engine import Engine
+        from engine.core.engine import Engine
 
         if policy not in self._engines:
             engine = Engine(self.engine_cfg, policy=policy)

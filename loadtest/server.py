@@ -3,7 +3,7 @@ where their CPU went (the engines' compute threads, and the serving side beside 
 
 The load generator sees only HTTP answers; whether a long request was preempted shows in the
 workers' `flowprefill_preemptions_total` counters, and how much of a worker's CPU its HTTP side took
-(what an engine process of its own could at most hand back, engine/thread_cpu.py) in
+(what an engine process of its own could at most hand back, engine/core/thread_cpu.py) in
 `flowprefill_worker_cpu_seconds_total`. A FlowPrefill gateway lists its workers in
 `GET /health`; each serves `GET /metrics`. Any other server (vLLM, SGLang, a gateway whose workers
 this host cannot reach) has none to read, and the report says "unknown" rather than 0.

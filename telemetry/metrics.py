@@ -14,12 +14,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.observer import EngineObserver
+from engine.core.observer import EngineObserver
 
 if TYPE_CHECKING:
-    from engine.engine import Engine
-    from engine.prefill import PrefillBatch
-    from engine.request import Request
+    from engine.core.engine import Engine
+    from engine.core.prefill import PrefillBatch
+    from engine.core.request import Request
     from gateway.routing import WorkerPool
 
 GOODPUT_WINDOW_S = 60.0
@@ -245,7 +245,7 @@ class EppMetrics(GatewayMetrics):
 
 
 class _WorkerCPUCollector(Collector):
-    """The CPU time of the engine's compute threads and of the rest of the worker (engine/thread_cpu.py)."""
+    """The CPU time of the engine's compute threads and of the rest of the worker (engine/core/thread_cpu.py)."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine

@@ -22,12 +22,12 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 
-from engine.observer import EngineObserver
+from engine.core.observer import EngineObserver
 
 if TYPE_CHECKING:
-    from engine.engine import Engine
-    from engine.prefill import PrefillBatch
-    from engine.request import Request
+    from engine.core.engine import Engine
+    from engine.core.prefill import PrefillBatch
+    from engine.core.request import Request
 from telemetry.metrics import flowprefill_version
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-# Engine state changed off the engine thread raises (engine/owner.py), in every test and every worker or
+# Engine state changed off the engine thread raises (engine/core/owner.py), in every test and every worker or
 # serve process a test starts (they inherit the environment). Set before any engine module is imported.
 os.environ["FLOWPREFILL_CHECK_OWNER"] = "1"
 

@@ -10,9 +10,9 @@ from typing import ClassVar
 import pytest
 import torch
 
-import engine.engine as engine_module
-from engine.config import EngineConfig
-from engine.engine import Engine
+import engine.core.engine as engine_module
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
 
 
 def drain(gen: Generator[int, None, torch.Tensor]) -> torch.Tensor:

@@ -18,7 +18,7 @@ import pytest
 from helpers import module_engine
 from test_engine import assert_idle_and_free
 
-from engine.engine import Engine
+from engine.core.engine import Engine
 from engine.serving.worker import create_worker_app
 
 REQUESTS = 600

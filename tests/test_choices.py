@@ -13,8 +13,8 @@ import pytest
 from helpers import EngineFactory
 from test_engine import Sink
 
+from engine.core.request import Request, SamplingParams
 from engine.protocol.headers import KV_TO_HEADER, KV_TRANSPORT_HEADER
-from engine.request import Request, SamplingParams
 from engine.serving.worker import create_worker_app
 
 

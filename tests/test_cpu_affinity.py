@@ -1,4 +1,4 @@
-"""Pinning the engine's compute to cores (EngineConfig.cpu_cores, engine/cpu_affinity.py): the spec,
+"""Pinning the engine's compute to cores (EngineConfig.cpu_cores, engine/core/cpu_affinity.py): the spec,
 its refusals, a real worker's threads where they were put, and serve's split of the cores."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import httpx
 import pytest
 from processes import free_port, start, stop, wait_healthy
 
-from engine.config import EngineConfig
-from engine.cpu_affinity import CorePinning, allowed_cores, parse_cores
-from engine.engine import Engine
+from engine.core.config import EngineConfig
+from engine.core.cpu_affinity import CorePinning, allowed_cores, parse_cores
+from engine.core.engine import Engine
 from gateway.cli.common import CommandLineError
 from gateway.cli.serve import Cores
 
@@ -103,7 +103,7 @@ def test_the_compute_team_is_bound_one_thread_per_core_and_torch_computes_on_it(
 
     import torch
 
-    from engine.cpu_affinity import bind_team
+    from engine.core.cpu_affinity import bind_team
 
     cores = sorted(allowed_cores())[:2]
     seen: dict[str, object] = {}

@@ -13,8 +13,8 @@ import torch
 from checkpoints import load_reference
 
 from engine.attention import cpu
-from engine.config import EngineConfig
-from engine.kv_cache import KVCache
+from engine.core.config import EngineConfig
+from engine.core.kv_cache import KVCache
 from engine.model import load_model
 from engine.model.kernels import CPUKernels, TorchKernels, select_kernels
 from engine.model.plan import OpCost, SeqSpan, plan_prefill

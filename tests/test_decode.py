@@ -11,19 +11,19 @@ import pytest
 import torch
 from helpers import EngineFactory, drain
 
-import engine.decode as decode_module
-import engine.engine as engine_module
+import engine.core.decode as decode_module
+import engine.core.engine as engine_module
 from engine.attention.sdpa import SDPABackend
-from engine.config import ModelConfig
-from engine.decode import OutputStream
-from engine.engine import Engine
-from engine.kv_cache import KVCache
+from engine.core.config import ModelConfig
+from engine.core.decode import OutputStream
+from engine.core.engine import Engine
+from engine.core.kv_cache import KVCache
+from engine.core.request import Request, Sampled, SamplingParams, TokenOutput
+from engine.core.sampling import sample as sample_with_logprobs
+from engine.core.tokenizer import ByteTokenizer
 from engine.model.llama import LlamaModel
 from engine.model.loader import expected_shapes
 from engine.model.plan import OpCost, SeqSpan, plan_prefill
-from engine.request import Request, Sampled, SamplingParams, TokenOutput
-from engine.sampling import sample as sample_with_logprobs
-from engine.tokenizer import ByteTokenizer
 
 BYTES = ByteTokenizer(512)
 EOS = BYTES.eos_token_ids[0]

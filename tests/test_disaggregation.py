@@ -18,10 +18,10 @@ from helpers import EngineFactory
 from processes import answers, free_port, start, stop, wait_healthy
 from safetensors.torch import save
 
-from engine import handoff
-from engine.engine import Engine
+from engine.core import handoff
+from engine.core.engine import Engine
+from engine.core.request import Request, Sampled, SamplingParams
 from engine.protocol.headers import KV_SHM_HEADER
-from engine.request import Request, Sampled, SamplingParams
 from engine.serving import kv_transport
 from engine.serving.structured_output import Grammars, Guide, GuidedAnswer
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from engine.bench.prefill_plot import size_label
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
 from engine.protocol.slo import DEFAULT_CLASSES
 from gateway.cli import main as cli_main
 
@@ -197,7 +197,7 @@ def test_benchmark_tables_match_the_recorded_results() -> None:
 
 
 def test_documented_policies_exist() -> None:
-    import engine.scheduler as scheduler
+    import engine.core.scheduler as scheduler
 
     rows = {_code(r[0]): r for r in _table(_section("engine.md", "### Server options"))}
     documented = re.findall(r"`([a-z][a-z0-9:N]*)`", rows["--policy"][2])

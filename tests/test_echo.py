@@ -17,11 +17,11 @@ import torch
 from helpers import EngineFactory, module_engine
 from test_engine import Sink, assert_idle_and_free
 
-import engine.prefill as prefill_module
-from engine.engine import Engine
+import engine.core.prefill as prefill_module
+from engine.core.engine import Engine
+from engine.core.observer import EngineObserver
+from engine.core.request import Request, SamplingParams
 from engine.model.plan import SeqSpan, plan_prefill
-from engine.observer import EngineObserver
-from engine.request import Request, SamplingParams
 from engine.serving.worker import create_worker_app
 
 

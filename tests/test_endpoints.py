@@ -16,8 +16,8 @@ from helpers import module_engine
 from processes import free_port, start, stop, uvicorn_thread, wait_healthy
 from pydantic import BaseModel
 
-from engine.observer import EngineObserver
-from engine.request import Request
+from engine.core.observer import EngineObserver
+from engine.core.request import Request
 from engine.serving.worker import create_worker_app
 
 MODEL = "org/tiny"  # a slash, as Hugging Face ids have: the client sends it percent-encoded in the path

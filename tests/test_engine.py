@@ -20,9 +20,9 @@ import pytest
 import torch
 from helpers import EngineFactory
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.request import Request, RequestState, SamplingParams, TokenOutput
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
+from engine.core.request import Request, RequestState, SamplingParams, TokenOutput
 
 WAIT_S = 60.0  # generous: the shared CPUs are slow; a hang still ends the test
 LONG_MARK, URGENT_MARK, OTHER_MARK = 300, 301, 302  # prompt markers (specials of the byte vocabulary)
@@ -389,7 +389,7 @@ def test_decode_error_fails_the_decoding_requests(make_engine: Callable[..., Eng
 @pytest.mark.parametrize("fail_at", [0, 2])  # the first token (prefill) or a later one (decode)
 def test_a_request_whose_sampling_fails_fails_alone(make_engine: Callable[..., Engine],
                                                     monkeypatch: pytest.MonkeyPatch, fail_at: int) -> None:
-    from engine import sampling
+    from engine.core import sampling
 
     eng = make_engine(start=False)
     inner = sampling.sample_row
@@ -529,8 +529,8 @@ def test_request_cancelled_in_a_preempted_batch_stays_cancelled(make_engine: Cal
 
 
 def test_admission_sheds_only_sheddable_predicted_misses_and_bounds_the_queue() -> None:
-    from engine.engine import Engine as _Engine
-    from engine.request import Request as _Request
+    from engine.core.engine import Engine as _Engine
+    from engine.core.request import Request as _Request
 
     eng = _Engine(EngineConfig(max_waiting=1))  # not started: requests stay queued
     try:
@@ -551,10 +551,10 @@ def test_a_miss_only_calibration_predicts_is_admitted_until_a_batch_of_its_size_
     """A calibration taken on a shared core reads slow (4x measured), and a request refused on it never
     runs to correct it: unconfirmed, a predicted miss within UNCONFIRMED_SPEEDUP is admitted; once a
     batch of that size has run, the same prediction refuses it."""
-    from engine.engine import Engine as _Engine
+    from engine.core.engine import Engine as _Engine
+    from engine.core.request import Request as _Request
+    from engine.core.scheduler import UNCONFIRMED_SPEEDUP
     from engine.model.plan import SeqSpan
-    from engine.request import Request as _Request
-    from engine.scheduler import UNCONFIRMED_SPEEDUP
 
     eng = _Engine(EngineConfig())  # not started
     try:
@@ -581,9 +581,9 @@ def test_a_request_that_can_only_be_late_is_admitted_and_served_late() -> None:
     late bound cannot hold; one that misses only its target is served late, as the late tier promises.
     A class whose late requests are shed is refused by its target. The machine factor the cost model
     learned is what predicts it (and what /load reports)."""
-    from engine.engine import Engine as _Engine
+    from engine.core.engine import Engine as _Engine
+    from engine.core.request import Request as _Request
     from engine.model.plan import SeqSpan
-    from engine.request import Request as _Request
 
     eng = _Engine(EngineConfig())  # not started
     try:
@@ -632,7 +632,7 @@ def test_the_model_device_becomes_the_threads_current_device(monkeypatch: pytest
 def test_each_batch_records_its_host_gap(make_engine: Callable[..., Engine]) -> None:
     """The host gap (the device idle while a batch's work waited: from the last step's end, or its first
     request's arrival, to its first step) is recorded per batch and summarised for the benchmarks."""
-    from engine.batch_log import host_gaps_ms
+    from engine.core.batch_log import host_gaps_ms
     from engine.sim.oracle import BatchCostRecorder
 
     eng = make_engine("fcfs", start=False)

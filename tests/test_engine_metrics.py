@@ -12,9 +12,9 @@ from helpers import EngineFactory
 from prometheus_client.parser import text_string_to_metric_families
 from test_engine import Sink, assert_idle_and_free, tokens
 
-from engine.engine import Engine
-from engine.observer import EngineObserver
-from engine.request import Request, SamplingParams
+from engine.core.engine import Engine
+from engine.core.observer import EngineObserver
+from engine.core.request import Request, SamplingParams
 from telemetry.metrics import EngineMetrics
 
 
@@ -78,8 +78,8 @@ def test_a_cancelled_request_is_counted_as_such(make_engine: EngineFactory) -> N
 def test_a_disaggregated_request_is_counted_once(make_engine: EngineFactory) -> None:
     """Summed over its prefill and decode workers, as Prometheus sums: one request, its prompt once,
     its tokens once, its TTFT where its prompt was prefilled. (Found by review: counted twice.)"""
-    from engine import handoff
-    from engine.request import Sampled
+    from engine.core import handoff
+    from engine.core.request import Sampled
 
     prefill, decode = make_engine(), make_engine()
     per_worker = [EngineMetrics(prefill), EngineMetrics(decode)]

@@ -93,8 +93,8 @@ def test_tiles_and_merge_match_sdpa(causal: bool, n_k: int) -> None:
 
 
 def test_paged_decode_matches_sdpa() -> None:
-    from engine.config import ModelConfig
-    from engine.kv_cache import KVCache
+    from engine.core.config import ModelConfig
+    from engine.core.kv_cache import KVCache
 
     torch.manual_seed(0)
     cfg = ModelConfig(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=128)
@@ -114,8 +114,8 @@ def test_paged_decode_matches_sdpa() -> None:
 
 @contextmanager
 def _engine(checkpoint: Path, backend: str) -> Iterator[Any]:
-    from engine.config import EngineConfig
-    from engine.engine import Engine
+    from engine.core.config import EngineConfig
+    from engine.core.engine import Engine
 
     engine = Engine(EngineConfig(model=str(checkpoint), device="cuda", dtype="bfloat16",
                                  attention_backend=backend, kv_block_size=16, kv_capacity_tokens=65536)).start()
@@ -177,8 +177,8 @@ def test_engine_prefill_logits_match_sdpa_and_transformers(request: pytest.Fixtu
     checkpoint = request.getfixturevalue(model_dir)
     from transformers import AutoModelForCausalLM
 
-    from engine.config import EngineConfig
-    from engine.kv_cache import KVCache
+    from engine.core.config import EngineConfig
+    from engine.core.kv_cache import KVCache
     from engine.model import load_model
     from engine.model.plan import SeqSpan, plan_prefill
     prompts = [[i % 500 + 1 for i in range(3000)], list(range(5, 40)), [7] * 700]
@@ -211,12 +211,12 @@ def test_preempted_prefill_equals_uninterrupted_on_gpu(checkpoint: Path) -> None
     same logits bit for bit as the same plan run straight through; every KV block comes back."""
     import random
 
-    from engine.config import EngineConfig
-    from engine.kv_cache import KVCache
+    from engine.core.config import EngineConfig
+    from engine.core.kv_cache import KVCache
+    from engine.core.prefill import PrefillBatch
+    from engine.core.request import Request
     from engine.model import load_model
     from engine.model.plan import SeqSpan
-    from engine.prefill import PrefillBatch
-    from engine.request import Request
 
     model, _ = load_model(EngineConfig(model=str(checkpoint), device="cuda", dtype="bfloat16",
                                        attention_backend="flashinfer"))
@@ -262,7 +262,7 @@ def test_preempted_prefill_equals_uninterrupted_on_gpu(checkpoint: Path) -> None
 def test_engine_serves_with_flashinfer_and_frees_everything(checkpoint: Path) -> None:
     """Prefill + decode through the engine (paged decode kernel), greedy, KV pool whole afterwards.
     Greedy ids of the two backends agree on the first tokens (bf16 rounding may flip a near-tie later)."""
-    from engine.request import SamplingParams
+    from engine.core.request import SamplingParams
 
     prompts = [list(range(1, 300)), list(range(5, 40)), [3] * 1500]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -282,8 +282,8 @@ def test_no_step_waits_for_the_gpu(checkpoint: Path, budget_s: float | None, lon
     (which would wait for every queued kernel). torch's sync debug mode raises on any such read; the
     batch set-up (before the first step's yield) and the logits (after the last's) may sync and run
     outside it. 2,300 tokens run eagerly, 1,300 replay CUDA graphs (the first run captures them)."""
-    from engine.config import EngineConfig
-    from engine.kv_cache import KVCache
+    from engine.core.config import EngineConfig
+    from engine.core.kv_cache import KVCache
     from engine.model import load_model
     from engine.model.plan import SeqSpan, plan_prefill
     model, _ = load_model(EngineConfig(model=str(checkpoint), device="cuda", dtype="bfloat16",
@@ -315,12 +315,12 @@ def test_cuda_graphs_match_the_eager_forward(checkpoint: Path) -> None:
     the eager forward's to bfloat16 rounding, unsplit and split, bit for bit repeatable; a batch
     suspended on its bucket while another of that bucket runs (eagerly) and one of another bucket
     runs (its own graphs) resumes to the same logits; every lease comes back."""
-    from engine.config import EngineConfig
-    from engine.kv_cache import KVCache
+    from engine.core.config import EngineConfig
+    from engine.core.kv_cache import KVCache
+    from engine.core.prefill import PrefillBatch
+    from engine.core.request import Request
     from engine.model import load_model
     from engine.model.plan import SeqSpan
-    from engine.prefill import PrefillBatch
-    from engine.request import Request
 
     def cfg(graph_tokens: int) -> EngineConfig:
         return EngineConfig(model=str(checkpoint), device="cuda", dtype="bfloat16", attention_backend="flashinfer",

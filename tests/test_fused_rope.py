@@ -20,7 +20,7 @@ from test_graphs import batch, finished
 from test_preemption import BUDGET, CFG, FP32, fresh_kv, kv_of, make_weights
 
 from engine.attention.sdpa import SDPABackend
-from engine.kv_cache import KVCache
+from engine.core.kv_cache import KVCache
 from engine.model.graphs import StepGraphs
 from engine.model.kernels import _probe_rope, fuse_rope
 from engine.model.llama import LlamaModel
@@ -144,7 +144,7 @@ def test_a_model_with_a_short_context_calibrates_with_the_fused_rotation() -> No
     fused table holds exactly the context, where torch's grows)."""
     from dataclasses import replace
 
-    from engine.predictor import calibrate
+    from engine.core.predictor import calibrate
 
     short = replace(CFG, max_position_embeddings=1000)
     m = LlamaModel(short, make_weights(short), SDPABackend())

@@ -21,13 +21,13 @@ import torch
 from checkpoints import CHAT_TEMPLATE, SPECIAL_TOKENS, write_tokenizer
 from processes import free_port, in_process, start, stop, wait_healthy
 
-from engine.config import SMOLLM2, EngineConfig, ModelConfig, model_path, smollm2_path
-from engine.kv_cache import KVCache
+from engine.core.config import SMOLLM2, EngineConfig, ModelConfig, model_path, smollm2_path
+from engine.core.kv_cache import KVCache
+from engine.core.tokenizer import HFTokenizer
 from engine.model import LlamaModel, load_model
 from engine.model.gguf import load_gguf
 from engine.model.loader import expected_shapes
 from engine.model.plan import OpCost, SeqSpan, plan_prefill
-from engine.tokenizer import HFTokenizer
 
 pytest.importorskip("transformers")  # the reference (a dev dependency; its GGUF loader needs accelerate)
 

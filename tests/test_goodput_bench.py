@@ -118,7 +118,7 @@ def test_goodput_bench_under_prediction_error(tmp_path: Path) -> None:
 def test_a_noisy_level_reports_the_median_over_seeds(tmp_path: Path) -> None:
     """`--seeds N`: each point of a noisy level is N simulations, reported as their medians; a level
     without noise does not depend on the seed and runs once."""
-    from engine.config import EngineConfig
+    from engine.core.config import EngineConfig
     from engine.protocol.slo import DEFAULT_CLASSES
     from engine.sim.errors import PredictionError
     from loadtest.goodput import Runner
@@ -147,7 +147,7 @@ def test_goodput_bench_runs_the_real_engine_on_a_checkpoint(tmp_path: Path, tiny
     """--model and the other engine options reach the real engine (how a GPU run measures an 8B
     checkpoint: .ci/gpu-check); with $FLOWPREFILL_BATCH_LOG each policy's engine logs its batches
     apart. A checkpoint that is not there is one line and exit 2, before anything loads."""
-    from engine import batch_log
+    from engine.core import batch_log
 
     model = tiny_checkpoint("llama")
     trace = tmp_path / "short.csv"  # the tiny model's context is 512 tokens
@@ -160,7 +160,7 @@ def test_goodput_bench_runs_the_real_engine_on_a_checkpoint(tmp_path: Path, tiny
                  "--rates", "20", "--slo-scales", "", "--no-ideal", "--out", str(out)]) == 0
     doc = json.loads((out / "goodput-real.json").read_text())
     assert doc["workload"]["requests"] == 6
-    from engine.config import ModelConfig
+    from engine.core.config import ModelConfig
 
     assert doc["model"] == ModelConfig.from_dir(model).name
     assert all(len(p["points"]) == 1 for p in doc["policies"].values())

@@ -15,11 +15,11 @@ from helpers import RerunCapture
 from test_preemption import BUDGET, CFG, COST, FP32, fresh_kv, kv_of, make_weights, prompt, run
 
 from engine.attention.sdpa import SDPABackend
+from engine.core.prefill import PrefillBatch
+from engine.core.request import Request
 from engine.model.graphs import StepGraphs
 from engine.model.llama import LlamaModel
 from engine.model.plan import SeqSpan
-from engine.prefill import PrefillBatch
-from engine.request import Request
 
 
 def graph_model(max_tokens: int = 256) -> tuple[LlamaModel, RerunCapture]:

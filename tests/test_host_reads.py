@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.attention.sdpa import SDPABackend
-from engine.config import ModelConfig
+from engine.core.config import ModelConfig
 from engine.model.graphs import StepGraphs
 from engine.model.llama import LlamaModel
 from engine.model.plan import SeqSpan, plan_prefill

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
 from engine.model import load_model
 from engine.model.kernels import TorchKernels, _probe, select_kernels
 

@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-from engine.config import ModelConfig
-from engine.kv_cache import KVCache, OutOfBlocks
+from engine.core.config import ModelConfig
+from engine.core.kv_cache import KVCache, OutOfBlocks
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, name="kv-test")

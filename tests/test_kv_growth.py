@@ -15,13 +15,13 @@ import torch
 from helpers import EngineFactory
 from test_engine import Sink, assert_idle_and_free, tokens
 
-from engine.config import ModelConfig
-from engine.engine import Engine
-from engine.kv_cache import BlockPool
+from engine.core.config import ModelConfig
+from engine.core.engine import Engine
+from engine.core.kv_cache import BlockPool
+from engine.core.observer import EngineObserver
+from engine.core.request import Request, SamplingParams, TokenOutput
+from engine.core.scheduler import Scheduler, make_policy
 from engine.model.plan import OpCost
-from engine.observer import EngineObserver
-from engine.request import Request, SamplingParams, TokenOutput
-from engine.scheduler import Scheduler, make_policy
 
 BS = 16
 
@@ -202,8 +202,8 @@ def test_new_batches_leave_a_block_per_growing_answer() -> None:
 def test_a_handed_off_answer_evicted_on_its_decode_worker_is_recomputed_there(make_engine: EngineFactory) -> None:
     """PD disaggregation: the decode worker holds no prefix of the prompt (it was prefilled
     elsewhere), yet an evicted hand-off recomputes there to exactly what one worker alone gives."""
-    from engine import handoff
-    from engine.request import Sampled
+    from engine.core import handoff
+    from engine.core.request import Sampled
 
     prefill, decode, alone = make_engine(), make_engine(kv_capacity_tokens=10 * BS), make_engine()
     evictions = Evictions(decode)

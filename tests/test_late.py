@@ -12,9 +12,9 @@ import pytest
 from helpers import EngineFactory
 from test_engine import Sink
 
-from engine.engine import Engine
+from engine.core.engine import Engine
+from engine.core.request import Request, SamplingParams
 from engine.protocol.slo import DEFAULT_CLASSES, SHED_ERROR, SHED_REASON, SLOClass
-from engine.request import Request, SamplingParams
 from engine.serving.worker import create_worker_app
 
 BULK = SLOClass("bulk", ttft_ms=300, tbt_ms=100, priority=0, sheddable=True, late="shed")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import ModelConfig
+from engine.core.config import ModelConfig
 from engine.model.linear import OneDnnLinear, TorchLinear, onednn_unavailable, select_linear
 from engine.model.plan import ATTN_IN, FFN, ROW_ALIGN, OpCost, SeqSpan, plan_prefill
 
@@ -136,8 +136,8 @@ def test_the_warmed_row_counts_cover_every_step_a_plan_cuts(budget_s: float | No
 # A fresh process: oneDNN's kernels are cached per process, and other tests' engines build them too.
 _FRESH_ENGINE = """
 import torch
-from engine.config import EngineConfig
-from engine.engine import Engine
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
 from engine.model.linear import OneDnnLinear
 from engine.model.plan import SeqSpan, plan_prefill
 engine = Engine(EngineConfig(num_threads=1))

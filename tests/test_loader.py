@@ -15,10 +15,10 @@ import torch
 from checkpoints import CHAT_TEMPLATE, CORPUS, EOS_ID, write_tokenizer
 from safetensors.torch import load_file, save_file
 
-from engine.config import EngineConfig, ModelConfig
+from engine.core.config import EngineConfig, ModelConfig
+from engine.core.tokenizer import DEFAULT_CHAT_TEMPLATE, ByteTokenizer, HFTokenizer, load_tokenizer
 from engine.model import load_model
 from engine.model.loader import load_checkpoint
-from engine.tokenizer import DEFAULT_CHAT_TEMPLATE, ByteTokenizer, HFTokenizer, load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("torch_single_thread")
 

@@ -411,7 +411,7 @@ def test_burst_profile_shows_preemption(served: str, tmp_path: Path, monkeypatch
     assert doc["server"]["preemptions"] == counted == doc["policies"]["http"]["points"][0]["preemptions"]
     assert doc["server"]["preemptions_by_class"].get("batch<-interactive", 0) >= 1
     assert f"preemptions (the server's workers, during the run): {int(counted)}" in printed
-    cpu = doc["server"]["cpu"]  # where the workers' CPU went meanwhile (engine/thread_cpu.py)
+    cpu = doc["server"]["cpu"]  # where the workers' CPU went meanwhile (engine/core/thread_cpu.py)
     assert cpu["compute_s"] > 0 and cpu["serving_s"] > 0 and 0 < cpu["serving_share"] < 1, cpu
     assert "the workers' CPU: " in printed
     batch = next(r for r in doc["per_class"] if r["slo_class"] == "batch")

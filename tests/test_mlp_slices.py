@@ -18,11 +18,11 @@ from helpers import drain
 from test_preemption import CFG, EXACT, FP32, Case, assert_kv_equal, fresh_kv, kv_of, make_weights, prompt, run
 
 from engine.attention.sdpa import SDPABackend
-from engine.config import ModelConfig
+from engine.core.config import ModelConfig
+from engine.core.predictor import _median_of, calibrate, measured_profile
 from engine.model.linear import OneDnnLinear, TorchLinear, onednn_unavailable
 from engine.model.llama import MLP_SLICE_MIN_BYTES, LlamaModel, mlp_slices
 from engine.model.plan import FFN, FFN_IN, MLP, OpCost, SeqSpan, plan_prefill
-from engine.predictor import _median_of, calibrate, measured_profile
 
 # The whole FFN costs 10 us a row: 32-row blocks (the least) under a 100 us budget; a slice's MLP step
 # 1 us a row: 96-row blocks.

@@ -515,7 +515,7 @@ def test_scenarios_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureF
 
 
 def test_prefill_flops() -> None:
-    from engine.config import ModelConfig
+    from engine.core.config import ModelConfig
 
     cfg = ModelConfig()  # the embedded model: h 256, 8 x 32 heads, 2 KV heads, i 704, 4 layers, V 512
     per_row = 2 * 256 * (256 + 128) + 2 * 256 * 256 + 6 * 256 * 704
@@ -526,8 +526,8 @@ def test_prefill_flops() -> None:
 def test_checkpoint_loads_in_transformers_with_the_engines_token_ids(tmp_path: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
-    from engine.config import ModelConfig
-    from engine.tokenizer import ByteTokenizer
+    from engine.core.config import ModelConfig
+    from engine.core.tokenizer import ByteTokenizer
     from loadtest.peer.checkpoint import write_checkpoint
 
     path = write_checkpoint(tmp_path / "ckpt")

@@ -16,10 +16,10 @@ from test_sim import COST, requests, trace
 
 from engine.bench.plan_fleet import Planner, smallest, with_prefixes
 from engine.bench.plan_routing import GatewayRouter, distinct_key, prompt_key, trace_key
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
+from engine.core.scheduler import make_policy
 from engine.model.plan import SeqSpan
 from engine.protocol.slo import DEFAULT_CLASSES
-from engine.scheduler import make_policy
 from engine.sim import SimConfig, simulate
 from engine.sim.fleet import Fleet
 from gateway.routing import WorkerPool
@@ -236,11 +236,11 @@ def test_the_command_writes_its_table_json_and_plot(tmp_path: Path) -> None:
 
 def test_a_worker_s_batch_log_is_what_the_planner_replays(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """$FLOWPREFILL_BATCH_LOG: each finished batch as the in-process recorder sees it, read back for
-    `plan --against-serve` (engine/batch_log.py); the replay client's ids as the simulation's."""
-    from engine import batch_log
+    `plan --against-serve` (engine/core/batch_log.py); the replay client's ids as the simulation's."""
     from engine.bench.plan_real import _sim_id
-    from engine.engine import Engine
-    from engine.request import SamplingParams
+    from engine.core import batch_log
+    from engine.core.engine import Engine
+    from engine.core.request import SamplingParams
     from engine.sim.oracle import BatchCostRecorder
 
     monkeypatch.setenv(batch_log.ENV, str(tmp_path / "logs"))
@@ -314,7 +314,7 @@ def test_a_cpu_simulation_reads_the_cached_profile_as_it_stands(tmp_path: Path, 
                                                                ) -> None:
     """`--cost cpu`: the simulators' probe adds no calibration to the profile cache, so that two runs
     plan with the same profile; an engine's start-up adds its own."""
-    from engine.engine import Engine
+    from engine.core.engine import Engine
     from loadtest.goodput import Runner
 
     monkeypatch.setenv("FLOWPREFILL_CACHE", str(tmp_path))
@@ -331,7 +331,7 @@ def test_a_pilot_s_speed_is_learned_per_batch_size(tmp_path: Path) -> None:
     """Batch logs that say the batches' sizes give a factor per size class (short batches ran 3x the
     profile, long ones 1.5x: one median would charge the long ones 3x); a class no batch measured
     takes its nearest one's; logs without sizes (written before they were) one factor for all."""
-    from engine.batch_log import MeasuredBatch
+    from engine.core.batch_log import MeasuredBatch
     from engine.sim.oracle import at_speed, speed_by_size
 
     short = [MeasuredBatch([f"s{i}"], 0.01, 0.03, 1.0, 100) for i in range(5)]
@@ -513,11 +513,11 @@ def test_against_serve_repeats_in_rounds_keeps_each_run_and_survives_a_failed_st
     removed first), the median compared; a run whose serve did not start is reported, not fatal."""
     from rich.console import Console
 
-    from engine.batch_log import MeasuredBatch
     from engine.bench import plan_real
     from engine.bench.plan import build_parser
     from engine.bench.plan_real import compare_fleets, real_rounds
     from engine.bench.plan_report import against_table
+    from engine.core.batch_log import MeasuredBatch
     from loadtest.workload import azure_mix, head
 
     stale = tmp_path / "batch-logs" / "fcfs-w1" / "batches-1.jsonl"
@@ -564,10 +564,10 @@ def test_against_serve_simulates_the_real_fleet_routed_by_load_alone(
     which ports two workers got moved a simulated fleet's attainment by 16 points."""
     from rich.console import Console
 
-    from engine.batch_log import MeasuredBatch
     from engine.bench import plan_real
     from engine.bench.plan import build_parser
     from engine.bench.plan_fleet import Planner
+    from engine.core.batch_log import MeasuredBatch
     from loadtest.workload import azure_mix, head
 
     def fake_real_point(policy, n, threads, w, schedule, logs):  # type: ignore[no-untyped-def]

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 from test_sim import COST
 
-from engine.batch_log import MeasuredBatch
+from engine.core.batch_log import MeasuredBatch
 
 
 def _batch(rid: str, began: float, exec_s: float, arrived: float, base_s: float = 0.01) -> MeasuredBatch:
@@ -63,9 +63,9 @@ def test_the_simulator_charges_the_wake_up_to_a_batch_begun_idle_only() -> None:
     (4 ms later for it), but its own batch began busy. A fleet's instance charges it too, as planned."""
     from engine.bench.plan_fleet import Planner
     from engine.bench.plan_measured import Planned
-    from engine.config import EngineConfig
+    from engine.core.config import EngineConfig
+    from engine.core.scheduler import make_policy
     from engine.protocol.slo import DEFAULT_CLASSES
-    from engine.scheduler import make_policy
     from engine.sim.simulator import SimConfig, simulate
     from loadtest.goodput import make_requests
     from loadtest.workload import TraceRequest, Workload

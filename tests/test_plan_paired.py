@@ -10,8 +10,8 @@ import pytest
 from rich.console import Console
 from test_sim import COST
 
-from engine.batch_log import MeasuredBatch
 from engine.bench.plan_measured import Planned
+from engine.core.batch_log import MeasuredBatch
 
 
 class SpeedPlanner:

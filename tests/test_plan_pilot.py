@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from test_sim import COST
 
-from engine.batch_log import MeasuredBatch
+from engine.core.batch_log import MeasuredBatch
 from engine.model.plan import SeqSpan
 
 
@@ -20,10 +20,10 @@ def test_plan_on_this_cpu_pilots_each_policy_through_a_real_serve_first(
     `serve --workers 1` of each policy, each policy planned at the speed its own worker logged. Without
     --threads the workers get the planner's thread count, and with `--no-calibrate` they predict with its
     profile: the cache holds one profile and one start-up when the plan is done."""
-    from engine.batch_log import read, read_workers
     from engine.bench.plan_measured import net_of_serving
     from engine.bench.plan_real import _sim_id
     from engine.bench.plan_speed import at_measured_speed
+    from engine.core.batch_log import read, read_workers
     from gateway.cli import main
 
     monkeypatch.setenv("FLOWPREFILL_CACHE", str(tmp_path / "cache"))  # (inherited by serve and its workers)
@@ -214,7 +214,7 @@ def test_time_outside_the_instances_comes_out_of_every_request_s_ttft_budget() -
     1 ms less than that spent outside the instances, and miss it with 1 ms more."""
     from engine.bench.plan_fleet import Planner
     from engine.bench.plan_measured import Planned
-    from engine.config import EngineConfig
+    from engine.core.config import EngineConfig
     from loadtest.workload import TraceRequest, Workload
 
     w = Workload("two", "test", "fixed", [TraceRequest(t, 1000, 1, "interactive") for t in (0.0, 10.0)])
@@ -247,7 +247,7 @@ def test_with_noise_a_fleet_is_judged_on_several_draws_pooled() -> None:
     the draws'. Without noise, one run."""
     from engine.bench.plan_fleet import NOISE_DRAWS, Planner
     from engine.bench.plan_measured import Planned
-    from engine.config import EngineConfig
+    from engine.core.config import EngineConfig
     from loadtest.workload import TraceRequest, Workload
 
     w = Workload("burst", "test", "fixed", [TraceRequest(0.04 * i, 500, 1, "interactive") for i in range(10)])
@@ -290,9 +290,9 @@ def test_a_step_that_requests_arrive_in_ends_later_by_their_serving_cpu() -> Non
 
     from engine.bench.plan_fleet import Planner
     from engine.bench.plan_measured import Planned
-    from engine.config import EngineConfig
+    from engine.core.config import EngineConfig
+    from engine.core.scheduler import make_policy
     from engine.protocol.slo import DEFAULT_CLASSES
-    from engine.scheduler import make_policy
     from engine.sim.simulator import SimConfig, simulate
     from loadtest.goodput import make_requests
     from loadtest.workload import TraceRequest, Workload
@@ -325,7 +325,7 @@ def test_with_noise_a_fleet_stops_early_only_when_its_draws_pooled_cannot_reach_
     Evaluated, the pool stops early with at most what the misses leave, under the floor."""
     from engine.bench.plan_fleet import NOISE_DRAWS, STOP_BELOW, Planner
     from engine.bench.plan_measured import Planned
-    from engine.config import EngineConfig
+    from engine.core.config import EngineConfig
     from loadtest.workload import TraceRequest, Workload
 
     burst = Workload("overload", "test", "fixed", [TraceRequest(0.05 * i, 2000, 1, "interactive") for i in range(40)])
@@ -346,8 +346,8 @@ def test_an_arrival_during_a_stretched_step_stretches_that_step_too() -> None:
     with the second's CPU left to the next batch."""
     from dataclasses import replace
 
+    from engine.core.scheduler import make_policy
     from engine.protocol.slo import DEFAULT_CLASSES
-    from engine.scheduler import make_policy
     from engine.sim.simulator import SimConfig, simulate
     from loadtest.goodput import make_requests
     from loadtest.workload import TraceRequest, Workload

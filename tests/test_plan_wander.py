@@ -11,8 +11,8 @@ import statistics
 import pytest
 from test_sim import COST
 
-from engine.batch_log import MeasuredBatch
 from engine.bench.plan_measured import Planned, Wander, wander
+from engine.core.batch_log import MeasuredBatch
 from engine.model.plan import SeqSpan
 from engine.sim.errors import Drift, PredictionError, TrueSpeed
 
@@ -93,7 +93,7 @@ def test_a_planner_with_drift_runs_several_draws_that_differ() -> None:
     """Drift alone, no batch noise, is drawn too: NOISE_DRAWS runs, not all alike."""
     from engine.bench.plan_fleet import NOISE_DRAWS, Planner
     from engine.bench.plan_measured import planned_with
-    from engine.config import EngineConfig
+    from engine.core.config import EngineConfig
     from loadtest.workload import TraceRequest, Workload
 
     w = Workload("burst", "test", "fixed", [TraceRequest(0.05 * i, 1500, 1, "interactive") for i in range(40)])
@@ -111,7 +111,7 @@ def test_the_real_runs_batches_are_charged_to_the_simulated_requests_they_ran() 
     """The workers log the client's x-request-id (peer-<ns>-<index>); the simulation names the same
     arrivals w<index>: renamed, every request's own measured factor is found, not the median's."""
     from engine.bench.plan_real import as_simulated
-    from engine.request import Request
+    from engine.core.request import Request
     from engine.sim.oracle import ExactCosts
     from loadtest.peer.client import arrival_index, request_id
 
@@ -129,7 +129,7 @@ def test_the_measured_costs_are_each_run_replayed_alone_then_their_median() -> N
     replays (the 2x run's), not one replay of the three pooled (each request at its mean, 3x)."""
     from engine.bench.plan_fleet import Planner
     from engine.bench.plan_real import as_simulated, replayed_runs
-    from engine.config import EngineConfig
+    from engine.core.config import EngineConfig
     from engine.sim.oracle import ExactCosts
     from loadtest.peer.client import request_id
     from loadtest.workload import TraceRequest, Workload

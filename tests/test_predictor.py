@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig, ModelConfig
+from engine.core.config import EngineConfig, ModelConfig
+from engine.core.request import SamplingParams
 from engine.model.plan import SIZE_CLASSES, OpCost, SeqSpan, plan_prefill, size_class
-from engine.request import SamplingParams
 
 BUDGET = 0.002
 
@@ -53,7 +53,7 @@ def test_short_batches_correct_only_their_own_class() -> None:
 
 
 def test_the_engine_corrects_the_class_of_each_finished_batch() -> None:
-    from engine.engine import Engine
+    from engine.core.engine import Engine
 
     engine = Engine(EngineConfig(), policy="flowprefill").start()
     try:
@@ -116,7 +116,7 @@ def test_the_correction_follows_a_3x_slowdown_within_a_few_batches() -> None:
 def test_a_running_batch_corrects_its_class_on_its_way() -> None:
     """A long batch 3x slower than predicted: its class knows it from its first progress report, so a
     request ranked against it while it runs sees the truth (PrefillBatch.take_progress)."""
-    from engine.prefill import PrefillBatch
+    from engine.core.prefill import PrefillBatch
     from engine.sim.simulator import VirtualRun
 
     cost = cost_model()
@@ -139,7 +139,7 @@ def test_the_engine_learns_from_the_running_batch() -> None:
     ends: a batch made to take at least 150 ms (each step spins twice its own time) reports 3 times."""
     import time
 
-    from engine.engine import Engine
+    from engine.core.engine import Engine
     from engine.model.plan import size_class
 
     engine = Engine(EngineConfig(), policy="flowprefill")
@@ -217,7 +217,7 @@ def test_a_cpu_calibration_does_not_count_time_its_thread_was_off_the_core() -> 
 
     import torch
 
-    from engine.predictor import _best_time
+    from engine.core.predictor import _best_time
 
     cpu = torch.device("cpu")
     assert _best_time(lambda: time.sleep(0.02), cpu, repeat=3) < 0.005

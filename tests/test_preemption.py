@@ -18,13 +18,13 @@ import torch
 from helpers import drain
 
 from engine.attention.sdpa import SDPABackend
-from engine.config import ModelConfig
-from engine.kv_cache import KVCache
+from engine.core.config import ModelConfig
+from engine.core.kv_cache import KVCache
+from engine.core.prefill import PrefillBatch
+from engine.core.request import Request
 from engine.model.llama import LlamaModel
 from engine.model.loader import expected_shapes
 from engine.model.plan import ATTENTION, ATTN_IN, FFN, OpCost, SeqSpan, Step, plan_prefill
-from engine.prefill import PrefillBatch
-from engine.request import Request
 
 # A small Qwen2-shaped model (GQA group 2, q/k/v bias): fast, and the same code paths as the default.
 CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -413,7 +413,7 @@ def test_run_ahead_keeps_the_device_fed_and_the_queue_short() -> None:
     """On an asynchronous device the host may queue about `limit_s` of predicted work, and always
     the step it has just queued (the device runs it while the host prepares the next, so a stop waits
     for two steps at most); it waits for the oldest steps first."""
-    from engine.prefill import RunAhead
+    from engine.core.prefill import RunAhead
 
     _FakeEvent.log, _FakeEvent.count = [], 0
     ahead = RunAhead(torch.device("cpu"), limit_s=0.002, new_event=_FakeEvent)
@@ -434,7 +434,7 @@ def test_run_ahead_keeps_the_device_fed_and_the_queue_short() -> None:
 def test_a_suspension_records_the_queued_work_its_stop_waited_for(model: LlamaModel) -> None:
     """On an asynchronous device a stop waits for the steps already queued: the suspension says how
     many and their predicted time (how a slow stop is told from a mispredicted step)."""
-    from engine.prefill import RunAhead
+    from engine.core.prefill import RunAhead
 
     kv = fresh_kv()
     req = Request(request_id="r", prompt_token_ids=prompt(300, 1))

@@ -66,8 +66,8 @@ def test_prefill_bench_on_a_checkpoint_in_bfloat16(tmp_path: Path) -> None:
 def test_overhead_section_compares_staircase_blocks_with_a_line(tmp_path: Path, monkeypatch) -> None:
     """Where calibration timed a row-block staircase (CUDA by default; asked for here on the CPU),
     the overhead section also runs the split with blocks sized from the per-row rate."""
-    from engine import predictor
     from engine.bench import prefill
+    from engine.core import predictor
 
     monkeypatch.setattr(prefill, "load_cost", lambda model: predictor.calibrate(model, block_rows=(32, 64, 96, 128)))
     # A small step budget: on a fast core (oneDNN's projections) 512 tokens fit 2 ms steps unsplit.
@@ -87,7 +87,7 @@ def test_prefill_flops_count_a_full_forward() -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from engine.bench.flops import prefill_flops
-    from engine.config import ModelConfig
+    from engine.core.config import ModelConfig
 
     cfg, n = ModelConfig(), 64
     hf = Qwen2ForCausalLM(Qwen2Config(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,

@@ -1,4 +1,4 @@
-"""Automatic prefix caching (engine/kv_cache.py BlockPool, the engine's use of it).
+"""Automatic prefix caching (engine/core/kv_cache.py BlockPool, the engine's use of it).
 
 The pool's bookkeeping first (references, eviction order, content hashes), then the engine on the
 embedded model: a request whose prompt starts with cached blocks computes only the rest and produces
@@ -18,9 +18,9 @@ import torch
 from helpers import EngineFactory
 from test_engine import Sink, assert_idle_and_free, tokens
 
-from engine.engine import Engine
-from engine.kv_cache import BlockPool, block_hashes
-from engine.request import Request, SamplingParams
+from engine.core.engine import Engine
+from engine.core.kv_cache import BlockPool, block_hashes
+from engine.core.request import Request, SamplingParams
 
 BS = 16
 

@@ -16,17 +16,17 @@ import pytest
 import torch
 from helpers import module_engine
 
-from engine.decode import OutputStream
-from engine.engine import Engine
+from engine.core.decode import OutputStream
+from engine.core.engine import Engine
+from engine.core.request import Request, Sampled, SamplingParams, TokenOutput
+from engine.core.sampling import sample
+from engine.core.tokenizer import ByteTokenizer, _ChatTemplate
 from engine.protocol.openai import ChatCompletionRequest, StreamOptions
-from engine.request import Request, Sampled, SamplingParams, TokenOutput
-from engine.sampling import sample
 from engine.serving.choices import Choices, sse
 from engine.serving.reasoning import CLOSE, ReasoningParser, ReasoningStream
 from engine.serving.structured_output import Grammars, Guide, GuidedAnswer
 from engine.serving.tool_calls import ToolCallParser
 from engine.serving.worker import create_worker_app
-from engine.tokenizer import ByteTokenizer, _ChatTemplate
 
 R1, QWEN3 = ReasoningParser("deepseek_r1"), ReasoningParser("qwen3")
 

@@ -20,13 +20,13 @@ import pytest
 import torch
 from checkpoints import VARIANTS, load_reference
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.kv_cache import KVCache
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
+from engine.core.kv_cache import KVCache
+from engine.core.request import Request, SamplingParams, TokenOutput
 from engine.model import LlamaModel, load_model
 from engine.model.loader import load_checkpoint, save_checkpoint, tiny_model
 from engine.model.plan import ATTENTION, FFN_IN, MLP, OpCost, SeqSpan, Step, plan_prefill
-from engine.request import Request, SamplingParams, TokenOutput
 
 pytest.importorskip("transformers")  # the reference (a dev dependency)
 

@@ -18,7 +18,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from processes import uvicorn_thread
 from pydantic import TypeAdapter
 
-from engine.engine import Engine
+from engine.core.engine import Engine
 from engine.protocol.responses import ResponsesRequest
 from engine.serving.worker import create_worker_app
 

@@ -16,10 +16,10 @@ import torch
 from test_preemption import CFG, COST, FP32, logits_of, make_weights
 
 from engine.attention.sdpa import SDPABackend
-from engine.config import ModelConfig
+from engine.core.config import ModelConfig
+from engine.core.predictor import calibrate, load_cost
 from engine.model.llama import LlamaModel
 from engine.model.plan import ATTN_IN, FFN, OpCost, SeqSpan, plan_prefill
-from engine.predictor import calibrate, load_cost
 
 WAVE_S = 0.5e-3
 
@@ -93,7 +93,7 @@ def test_calibration_times_the_staircase_and_the_profile_is_the_recent_median(tm
     assert calibrate(model).row_block_s == {}, "a CPU times no staircase unless asked"
 
     # load_cost's profile is the median of the last HISTORY start-ups, entry by entry of the staircase.
-    from engine import predictor
+    from engine.core import predictor
 
     monkeypatch.setattr(predictor, "calibrate", lambda m: replace(cost, row_block_s=dict(cost.row_block_s)))
     first = load_cost(model)
@@ -132,7 +132,7 @@ def test_a_cpu_calibration_times_the_fixed_cost_of_a_step_on_the_prefills_own_st
     cost = calibrate(model)
     assert cost.step_overhead_s > 0 and cost.step_overhead_s != OpCost.step_overhead_s
     assert cost.row_step_floor_s > 0, "a row-wise step reads its weights, which a one-pair attention step does not"
-    from engine import predictor
+    from engine.core import predictor
 
     monkeypatch.setattr(predictor, "calibrate", lambda m: replace(cost))
     load_cost(model)
@@ -155,7 +155,7 @@ def test_a_simulator_reads_the_profile_without_adding_to_it(tmp_path, monkeypatc
     records as a start-up does."""
     monkeypatch.setenv("FLOWPREFILL_CACHE", str(tmp_path))
     model = LlamaModel(CFG, make_weights(CFG), SDPABackend())
-    from engine import predictor
+    from engine.core import predictor
 
     base = calibrate(model)
     scales = iter([1.0, 1.4, 0.9, 1.2, 3.0])
@@ -180,8 +180,8 @@ def test_a_simulator_reads_the_profile_without_adding_to_it(tmp_path, monkeypatc
 def test_an_engine_told_not_to_calibrate_predicts_with_the_cached_profile(tmp_path, monkeypatch) -> None:
     """`--no-calibrate` (EngineConfig.calibrate): the worker adds no start-up to the profile and predicts
     with the cached one as it stands, as the planner reading it does (`plan --against-serve`'s workers)."""
-    from engine.config import EngineConfig
-    from engine.engine import Engine
+    from engine.core.config import EngineConfig
+    from engine.core.engine import Engine
 
     monkeypatch.setenv("FLOWPREFILL_CACHE", str(tmp_path))
     Engine(EngineConfig(num_threads=1), policy="fcfs")  # a start-up: calibrated and recorded

@@ -1,4 +1,4 @@
-"""Logit bias, penalties and logprobs (engine/sampling.py), their request fields (engine/protocol/openai.py)
+"""Logit bias, penalties and logprobs (engine/core/sampling.py), their request fields (engine/protocol/openai.py)
 and their hand-off between disaggregated workers. tests/test_reference.py checks repetition_penalty
 and logprobs against transformers' generate; tests/test_gateway.py the HTTP shapes through a server."""
 
@@ -10,10 +10,10 @@ import msgspec
 import pytest
 import torch
 
-from engine import handoff
+from engine.core import handoff
+from engine.core.request import Logprob, Request, Sampled, SamplingParams
+from engine.core.sampling import penalized, sample
 from engine.protocol.openai import ChatCompletionRequest, CompletionRequest, Unsupported
-from engine.request import Logprob, Request, Sampled, SamplingParams
-from engine.sampling import penalized, sample
 from engine.serving.choices import LogprobFormatter
 
 VOCAB = 12
@@ -135,7 +135,7 @@ def test_logprob_shapes_are_openais() -> None:
 def test_token_bytes_are_exact_for_byte_level_and_sentencepiece_vocabularies(tmp_path: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from engine.tokenizer import HFTokenizer
+    from engine.core.tokenizer import HFTokenizer
 
     text = "Hé said “hi” 🙂"
     byte_level = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(set(
@@ -227,7 +227,7 @@ class _Dec:
 
 
 def stream(tokens: list[int], **sampling: object) -> tuple[str, str | None]:
-    from engine.decode import OutputStream
+    from engine.core.decode import OutputStream
 
     r = req([1], [], **{"max_tokens": 50, **sampling})
     out = OutputStream(r, _Tok())  # type: ignore[arg-type]

@@ -6,13 +6,13 @@ import copy
 
 import pytest
 
-from engine.config import ModelConfig
-from engine.kv_cache import BlockPool
+from engine.core.config import ModelConfig
+from engine.core.kv_cache import BlockPool
+from engine.core.prefill import PrefillBatch
+from engine.core.request import Request, SamplingParams
+from engine.core.scheduler import Scheduler, make_policy
 from engine.model.plan import OpCost, SeqSpan, plan_prefill
-from engine.prefill import PrefillBatch
 from engine.protocol.slo import DEFAULT_CLASSES
-from engine.request import Request, SamplingParams
-from engine.scheduler import Scheduler, make_policy
 from engine.sim.simulator import VirtualRun
 
 COST = OpCost(ModelConfig(), attn_in_s_per_row=2e-6, ffn_s_per_row=1.2e-5, attn_s_per_pair=7e-8)
@@ -228,7 +228,7 @@ def test_late_work_runs_in_turns_of_its_share() -> None:
 def test_a_batch_is_as_urgent_as_its_most_savable_request() -> None:
     """An on-time request batched with a lost one keeps the batch on time, by its own deadline: judged
     by the lost one's, the batch (and the on-time request in it) would yield to any on-time arrival."""
-    from engine.scheduler.slack import ON_TIME
+    from engine.core.scheduler.slack import ON_TIME
 
     s, clock, _ = make_scheduler("flowprefill")
     clock.t = 10.0
@@ -246,8 +246,8 @@ def test_a_batch_is_as_urgent_as_its_most_savable_request() -> None:
 
 def test_a_batch_is_judged_by_its_most_savable_request() -> None:
     """An on-time request keeps its batch on time, whether the others are late or lost."""
+    from engine.core.scheduler.slack import ON_TIME, judge
     from engine.model.plan import SeqSpan
-    from engine.scheduler.slack import ON_TIME, judge
 
     s, clock, _ = make_scheduler("flowprefill")
     s.now = clock.t = 10.0
@@ -259,7 +259,7 @@ def test_a_batch_is_judged_by_its_most_savable_request() -> None:
 
 def test_brief_lost_work_is_at_most_two_quanta() -> None:
     """One turn's worth, capped: a share near 1 (turns that hardly end) does not make all lost work brief."""
-    from engine.scheduler.slack import LateShare
+    from engine.core.scheduler.slack import LateShare
 
     assert LateShare(0.5).brief_s == pytest.approx(0.1)
     assert LateShare(0.2).brief_s == pytest.approx(0.0625)
@@ -268,7 +268,7 @@ def test_brief_lost_work_is_at_most_two_quanta() -> None:
 
 def test_in_a_late_turn_brief_lost_work_goes_before_critical_work() -> None:
     """A lost request that fits in one late turn runs first in the turn; a long lost one does not."""
-    from engine.scheduler.slack import BRIEF_LOST, CRITICAL, LOST
+    from engine.core.scheduler.slack import BRIEF_LOST, CRITICAL, LOST
 
     s, clock, _ = make_scheduler("flowprefill")
     s.late = type(s.late)(0.5)

@@ -10,11 +10,11 @@ from dataclasses import replace
 
 import pytest
 
-from engine.config import EngineConfig, ModelConfig
+from engine.core.config import EngineConfig, ModelConfig
+from engine.core.request import Request, SamplingParams
+from engine.core.scheduler import make_policy
 from engine.model.plan import OpCost
 from engine.protocol.slo import DEFAULT_CLASSES
-from engine.request import Request, SamplingParams
-from engine.scheduler import make_policy
 from engine.sim import ExactCosts, SimConfig, simulate
 from engine.sim.costs import analytical
 from engine.sim.oracle import BatchCostRecorder
@@ -110,7 +110,7 @@ def _real_and_simulated(engine_cfg: EngineConfig) -> tuple[list[Request], list[R
     """One long prefill and three later arrivals on a real engine, and the same arrivals simulated with the
     cost model as the engine had it before them: (real, simulated, that model, the batches measured,
     the arrivals)."""
-    from engine.engine import Engine
+    from engine.core.engine import Engine
     from engine.model.plan import SeqSpan
 
     engine = Engine(engine_cfg, policy="flowprefill")

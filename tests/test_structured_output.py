@@ -21,14 +21,14 @@ from helpers import EngineFactory, module_engine
 from test_engine import Sink, assert_idle_and_free, tokens
 from test_kv_growth import BS, Evictions
 
-from engine.decode import OutputStream
-from engine.engine import Engine
+from engine.core.decode import OutputStream
+from engine.core.engine import Engine
+from engine.core.request import Request, Sampled, SamplingParams
+from engine.core.tokenizer import ByteTokenizer, HFTokenizer
 from engine.protocol.openai import ChatCompletionRequest, CompletionRequest, Unsupported
-from engine.request import Request, Sampled, SamplingParams
 from engine.serving.structured_output import Grammars, Guide, GuidedAnswer, allowed_logits
 from engine.serving.tool_calls import ForcedCall
 from engine.serving.worker import create_worker_app
-from engine.tokenizer import ByteTokenizer, HFTokenizer
 
 pytest.importorskip("llguidance")
 

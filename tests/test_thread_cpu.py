@@ -1,4 +1,4 @@
-"""Where a worker's CPU goes (engine/thread_cpu.py): its engine's compute threads, found as the OpenMP
+"""Where a worker's CPU goes (engine/core/thread_cpu.py): its engine's compute threads, found as the OpenMP
 team torch computes on, and the rest of the process; and how a load test reports the split."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from engine.cpu_affinity import allowed_cores, team_ids
-from engine.thread_cpu import ThreadCPU, readable, thread_cpu_s
+from engine.core.cpu_affinity import allowed_cores, team_ids
+from engine.core.thread_cpu import ThreadCPU, readable, thread_cpu_s
 from loadtest.server import Counts, ServerCounters
 
 linux = pytest.mark.skipif(not readable(), reason="threads' CPU time is read from Linux's /proc")

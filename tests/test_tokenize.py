@@ -14,8 +14,8 @@ import httpx
 import pytest
 from checkpoints import CORPUS, write_tokenizer
 
-from engine.config import EngineConfig
-from engine.engine import Engine
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
 from engine.serving.worker import create_worker_app
 
 TEXTS = [*CORPUS, "", "  two  spaces\n\tand a tab", "<|im_start|>not a chat"]

@@ -13,8 +13,8 @@ import msgspec
 import pytest
 from helpers import EngineFactory
 
+from engine.core.request import Request, TokenOutput
 from engine.protocol.openai import ChatCompletionRequest, ChatMessage, StreamOptions, Unsupported
-from engine.request import Request, TokenOutput
 from engine.serving.choices import Choices, sse
 from engine.serving.tool_calls import ToolCallParser
 from engine.serving.worker import create_worker_app
@@ -188,7 +188,7 @@ def test_a_json_answer_is_not_a_llama3_call_and_json_text_arguments_stay_as_give
 
 
 def test_the_default_template_writes_calls_and_results_as_qwen25s_does() -> None:
-    from engine.tokenizer import ByteTokenizer
+    from engine.core.tokenizer import ByteTokenizer
 
     history = [{"role": "user", "content": "U"},
                {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]},

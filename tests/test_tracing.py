@@ -272,8 +272,8 @@ def test_tiling_holds_on_a_slow_machine(monkeypatch: pytest.MonkeyPatch) -> None
     from helpers import EngineFactory
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    import engine.engine as engine_module
-    from engine.request import Request, SamplingParams
+    import engine.core.engine as engine_module
+    from engine.core.request import Request, SamplingParams
 
     real_sample = engine_module.sample
 

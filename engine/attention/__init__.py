@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from engine.kv_cache import KVCache
+from engine.core.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from engine.kv_cache import KVCache
+from engine.core.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 

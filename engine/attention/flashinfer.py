@@ -14,7 +14,7 @@ import importlib.util
 
 import torch
 
-from engine.kv_cache import KVCache
+from engine.core.kv_cache import KVCache
 
 HEAD_DIMS = (64, 128, 256)  # what FlashInfer's prefill and decode kernels are built for
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import merge_lse
-from engine.kv_cache import KVCache
+from engine.core.kv_cache import KVCache
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:

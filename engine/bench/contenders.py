@@ -11,13 +11,13 @@ from typing import Any
 
 import torch
 
-from engine.config import EngineConfig, model_path
-from engine.kv_cache import KVCache
+from engine.core.config import EngineConfig, model_path
+from engine.core.kv_cache import KVCache
+from engine.core.prefill import PrefillBatch
+from engine.core.request import Request
 from engine.model import LlamaModel
 from engine.model.loader import save_checkpoint, tiny_model
 from engine.model.plan import OpCost, SeqSpan
-from engine.prefill import PrefillBatch
-from engine.request import Request
 
 
 class Chooser:

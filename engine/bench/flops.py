@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from engine.config import ModelConfig
+from engine.core.config import ModelConfig
 from engine.model.linear import OneDnnLinear, TorchLinear, select_linear
 
 

@@ -30,11 +30,11 @@ from rich.table import Table
 
 from engine.bench.machine import machine_info
 from engine.bench.report import command, save_figure
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.observer import EngineObserver
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
+from engine.core.observer import EngineObserver
+from engine.core.request import Request, SamplingParams, TokenOutput
 from engine.protocol.slo import DEFAULT_CLASSES
-from engine.request import Request, SamplingParams, TokenOutput
 from engine.serving.worker import CHAT_DEFAULT_MAX_TOKENS
 from gateway.cli.common import Parser
 from loadtest.workload import ClassRule, head, load_trace, scale_to_rate, synthesize_prompt, traces_dir

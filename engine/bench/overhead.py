@@ -21,8 +21,8 @@ from rich.table import Table
 from engine.bench.contenders import OurPrefill, device_sync, interleaved
 from engine.bench.prefill_plot import size_label
 from engine.bench.stop_latency import random_prompt
-from engine.config import EngineConfig
-from engine.kv_cache import KVCache
+from engine.core.config import EngineConfig
+from engine.core.kv_cache import KVCache
 from engine.model import LlamaModel
 from engine.model.plan import OpCost
 

@@ -33,8 +33,8 @@ from engine.bench.plan_fleet import Planner, plan_policy
 from engine.bench.plan_measured import Planned
 from engine.bench.plan_routing import DEFAULTS, trace_key
 from engine.bench.plan_speed import ENGINE_PASS, PILOT, PilotError, interleaved_pilots, planning_costs
-from engine.config import EngineConfig
-from engine.scheduler import make_policy
+from engine.core.config import EngineConfig
+from engine.core.scheduler import make_policy
 from gateway.cli.common import Parser
 from loadtest import report
 from loadtest.goodput import DEFAULT_POLICIES, Runner, measured_cost
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     if speeds.key is not None:
         doc[speeds.key] = speeds.said
     if runner.profile_key is not None:  # what `--cost THIS/plan.json` plans with again
-        from engine.predictor import measured_profile
+        from engine.core.predictor import measured_profile
 
         doc["cost_profile"] = measured_profile(runner.cost) | {"key": runner.profile_key}
     if args.against_serve is not None:

@@ -12,10 +12,10 @@ from typing import Any
 
 from engine.bench.plan_measured import Planned
 from engine.bench.plan_routing import GatewayRouter, KeyOf
-from engine.config import EngineConfig
+from engine.core.config import EngineConfig
+from engine.core.request import Request
 from engine.model.plan import OpCost
 from engine.protocol.slo import DEFAULT_CLASSES, SLOClass
-from engine.request import Request
 from engine.sim.errors import PredictionError
 from engine.sim.fleet import Fleet
 from engine.sim.oracle import ExactCosts

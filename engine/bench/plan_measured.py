@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any, NamedTuple
 
-from engine.batch_log import MeasuredBatch
+from engine.core.batch_log import MeasuredBatch
 from engine.model.plan import OpCost, size_class
 from engine.sim.oracle import factors_by_size, sized
 

@@ -7,7 +7,7 @@ and the planner simulates the same arrivals on N instances with the same prompts
 as that gateway routes them (serve turns prefix affinity off where its workers cache no prefixes), and
 the cost model profiled here. Per class, the two attainments side by side, and a third: the same fleet
 simulated with each request charged what the real workers measured for it (their batch logs,
-engine/batch_log.py, replayed as engine/sim/oracle.py's ExactCosts), and a fourth: the cost model run at
+engine/core/batch_log.py, replayed as engine/sim/oracle.py's ExactCosts), and a fourth: the cost model run at
 the speed those logs measured, a factor per batch size (what `--speed-from` does). Where the third
 agrees with the real run and the second does not, the cost model is what is off, not the fleet's
 mechanics (routing, polling, admission, queueing); the fourth says how much of that knowledge of the
@@ -39,8 +39,6 @@ from typing import Any, NamedTuple
 
 from rich.console import Console
 
-from engine.batch_log import ENV as BATCH_LOG
-from engine.batch_log import MeasuredBatch, read_workers
 from engine.bench.plan import workers_of
 from engine.bench.plan_fleet import Planner
 from engine.bench.plan_measured import (
@@ -56,10 +54,12 @@ from engine.bench.plan_measured import (
 )
 from engine.bench.plan_paired import Pair, paired
 from engine.bench.plan_speed import PilotError, PilotRun, Speeds, measured_speed
-from engine.config import EngineConfig
+from engine.core.batch_log import ENV as BATCH_LOG
+from engine.core.batch_log import MeasuredBatch, read_workers
+from engine.core.config import EngineConfig
+from engine.core.request import Request
 from engine.model.plan import OpCost
 from engine.protocol.slo import DEFAULT_CLASSES
-from engine.request import Request
 from engine.sim.oracle import ExactCosts, at_speed, speed_by_size
 from gateway.processes import free_port, last_line, start, stop, wait_healthy
 from loadtest import report

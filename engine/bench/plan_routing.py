@@ -14,7 +14,7 @@ import hashlib
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-from engine.request import Request
+from engine.core.request import Request
 from engine.sim.fleet import Load
 from gateway.affinity import CHARS_PER_TOKEN, CHUNK_CHARS, Prefix, prefix_key
 from gateway.config import GatewayConfig

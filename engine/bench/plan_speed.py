@@ -1,7 +1,7 @@
 """`flowprefill plan --cost cpu`: the operator profile checked against the engine itself, on the
 workload's own prompts, before planning.
 
-The profile times one block of each operator kind on an idle core (engine/predictor.py); the engine's
+The profile times one block of each operator kind on an idle core (engine/core/predictor.py); the engine's
 prefills run slower than that: on 2 AMD EPYC cores, one torch thread, azure-mix's first 200 prompts
 through a fresh engine one at a time ran 1.25-1.33x the profile's seconds (2.1x for batches under 128
 tokens, where a step's fixed costs dominate; 1.3x from 2K), and 1.14x on a second pass over the same
@@ -19,7 +19,7 @@ streams share the engine's core, and requests arrive open loop into batches of e
 default is a **pilot** (`--pilot N`, `serve_pilot`): the workload's first N requests sent at their own
 arrival times to a real `flowprefill serve --workers 1 --no-calibrate` of each policy (bench peer's
 client, as `--against-serve` sends them; the worker predicts with the profile this planner reads), and
-each policy planned at the speed its pilot's worker logged (engine/batch_log.py). 100 requests took
+each policy planned at the speed its pilot's worker logged (engine/core/batch_log.py). 100 requests took
 14-16 s per policy at 16 req/s. Against real fleets at one worker, the plan at the pilots' speed was a
 mean 2.4-4.1 points off per class, at an engine pass's speed 4.9-5.5 (up to 17.5). Neither foresees the
 machine's drift: where a shared machine slowed down within minutes, the plan at pilots taken a minute
@@ -45,7 +45,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from rich.console import Console
 from rich.progress import Progress
 
-from engine.batch_log import MeasuredBatch
 from engine.bench.plan_measured import (
     OVERHEADS,
     Planned,
@@ -57,7 +56,8 @@ from engine.bench.plan_measured import (
     strays,
     wander,
 )
-from engine.config import EngineConfig
+from engine.core.batch_log import MeasuredBatch
+from engine.core.config import EngineConfig
 from engine.model.plan import OpCost
 from engine.protocol.slo import DEFAULT_CLASSES
 from engine.sim.oracle import BatchCostRecorder, ExactCosts, at_speed, speed_by_size
@@ -92,8 +92,8 @@ def engine_pass(engine_cfg: EngineConfig, cost: OpCost, w: Workload, n: int, voc
                 on_prompt: Callable[[int], None] = lambda _i: None) -> list[MeasuredBatch]:
     """The workload's first `n` prompts through a fresh engine, one at a time: each batch's seconds
     against what `cost` predicted for it."""
-    from engine.engine import Engine, release_memory
-    from engine.request import SamplingParams
+    from engine.core.engine import Engine, release_memory
+    from engine.core.request import SamplingParams
 
     engine = Engine(engine_cfg, policy="fcfs", record_profile=False)
     engine.cost = engine.scheduler.cost = copy.deepcopy(cost)  # predicted as the planner will (it corrects its copy)
@@ -170,10 +170,10 @@ def pooled(done: list[PilotRun], logs: Path) -> PilotRun:
 
 
 def measured_speed(cost: OpCost, folder: Path) -> tuple[OpCost, dict[str, Any]]:
-    """`cost` at the speed a pilot's batch logs in `folder` measured (engine/batch_log.py): a factor
+    """`cost` at the speed a pilot's batch logs in `folder` measured (engine/core/batch_log.py): a factor
     per batch size where the logs say sizes, else the median factor by which its requests ran slower
     than `cost` predicts; and what it rests on."""
-    from engine.batch_log import read
+    from engine.core.batch_log import read
 
     return at_measured_speed(cost, read(folder))
 

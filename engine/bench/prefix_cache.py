@@ -26,9 +26,9 @@ from rich.table import Table
 
 from engine.bench.machine import machine_info
 from engine.bench.report import command, save_figure
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.request import Request, SamplingParams
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
+from engine.core.request import Request, SamplingParams
 from gateway.cli.common import Parser
 
 

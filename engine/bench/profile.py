@@ -22,10 +22,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from engine.bench.contenders import HFPrefill, OurPrefill, device_sync, load_transformers
 from engine.bench.stop_latency import random_prompt
-from engine.config import TINY_MODEL, EngineConfig
-from engine.kv_cache import KVCache
+from engine.core.config import TINY_MODEL, EngineConfig
+from engine.core.kv_cache import KVCache
+from engine.core.predictor import load_cost
 from engine.model import load_model
-from engine.predictor import load_cost
 
 
 def _device_us(evt: Any) -> float:

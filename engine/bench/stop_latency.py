@@ -21,12 +21,12 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from engine.batch_log import host_gaps_ms
 from engine.bench.prefill_plot import size_label
-from engine.config import EngineConfig
-from engine.engine import Engine
+from engine.core.batch_log import host_gaps_ms
+from engine.core.config import EngineConfig
+from engine.core.engine import Engine
+from engine.core.request import Request, SamplingParams
 from engine.model.plan import SIZE_CLASSES, OpCost, SeqSpan
-from engine.request import Request, SamplingParams
 from engine.sim.oracle import BatchCostRecorder
 
 STOP_TARGET_MS = 5.0  # what a preemption should cost at most (the line on the plot)

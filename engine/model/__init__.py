@@ -7,13 +7,13 @@ import threading
 import torch
 
 from engine.attention import cpu, select_backend
-from engine.config import EngineConfig, ModelConfig, cache_dir, model_path
+from engine.core.config import EngineConfig, ModelConfig, cache_dir, model_path
+from engine.core.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from engine.model.graphs import StepGraphs
 from engine.model.kernels import fuse_rope, select_kernels
 from engine.model.linear import select_linear
 from engine.model.llama import LlamaModel
 from engine.model.loader import load_checkpoint, tiny_model
-from engine.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = ["LlamaModel", "load_model", "use_device"]
 

@@ -18,7 +18,7 @@ import threading
 
 import torch
 
-from engine.config import ModelConfig
+from engine.core.config import ModelConfig
 
 MIN_ROWS = 512  # a lease holds at least this many rows, and a power of two: fewer sizes to keep
 # Longer leases are not kept: 16K rows of an 8B model's activations in bf16 are 448 MB already.

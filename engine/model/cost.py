@@ -1,5 +1,5 @@
 """The operator cost model the split plans with (`OpCost`): predicted seconds of each operator step on
-this device, measured at start-up (engine/predictor.py) and corrected online from executed batches.
+this device, measured at start-up (engine/core/predictor.py) and corrected online from executed batches.
 
 Also the vocabulary of a plan's steps (`Step`, `SeqSpan`, the operator names), which engine/model/plan.py
 cuts a prefill into.
@@ -13,7 +13,7 @@ from bisect import bisect_left
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
-from engine.config import ModelConfig
+from engine.core.config import ModelConfig
 
 # The CPU's projections run on row counts in steps of this (engine/model/linear.py: oneDNN builds a kernel
 # per row count); blocks cut on the line (a CPU, or an analytical GPU model) are cut to it, so that only a
@@ -190,8 +190,8 @@ class OpCost:
 
     @classmethod
     def calibrate(cls, model: object) -> OpCost:
-        """Measure this model's operators on its device (see engine.predictor)."""
-        from engine.predictor import calibrate
+        """Measure this model's operators on its device (see engine.core.predictor)."""
+        from engine.core.predictor import calibrate
 
         return calibrate(model)  # type: ignore[arg-type]
 

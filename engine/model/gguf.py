@@ -22,9 +22,9 @@ from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import BPE
 
-from engine.config import ModelConfig
+from engine.core.config import ModelConfig
+from engine.core.tokenizer import HFTokenizer, bytes_to_unicode
 from engine.model.loader import check_weights, expected_shapes
-from engine.tokenizer import HFTokenizer, bytes_to_unicode
 
 log = logging.getLogger("flowprefill.engine")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}

@@ -14,8 +14,8 @@ from typing import NamedTuple
 import torch
 
 from engine.attention import AttentionBackend
-from engine.config import ModelConfig
-from engine.kv_cache import KVCache
+from engine.core.config import ModelConfig
+from engine.core.kv_cache import KVCache
 from engine.model.activations import ActivationPool, Activations
 from engine.model.graphs import GraphBuffers, StepGraphs
 from engine.model.kernels import RowKernels, TorchKernels

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.config import ModelConfig
+from engine.core.config import ModelConfig
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -22,7 +22,7 @@ DROPPED_REASON_HEADER = "x-flowprefill-dropped-reason"
 # On an answer served though its TTFT target was predicted missed (a gateway may shed it instead).
 PREDICTED_MISS_HEADER = "x-flowprefill-predicted-miss"
 
-# Prefill/decode disaggregation (engine/handoff.py, engine/serving/kv_transport.py): the gateway sends a
+# Prefill/decode disaggregation (engine/core/handoff.py, engine/serving/kv_transport.py): the gateway sends a
 # request's prefill half with KV_TO_HEADER (where the KV goes) and its decode half with KV_ID_HEADER
 # (which handed-off KV to decode from).
 KV_TO_HEADER = "x-flowprefill-kv-to"

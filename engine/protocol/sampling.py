@@ -1,5 +1,5 @@
 """Sampling parameters, and the structured output an answer must match (`Guide`): pure data, as the
-request bodies (engine/protocol/openai.py) make them and the engine (engine/sampling.py) and the
+request bodies (engine/protocol/openai.py) make them and the engine (engine/core/sampling.py) and the
 serving layer's matcher (engine/serving/structured_output.py) read them."""
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ from typing import Any
 
 import msgspec
 
-from engine.engine import Engine
+from engine.core.engine import Engine
+from engine.core.request import Logprob, Request, TokenOutput
 from engine.protocol.openai import StreamOptions, error_body
-from engine.request import Logprob, Request, TokenOutput
 from engine.serving.reasoning import ReasoningStream
 from engine.serving.structured_output import failed_by_constraint
 from engine.serving.tool_calls import ForcedCall, ToolCallParser

@@ -20,7 +20,9 @@ from litestar import Request, Response
 from litestar.response import Stream
 from opentelemetry.trace import INVALID_SPAN
 
-from engine.engine import ENGINE_STOPPED, Engine
+from engine.core.engine import ENGINE_STOPPED, Engine
+from engine.core.request import Request as EngineRequest
+from engine.core.request import Sampled, SamplingParams, TokenOutput
 from engine.protocol.drain import SHUTTING_DOWN, ClientGone, Drain, ShuttingDown
 from engine.protocol.headers import (
     CACHED_TOKENS_HEADER,
@@ -46,8 +48,6 @@ from engine.protocol.openai import (
 )
 from engine.protocol.slo import SHED_REASON, SLOClass, requested_slo, shed_reason
 from engine.protocol.worker import LOAD_REPORT_HEADER, load_report
-from engine.request import Request as EngineRequest
-from engine.request import Sampled, SamplingParams, TokenOutput
 from engine.serving import kv_transport
 from engine.serving.choices import Choices, LogprobFormatter, completion_body, sse
 from engine.serving.endpoint import BadRequest, EventStream, decode_body
@@ -335,7 +335,7 @@ class Generation:
     async def _admit(self, reqs: list[EngineRequest], slo: SLOClass, headers: dict[str, str],
                      operation: str) -> Response | None:
         """Queues the engine requests; the answer when they are shed instead (the engine decides, on its
-        own thread, with its queue as it is then: engine/messages.py)."""
+        own thread, with its queue as it is then: engine/core/messages.py)."""
         on_queued = None
         if (tracer := self.tracer) is not None:  # their spans open as they queue, children of this HTTP span
             ctx = contextvars.copy_context()

@@ -2,7 +2,7 @@
 to a decode worker.
 
 The prefill worker computes the prompt and the first token, copies the prompt's KV out of its paged
-cache as one safetensors blob (engine/handoff.py) and gives it to the decode worker's
+cache as one safetensors blob (engine/core/handoff.py) and gives it to the decode worker's
 `/v1/internal/kv/{request id}`:
 
 - same host (the decode worker's URL is a loopback address): through shared memory. The blob is
@@ -31,9 +31,9 @@ import httpx
 import torch
 from safetensors.torch import load_file, save, save_file
 
-from engine.handoff import from_tensors, to_tensors
+from engine.core.handoff import from_tensors, to_tensors
+from engine.core.request import Sampled
 from engine.protocol.headers import KV_SHM_HEADER
-from engine.request import Sampled
 
 SHM_DIR = Path(os.environ.get("FLOWPREFILL_SHM_DIR", "/dev/shm"))
 SHM_MISSING = "kv_shm_missing"  # the decode worker's error code when it cannot see the file

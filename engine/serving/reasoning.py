@@ -21,7 +21,7 @@ first token, which may be the constraint's or the opening tag.
 
 from __future__ import annotations
 
-from engine.text import prefix_overlap
+from engine.core.text import prefix_overlap
 
 PARSERS = ("deepseek_r1", "qwen3")
 OPEN, CLOSE = "<think>", "</think>"

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from engine.core.tokenizer import ByteTokenizer, HFTokenizer
 from engine.protocol.sampling import KINDS, Guide
-from engine.tokenizer import ByteTokenizer, HFTokenizer
 
 if TYPE_CHECKING:
     import llguidance
@@ -154,7 +154,7 @@ def _check(matcher: llguidance.LLMatcher, start: float, what: str) -> None:
 
 
 class GuidedAnswer:
-    """An answer's structured output as the engine follows it (engine/sampling.py's TokenConstraint):
+    """An answer's structured output as the engine follows it (engine/core/sampling.py's TokenConstraint):
     its matcher, and for a reasoning model (engine/serving/reasoning.py) the reasoning before the content,
     where the constraint does not apply yet. `thinking_until`: the text that closes the reasoning
     the answer begins in (None: it begins in content); `opens_thinking`: the tokens that open it,

@@ -21,8 +21,8 @@ import re
 import uuid
 from typing import Any
 
+from engine.core.text import prefix_overlap
 from engine.protocol.sampling import Guide
-from engine.text import prefix_overlap
 
 PARSERS = ("hermes", "llama3_json")
 

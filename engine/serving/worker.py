@@ -12,8 +12,8 @@ from litestar import Litestar, Request, Response, get, post
 from litestar.exceptions import HTTPException
 from litestar.params import FromPath
 
-from engine import batch_log, handoff
-from engine.engine import Engine
+from engine.core import batch_log, handoff
+from engine.core.engine import Engine
 from engine.protocol.drain import Drain
 from engine.protocol.headers import KV_SHM_HEADER
 from engine.protocol.openai import error_body, http_error_body
@@ -120,7 +120,7 @@ def create_worker_app(engine: Engine, model_name: str, classes: dict[str, SLOCla
     if role not in ROLES:
         raise ValueError(f"unknown worker role {role!r}; choose from {', '.join(ROLES)}")
     metrics = EngineMetrics(engine, model_name)
-    batch_log.attach(engine)  # only with $FLOWPREFILL_BATCH_LOG (a diagnostic: engine/batch_log.py)
+    batch_log.attach(engine)  # only with $FLOWPREFILL_BATCH_LOG (a diagnostic: engine/core/batch_log.py)
     tracer = None
     if tracing is not None:
         from telemetry.tracing import EngineTracer

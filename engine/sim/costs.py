@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import ModelConfig
+from engine.core.config import ModelConfig
 from engine.model.plan import OpCost
 
 

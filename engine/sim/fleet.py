@@ -20,9 +20,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Protocol
 
+from engine.core.request import Request, RequestState
+from engine.core.scheduler import make_policy
 from engine.model.plan import OpCost
-from engine.request import Request, RequestState
-from engine.scheduler import make_policy
 from engine.sim.oracle import ExactCosts
 from engine.sim.simulator import BatchRecord, SimConfig, Simulation
 
@@ -191,7 +191,7 @@ class Fleet:
         self.refused.append(req)
 
     def _refuses(self, s: Simulation, req: Request, t: float) -> bool:
-        """A worker's admission (engine/engine.py, `Engine.admission`)."""
+        """A worker's admission (engine/core/engine.py, `Engine.admission`)."""
         sched = s.sched
         if self.max_waiting is not None and (
                 len(sched.waiting) + sum(len(b.requests) for b in sched.pool) + 1 > self.max_waiting):

@@ -19,13 +19,13 @@ import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
-from engine.batch_log import MeasuredBatch, measured
+from engine.core.batch_log import MeasuredBatch, measured
+from engine.core.observer import EngineObserver
+from engine.core.prefill import PrefillBatch
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler
 from engine.model.cost import PrefillTerms
 from engine.model.plan import SIZE_CLASSES, OpCost, SeqSpan, size_class
-from engine.observer import EngineObserver
-from engine.prefill import PrefillBatch
-from engine.request import Request
-from engine.scheduler import Scheduler
 
 
 class BatchCostRecorder(EngineObserver):

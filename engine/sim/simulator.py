@@ -20,11 +20,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from engine.kv_cache import BlockPool
+from engine.core.kv_cache import BlockPool
+from engine.core.prefill import PrefillBatch
+from engine.core.request import Request, RequestState
+from engine.core.scheduler import Policy, Scheduler
 from engine.model.plan import OpCost, SeqSpan, plan_prefill
-from engine.prefill import PrefillBatch
-from engine.request import Request, RequestState
-from engine.scheduler import Policy, Scheduler
 from engine.sim.errors import PredictionError
 from engine.sim.oracle import ExactCosts, OracleScheduler
 

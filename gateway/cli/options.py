@@ -1,9 +1,9 @@
 """The options `flowprefill serve` and `worker` share, each defined once: the engine's, derived from
-EngineConfig's fields (engine/config.py: the option's type, choices, default and help), and the
+EngineConfig's fields (engine/core/config.py: the option's type, choices, default and help), and the
 server's (the policy, the output parsers). `serve` hands them to its workers with `to_argv`.
 
 Nothing here loads torch, so neither does parsing `serve`'s command line (the engine runs only in its
-workers' processes): the policies' names come from engine/config.py, the output parsers' from
+workers' processes): the policies' names come from engine/core/config.py, the output parsers' from
 engine.serving.tool_calls and engine.serving.reasoning (torch-free, imported only by `add_server_options`). The
 address options, which `flowprefill gateway` shares, are in common.py."""
 
@@ -15,7 +15,7 @@ import types
 import typing
 from typing import Any, Literal
 
-from engine.config import POLICIES, SMOLLM2, EngineConfig, ModelConfig, check_gguf, model_path, parse_policy
+from engine.core.config import POLICIES, SMOLLM2, EngineConfig, ModelConfig, check_gguf, model_path, parse_policy
 from gateway.cli.common import CommandLineError
 
 # What `serve` and `worker` serve without --model: a real model, where in-process engines (EngineConfig)

@@ -92,7 +92,7 @@ class Cores:
     """serve on a CPU: the cores the gateway (and the workers' HTTP threads) keep, and each worker's
     compute cores, disjoint, so that no worker's prefill waits for another's or for the gateway's Python
     (vLLM pins its compute thread likewise). A worker's process may also use `shared`, where its HTTP
-    thread moves (engine/cpu_affinity.py)."""
+    thread moves (engine/core/cpu_affinity.py)."""
 
     shared: set[int]
     own: list[set[int]]
@@ -103,7 +103,7 @@ class Cores:
         first one allowed, which the gateway keeps (with any left over), or, when that leaves too few,
         from the first one on, the gateway sharing them. None: nothing is pinned (not a CPU, no affinity
         on this OS, or the workers do not fit in the cores at all)."""
-        from engine.cpu_affinity import allowed_cores, parse_cores
+        from engine.core.cpu_affinity import allowed_cores, parse_cores
 
         if args.device != "cpu" or not hasattr(os, "sched_setaffinity"):
             return None

@@ -45,7 +45,7 @@ def check_device(name: str) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from engine.engine import Engine
+    from engine.core.engine import Engine
     from engine.protocol.drain import Drain
     from engine.serving.worker import create_worker_app
     from gateway.cli.gateway import load_config

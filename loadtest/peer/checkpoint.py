@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.tokenizer import bytes_to_unicode  # the alphabet engine/tokenizer.py decodes with
+from engine.core.tokenizer import bytes_to_unicode  # the alphabet engine/core/tokenizer.py decodes with
 
-SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 256.. as engine/tokenizer.py's ByteTokenizer
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 256.. as engine/core/tokenizer.py's ByteTokenizer
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 

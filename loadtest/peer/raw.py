@@ -23,7 +23,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from engine.bench.machine import machine_info
-from engine.config import ModelConfig
+from engine.core.config import ModelConfig
 from loadtest.peer.busy import BusyLoad
 from loadtest.peer.cli import model_dir, placement
 from loadtest.peer.client import PROMPT_VOCAB, Arrival, Target, model_name, replay

@@ -186,7 +186,7 @@ class Launch:
     # this fraction over their number (vLLM's --gpu-memory-utilization, a share of the device's memory;
     # SGLang's --mem-fraction-static, measured against what is free when it starts), and the servers start
     # one at a time there (`fleet`): one that sizes its KV cache while a neighbour loads counts the
-    # neighbour's memory as its own. FlowPrefill's KV cache is a fixed number of tokens (engine/config.py).
+    # neighbour's memory as its own. FlowPrefill's KV cache is a fixed number of tokens (engine/core/config.py).
     gpu_share: float = 0.8
 
     def argv(self, spec: ServerSpec, port: int, peers_on_device: int = 1) -> list[str]:

@@ -13,7 +13,7 @@ from engine.protocol.sampling import SamplingParams
 from engine.protocol.slo import DEFAULT_CLASSES, SLOClass
 
 if TYPE_CHECKING:
-    from engine.sampling import TokenConstraint
+    from engine.core.sampling import TokenConstraint
 
 
 class RequestState(enum.Enum):
@@ -84,7 +84,7 @@ class Request(msgspec.Struct, kw_only=True):
     arrival_time: float = msgspec.field(default_factory=time.monotonic)
     deadline: float = 0.0  # absolute monotonic time the first token is due
     # Once it is late (it can no longer meet its deadline): served by deadline + late_s at the latest
-    # (the scheduler's late tier, engine/scheduler/slack.py), or, shed_late, ended while still queued.
+    # (the scheduler's late tier, engine/core/scheduler/slack.py), or, shed_late, ended while still queued.
     late_s: float = 2 * DEFAULT_CLASSES["standard"].ttft_ms / 1000
     shed_late: bool = False
 
@@ -115,7 +115,7 @@ class Request(msgspec.Struct, kw_only=True):
     # request's n choices it is, its KV to hand off); the engine core never reads it.
     serving: Any = None
     prompt_token_mask: Any = None  # repetition_penalty's: which vocabulary ids the prompt holds (made once)
-    # What its answer must follow token by token (structured output: engine/sampling.py's TokenConstraint,
+    # What its answer must follow token by token (structured output: engine/core/sampling.py's TokenConstraint,
     # the serving layer's GuidedAnswer); the sampler masks what it does not allow next.
     constraint: TokenConstraint | None = None
     # Prefix caching: the content hashes of the prompt's full KV blocks (None: not cacheable, e.g. a

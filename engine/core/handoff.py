@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from safetensors.torch import load, save
 
-from engine.config import ModelConfig
-from engine.request import Logprob, Request, Sampled
+from engine.core.config import ModelConfig
+from engine.core.request import Logprob, Request, Sampled
 
 
 def to_tensors(kv: dict[str, torch.Tensor], first: Sampled) -> dict[str, torch.Tensor]:

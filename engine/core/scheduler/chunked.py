@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.scheduler.slack import sedf_key
+from engine.core.scheduler.slack import sedf_key
 
 if TYPE_CHECKING:
-    from engine.scheduler import Choice, Scheduler
+    from engine.core.scheduler import Choice, Scheduler
 
 
 class Chunked:

@@ -23,8 +23,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from engine.config import cache_dir
-from engine.kv_cache import KVCache
+from engine.core.config import cache_dir
+from engine.core.kv_cache import KVCache
 from engine.model.llama import LlamaModel
 from engine.model.plan import ATTENTION, ATTN_IN, FFN, FFN_IN, MLP, OpCost, SeqSpan, plan_prefill
 

@@ -1,6 +1,6 @@
 """One owner for the engine's state: the scheduler, the KV cache, the answers and the cost model's
 correction are changed by the engine thread alone; the serving layer talks to it by messages
-(engine/messages.py) and reads what it publishes.
+(engine/core/messages.py) and reads what it publishes.
 
 With $FLOWPREFILL_CHECK_OWNER=1 (the test suite sets it) each changing method of those objects checks
 that it runs on its owner's thread and raises `NotOwner` otherwise; without it the methods are

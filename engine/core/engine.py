@@ -16,24 +16,24 @@ from typing import TypeVar
 
 import torch
 
-from engine import handoff
-from engine.config import EngineConfig, auto_kv_tokens, kv_bytes_per_token
-from engine.cpu_affinity import CorePinning, on_passing_thread, team_ids
-from engine.decode import Answers
-from engine.kv_cache import KVCache, OutOfBlocks
-from engine.messages import Arrive, Call, Cancel, EngineSnapshot, ImportKV, Message, Refusal
+from engine.core import handoff
+from engine.core.config import EngineConfig, auto_kv_tokens, kv_bytes_per_token
+from engine.core.cpu_affinity import CorePinning, on_passing_thread, team_ids
+from engine.core.decode import Answers
+from engine.core.kv_cache import KVCache, OutOfBlocks
+from engine.core.messages import Arrive, Call, Cancel, EngineSnapshot, ImportKV, Message, Refusal
+from engine.core.observer import EngineObserver
+from engine.core.predictor import StoredProfile, load_cost, stored_cost
+from engine.core.prefill import PrefillBatch
+from engine.core.prefix_cache import PrefixCache
+from engine.core.request import Request, RequestState, Sampled, SamplingParams, TokenOutput
+from engine.core.sampling import sample
+from engine.core.scheduler import UNCONFIRMED_SPEEDUP, Policy, Scheduler, make_policy
+from engine.core.thread_cpu import ThreadCPU, readable
 from engine.model import load_model, use_device
 from engine.model.plan import ATTN_IN, FFN, MLP, SIZE_CLASSES, SeqSpan
-from engine.observer import EngineObserver
-from engine.predictor import StoredProfile, load_cost, stored_cost
-from engine.prefill import PrefillBatch
-from engine.prefix_cache import PrefixCache
 from engine.protocol.slo import SHED_ERROR, SHED_REASON
 from engine.protocol.worker import WorkerLoad
-from engine.request import Request, RequestState, Sampled, SamplingParams, TokenOutput
-from engine.sampling import sample
-from engine.scheduler import UNCONFIRMED_SPEEDUP, Policy, Scheduler, make_policy
-from engine.thread_cpu import ThreadCPU, readable
 
 log = logging.getLogger("flowprefill.engine")
 ENGINE_STOPPED = "the engine shut down"  # the error of every request still in it when it stops
@@ -64,7 +64,7 @@ class Engine:
                  clock: Callable[[], float] = time.monotonic, record_profile: bool = True,
                  profile: StoredProfile | None = None) -> None:
         """`record_profile=False`: read the cached cost profile without adding a calibration to it
-        (a simulator's probe, engine/predictor.py's `load_cost`). `profile`: predict with the profile
+        (a simulator's probe, engine/core/predictor.py's `load_cost`). `profile`: predict with the profile
         read from a file instead (`read_profile`: a plan.json's, or another machine's cache file)."""
         self.cfg = cfg = cfg or EngineConfig()
         self.record_profile, self.profile = record_profile, profile
@@ -256,7 +256,7 @@ class Engine:
 
     @property
     def snapshot(self) -> EngineSnapshot:
-        """The queue as the engine thread last published it (engine/messages.py)."""
+        """The queue as the engine thread last published it (engine/core/messages.py)."""
         return self._snapshot
 
     @property
@@ -376,7 +376,7 @@ class Engine:
         if msg.on_queued is not None:
             msg.on_queued()
         for req in msg.reqs:
-            if cached := self.prefixes.cached_tokens(req):  # engine/prefix_cache.py
+            if cached := self.prefixes.cached_tokens(req):  # engine/core/prefix_cache.py
                 req.num_computed_tokens = req.cached_tokens = cached
             self._requests[req.request_id] = req
             self.scheduler.on_arrival(req)

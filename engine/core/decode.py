@@ -7,13 +7,13 @@ from collections.abc import Callable
 
 import torch
 
-from engine.kv_cache import BlockPool, KVCache
+from engine.core.kv_cache import BlockPool, KVCache
+from engine.core.owner import Owned, owned
+from engine.core.request import Request, RequestState, Sampled, TokenOutput
+from engine.core.sampling import sample
+from engine.core.text import prefix_overlap
+from engine.core.tokenizer import ByteTokenizer, HFTokenizer
 from engine.model.llama import LlamaModel
-from engine.owner import Owned, owned
-from engine.request import Request, RequestState, Sampled, TokenOutput
-from engine.sampling import sample
-from engine.text import prefix_overlap
-from engine.tokenizer import ByteTokenizer, HFTokenizer
 
 
 class OutputStream:

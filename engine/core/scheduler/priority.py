@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.prefill import PrefillBatch
-from engine.request import Request
+from engine.core.prefill import PrefillBatch
+from engine.core.request import Request
 
 if TYPE_CHECKING:
-    from engine.scheduler import Choice, Scheduler
+    from engine.core.scheduler import Choice, Scheduler
 
 
 def _key(item: Request | PrefillBatch) -> tuple[int, float]:

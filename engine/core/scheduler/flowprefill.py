@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.prefill import PrefillBatch
-from engine.request import Request
-from engine.scheduler.slack import due, sedf_key
+from engine.core.prefill import PrefillBatch
+from engine.core.request import Request
+from engine.core.scheduler.slack import due, sedf_key
 
 if TYPE_CHECKING:
-    from engine.scheduler import Choice, Scheduler
+    from engine.core.scheduler import Choice, Scheduler
 
 
 class FlowPrefill:

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.config import ModelConfig
-from engine.owner import Owned, owned
+from engine.core.config import ModelConfig
+from engine.core.owner import Owned, owned
 
 log = logging.getLogger(__name__)
 

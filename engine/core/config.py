@@ -68,7 +68,7 @@ def check_gguf(path: Path) -> None:
             raise ValueError(f"{path}: not a GGUF file")
 
 
-# The prefill scheduling policies (engine/scheduler/), named here and not there so that a command
+# The prefill scheduling policies (engine/core/scheduler/), named here and not there so that a command
 # line can check a name without loading the engine (torch): `flowprefill serve` runs no engine itself.
 POLICIES = ("flowprefill", "fcfs", "chunked:N", "chunked:N:fcfs", "edf", "priority")
 
@@ -255,17 +255,17 @@ class EngineConfig:
     cuda_graph_tokens: int = setting(
         2048, "CUDA only: prefills of up to this many tokens replay CUDA graphs (0 = off)")
     # Automatic prefix caching: a prompt whose leading KV blocks another request computed starts
-    # after them (engine/kv_cache.py); blocks are reused at the granularity of kv_block_size.
+    # after them (engine/core/kv_cache.py); blocks are reused at the granularity of kv_block_size.
     prefix_caching: bool = setting(True, "reuse the KV of prompt prefixes other requests computed, by KV block")
     # Each start-up times the operators and the profile is the median of the last five start-ups'
-    # timings (engine/predictor.py); on 2 EPYC cores five of them differed by up to 13 % per operator,
+    # timings (engine/core/predictor.py); on 2 EPYC cores five of them differed by up to 13 % per operator,
     # so two workers started minutes apart predict differently. Off, a worker predicts with the cached
     # profile as it stands, as every other worker started meanwhile does (`plan --against-serve`
     # replays its workers' logs against its own profile).
     calibrate: bool = setting(True, "time the operators at start-up and add them to this machine's cached "
                                     "profile (--no-calibrate: predict with the cached profile as it stands, "
                                     "timed only where none is cached)")
-    # The scheduler's late tier (engine/scheduler/slack.py): while requests that can no longer meet
+    # The scheduler's late tier (engine/core/scheduler/slack.py): while requests that can no longer meet
     # their TTFT target and requests that still can both wait, the late ones get this share of the
     # engine, so none waits without bound behind a stream of on-time ones. 0: the paper's S-EDF.
     late_share: float = setting(
@@ -275,7 +275,7 @@ class EngineConfig:
         None, "torch intra-op threads (default: one per --cpu-cores core, else torch's choice)", flag="--threads")
     # Cores the engine's compute runs on, e.g. "1" or "2-3" (Linux): the engine thread and torch's intra-op
     # threads are bound to them and the worker's HTTP thread moves to the process's other cores (vLLM's
-    # VLLM_CPU_OMP_THREADS_BIND; engine/cpu_affinity.py). None: unpinned.
+    # VLLM_CPU_OMP_THREADS_BIND; engine/core/cpu_affinity.py). None: unpinned.
     cpu_cores: str | None = setting(
         None, "cores the engine computes on, e.g. 1 or 2-3 (Linux): its thread and torch's are bound to them, the "
               "HTTP thread moves to the others (default: unpinned; serve assigns each worker its own)")

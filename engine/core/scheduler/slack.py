@@ -28,11 +28,11 @@ import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from engine.prefill import PrefillBatch
-from engine.request import Request
+from engine.core.prefill import PrefillBatch
+from engine.core.request import Request
 
 if TYPE_CHECKING:
-    from engine.scheduler import Scheduler
+    from engine.core.scheduler import Scheduler
 
 Item = Request | PrefillBatch
 ON_TIME, LATE, CRITICAL, LOST, BRIEF_LOST = 0, 1, 2, 3, 4  # BRIEF_LOST: lost, and fits in one late turn (brief_s)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.prefill import PrefillBatch
-    from engine.request import Request
+    from engine.core.prefill import PrefillBatch
+    from engine.core.request import Request
 
 
 class EngineObserver:

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from engine.kv_cache import KVCache
+from engine.core.kv_cache import KVCache
+from engine.core.request import Logprob, Request, RequestState, Suspension
+from engine.core.sampling import prompt_logprobs
 from engine.model.llama import LlamaModel
 from engine.model.plan import OpCost, Plan, SeqSpan, plan_prefill
-from engine.request import Logprob, Request, RequestState, Suspension
-from engine.sampling import prompt_logprobs
 
 _batch_ids = itertools.count()
 

@@ -16,11 +16,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from engine.observer import EngineObserver
+from engine.core.observer import EngineObserver
 
 if TYPE_CHECKING:
-    from engine.engine import Engine
-    from engine.prefill import PrefillBatch
+    from engine.core.engine import Engine
+    from engine.core.prefill import PrefillBatch
 
 ENV = "FLOWPREFILL_BATCH_LOG"
 

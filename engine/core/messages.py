@@ -1,5 +1,5 @@
 """What the serving side and the engine thread say to each other. The engine thread owns the scheduler,
-the KV cache, the requests and the cost model (engine/owner.py); every other thread sends it one of
+the KV cache, the requests and the cost model (engine/core/owner.py); every other thread sends it one of
 these messages and reads back what it publishes: each request's outputs through its sink, and an
 `EngineSnapshot` of its queue for GET /load and the metrics. (vLLM's EngineCoreRequest/EngineCoreOutputs
 and mini-sglang's message/ are the models; in-process, as the engine's compute is in torch's threads.)
@@ -17,7 +17,7 @@ from engine.protocol.worker import WorkerLoad
 if TYPE_CHECKING:
     import torch
 
-    from engine.request import Request, Sampled
+    from engine.core.request import Request, Sampled
 
 
 class Refusal(NamedTuple):

@@ -14,14 +14,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
-from engine.config import POLICIES, parse_policy  # noqa: F401 (the names, also read from here)
-from engine.kv_cache import BlockPool
+from engine.core.config import POLICIES, parse_policy  # noqa: F401 (the names, also read from here)
+from engine.core.kv_cache import BlockPool
+from engine.core.owner import Owned, owned
+from engine.core.prefill import PrefillBatch
+from engine.core.request import Request
+from engine.core.scheduler.slack import SHARED, LateShare, judge, remaining_of, standings
 from engine.model.cost import PrefillTerms
 from engine.model.plan import OpCost, SeqSpan
-from engine.owner import Owned, owned
-from engine.prefill import PrefillBatch
-from engine.request import Request
-from engine.scheduler.slack import SHARED, LateShare, judge, remaining_of, standings
 
 # A request is refused (shed) for a predicted miss on its own prediction alone. Where no batch of its
 # size has run, that prediction is calibration alone, and calibration taken while another process shared
@@ -313,11 +313,11 @@ class Scheduler(Owned):
 
 def make_policy(name: str) -> Policy:
     """flowprefill | fcfs | chunked:N[:fcfs] | edf | priority (POLICIES; ValueError for another name)"""
-    from engine.scheduler.chunked import Chunked
-    from engine.scheduler.edf import EDF
-    from engine.scheduler.fcfs import FCFS
-    from engine.scheduler.flowprefill import FlowPrefill
-    from engine.scheduler.priority import Priority
+    from engine.core.scheduler.chunked import Chunked
+    from engine.core.scheduler.edf import EDF
+    from engine.core.scheduler.fcfs import FCFS
+    from engine.core.scheduler.flowprefill import FlowPrefill
+    from engine.core.scheduler.priority import Priority
 
     kind, chunk_tokens, order = parse_policy(name)
     if kind == "chunked":

@@ -1,5 +1,5 @@
 """Automatic prefix caching, the engine's side: when a request looks its prompt up, takes the blocks
-found, and makes the blocks it wrote findable. The block pool (engine/kv_cache.py) keeps the
+found, and makes the blocks it wrote findable. The block pool (engine/core/kv_cache.py) keeps the
 references, the content hashes and the eviction order.
 
 A request looks its prompt's full blocks up at arrival, up to the block holding its last token
@@ -12,9 +12,9 @@ answer its own, for the conversation's next turn.
 
 from __future__ import annotations
 
-from engine.kv_cache import BlockPool, block_hashes
+from engine.core.kv_cache import BlockPool, block_hashes
+from engine.core.request import Request
 from engine.model.plan import SeqSpan
-from engine.request import Request
 
 
 class PrefixCache:

@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from engine.request import Logprob, Request, Sampled
+from engine.core.request import Logprob, Request, Sampled
 
 
 class TokenConstraint(Protocol):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.scheduler import Choice, Scheduler
+    from engine.core.scheduler import Choice, Scheduler
 
 
 class FCFS:

@@ -1,5 +1,5 @@
 """Text that may be the start of a marker (a stop string, a reasoning or tool-call tag) is held back
-until the next token says whether it is: shared by the engine's output stream (engine/decode.py) and
+until the next token says whether it is: shared by the engine's output stream (engine/core/decode.py) and
 the serving layer's parsers (engine/serving/reasoning.py, engine/serving/tool_calls.py)."""
 
 from __future__ import annotations
