@@ -12,7 +12,7 @@ import torch
 from helpers import EngineFactory, drain
 
 import engine.core.decode as decode_module
-import engine.core.engine as engine_module
+import engine.core.outputs as outputs_module
 from engine.attention.sdpa import SDPABackend
 from engine.core.config import ModelConfig
 from engine.core.decode import OutputStream
@@ -375,7 +375,7 @@ def test_engine_stop_string_and_eos(make_engine: Callable[..., Engine], monkeypa
     assert cut.output_token_ids == full.output_token_ids[: len(cut.output_token_ids)]
 
     # EOS: force the 4th sampled token of request "eos" to be an EOS id.
-    inner = engine_module.sample
+    inner = outputs_module.sample
 
     def forced(logits: torch.Tensor, reqs: list[Request], gens: dict[str, torch.Generator],
                eos: list[int]) -> list[Sampled]:

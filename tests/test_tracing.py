@@ -272,16 +272,16 @@ def test_tiling_holds_on_a_slow_machine(monkeypatch: pytest.MonkeyPatch) -> None
     from helpers import EngineFactory
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    import engine.core.engine as engine_module
+    import engine.core.outputs as outputs_module  # where a finished batch samples its first tokens
     from engine.core.request import Request, SamplingParams
 
-    real_sample = engine_module.sample
+    real_sample = outputs_module.sample
 
     def slow_sample(*args: Any, **kwargs: Any) -> Any:
         time.sleep(0.02)
         return real_sample(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "sample", slow_sample)
+    monkeypatch.setattr(outputs_module, "sample", slow_sample)
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))

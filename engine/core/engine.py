@@ -1,52 +1,40 @@
 """The engine: one thread that executes the scheduler's chosen prefill batch operator by operator,
-interleaves decode steps at operator boundaries, and streams tokens back."""
+interleaves decode steps at operator boundaries, and streams tokens back. Its loop and batches are here;
+what other threads send it and read of it is engine/core/front.py, what it does with results
+engine/core/outputs.py (the parts of one `Engine`, as SGLang's scheduler is split in mixins)."""
 
 from __future__ import annotations
 
 import gc
-import itertools
 import logging
 import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
-from typing import TypeVar
+from collections.abc import Callable
 
 import torch
 
-from engine.core import handoff
 from engine.core.config import EngineConfig, auto_kv_tokens, kv_bytes_per_token
 from engine.core.cpu_affinity import CorePinning, on_passing_thread, team_ids
 from engine.core.decode import Answers
-from engine.core.kv_cache import KVCache, OutOfBlocks
-from engine.core.messages import Arrive, Call, Cancel, EngineSnapshot, ImportKV, Message, Refusal
+from engine.core.front import EngineFront
+from engine.core.kv_cache import KVCache
+from engine.core.messages import ENGINE_STOPPED, Arrive, Call, Cancel, EngineSnapshot, ImportKV, Message, Refusal
 from engine.core.observer import EngineObserver
+from engine.core.outputs import EngineOutputs
 from engine.core.predictor import StoredProfile, load_cost, stored_cost
 from engine.core.prefill import PrefillBatch
 from engine.core.prefix_cache import PrefixCache
-from engine.core.request import Request, RequestState, Sampled, SamplingParams, TokenOutput
-from engine.core.sampling import sample
+from engine.core.request import Request, Sampled
 from engine.core.scheduler import UNCONFIRMED_SPEEDUP, Policy, Scheduler, make_policy
 from engine.core.thread_cpu import ThreadCPU, readable
 from engine.model import load_model, use_device
-from engine.model.plan import ATTN_IN, FFN, MLP, SIZE_CLASSES, SeqSpan
-from engine.protocol.slo import SHED_ERROR, SHED_REASON
+from engine.model.plan import ATTN_IN, FFN, MLP, SeqSpan
+from engine.protocol.slo import SHED_REASON
 from engine.protocol.worker import WorkerLoad
 
 log = logging.getLogger("flowprefill.engine")
-ENGINE_STOPPED = "the engine shut down"  # the error of every request still in it when it stops
-_GENERATED = itertools.count()  # `Engine.generate`'s request ids (an object's id() is reused once it is freed)
-# How stale a published snapshot's predicted backlog may be while the engine runs (routing polls it every
-# second): it predicts every waiting request, 2.7 us each once the correction has moved, which publishing
-# at each finished answer and arrival repeated: 0.4 ms a publish with 300 waiting, half a batch's host time.
-PUBLISH_BACKLOG_S = 0.01
-# Between events (a decision, an answer starting or ending, KV taken or freed) the snapshot is refreshed this
-# often, for a running batch's shrinking backlog and the learned machine factor: building it takes some 25 us,
-# 1 % of a 2 ms step were it done after each.
-PUBLISH_EVERY_S = 0.01
-T = TypeVar("T")
 
 
 def _refusal_message(req: Request, predicted_s: float, factor: float, confirmed: bool) -> str:
@@ -59,7 +47,7 @@ def _refusal_message(req: Request, predicted_s: float, factor: float, confirmed:
             f"{predicted_s:.2f} s ({speed}); retry later or with a looser class")
 
 
-class Engine:
+class Engine(EngineFront, EngineOutputs):
     def __init__(self, cfg: EngineConfig | None = None, policy: str | Policy = "flowprefill",
                  clock: Callable[[], float] = time.monotonic, record_profile: bool = True,
                  profile: StoredProfile | None = None) -> None:
@@ -170,129 +158,23 @@ class Engine:
             self._thread.join()
         self._notify("on_shutdown")
 
-    def submit(self, reqs: list[Request], sheddable: bool = False,
-               on_queued: Callable[[], None] | None = None) -> Future[Refusal | None]:
-        """Queue one HTTP request's engine requests (an arrival event), or have them refused together: the
-        future is set on the engine thread to None (queued; `on_queued` ran first, there) or to a
-        `Refusal` (the queue is full, or, `sheddable`, they could not be served even late). Raises
-        ValueError for bad input (a prompt this worker cannot serve, an id already in use)."""
-        verdict: Future[Refusal | None] = Future()
-        self._arrive(reqs, Arrive(tuple(reqs), sheddable, verdict, on_queued))
-        return verdict
 
-    def add_request(self, req: Request) -> None:
-        """Queue a request, never refused (no admission). Raises ValueError for bad input."""
-        self._arrive([req], Arrive((req,)))
 
-    def _arrive(self, reqs: list[Request], msg: Arrive) -> None:
-        for req in reqs:
-            self.validate(req)
-            self.prefixes.hash_prompt(req)  # its blocks' hashes, here: the engine thread only looks them up
-        self._register(reqs)
-        self._post_or_forget(reqs, msg)
 
-    def _post_or_forget(self, reqs: list[Request], msg: Message) -> None:
-        try:
-            self._post(msg)
-        except RuntimeError:  # the engine has stopped: their ids are free again
-            for r in reqs:
-                self._unregister(r.request_id)
-            raise
 
-    def validate(self, req: Request) -> None:
-        """Raises ValueError for a request this worker cannot serve (its model, its cache)."""
-        req.check(self.model.cfg.vocab_size, self.model.cfg.max_position_embeddings,
-                  self.kv.num_blocks * self.kv.block_size)
 
-    def has_request(self, request_id: str) -> bool:
-        """Whether a request of this id is in the engine (queued, prefilling or decoding)."""
-        with self._ids_lock:
-            return request_id in self._ids
 
-    def cancel(self, request_id: str) -> None:
-        self._post(Cancel(request_id))
 
-    def add_prefilled(self, req: Request, kv: dict[str, torch.Tensor], first: Sampled) -> None:
-        """Decode a request another worker prefilled (PD disaggregation): its prompt's KV
-        (`k.{layer}` / `v.{layer}`: [prompt tokens, kv heads, head dim]) and its first token.
-        Raises ValueError for KV that does not fit this model or prompt."""
-        self.validate(req)
-        handoff.check(self.model.cfg, req, kv, first)
-        req.prefilled_elsewhere = True
-        self._register([req])
-        self._post_or_forget([req], ImportKV(req, kv, first))
 
-    def call(self, fn: Callable[[], T], timeout_s: float | None = 30.0) -> T:
-        """Run `fn` as the engine's state's owner: on the engine thread while it runs (its result, or its
-        exception raised here), on this thread before it starts or after it ended."""
-        if not self._thread.is_alive() or threading.current_thread() is self._thread:
-            return fn()
-        done: Future[T] = Future()
-        self._post(Call(fn, done))
-        return done.result(timeout_s)
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None,
-                 request_ids: list[str] | None = None, timeout_s: float | None = None,
-                 **request_fields: object) -> list[Request]:
-        """Blocking convenience: run prompts to completion (the engine must be started). Each request's
-        id is `request_ids`' or one no other call here has used (observers that pool measurements by
-        id, as `plan`'s engine pass does, must not see two prompts as one); past `timeout_s` seconds of
-        waiting for one, TimeoutError."""
-        done = [threading.Event() for _ in prompts]
-        reqs = []
-        for i, ids in enumerate(prompts):
-            event = done[i]
-            rid = request_ids[i] if request_ids else f"gen-{next(_GENERATED)}"
-            req = Request(request_id=rid, prompt_token_ids=ids,
-                          sampling=sampling or SamplingParams(), **request_fields)  # type: ignore[arg-type]
-            req.sink = lambda out, e=event: out.finish_reason and e.set()
-            reqs.append(req)
-            self.add_request(req)
-        for e, req in zip(done, reqs, strict=True):
-            if not e.wait(timeout_s):
-                raise TimeoutError(f"request {req.request_id} ({len(req.prompt_token_ids)} prompt tokens) did not "
-                                   f"finish in {timeout_s} s")
-        return reqs
 
-    @property
-    def snapshot(self) -> EngineSnapshot:
-        """The queue as the engine thread last published it (engine/core/messages.py)."""
-        return self._snapshot
 
-    @property
-    def num_waiting(self) -> int:
-        return self._snapshot.load.waiting
 
-    @property
-    def num_decoding(self) -> int:
-        return self._snapshot.load.decoding
 
-    def load(self) -> WorkerLoad:
-        """The queue's state as a gateway routes on it (GET /load): the engine's last snapshot."""
-        return self._snapshot.load
 
-    def admission(self, reqs: list[Request], sheddable: bool) -> Refusal | None:
-        """Whether these requests would be refused now (`submit`'s verdict, without queuing them)."""
-        return self.call(lambda: self._admit(reqs, sheddable))
 
-    def _register(self, reqs: list[Request]) -> None:
-        """Their ids are in use until each one's last output (all or none: ValueError for one in use)."""
-        ids = [r.request_id for r in reqs]
-        with self._ids_lock:
-            if (dup := next((i for k, i in enumerate(ids) if i in self._ids or i in ids[:k]), None)) is not None:
-                raise ValueError(f"duplicate request id {dup!r}")
-            self._ids.update(ids)
 
-    def _unregister(self, request_id: str) -> None:
-        with self._ids_lock:
-            self._ids.discard(request_id)
 
-    def _post(self, msg: Message) -> None:
-        with self._cv:
-            if self._stop:
-                raise RuntimeError(ENGINE_STOPPED)
-            self._inbox.append(msg)
-            self._cv.notify()
 
     # -- the engine thread ---------------------------------------------------------------------
     def _loop(self) -> None:
@@ -401,39 +283,6 @@ class Engine:
                                                              cost.confirmed(tokens)))
         return None
 
-    def _events_mark(self) -> tuple[int, int, int]:
-        return self.scheduler.invocations, len(self.answers.running), self.kv.num_free_blocks
-
-    def _publish_if_changed(self) -> None:
-        """After an iteration: a new snapshot when an event changed the queue, or PUBLISH_EVERY_S on."""
-        mark, at = self._published
-        if self._events_mark() != mark or time.perf_counter() - at >= PUBLISH_EVERY_S:
-            self._publish()
-
-    def _publish(self, full: bool = False, added: Sequence[Request] = ()) -> None:
-        """A new snapshot of the queue for other threads; the predicted backlog (a prediction per waiting
-        request) is recomputed at most every PUBLISH_BACKLOG_S unless `full`; in between, the requests just
-        `added` have their own predictions added to it."""
-        s, now = self.scheduler, time.perf_counter()
-        if full or now - self._backlog_at >= PUBLISH_BACKLOG_S:
-            self._backlog, self._backlog_at = s.backlog(), now
-        elif added:
-            by_class = dict(self._backlog[1])
-            for r in added:
-                by_class[r.slo_class] = by_class.get(r.slo_class, 0.0) + s.predict_s(r)
-            self._backlog = self._backlog[0], by_class
-        formed, by_class = self._backlog
-        running = s.chosen is not None
-        self._snapshot = EngineSnapshot(
-            WorkerLoad(waiting=len(s.waiting), decoding=len(self.answers.running),
-                       suspended_batches=max(0, len(s.pool) - 1), predicted_backlog_s=formed + sum(by_class.values()),
-                       predicted_backlog_by_class_s=by_class, kv_cache_usage=self.kv.usage,
-                       machine_factor=self.cost.machine),
-            evicted=len(self.answers.evicted),
-            suspended=max(0, len(s.pool) - running), cached_blocks=self.kv.num_cached_blocks,
-            corrections=tuple(self.cost.factor(t) for t in (*SIZE_CLASSES, SIZE_CLASSES[-1] + 1)))
-        self._published = self._events_mark(), now
-
     def _iteration(self) -> None:
         self._take_inbox()
         if self._cancels:
@@ -509,207 +358,22 @@ class Engine:
                 r.block_table += self.kv.allocate_blocks(need)
         return PrefillBatch.on_model(reqs, spans, self.model, self.kv, self.cost, self.budget_s)
 
-    def _complete(self, batch: PrefillBatch) -> None:
-        now = self.clock()
-        batch.end_segment(now)
-        self._notify("on_segment_end", batch, now)
-        self.scheduler.on_progress(batch)
-        for r, scored in batch.score_prompts(self.model.logits_of):  # first: one that fails is skipped below
-            if isinstance(scored, Exception):
-                log.error("prompt logprobs of %s failed", r.request_id, exc_info=scored)
-                self._finish(r, "error", f"prompt logprobs failed: {scored}")
-            else:
-                r.prompt_token_logprobs = [*r.prompt_token_logprobs, *scored]
-        live, unfinished = [], []
-        for i, (r, whole) in enumerate(zip(batch.requests, batch.completes_prefills, strict=True)):
-            r.num_computed_tokens = batch.spans[i].start + batch.spans[i].length
-            if r.state.done or r.request_id not in self._requests:
-                continue
-            self.prefixes.prefilled(r)
-            if whole and not r.sampling.max_tokens:  # a prompt scored (echo), nothing generated
-                self._finish(r, "length")
-            elif whole:
-                live.append((i, r))
-            else:  # one chunk of its prompt is done: it queues for the next
-                r.state = RequestState.WAITING
-                unfinished.append(r)
-        logits, batch.logits = batch.logits, None
-        tokens = sample(logits[[i for i, _ in live]], [r for _, r in live], self._generators,
-                        self.tokenizer.eos_token_ids) if live else []
-        now = self.clock()
-        for (_, r), token in zip(live, tokens, strict=True):
-            if isinstance(token, Exception):
-                self._finish(r, "error", f"sampling failed: {token}")
-                continue
-            if r.kv_sink is not None:  # hand-off: copy the prompt's KV out before the blocks can be freed
-                r.kv_sink(self.kv.export_tokens(r.block_table, r.num_prompt_tokens))
-            self._start_decoding(r, token, now)
-        for r in batch.requests:  # cancelled while the batch ran: their KV was in use until now
-            if r.state.done:
-                self.kv.free(r.block_table)  # on_completion below decides anyway
-        self.scheduler.on_completion(batch, unfinished)
-        self._current = None
-        self.answers.schedule(now)
 
-    def _start_decoding(self, r: Request, token: Sampled, now: float) -> None:
-        """Its first token, or after a recompute its next one (the gap includes the eviction)."""
-        gap = now - r.last_token_time if r.last_token_time is not None else None
-        out = self.answers.start(r, token, now)
-        self._notify("on_tokens", [r], [gap])
-        self._emit(out)
 
-    def _evict(self, evicted: list[Request]) -> None:
-        """Answers.make_room took these answers' KV back: they queue to be recomputed. Each one's next
-        token is due a TBT target after its recompute, were it to run now: the deadline its slack is
-        ranked by, so it starts feasible and grows urgent as it waits (a bare TBT target would rank
-        a long recompute hopeless at once, behind every feasible prompt, for as long as they come)."""
-        now = self.clock()
-        for req in evicted:
-            # a handed-off request's prompt was never looked up here (block_hashes None): recomputed whole
-            req.num_computed_tokens = self.prefixes.cached_tokens(req) if req.block_hashes is not None else 0
-            req.state = RequestState.WAITING
-            req.deadline = now + self.scheduler.predict_s(req) + req.tbt_target_s
-            req.evictions += 1
-            self._notify("on_evict", req, now)
-            self.scheduler.on_evicted(req)
 
-    def _give_back(self, req: Request) -> None:
-        self.prefixes.answered(req)  # what it wrote stays findable for its recompute
-        self.kv.free(req.block_table)
 
-    def _imports_ready(self) -> bool:
-        """Whether the next handed-off request can be taken in: it waits, first in first out, while the
-        KV blocks its answer needs are held by the answers running here (a failure instead would
-        turn a busy decode worker into one that answers 500)."""
-        while self._imports and self._imports[0][0].request_id not in self._requests:
-            self._imports.popleft()  # cancelled while it waited
-        return bool(self._imports) and (
-            self.kv.blocks_for(self._reserve_tokens(self._imports[0][0])) <= self.kv.num_free_blocks)
 
-    def _process_imports(self) -> None:
-        while self._imports_ready():
-            req, kv, token = self._imports.popleft()
-            try:
-                req.block_table = self.kv.allocate(self._reserve_tokens(req))
-            except OutOfBlocks as exc:  # not expected: its blocks were free a moment ago
-                self._finish(req, "error", f"KV cache full: {exc}")
-                continue
-            self.kv.import_tokens(req.block_table, kv)
-            req.num_computed_tokens = req.num_prompt_tokens
-            req.prefill_start = self.clock()
-            self._start_decoding(req, token, self.clock())
-            self.answers.schedule(self.clock())
 
-    def _decode_step(self) -> None:
-        if evicted := self.answers.make_room(self._give_back):
-            self._evict(evicted)
-        if not self.answers.running:  # every answer was evicted
-            return
-        streams, tokens = self.answers.step(self.model, self.kv, self._generators)
-        now = self._device_free_at = self.clock()
-        got = [(s.req, now - s.req.last_token_time) for s, t in zip(streams, tokens, strict=True)
-               if not isinstance(t, Exception)]
-        self._notify("on_tokens", [r for r, _ in got], [gap for _, gap in got])
-        for stream, token in zip(streams, tokens, strict=True):
-            if isinstance(token, Exception):
-                self._finish(stream.req, "error", f"sampling failed: {token}")
-                continue
-            stream.req.last_token_time = now
-            self._emit(stream.push(token))
-        self.answers.next_step_at = float("inf")
-        self.answers.schedule(now)
 
-    def _emit(self, out: TokenOutput) -> None:
-        req = self._requests.get(out.request_id)
-        if req is None:
-            return
-        if out.finish_reason:
-            # Free before telling the client: once it has its answer, the KV must be back.
-            self._release(req, out.finish_reason)
-        if req.sink is not None:
-            try:
-                req.sink(out)
-            except Exception:
-                log.exception("output sink of %s failed", req.request_id)
 
-    def _release(self, req: Request, reason: str) -> None:
-        req.finish_reason = reason
-        req.finish_time = self.clock()
-        req.state = {"cancelled": RequestState.CANCELLED, "error": RequestState.FAILED}.get(
-            reason, RequestState.FINISHED)
-        self.answers.drop(req.request_id)
-        self._generators.pop(req.request_id, None)
-        self._requests.pop(req.request_id, None)
-        self._unregister(req.request_id)
-        if not self._in_running_batch(req):
-            if reason in ("stop", "length"):
-                self.prefixes.answered(req)
-            self._free_blocks(req.block_table)
-        self._notify("on_finish", req)
-        self._publish()  # before its client hears of it: what it reads then counts it gone
 
-    def _notify(self, event: str, *args: object) -> None:
-        """Tell the observers (telemetry). They watch, never steer: one that raises is logged, and
-        no request fails for it."""
-        for o in self.observers:
-            try:
-                getattr(o, event)(*args)
-            except Exception:
-                log.exception("observer %s failed on %s", type(o).__name__, event)
 
-    def _free_blocks(self, block_table: list[int]) -> None:
-        """Return KV blocks; requests that waited for them get a scheduling decision (a completion
-        event), or they would wait for the next arrival."""
-        if not block_table:
-            return
-        self.kv.free(block_table)
-        if self.scheduler.waiting and self.scheduler.chosen is None:
-            self.scheduler.on_kv_freed()
 
-    def _in_running_batch(self, req: Request) -> bool:
-        """KV of a request inside a batch that goes on is still being written: free it at completion."""
-        return any(req in b.requests for b in self.scheduler.pool)
 
-    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
-        self._emit(TokenOutput(req.request_id, [], "", reason, error))
 
-    def _process_shed(self) -> None:
-        """Queued requests the scheduler shed (late, of a `late = "shed"` class): each ends with the
-        error the worker answers as a refusal (429, Retry-After; engine/protocol/slo.py)."""
-        shed, self.scheduler.shed = self.scheduler.shed, []
-        for req in shed:
-            self._finish(req, "error", SHED_ERROR)
 
-    def _process_cancels(self) -> None:
-        while self._cancels:
-            req = self._requests.get(self._cancels.popleft())
-            if req is None:
-                continue
-            dropped = self.scheduler.on_cancel(req)
-            if dropped is not None:
-                dropped.close()
-                if dropped is self._current:
-                    self._current = None
-            if dropped is not None:
-                for r in dropped.requests:
-                    if r is not req:
-                        self._free_blocks(r.block_table)
-            self._finish(req, "cancelled")
 
-    def _fail_batch(self, batch: PrefillBatch, message: str) -> None:
-        if batch in self.scheduler.pool:
-            self.scheduler.on_completion(batch)
-        batch.close()
-        if self._current is batch:
-            self._current = None
-        for r in batch.requests:
-            if not r.state.done:
-                self._finish(r, "error", message)
-            self.kv.free(r.block_table)
 
-    def _fail_current(self, message: str) -> None:
-        if self._current is not None:
-            self._fail_batch(self._current, message)
 
 
 def release_memory() -> None:

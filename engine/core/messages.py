@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 
     from engine.core.request import Request, Sampled
 
+ENGINE_STOPPED = "the engine shut down"  # the error of every request still in it when it stops
+
 
 class Refusal(NamedTuple):
     """Why requests are refused at admission: the dropped reason (x-flowprefill-dropped-reason) and the
