@@ -10,7 +10,6 @@ import contextlib
 import contextvars
 import time
 import uuid
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -52,6 +51,7 @@ from engine.serving import kv_transport
 from engine.serving.choices import Choices, LogprobFormatter, completion_body, sse
 from engine.serving.endpoint import BadRequest, EventStream, decode_body
 from engine.serving.reasoning import CLOSE, OPEN, ReasoningParser, ReasoningStream
+from engine.serving.stages import Prepared, Served, Started
 from engine.serving.structured_output import Grammars, GuidedAnswer, failed_by_constraint
 from engine.serving.tool_calls import ForcedCall, ToolCallParser
 
@@ -71,42 +71,6 @@ def chat_default_max_tokens(prompt_tokens: int, room_tokens: int) -> int:
     also reserved in KV when the batch forms. A client wanting longer answers says so. A prompt that
     leaves no room gets 1, which validation then refuses, naming the context."""
     return max(1, min(CHAT_DEFAULT_MAX_TOKENS, room_tokens - prompt_tokens))
-
-
-@dataclass
-class Prepared:
-    """A request's prompts (token ids, and the text as given) and sampling, before any engine work."""
-
-    prompts: list[tuple[list[int], str | None]]
-    sampling: SamplingParams
-    calls: ToolCallParser | ForcedCall | None = None  # what reads its tool calls back
-    prompt: str | None = None  # a chat request's, as its template wrote it
-
-
-@dataclass
-class Served:
-    """The serving layer's state of one engine request (its `Request.serving`; the engine never reads it)."""
-
-    choice: int = 0  # OpenAI's n: which choice of its HTTP request (usage and metrics count a prompt by choice 0)
-    kv: dict[str, Any] | None = None  # the prefill half of a disaggregated request: its prompt's KV, to hand off
-
-    def keep_kv(self, kv: dict[str, Any]) -> None:
-        """Request.kv_sink (on the engine thread, before the first token's output is queued)."""
-        self.kv = kv
-
-
-@dataclass
-class Started:
-    """A request whose engine requests are queued (or, handed off, decoding): its outputs to format."""
-
-    rid: str
-    choices: Choices
-    headers: dict[str, str]
-    kv_to: str | None  # the prefill half of a disaggregated request: where its KV goes
-
-    @property
-    def first(self) -> EngineRequest:
-        return self.choices.reqs[0]
 
 
 class Generation:

@@ -22,7 +22,8 @@ from engine.protocol.openai import Unsupported
 from engine.protocol.responses import ResponsesRequest
 from engine.serving.choices import tool_delta
 from engine.serving.endpoint import BadRequest, EventStream, decode_body
-from engine.serving.generation import Generation, Started
+from engine.serving.generation import Generation
+from engine.serving.stages import Started
 from engine.serving.structured_output import failed_by_constraint
 from engine.serving.tool_calls import ForcedCall
 
