@@ -215,14 +215,7 @@ class LlamaModel:
                 a, b = step.rows
                 whole = b - a == n  # the whole batch in one step (no split)
                 if step.op == ATTN_IN:
-                    if whole and lease is not None:
-                        lease.replay(step.layer, ATTN_IN)
-                    else:
-                        new_q, new_k, new_v = self._attn_in(layer, x[a:b], tuple(r[a:b] for r in rope))
-                        if whole:  # keep the results, don't copy them
-                            q, k, v = new_q, new_k, new_v.contiguous()
-                        else:
-                            q[a:b], k[a:b], v[a:b] = new_q, new_k, new_v
+                    q, k, v = self._attn_in_step(step, layer, x, rope, (q, k, v), whole, lease)
                     kv.write(step.layer, slots[a:b], k[a:b], v[a:b])
                     keys.clear()
                 elif step.op == ATTENTION:
@@ -248,6 +241,23 @@ class LlamaModel:
                 StepGraphs.release(lease)
             if kept is not None:
                 self.activations.release(kept)
+
+    def _attn_in_step(self, step: Step, layer: LayerWeights, x: torch.Tensor, rope: Rows,
+                      qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor], whole: bool, lease: GraphBuffers | None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One ATTN_IN step: its rows' q, k, v written into the batch's (a CUDA graph's replay writes its
+        bucket's buffers in place; a whole-batch step's results are kept, not copied)."""
+        a, b = step.rows
+        q, k, v = qkv
+        if whole and lease is not None:
+            lease.replay(step.layer, ATTN_IN)
+        else:
+            new_q, new_k, new_v = self._attn_in(layer, x[a:b], tuple(r[a:b] for r in rope))
+            if whole:
+                q, k, v = new_q, new_k, new_v.contiguous()
+            else:
+                q[a:b], k[a:b], v[a:b] = new_q, new_k, new_v
+        return q, k, v
 
     def _ffn_step(self, step: Step, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor,
                   block: tuple[torch.Tensor, torch.Tensor], whole: bool, lease: GraphBuffers | None

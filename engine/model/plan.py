@@ -118,6 +118,30 @@ def _prefix_sums(steps: list[Step]) -> list[float]:
     return out
 
 
+def _step_sizes(cost: OpCost, spans: list[SeqSpan], rows: int, budget_s: float | None
+                ) -> tuple[int, int, int, int, int]:
+    """The blocks a budget cuts a batch's operators into: rows per ATTN_IN step and per FFN step, rows per
+    block of an FFN cut by the MLP's columns too (0: whole-FFN blocks), queries per attention block and
+    keys per tile. budget_s=None: one step per operator."""
+    if budget_s is None:
+        big = 1 << 62
+        return big, big, 0, big, big
+    # Sizes in the cost model's unscaled units; `scale` says how much slower the device runs batches of
+    # this size now.
+    work_s = max(budget_s / cost.scale - cost.step_overhead_s, budget_s / cost.scale / 2)
+    # Query blocks as large as the budget allows (fewer, larger tiles parallelise better and need fewer
+    # merges), down to 32 when even a small diagonal tile would outlast it.
+    longest = max((s.length for s in spans), default=1)
+    q_block = 256
+    while q_block < longest and cost.attn_s(2 * q_block, 2 * q_block, True) <= budget_s:
+        q_block *= 2
+    while q_block > 32 and cost.attn_s(q_block, q_block, True) > budget_s:
+        q_block //= 2
+    key_tile = max(q_block, _fit(work_s, q_block * cost.attn_s_per_pair, 64))
+    return (cost.row_block(ATTN_IN, rows, work_s), cost.row_block(FFN, rows, work_s),
+            cost.sliced_ffn_rows(rows, work_s), q_block, key_tile)
+
+
 def plan_prefill(cost: OpCost, spans: list[SeqSpan], budget_s: float | None, last_token_only: bool = False) -> Plan:
     """All steps of a batch's prefill, layer by layer. budget_s=None: one step per operator.
     last_token_only: only each sequence's last-token logits will be read (what serving needs)."""
@@ -126,26 +150,7 @@ def plan_prefill(cost: OpCost, spans: list[SeqSpan], budget_s: float | None, las
     starts = [0]
     for s in spans:
         starts.append(starts[-1] + s.length)
-    big = 1 << 62
-    sliced = 0  # rows per block of an FFN cut by the MLP's columns too (0: whole-FFN blocks)
-    if budget_s is None:
-        in_rows = ffn_rows = q_block = key_tile = big
-    else:
-        # Sizes in the cost model's unscaled units; `scale` says how much slower the device runs
-        # batches of this size now.
-        work_s = max(budget_s / cost.scale - cost.step_overhead_s, budget_s / cost.scale / 2)
-        in_rows = cost.row_block(ATTN_IN, rows, work_s)
-        ffn_rows = cost.row_block(FFN, rows, work_s)
-        sliced = cost.sliced_ffn_rows(rows, work_s)
-        # Query blocks as large as the budget allows (fewer, larger tiles parallelise better and
-        # need fewer merges), down to 32 when even a small diagonal tile would outlast it.
-        longest = max((s.length for s in spans), default=1)
-        q_block = 256
-        while q_block < longest and cost.attn_s(2 * q_block, 2 * q_block, True) <= budget_s:
-            q_block *= 2
-        while q_block > 32 and cost.attn_s(q_block, q_block, True) > budget_s:
-            q_block //= 2
-        key_tile = max(q_block, _fit(work_s, q_block * cost.attn_s_per_pair, 64))
+    in_rows, ffn_rows, sliced, q_block, key_tile = _step_sizes(cost, spans, rows, budget_s)
 
     def layer(query_rows: list[tuple[int, int]] | None) -> list[Step]:
         """One layer's steps; query_rows: per sequence, the rows whose outputs are needed (all if None)."""
