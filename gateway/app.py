@@ -41,17 +41,7 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
     metrics = GatewayMetrics()
     annotate = _span_annotator() if tracing is not None else None
     upstreams = Upstreams(cfg)
-    # Disaggregated: `workers` decode; these prefill and hand the KV to the decode worker chosen.
-    pool = WorkerPool(cfg.workers, upstreams.client, upstream=cfg.upstream,
-                      affinity_slack_s=cfg.prefix_affinity_slack_s,
-                      roles=frozenset({"decode", "colocated"} if cfg.prefill_workers else {"colocated"}),
-                      discovery=cfg.discovery)
-    metrics.track_queue(lambda: pool.queued)
-    prefill_pool = (WorkerPool(cfg.prefill_workers, upstreams.client, roles=frozenset({"prefill", "colocated"}),
-                               affinity_slack_s=cfg.prefix_affinity_slack_s, discovery=cfg.discovery)
-                    if cfg.prefill_workers else None)
-    metrics.track_pools({"workers": pool, "prefill_workers": prefill_pool})
-    pools = [p for p in (pool, prefill_pool) if p is not None]
+    pool, prefill_pool = _pools(cfg, upstreams, metrics)
     authorize = _authorizer(cfg)
     forward = Forwarder(cfg, pool, PrefillFirst(prefill_pool, upstreams, metrics) if prefill_pool else None,
                         upstreams, metrics, authorize, annotate)
@@ -71,6 +61,40 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
     async def prometheus() -> bytes:
         return metrics.render()
 
+    on_startup, on_shutdown, plugins = _lifecycle([p for p in (pool, prefill_pool) if p is not None],
+                                                  upstreams, tracing)
+    lookups = Lookups(cfg, pool, upstreams.client, metrics, authorize, annotate)
+    return Litestar(route_handlers=[*(_proxied(p, forward, cfg.max_body_bytes, drain) for p in GENERATING),
+                                    *lookups.handlers(), openapi, _health(pool, prefill_pool, drain), prometheus],
+                    openapi_config=None,  # gateway/openapi.py serves the complete document
+                    exception_handlers={GatewayError: _error, HTTPException: _http_error,
+                                        Exception: InternalErrors(metrics)},
+                    on_startup=on_startup, on_shutdown=on_shutdown,
+                    request_max_body_size=cfg.max_body_bytes, plugins=plugins)
+
+
+def _pools(cfg: GatewayConfig, upstreams: Upstreams, metrics: GatewayMetrics
+           ) -> tuple[WorkerPool, WorkerPool | None]:
+    """The pool of `workers`, and of `prefill_workers` if there are any, their queues and members
+    tracked by `metrics`."""
+    # Disaggregated: `workers` decode; these prefill and hand the KV to the decode worker chosen.
+    pool = WorkerPool(cfg.workers, upstreams.client, upstream=cfg.upstream,
+                      affinity_slack_s=cfg.prefix_affinity_slack_s,
+                      roles=frozenset({"decode", "colocated"} if cfg.prefill_workers else {"colocated"}),
+                      discovery=cfg.discovery)
+    metrics.track_queue(lambda: pool.queued)
+    prefill_pool = (WorkerPool(cfg.prefill_workers, upstreams.client, roles=frozenset({"prefill", "colocated"}),
+                               affinity_slack_s=cfg.prefix_affinity_slack_s, discovery=cfg.discovery)
+                    if cfg.prefill_workers else None)
+    metrics.track_pools({"workers": pool, "prefill_workers": prefill_pool})
+    return pool, prefill_pool
+
+
+def _lifecycle(pools: list[WorkerPool], upstreams: Upstreams, tracing: TracerProvider | None
+               ) -> tuple[list[Any], list[Any], list[Any]]:
+    """The app's startup hooks (each pool polled once, then on its own task), its shutdown hooks (the
+    pools stopped, the upstream connections closed, the tracer flushed) and its plugins (tracing's)."""
+
     async def startup() -> None:
         for p in pools:
             await p.poll_once()
@@ -87,14 +111,7 @@ def create_gateway_app(cfg: GatewayConfig, tracing: TracerProvider | None = None
         from telemetry.tracing import litestar_plugin
         plugins.append(litestar_plugin(exclude=["/health", "/metrics"]))
         on_shutdown.append(tracing.shutdown)
-    lookups = Lookups(cfg, pool, upstreams.client, metrics, authorize, annotate)
-    return Litestar(route_handlers=[*(_proxied(p, forward, cfg.max_body_bytes, drain) for p in GENERATING),
-                                    *lookups.handlers(), openapi, _health(pool, prefill_pool, drain), prometheus],
-                    openapi_config=None,  # gateway/openapi.py serves the complete document
-                    exception_handlers={GatewayError: _error, HTTPException: _http_error,
-                                        Exception: InternalErrors(metrics)},
-                    on_startup=[startup], on_shutdown=on_shutdown,
-                    request_max_body_size=cfg.max_body_bytes, plugins=plugins)
+    return [startup], on_shutdown, plugins
 
 
 GENERATING = ("/v1/completions", "/v1/chat/completions", RESPONSES)  # the routes Forwarder serves

@@ -53,6 +53,14 @@ class EngineMetrics(EngineObserver):
         Gauge("flowprefill_goodput_requests_per_second",
               f"Requests per second that met their TTFT target, over the last {GOODPUT_WINDOW_S:.0f} s",
               registry=r).set_function(self._goodput)
+        self._answer_metrics(r)
+        self._scheduling_metrics(engine, r)
+        self._prediction_metrics(engine, r)
+        r.register(_WorkerCPUCollector(engine))
+        engine.observers.append(self)
+
+    def _answer_metrics(self, r: CollectorRegistry) -> None:
+        """Per class: first tokens and their targets, the gaps between tokens, durations, tokens in and out."""
         self.ttft = Histogram("flowprefill_time_to_first_token_seconds", "Time to first token",
                               ["slo_class"], buckets=TTFT_BUCKETS, registry=r)
         self.attained = Counter("flowprefill_slo_attained", "Requests whose TTFT met their class target",
@@ -75,6 +83,9 @@ class EngineMetrics(EngineObserver):
                                      registry=r)
         self.generation_tokens = Counter("flowprefill_generation_tokens", "Tokens generated", ["slo_class"],
                                          registry=r)
+
+    def _scheduling_metrics(self, engine: Engine, r: CollectorRegistry) -> None:
+        """Preemptions and evictions, the prefix cache, and the queues and KV cache as they are now."""
         self.preemptions = Counter("flowprefill_preemptions", "Prefill batches preempted",
                                    ["victim_class", "by_class"], registry=r)
         self.stop_latency = Histogram("flowprefill_preemption_latency_seconds",
@@ -99,8 +110,10 @@ class EngineMetrics(EngineObserver):
             lambda: engine.snapshot.suspended)
         Gauge("flowprefill_kv_cache_usage_ratio", "Share of KV blocks in use", registry=r).set_function(
             lambda: engine.snapshot.load.kv_cache_usage)
-        # How far the TTFT predictor, on which every slack rests, is off: per batch size class, each
-        # finished batch's measured over predicted time, and the correction the engine has learned.
+
+    def _prediction_metrics(self, engine: Engine, r: CollectorRegistry) -> None:
+        """How far the TTFT predictor, on which every slack rests, is off: per batch size class, each
+        finished batch's measured over predicted time, and the correction the engine has learned."""
         from engine.model.plan import SIZE_CLASSES, size_class  # the engine, hence torch, is loaded
 
         labels = [*map(str, SIZE_CLASSES), "+Inf"]
@@ -117,8 +130,6 @@ class EngineMetrics(EngineObserver):
         Gauge("flowprefill_prefill_machine_factor", "How much slower than calibrated the device runs now, as the "
               "cost model learned it from measured steps (shared by every batch size)", registry=r
               ).set_function(lambda: engine.snapshot.load.machine_factor)
-        r.register(_WorkerCPUCollector(engine))
-        engine.observers.append(self)
 
     def on_segment_end(self, batch: PrefillBatch, now: float) -> None:
         if batch.finished and batch.total_cost > 0 and batch.exec_s > 0:

@@ -11,8 +11,9 @@ The pick is the gateway's own: the same classification (gateway/classify.py), lo
   immediate responses, metadata in and out.
 - `processor.py`: one HTTP request's ext_proc stream, message by message.
 - `h2.py`: gRPC's server side on HTTP/2, one asyncio protocol per connection (why not grpcio's
-  server: its header comment, with the measurement); `h2call.py`: what a call sees of its stream;
-  `h2wire.py`: frames, header blocks, gRPC status.
+  server: its header comment, with the measurement); `h2out.py`: a connection's frames out (flow
+  control, the graceful stop); `h2call.py`: what a call sees of its stream; `h2wire.py`: frames,
+  header blocks, gRPC status.
 - `grpc_server.py`: the listening port (plaintext or TLS), a graceful stop, the gRPC health service.
 - `server.py`: the picker's process: the ext_proc and health services, the metrics endpoint, the
   pool's life.
