@@ -351,18 +351,7 @@ def main(argv: list[str] | None = None) -> int:
             if "stop" in plan.sections:
                 results["stop_latency"] = bench.stop_latency()
         if bench._model is not None:
-            results["config"]["calibration"] = cost_dict(bench._model[1])
-            results["config"]["model"] = asdict(bench._model[0].cfg)
-            results["config"]["attention_backend"] = bench._model[0].backend.name
-            results["config"]["row_kernels"] = bench._model[0].kernels.name
-            results["config"]["fused_rope"] = bench._model[0].rotary.fused
-            graphs = bench._model[0].graphs
-            if graphs is not None:
-                results["config"]["cuda_graphs"] = {"buckets_captured": graphs.captured,
-                                                    "capture_s": graphs.capture_s, "failure": graphs.failure}
-                console.print(f"CUDA graphs (prefills of up to {BASE_CONFIG.cuda_graph_tokens} tokens): buckets "
-                              f"{graphs.captured} captured in {graphs.capture_s:.1f} s"
-                              + (f"; capture failed: {graphs.failure}" if graphs.failure else ""))
+            results["config"].update(_model_config(bench._model, console))
         results["duration_s"] = time.monotonic() - t_start
         with suppress(OSError):
             results["machine"]["loadavg_at_end"] = os.getloadavg()
@@ -373,6 +362,21 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"wrote {json_path}, {png_path} and {md_path} (the tables in Markdown) "
                   f"in {results['duration_s']:.0f} s")
     return 0
+
+
+def _model_config(loaded: tuple[LlamaModel, OpCost, KVCache], console: Console) -> dict[str, Any]:
+    """What the results record of the model the bench ran: its calibration, shape, kernels and CUDA graphs."""
+    model, cost, _ = loaded
+    config = {"calibration": cost_dict(cost), "model": asdict(model.cfg), "attention_backend": model.backend.name,
+              "row_kernels": model.kernels.name, "fused_rope": model.rotary.fused}
+    graphs = model.graphs
+    if graphs is not None:
+        config["cuda_graphs"] = {"buckets_captured": graphs.captured, "capture_s": graphs.capture_s,
+                                 "failure": graphs.failure}
+        console.print(f"CUDA graphs (prefills of up to {BASE_CONFIG.cuda_graph_tokens} tokens): buckets "
+                      f"{graphs.captured} captured in {graphs.capture_s:.1f} s"
+                      + (f"; capture failed: {graphs.failure}" if graphs.failure else ""))
+    return config
 
 
 if __name__ == "__main__":

@@ -160,18 +160,10 @@ class StopLatencySection:
             self.progress.advance(task, min(target, len(suspensions) + len(new)) - min(target, len(suspensions)))
             suspensions += new
         self.progress.advance(task, max(0, target - len(suspensions)))  # what the time cap left undone
-        ms = [s["stop_ms"] for s in suspensions]
-        return {
-            "samples_ms": ms, "suspensions": suspensions, "n": len(ms), "target_n": target, "prompt_tokens": n,
-            "p50_ms": percentile(ms, 50), "p99_ms": percentile(ms, 99), "max_ms": max(ms) if ms else float("nan"),
-            "within_target": (sum(x <= STOP_TARGET_MS for x in ms) / len(ms)) if ms else float("nan"),
-            "injected": injected, "missed": injected - len(ms), "long_prefills": long_runs,
-            "long_prefills_cancelled": cancelled,
-            "long_prefill_wall_s": long_wall, "predicted_prefill_s": predicted_s,
-            "urgent_ttft_ms": [x * 1e3 for x in urgent_ttft],
-            "urgent_ttft_p50_ms": percentile([x * 1e3 for x in urgent_ttft], 50),
-            "urgent_ttft_p99_ms": percentile([x * 1e3 for x in urgent_ttft], 99),
-        }
+        return {**_samples(suspensions, target, n), "injected": injected,
+                "missed": injected - len(suspensions), "long_prefills": long_runs,
+                "long_prefills_cancelled": cancelled, "long_prefill_wall_s": long_wall,
+                "predicted_prefill_s": predicted_s, **_urgent(urgent_ttft)}
 
     def _stop_table(self, r: dict[str, Any]) -> None:
         t = Table(title=f"3 · Stop latency through the engine: preemption decided -> batch suspended "
@@ -209,3 +201,17 @@ def _wait_until(cond: Callable[[], bool], timeout: float) -> None:
         if time.monotonic() > end:
             raise RuntimeError("timed out waiting for the engine")
         time.sleep(0.0005)
+
+
+def _samples(suspensions: list[dict[str, Any]], target: int, n: int) -> dict[str, Any]:
+    """A stop-latency cell's samples and their summary."""
+    ms = [s["stop_ms"] for s in suspensions]
+    return {"samples_ms": ms, "suspensions": suspensions, "n": len(ms), "target_n": target, "prompt_tokens": n,
+            "p50_ms": percentile(ms, 50), "p99_ms": percentile(ms, 99), "max_ms": max(ms) if ms else float("nan"),
+            "within_target": (sum(x <= STOP_TARGET_MS for x in ms) / len(ms)) if ms else float("nan")}
+
+
+def _urgent(ttft_s: list[float]) -> dict[str, Any]:
+    """The urgent requests' TTFTs of a cell, ms, and their p50 and p99."""
+    ms = [x * 1e3 for x in ttft_s]
+    return {"urgent_ttft_ms": ms, "urgent_ttft_p50_ms": percentile(ms, 50), "urgent_ttft_p99_ms": percentile(ms, 99)}
