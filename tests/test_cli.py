@@ -69,7 +69,7 @@ def test_every_option_has_help_and_shows_its_default(command: str) -> None:
 
 
 def test_loadtest_goodput_and_plan_options_have_help() -> None:
-    from engine.bench import plan
+    from engine.planner import command as plan
     from loadtest import goodput, run
 
     for parser in (run.build_parser(), goodput.build_parser(), plan.build_parser()):

@@ -257,9 +257,9 @@ def test_every_documented_command_parses() -> None:
     """Every `flowprefill …` command in the docs is one the CLI accepts (options and values), so a
     renamed or removed option fails here; the long-running ones are not run, only parsed."""
     from engine.bench import kv_growth as bench_kv
-    from engine.bench import plan
     from engine.bench import prefill as bench_prefill
     from engine.bench import prefix_cache as bench_prefix
+    from engine.planner import command as plan
     from gateway import bench as bench_gateway
     from gateway.cli import build_parser
     from gateway.epp import bench as bench_epp

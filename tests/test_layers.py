@@ -33,6 +33,12 @@ CORE = ("engine/core/*.py", "engine/model/*.py", "engine/attention/*.py", "engin
 SERVING = ("engine/serving/*.py",)
 # Benchmarks: the top, like the CLI.
 BENCH = ("engine/bench/*.py", "engine/__init__.py", "gateway/bench.py", "gateway/epp/bench*.py")
+# The capacity planner (`flowprefill plan`): above the engine and the gateway whose routing it simulates, below
+# the benchmarks. Its validation against real runs is a benchmark (engine/bench/planner_validation/): of
+# the benchmarks only its command imports that, and the shared console and machine description.
+PLANNER = ("engine/planner/*.py",)
+PLANNER_COMMAND = "engine/planner/command.py"
+PLANNER_COMMAND_BENCH = ("engine.bench.planner_validation*", "engine.bench.console*", "engine.bench.machine*")
 SERVING_MODULES = ("engine.serving",)
 # What the gateway's processes may load of the engine: its protocol, and through telemetry the observer
 # interface (engine/core/observer.py: no imports at run time; engine/core/__init__.py imports nothing);
@@ -70,7 +76,15 @@ def _imports(tree: ast.Module) -> list[tuple[int, str, bool]]:
 def _rule(path: str, module: str, top: bool) -> str | None:
     """Why `path` may not import `module` (None: it may)."""
     root = module.split(".")[0]
-    if _matches(path, PROTOCOL):
+    if (module == "engine.planner" or module.startswith("engine.planner.")) and not _matches(path, PLANNER + BENCH):
+        return "only the benchmarks import the capacity planner (the command line runs it by its module's name)"
+    if _matches(path, BENCH) and module.startswith(PLANNER_COMMAND.removesuffix(".py").replace("/", ".")):
+        return "the planner's validation builds on the planner's parts, not on its command (which imports it)"
+    if _matches(path, PLANNER):
+        if (module == "engine.bench" or module.startswith("engine.bench.")) and not (
+                path == PLANNER_COMMAND and _matches(module, PLANNER_COMMAND_BENCH)):
+            return "the planner imports nothing of the benchmarks (its command: its validation, console, machine)"
+    elif _matches(path, PROTOCOL):
         if root not in sys.stdlib_module_names and root != "msgspec" and not module.startswith("engine.protocol"):
             return "the protocol imports only the standard library and msgspec"
     elif _matches(path, CORE):
@@ -94,9 +108,10 @@ def forbidden_imports(root: Path) -> list[str]:
     outside a layer's folder is one too (engine/ itself holds only its `__init__.py`): a new module has
     to say where it belongs."""
     found = []
-    for file in sorted([*root.glob("engine/**/*.py"), *root.glob("gateway/**/*.py"), *root.glob("telemetry/*.py")]):
+    for file in sorted([*root.glob("engine/**/*.py"), *root.glob("gateway/**/*.py"), *root.glob("telemetry/*.py"),
+                       *root.glob("loadtest/**/*.py")]):
         path = file.relative_to(root).as_posix()
-        if path.startswith("engine/") and not _matches(path, PROTOCOL + CORE + SERVING + BENCH):
+        if path.startswith("engine/") and not _matches(path, PROTOCOL + CORE + SERVING + PLANNER + BENCH):
             found.append(f"{path}: in no layer (put it in a layer's folder)")
             continue
         lines = set()  # one finding per import statement
@@ -118,11 +133,14 @@ def test_the_check_finds_a_forbidden_import(tmp_path: Path) -> None:
                        ("engine/core/scheduler/new.py", "from engine.serving import worker"),
                        ("gateway/app.py", "import torch"),
                        ("gateway/routing.py", "from engine.core.request import Request"),
-                       ("engine/protocol/slo.py", "import numpy"), ("engine/newcore.py", "import os")):
+                       ("engine/protocol/slo.py", "import numpy"), ("engine/newcore.py", "import os"),
+                       ("loadtest/goodput.py", "from engine.planner.fleet import Planner"),
+                       ("engine/planner/fleet.py", "from engine.bench.planner_validation import median"),
+                       ("engine/bench/planner_validation/new.py", "from engine.planner.command import main")):
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text(f"def f():\n    {line}\n")
     found = forbidden_imports(tmp_path)
-    assert len(found) == 6 and "engine/newcore.py: in no layer (put it in a layer's folder)" in found, found
+    assert len(found) == 9 and "engine/newcore.py: in no layer (put it in a layer's folder)" in found, found
 
 
 # Import cycles (module level and inside functions, `if TYPE_CHECKING:` left out). Each one left is listed
@@ -134,8 +152,6 @@ ALLOWED_CYCLES: dict[frozenset[str], str] = {
                "engine.model.llama", "engine.model.plan"}): "the cost model and its calibration, apart",
     frozenset({"engine.attention", "engine.attention.sdpa"}): "the backend interface picks sdpa, which builds on it",
     frozenset({"loadtest.goodput", "loadtest.goodput_errors"}): "bench goodput's --errors sweep and its command",
-    frozenset({"engine.bench.plan", "engine.bench.plan_paired", "engine.bench.plan_real", "engine.bench.plan_speed"}):
-        "the capacity planner and its validation against real serve runs",
     frozenset({"loadtest.peer.cli", "loadtest.peer.raw", "loadtest.peer.run_sweep"}):
         "bench peer's command and the two runs it dispatches to, which read its options' helpers",
 }

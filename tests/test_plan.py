@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from test_sim import COST, requests, trace
 
-from engine.bench.plan_fleet import Planner, smallest, with_prefixes
-from engine.bench.plan_routing import GatewayRouter, distinct_key, prompt_key, trace_key
 from engine.core.config import EngineConfig
 from engine.core.scheduler import make_policy
 from engine.model.plan import SeqSpan
+from engine.planner.fleet import Planner, smallest, with_prefixes
+from engine.planner.routing import GatewayRouter, distinct_key, prompt_key, trace_key
 from engine.protocol.slo import DEFAULT_CLASSES
 from engine.sim import SimConfig, simulate
 from engine.sim.fleet import Fleet
@@ -155,9 +155,9 @@ def test_an_instances_report_on_admission_ranks_it_until_the_next_poll(reports: 
 def test_the_planner_spreads_its_draws_over_where_the_gateways_polls_fall(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each of a noisy plan's draws has the gateway's first poll at its own share of the poll interval;
     a plan of one draw polls at the interval's middle."""
-    import engine.bench.plan_fleet as plan_fleet
-    from engine.bench.plan_fleet import NOISE_DRAWS
-    from engine.bench.plan_measured import Planned
+    import engine.planner.fleet as fleet
+    from engine.planner.fleet import NOISE_DRAWS
+    from engine.planner.measured import Planned
 
     firsts: list[float] = []
 
@@ -166,7 +166,7 @@ def test_the_planner_spreads_its_draws_over_where_the_gateways_polls_fall(monkey
             firsts.append(first_poll_s)
             super().__init__(*args, first_poll_s=first_poll_s, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(plan_fleet, "GatewayRouter", Recording)
+    monkeypatch.setattr(fleet, "GatewayRouter", Recording)
     planner = Planner(bursts(seconds=2), COST, EngineConfig(prefix_caching=False), 0.9, False, poll_s=0.5)
     planner.evaluate("fcfs", 2, stop_early=False)
     assert firsts == [0.25]
@@ -237,10 +237,10 @@ def test_the_command_writes_its_table_json_and_plot(tmp_path: Path) -> None:
 def test_a_worker_s_batch_log_is_what_the_planner_replays(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """$FLOWPREFILL_BATCH_LOG: each finished batch as the in-process recorder sees it, read back for
     `plan --against-serve` (engine/core/batch_log.py); the replay client's ids as the simulation's."""
-    from engine.bench.plan_real import _sim_id
     from engine.core import batch_log
     from engine.core.engine import Engine
     from engine.core.request import SamplingParams
+    from engine.planner.serve_runs import _sim_id
     from engine.sim.oracle import BatchCostRecorder
 
     monkeypatch.setenv(batch_log.ENV, str(tmp_path / "logs"))
@@ -291,7 +291,7 @@ def test_a_pilot_twice_as_slow_as_the_model_needs_a_bigger_fleet(tmp_path: Path)
 def test_an_against_serve_run_s_logs_are_each_fleet_s_pilot(tmp_path: Path) -> None:
     """`--against-serve` keeps each fleet's batch logs under `<out>/batch-logs/<policy>-w<n>/`; given
     as `--speed-from`, each point takes its own fleet's, and the planner the median of them all."""
-    from engine.bench.plan_real import pilot_folder
+    from engine.bench.planner_validation.against_serve import pilot_folder
     from gateway.cli import main
 
     root = tmp_path / "batch-logs"
@@ -362,7 +362,7 @@ def test_against_serve_starts_serve_on_another_port_when_its_port_was_taken(
     own words."""
     import socket
 
-    from engine.bench import plan_real
+    from engine.planner import serve_runs
     from gateway.processes import free_port, healthy, stop
 
     taken = socket.socket()
@@ -376,9 +376,9 @@ def test_against_serve_starts_serve_on_another_port_when_its_port_was_taken(
         chosen.append(taken.getsockname()[1] if not chosen else free_port(span=span))
         return chosen[-1]
 
-    monkeypatch.setattr(plan_real, "free_port", taken_first)
+    monkeypatch.setattr(serve_runs, "free_port", taken_first)
     try:
-        proc, port, argv = plan_real._start_serve("fcfs", 1, 1, tmp_path)
+        proc, port, argv = serve_runs._start_serve("fcfs", 1, 1, tmp_path)
         try:
             assert chosen[0] == taken.getsockname()[1] and port == chosen[-1] != chosen[0]
             assert healthy(f"http://127.0.0.1:{port}")
@@ -389,9 +389,9 @@ def test_against_serve_starts_serve_on_another_port_when_its_port_was_taken(
     finally:
         taken.close()
 
-    monkeypatch.setattr(plan_real, "free_port", free_port)
+    monkeypatch.setattr(serve_runs, "free_port", free_port)
     with pytest.raises(RuntimeError, match=r"exited with code 2: .*nonsense"):
-        plan_real._start_serve("nonsense", 1, 1, tmp_path, tries=1)
+        serve_runs._start_serve("nonsense", 1, 1, tmp_path, tries=1)
 
 
 def test_the_engine_pass_times_each_prompt_on_a_fresh_engine_and_returns_its_threads() -> None:
@@ -400,8 +400,8 @@ def test_the_engine_pass_times_each_prompt_on_a_fresh_engine_and_returns_its_thr
     import statistics
     import threading
 
-    from engine.bench.plan_speed import at_measured_speed, engine_pass
     from engine.model.plan import size_class
+    from engine.planner.speed import at_measured_speed, engine_pass
     from loadtest.goodput import Runner
     from loadtest.workload import azure_mix, head
 
@@ -437,8 +437,8 @@ def test_plan_on_this_cpu_plans_at_the_engine_pass_speed_unless_told_not_to(tmp_
 
 def test_repeated_real_runs_are_compared_by_their_median_per_class() -> None:
     """`--against-serve --repeats 3`: per class and overall the median of the runs, each run kept."""
-    from engine.bench.plan_real import median_run
-    from engine.bench.plan_report import _real_cell
+    from engine.bench.planner_validation.median import median_run
+    from engine.planner.report import _real_cell
 
     def run(interactive: float, standard: float, failed: int = 0) -> dict[str, object]:
         per_class = {"interactive": {"n": 10, "attainment": interactive, "ttft_p50_ms": 50.0, "ttft_p99_ms": 900.0},
@@ -460,7 +460,7 @@ def test_repeated_real_runs_are_compared_by_their_median_per_class() -> None:
 def test_the_real_median_interval_narrows_with_runs_that_agree() -> None:
     """How well a fleet's runs know their median: the central 90 % of bootstrap medians, within the
     runs' range, narrower the more runs agree; the same twice (seeded)."""
-    from engine.bench.plan_real import median_interval
+    from engine.bench.planner_validation.median import median_interval
 
     scattered = [0.64, 0.48, 0.78, 0.78, 0.57, 0.70, 0.58, 0.46, 0.79]  # chunked:2048, one worker, 2026-12-06
     lo, hi = median_interval(scattered)
@@ -476,7 +476,7 @@ def test_agreement_counts_cells_within_the_band_leaving_out_small_classes() -> N
     overall) within 5 points of the real median, and its largest gap; a fleet that never ran has none."""
     from rich.console import Console
 
-    from engine.bench.plan_report import agreement, print_agreement
+    from engine.planner.report import agreement, print_agreement
 
     def pt(overall: float, interactive: float, relaxed: float) -> dict[str, object]:
         return {"attainment": overall, "per_class": {"interactive": {"n": 122, "attainment": interactive},
@@ -513,11 +513,11 @@ def test_against_serve_repeats_in_rounds_keeps_each_run_and_survives_a_failed_st
     removed first), the median compared; a run whose serve did not start is reported, not fatal."""
     from rich.console import Console
 
-    from engine.bench import plan_real
-    from engine.bench.plan import build_parser
-    from engine.bench.plan_real import compare_fleets, real_rounds
-    from engine.bench.plan_report import against_table
+    from engine.bench.planner_validation.against_serve import compare_fleets, real_rounds
     from engine.core.batch_log import MeasuredBatch
+    from engine.planner import serve_runs
+    from engine.planner.command import build_parser
+    from engine.planner.report import against_table
     from loadtest.workload import azure_mix, head
 
     stale = tmp_path / "batch-logs" / "fcfs-w1" / "batches-1.jsonl"
@@ -536,7 +536,7 @@ def test_against_serve_repeats_in_rounds_keeps_each_run_and_survives_a_failed_st
               "per_class": per_class, "preemptions": 0, "failed": 0, "command": "flowprefill serve"}
         return pt, [f"http://127.0.0.1:{9000 + i}" for i in range(n)], [MeasuredBatch(["w0"], 0.01, 0.02, 1.0, 10)]
 
-    monkeypatch.setattr(plan_real, "real_point", fake_real_point)
+    monkeypatch.setattr(serve_runs, "real_point", fake_real_point)
     policies = ["fcfs", "flowprefill", "chunked:2048"]
     args = build_parser().parse_args(["--requests", "6", "--rate", "2", "--against-serve", "1", "--repeats", "2",
                                       "--policies", ",".join(policies), "--out", str(tmp_path)])
@@ -564,10 +564,11 @@ def test_against_serve_simulates_the_real_fleet_routed_by_load_alone(
     which ports two workers got moved a simulated fleet's attainment by 16 points."""
     from rich.console import Console
 
-    from engine.bench import plan_real
-    from engine.bench.plan import build_parser
-    from engine.bench.plan_fleet import Planner
+    from engine.bench.planner_validation import against_serve
     from engine.core.batch_log import MeasuredBatch
+    from engine.planner import serve_runs
+    from engine.planner.command import build_parser
+    from engine.planner.fleet import Planner
     from loadtest.workload import azure_mix, head
 
     def fake_real_point(policy, n, threads, w, schedule, logs):  # type: ignore[no-untyped-def]
@@ -583,20 +584,20 @@ def test_against_serve_simulates_the_real_fleet_routed_by_load_alone(
             keys.append(kw.get("key_of"))
             super().__init__(*a, **kw)
 
-    monkeypatch.setattr(plan_real, "real_point", fake_real_point)
-    monkeypatch.setattr(plan_real, "Planner", Spy)
+    monkeypatch.setattr(serve_runs, "real_point", fake_real_point)
+    monkeypatch.setattr(against_serve, "Planner", Spy)
     args = build_parser().parse_args(["--requests", "6", "--rate", "2", "--against-serve", "2", "--policies", "fcfs",
                                       "--prefix-affinity-chars", "1024", "--out", str(tmp_path)])
     w = head(azure_mix(), 6)
-    rows = plan_real.compare_fleets(args, w, COST, EngineConfig(prefix_caching=False),
-                                    plan_real.real_rounds(args, w, ["fcfs"], Console(file=None, quiet=True)), None)
+    rows = against_serve.compare_fleets(args, w, COST, EngineConfig(prefix_caching=False),
+                                    against_serve.real_rounds(args, w, ["fcfs"], Console(file=None, quiet=True)), None)
     assert rows[0]["real"]["attainment"] == 1.0 and keys == [None]
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 if hasattr(os, "sched_getaffinity") else True,
                     reason="needs two cores and CPU affinity")
 def test_the_load_generator_leaves_a_lone_worker_its_core_and_gets_its_own_back() -> None:
-    from engine.bench.plan_real import off_the_workers_cores
+    from engine.planner.serve_runs import off_the_workers_cores
     from gateway.cli.serve import Cores, worker_threads
 
     before = os.sched_getaffinity(0)

@@ -1,4 +1,4 @@
-"""What a batch begun on an idle worker costs beyond its size's speed (engine/bench/plan_measured.py's
+"""What a batch begun on an idle worker costs beyond its size's speed (engine/planner/measured.py's
 `idle_wake`): measured from a pilot's batch logs, netted out of its speed per size, and charged back by the
 simulator wherever its own load leaves an instance idle."""
 
@@ -20,7 +20,7 @@ def test_a_batch_begins_idle_where_its_last_request_came_after_every_earlier_bat
     """The first batch, and one whose request arrived after the others had all ended, begin idle; one whose
     request was waiting, or arrived while another batch ran (preempting it), does not; an older log
     without those times is not said idle."""
-    from engine.bench.plan_measured import begun_idle
+    from engine.planner.measured import begun_idle
 
     worker = [_batch("a", 0.0, 0.100, 0.0),
               _batch("c", 0.150, 0.050, 0.149),  # arrived while b ran (b ends at 0.300): busy
@@ -45,7 +45,7 @@ def _worker(idle: int, busy: int = 6, wake_s: float = 0.003) -> list[MeasuredBat
 
 
 def test_idle_wake_is_the_median_excess_of_idle_batches_over_busy_ones_of_their_size() -> None:
-    from engine.bench.plan_measured import IDLE_WAKE_MIN_IDLE, idle_wake, net_of_wake
+    from engine.planner.measured import IDLE_WAKE_MIN_IDLE, idle_wake, net_of_wake
 
     assert idle_wake([_worker(IDLE_WAKE_MIN_IDLE)]) == pytest.approx(0.003)
     assert idle_wake([_worker(IDLE_WAKE_MIN_IDLE - 2)]) is None  # too few to say (with the first one)
@@ -61,10 +61,10 @@ def test_the_simulator_charges_the_wake_up_to_a_batch_begun_idle_only() -> None:
     """A prefill, a short request that arrives while it runs, and one five seconds later: with 4 ms of
     wake-up the first and the last begin idle and end 4 ms later; the short one waited behind the first
     (4 ms later for it), but its own batch began busy. A fleet's instance charges it too, as planned."""
-    from engine.bench.plan_fleet import Planner
-    from engine.bench.plan_measured import Planned
     from engine.core.config import EngineConfig
     from engine.core.scheduler import make_policy
+    from engine.planner.fleet import Planner
+    from engine.planner.measured import Planned
     from engine.protocol.slo import DEFAULT_CLASSES
     from engine.sim.simulator import SimConfig, simulate
     from loadtest.goodput import make_requests
@@ -91,7 +91,7 @@ def test_the_simulator_charges_the_wake_up_to_a_batch_begun_idle_only() -> None:
 
 def test_a_pilot_s_wake_up_is_planned_with() -> None:
     """A pilot's `idle_wake_ms` (plan.json, per pilot the median of its runs') is the plan's wake-up."""
-    from engine.bench.plan_measured import median_overheads, planned_with
+    from engine.planner.measured import median_overheads, planned_with
 
     runs = [{"idle_wake_ms": 1.0}, {"idle_wake_ms": 3.0}, {"idle_wake_ms": None}, {"idle_wake_ms": 2.0}]
     assert median_overheads(runs)["idle_wake_ms"] == 2.0

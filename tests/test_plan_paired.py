@@ -1,5 +1,5 @@
 """`plan --against-serve --interleave-pilots`: each real run predicted from the pilot of its own round
-(engine/bench/plan_paired.py), and the verdict on the median of those gaps."""
+(engine/bench/planner_validation/paired.py), and the verdict on the median of those gaps."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from rich.console import Console
 from test_sim import COST
 
-from engine.bench.plan_measured import Planned
 from engine.core.batch_log import MeasuredBatch
+from engine.planner.measured import Planned
 
 
 class SpeedPlanner:
@@ -44,7 +44,7 @@ def test_each_run_is_predicted_from_its_own_round_s_pilot_and_judged_on_the_medi
     """Three rounds: pilots at 2x, 4x and 1x; runs at 0.5, 0.3 and 0.4. Round 3's machine sped up for the
     pilot alone (predicted 1.0, ran 0.4): one outlier among the gaps 0, -0.05, +0.6, whose median is 0.
     The median of the predictions (0.5) against the runs' median (0.4) would read +0.1."""
-    from engine.bench.plan_paired import paired
+    from engine.bench.planner_validation.paired import paired
 
     pairs = [(1, pilot_at(2.0), point(0.5, 0.5)), (2, pilot_at(4.0), point(0.3, 0.3)),
              (3, pilot_at(1.0), point(0.4, 0.4))]
@@ -65,10 +65,10 @@ def test_a_round_pairs_a_fleet_s_run_with_its_own_shape_s_pilot_of_that_round_on
     """`--against-serve 1,2 --repeats 3` with pilots: each real fleet's run is paired with the pilot of its
     own number of workers that ran just before it, in the same round; a round whose pilot failed, or whose
     run did not start, pairs nothing (its other rounds still do)."""
-    from engine.bench import plan_real
-    from engine.bench.plan import build_parser
-    from engine.bench.plan_real import real_rounds
-    from engine.bench.plan_speed import PilotError
+    from engine.bench.planner_validation.against_serve import real_rounds
+    from engine.planner import serve_runs
+    from engine.planner.command import build_parser
+    from engine.planner.speed import PilotError
     from loadtest.workload import azure_mix, head
 
     def fake_real_point(policy, n, threads, w, schedule, logs):  # type: ignore[no-untyped-def]
@@ -81,7 +81,7 @@ def test_a_round_pairs_a_fleet_s_run_with_its_own_shape_s_pilot_of_that_round_on
             raise PilotError("pilot: serve exited 2")
         return pilot_at(float(10 * n + r))
 
-    monkeypatch.setattr(plan_real, "real_point", fake_real_point)
+    monkeypatch.setattr(serve_runs, "real_point", fake_real_point)
     args = build_parser().parse_args(["--requests", "6", "--rate", "2", "--against-serve", "1,2", "--repeats", "3",
                                       "--policies", "fcfs", "--out", str(tmp_path)])
     rounds = real_rounds(args, head(azure_mix(), 6), ["fcfs"], Console(quiet=True), fake_pilot,
@@ -98,7 +98,7 @@ def test_the_verdict_on_paired_gaps_counts_their_median_and_tells_a_miss_by_thei
     """For the paired simulation a cell's gap is the median of the rounds' own gaps (not its median
     prediction less the runs' median), and a miss is beyond the band when that gap's interval is; the
     table shows it as its own column."""
-    from engine.bench.plan_report import against_table, agreement, print_agreement
+    from engine.planner.report import against_table, agreement, print_agreement
 
     def each(gap: float, interval: list[float]) -> dict[str, Any]:
         cell = {"attainment": 0.9, "median_gap": gap, "gap_interval": interval}
@@ -126,7 +126,7 @@ def test_the_verdict_on_paired_gaps_counts_their_median_and_tells_a_miss_by_thei
 
 
 def test_the_rounds_plot_is_drawn_only_where_runs_were_paired(tmp_path: Path) -> None:
-    from engine.bench.plan_report import plot_paired
+    from engine.planner.report import plot_paired
 
     doc: dict[str, Any] = {"workload": {"name": "azure-mix", "rate": 5.5},
                            "against_serve": [{"policy": "fcfs", "workers": 1, "real": point(0.5, 0.5)}]}

@@ -1,4 +1,4 @@
-"""`flowprefill plan --cost cpu`'s pilot (engine/bench/plan_speed.py): each policy planned at the speed a
+"""`flowprefill plan --cost cpu`'s pilot (engine/bench/speed.py): each policy planned at the speed a
 short run of its real `serve --workers 1` measured, its workers predicting with the planner's profile."""
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ def test_plan_on_this_cpu_pilots_each_policy_through_a_real_serve_first(
     `serve --workers 1` of each policy, each policy planned at the speed its own worker logged. Without
     --threads the workers get the planner's thread count, and with `--no-calibrate` they predict with its
     profile: the cache holds one profile and one start-up when the plan is done."""
-    from engine.bench.plan_measured import net_of_serving
-    from engine.bench.plan_real import _sim_id
-    from engine.bench.plan_speed import at_measured_speed
     from engine.core.batch_log import read, read_workers
+    from engine.planner.measured import net_of_serving
+    from engine.planner.serve_runs import _sim_id
+    from engine.planner.speed import at_measured_speed
     from gateway.cli import main
 
     monkeypatch.setenv("FLOWPREFILL_CACHE", str(tmp_path / "cache"))  # (inherited by serve and its workers)
@@ -56,7 +56,7 @@ def test_with_skip_the_pilot_sends_the_trace_s_requests_before_the_planned_ones_
     planned ones, their gaps in the trace's proportions, at the planned ones' requests per second (neither
     the planned clock's factor nor their prompt tokens per second: azure-mix's 10-30 are sparser and
     shorter than its 30-80); else the planned ones' first N at their own times."""
-    from engine.bench.plan import build_parser, load_workload, pilot_workload
+    from engine.planner.command import build_parser, load_workload, pilot_workload
     from loadtest.workload import azure_mix
 
     trace = azure_mix()
@@ -86,7 +86,8 @@ def test_each_policy_is_planned_at_its_own_pilot_s_speed_and_compared_so_with_se
     batch and its requests' time outside the worker less that; plan.json says so under `pilot`, and
     `--against-serve 1,2` gets those as the planner's own prediction, its two-worker fleets the pilots of
     two workers. With `--pilot 0` an engine pass (here 2x) stands for every policy, with nothing outside."""
-    from engine.bench import plan, plan_real, plan_speed
+    from engine.bench.planner_validation import against_serve
+    from engine.planner import command, speed
 
     def batches(factor: float) -> list[MeasuredBatch]:
         return [MeasuredBatch([f"w{i}"], 0.01 * (i + 1), factor * 0.01 * (i + 1), 1.0, 100 * (i + 1))
@@ -102,19 +103,19 @@ def test_each_policy_is_planned_at_its_own_pilot_s_speed_and_compared_so_with_se
             "sent": len(w.requests), "attainment": 1.0, "failed": 0, "logs": str(logs),
             "worker_host_ms": 1.0 + workers, "outside_worker_ms": 10.0}
 
-    monkeypatch.setattr(plan_speed, "serve_pilot", fake_pilot)
-    monkeypatch.setattr(plan_speed, "engine_pass", lambda *_a, **_k: batches(2.0))
+    monkeypatch.setattr(speed, "serve_pilot", fake_pilot)
+    monkeypatch.setattr(speed, "engine_pass", lambda *_a, **_k: batches(2.0))
     seen: dict[str, object] = {}
 
     def fake_compare(args, w, cost, engine_cfg, rounds, planned):  # type: ignore[no-untyped-def]
         seen.update(profile=cost, planned=planned)
         return []
 
-    monkeypatch.setattr(plan_real, "real_rounds", lambda *_a, **_k: None)
-    monkeypatch.setattr(plan_real, "compare_fleets", fake_compare)
+    monkeypatch.setattr(against_serve, "real_rounds", lambda *_a, **_k: None)
+    monkeypatch.setattr(against_serve, "compare_fleets", fake_compare)
     argv = ["--requests", "20", "--cost", "cpu", "--threads", "1", "--rate", "2", "--policies", "fcfs,chunked:512",
             "--max-instances", "2", "--against-serve", "1,2", "--pilot", "8", "--out", str(tmp_path)]
-    assert plan.main(argv) == 0
+    assert command.main(argv) == 0
     doc = json.loads((tmp_path / "plan.json").read_text())
     assert pilots == [("fcfs", 8, tmp_path / "pilot" / "fcfs-w1", 1), ("fcfs", 8, tmp_path / "pilot" / "fcfs-w2", 2),
                       ("chunked:512", 8, tmp_path / "pilot" / "chunked-512-w1", 1),
@@ -131,7 +132,7 @@ def test_each_policy_is_planned_at_its_own_pilot_s_speed_and_compared_so_with_se
         planned = speeds.planned if workers == 1 else {p: speeds.fleets[(p, workers)] for p in expected}  # type: ignore[attr-defined]
         assert set(planned) == set(expected)
         for policy, factor in expected.items():
-            own = plan_speed.at_measured_speed(profile, batches(factor))[0]  # type: ignore[arg-type]
+            own = speed.at_measured_speed(profile, batches(factor))[0]  # type: ignore[arg-type]
             assert planned[policy].cost.batch_host_s == pytest.approx(host_s)
             assert planned[policy].outside_s == pytest.approx(outside_s)
             for tokens in (100, 1000, 4000):
@@ -142,7 +143,7 @@ def test_each_policy_is_planned_at_its_own_pilot_s_speed_and_compared_so_with_se
 
     assert_planned_at(factors, 0.002, 0.008)
     assert_planned_at({p: f * on_two for p, f in factors.items()}, 0.003, 0.007, workers=2)
-    assert plan.main([*argv, "--pilot", "0"]) == 0
+    assert command.main([*argv, "--pilot", "0"]) == 0
     doc = json.loads((tmp_path / "plan.json").read_text())
     assert doc["engine_pass"]["factor"] == pytest.approx(2.0) and "pilot" not in doc and len(pilots) == 4
     assert_planned_at({"fcfs": 2.0, "chunked:512": 2.0}, 0.0, 0.0)
@@ -154,16 +155,16 @@ def test_a_pilot_that_serves_nothing_stops_the_plan_with_its_reason(
         how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """A pilot whose serve did not start, or whose worker ran no batch, gives no speed to plan at: one
     line and exit 2, not a plan at the profile's speed that looks like a pilot's."""
-    from engine.bench import plan, plan_real
+    from engine.planner import command, serve_runs
 
     def real_point(policy, n, threads, w, schedule, logs):  # type: ignore[no-untyped-def]
         if how == "no start":
             raise RuntimeError("flowprefill serve: exited with code 2: address already in use")
         return {"attainment": 0.0, "failed": len(schedule)}, ["http://127.0.0.1:9001"], []
 
-    monkeypatch.setattr(plan_real, "real_point", real_point)
+    monkeypatch.setattr(serve_runs, "real_point", real_point)
     with pytest.raises(SystemExit) as exited:
-        plan.main(["--requests", "20", "--cost", "cpu", "--threads", "1", "--rate", "2", "--policies", "fcfs",
+        command.main(["--requests", "20", "--cost", "cpu", "--threads", "1", "--rate", "2", "--policies", "fcfs",
                    "--pilot", "5", "--out", str(tmp_path)])
     assert exited.value.code == 2
     log = tmp_path / "pilot" / "fcfs-w1"
@@ -180,7 +181,7 @@ def test_a_worker_s_own_time_between_batches_counts_only_where_work_was_waiting(
     """From one batch's end to the next one's first step: counted where the next one's requests had all
     arrived before (3 ms and 2 ms here), not where the worker waited for an arrival, nor across a batch
     left suspended (b's 50 ms after c ended ran the rest of b, not the host)."""
-    from engine.bench.plan_measured import host_gaps
+    from engine.planner.measured import host_gaps
 
     worker = [_batch(["a"], 0.0, 0.100, [0.0]),
               _batch(["b"], 0.103, 0.300, [0.05]),  # waited for: counted, 3 ms
@@ -196,7 +197,7 @@ def test_time_outside_the_worker_is_the_client_s_ttft_less_the_request_s_time_in
     """A request's time in the worker: its arrival there to the end of its last batch (a chunked prompt's
     last chunk). What the client waited beyond that is the gateway's and the HTTP hops' (and sampling's);
     the plan charges it less the host time the simulator puts before each first token."""
-    from engine.bench.plan_measured import outside_worker, overheads, planned_with
+    from engine.planner.measured import outside_worker, overheads, planned_with
 
     batches = [_batch(["w0", "w1"], 1.0, 1.1, [0.98, 0.99]), _batch(["w1"], 1.103, 1.2, [0.99])]
     ttfts = {"w0": 0.130, "w1": 0.221, "w9": 0.5}  # w9: never logged (a refused request)
@@ -212,9 +213,9 @@ def test_time_outside_the_worker_is_the_client_s_ttft_less_the_request_s_time_in
 def test_time_outside_the_instances_comes_out_of_every_request_s_ttft_budget() -> None:
     """Lone requests that the simulated instance answers with some time to spare meet their target with
     1 ms less than that spent outside the instances, and miss it with 1 ms more."""
-    from engine.bench.plan_fleet import Planner
-    from engine.bench.plan_measured import Planned
     from engine.core.config import EngineConfig
+    from engine.planner.fleet import Planner
+    from engine.planner.measured import Planned
     from loadtest.workload import TraceRequest, Workload
 
     w = Workload("two", "test", "fixed", [TraceRequest(t, 1000, 1, "interactive") for t in (0.0, 10.0)])
@@ -233,7 +234,7 @@ def test_a_batch_s_spread_is_measured_around_its_own_size_s_median() -> None:
     is 0.1 (not the gap between the sizes); logs that do not say sizes give none."""
     import math
 
-    from engine.bench.plan_measured import spread
+    from engine.planner.measured import spread
 
     batches = [MeasuredBatch([f"s{i}"], 0.01, 0.03 * math.exp(d), 1.0, 50) for i, d in enumerate((-0.1, 0, 0.1))]
     batches += [MeasuredBatch([f"l{i}"], 1.0, 1.5 * math.exp(d), 1.0, 4000) for i, d in enumerate((-0.1, 0, 0.1))]
@@ -245,9 +246,9 @@ def test_with_noise_a_fleet_is_judged_on_several_draws_pooled() -> None:
     """A planner with a spread of batch speeds runs the fleet NOISE_DRAWS times, each with its own draws,
     and reports their outcomes pooled: the per-class counts are the workload's, the attainment the mean of
     the draws'. Without noise, one run."""
-    from engine.bench.plan_fleet import NOISE_DRAWS, Planner
-    from engine.bench.plan_measured import Planned
     from engine.core.config import EngineConfig
+    from engine.planner.fleet import NOISE_DRAWS, Planner
+    from engine.planner.measured import Planned
     from loadtest.workload import TraceRequest, Workload
 
     w = Workload("burst", "test", "fixed", [TraceRequest(0.04 * i, 500, 1, "interactive") for i in range(10)])
@@ -269,7 +270,7 @@ def test_a_batch_is_measured_net_of_the_serving_cpu_its_arrivals_took() -> None:
     """Two requests arrived at the worker while batch a ran whole, one while b ran for half of its span
     (suspended the other half): a loses 2 x 4 ms, b 0.5 x 4 ms; c, with no arrival during it, nothing;
     without a serving cost, or in an older log, the batches are as logged."""
-    from engine.bench.plan_measured import net_of_serving
+    from engine.planner.measured import net_of_serving
 
     a = _batch(["x"], 0.0, 0.100, [0.0])
     b = MeasuredBatch(["y"], 0.01, 0.100, 1.0, 100, 0.400, 0.200, [0.05])
@@ -288,10 +289,10 @@ def test_a_step_that_requests_arrive_in_ends_later_by_their_serving_cpu() -> Non
     short ones wait behind it in fcfs), in a lone simulation and as a fleet's one instance alike."""
     from dataclasses import replace
 
-    from engine.bench.plan_fleet import Planner
-    from engine.bench.plan_measured import Planned
     from engine.core.config import EngineConfig
     from engine.core.scheduler import make_policy
+    from engine.planner.fleet import Planner
+    from engine.planner.measured import Planned
     from engine.protocol.slo import DEFAULT_CLASSES
     from engine.sim.simulator import SimConfig, simulate
     from loadtest.goodput import make_requests
@@ -323,9 +324,9 @@ def test_with_noise_a_fleet_stops_early_only_when_its_draws_pooled_cannot_reach_
     20 a second): alone, its draw stops; as the first of NOISE_DRAWS it runs on (at most 40 missed of 40
     a draw, the floor allows 14 a draw); after all but 20 of the misses the floor allows, it stops.
     Evaluated, the pool stops early with at most what the misses leave, under the floor."""
-    from engine.bench.plan_fleet import NOISE_DRAWS, STOP_BELOW, Planner
-    from engine.bench.plan_measured import Planned
     from engine.core.config import EngineConfig
+    from engine.planner.fleet import NOISE_DRAWS, STOP_BELOW, Planner
+    from engine.planner.measured import Planned
     from loadtest.workload import TraceRequest, Workload
 
     burst = Workload("overload", "test", "fixed", [TraceRequest(0.05 * i, 2000, 1, "interactive") for i in range(40)])
@@ -385,7 +386,7 @@ def test_a_pilot_run_several_times_pools_its_runs(tmp_path: Path, monkeypatch: p
     """`--pilot-runs 3`: three fresh serves, each logging in its own run-<r>/ (an earlier pilot's runs
     removed first), their batches pooled and each overhead the median of the runs'; one run is the
     pilot itself, in its folder."""
-    from engine.bench import plan_speed
+    from engine.planner import speed
 
     calls: list[Path] = []
 
@@ -397,10 +398,10 @@ def test_a_pilot_run_several_times_pools_its_runs(tmp_path: Path, monkeypatch: p
             "worker_host_ms": float(r), "outside_worker_ms": None if r == 2 else 4.0 * r, "serving_cpu_ms": 2.0,
             "idle_wake_ms": None if r == 3 else float(r)}
 
-    monkeypatch.setattr(plan_speed, "serve_pilot", serve_pilot)
+    monkeypatch.setattr(speed, "serve_pilot", serve_pilot)
     stale = tmp_path / "fcfs-w2" / "run-9"
     stale.mkdir(parents=True)
-    batches, said = plan_speed.repeated_pilot("fcfs", 1, None, tmp_path / "fcfs-w2", 2, 3)  # type: ignore[arg-type]
+    batches, said = speed.repeated_pilot("fcfs", 1, None, tmp_path / "fcfs-w2", 2, 3)  # type: ignore[arg-type]
     assert calls == [tmp_path / "fcfs-w2" / f"run-{r}" for r in (1, 2, 3)] and not stale.exists()
     assert [b.exec_s for b in batches] == pytest.approx([0.01, 0.02, 0.03])
     assert said.pop("runs_speed") == pytest.approx([0.5, 1.0, 1.5])  # each run's time per batch over the pooled 2x
@@ -408,7 +409,7 @@ def test_a_pilot_run_several_times_pools_its_runs(tmp_path: Path, monkeypatch: p
                                   "runs": 3, "worker_host_ms": 2.0, "outside_worker_ms": 8.0, "serving_cpu_ms": 2.0,
                                   "idle_wake_ms": 1.5})
     calls.clear()
-    _, alone = plan_speed.repeated_pilot("fcfs", 1, None, tmp_path / "fcfs-w1", 1, 1)  # type: ignore[arg-type]
+    _, alone = speed.repeated_pilot("fcfs", 1, None, tmp_path / "fcfs-w1", 1, 1)  # type: ignore[arg-type]
     assert calls == [tmp_path / "fcfs-w1"] and "runs" not in alone
 
 
@@ -419,8 +420,8 @@ def test_interleaved_pilots_run_each_round_before_their_fleets_and_plan_at_every
     The plan and the real fleet's own prediction are at both rounds' pilots pooled (2x then 4x: 3x), a
     round whose pilot failed is left out (its cause said), and a pilot that failed in every round stops
     the plan with its cause, exit 2."""
-    from engine.bench import plan, plan_real, plan_speed
-    from engine.bench.plan_speed import PilotError
+    from engine.planner import command, serve_runs, speed
+    from engine.planner.speed import PilotError
 
     calls: list[tuple[str, int, str]] = []
     broken: set[tuple[int, str]] = {(1, "run-1")}  # (workers, round): the one-worker pilot's first round fails
@@ -440,12 +441,12 @@ def test_interleaved_pilots_run_each_round_before_their_fleets_and_plan_at_every
               "failed": 0, "command": "flowprefill serve"}
         return pt, [f"http://127.0.0.1:{9000 + i}" for i in range(n)], [MeasuredBatch(["w0"], 0.01, 0.02, 1.0, 100)]
 
-    monkeypatch.setattr(plan_speed, "serve_pilot", fake_pilot)
-    monkeypatch.setattr(plan_real, "real_point", fake_real_point)
+    monkeypatch.setattr(speed, "serve_pilot", fake_pilot)
+    monkeypatch.setattr(serve_runs, "real_point", fake_real_point)
     argv = ["--requests", "8", "--cost", "cpu", "--threads", "1", "--rate", "2", "--policies", "fcfs",
             "--max-instances", "2", "--against-serve", "2", "--repeats", "2", "--pilot", "4", "--interleave-pilots",
             "--out", str(tmp_path)]
-    assert plan.main(argv) == 0
+    assert command.main(argv) == 0
     assert calls == [("pilot", 1, "run-1"), ("pilot", 2, "run-1"), ("real", 2, "run-1"),
                      ("pilot", 1, "run-2"), ("pilot", 2, "run-2"), ("real", 2, "run-2")]
     doc = json.loads((tmp_path / "plan.json").read_text())
@@ -467,7 +468,7 @@ def test_interleaved_pilots_run_each_round_before_their_fleets_and_plan_at_every
 
     broken.add((1, "run-2"))
     with pytest.raises(SystemExit) as exited:
-        plan.main(argv)
+        command.main(argv)
     assert exited.value.code == 2
     assert "--pilot: fcfs's pilot: serve exited 2: address already in use (--pilot 0" in capsys.readouterr().err
 
@@ -476,9 +477,9 @@ def test_interleaved_pilots_run_each_round_before_their_fleets_and_plan_at_every
                                    ["--against-serve", "1", "--pilot-runs", "2"]])
 def test_interleaved_pilots_need_real_fleets_and_one_pilot_run_per_round(
         extra: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    from engine.bench import plan
+    from engine.planner import command
 
     with pytest.raises(SystemExit) as exited:
-        plan.main(["--requests", "8", "--interleave-pilots", *extra])
+        command.main(["--requests", "8", "--interleave-pilots", *extra])
     assert exited.value.code == 2
     assert "--interleave-pilots runs a pilot in each round of --against-serve" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """The machine's slow wander in the planner's simulation (engine/sim/errors.py's Drift), fitted from a
-pilot's batch logs (engine/bench/plan_measured.py's `wander`), and the real runs' batches charged to the
-simulated requests they were (plan_real's `as_simulated`)."""
+pilot's batch logs (engine/planner/measured.py's `wander`), and the real runs' batches charged to the
+simulated requests they were (against_serve's `as_simulated`)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import statistics
 import pytest
 from test_sim import COST
 
-from engine.bench.plan_measured import Planned, Wander, wander
 from engine.core.batch_log import MeasuredBatch
 from engine.model.plan import SeqSpan
+from engine.planner.measured import Planned, Wander, wander
 from engine.sim.errors import Drift, PredictionError, TrueSpeed
 
 
@@ -91,9 +91,9 @@ def test_two_workers_logs_are_read_as_two_runs() -> None:
 
 def test_a_planner_with_drift_runs_several_draws_that_differ() -> None:
     """Drift alone, no batch noise, is drawn too: NOISE_DRAWS runs, not all alike."""
-    from engine.bench.plan_fleet import NOISE_DRAWS, Planner
-    from engine.bench.plan_measured import planned_with
     from engine.core.config import EngineConfig
+    from engine.planner.fleet import NOISE_DRAWS, Planner
+    from engine.planner.measured import planned_with
     from loadtest.workload import TraceRequest, Workload
 
     w = Workload("burst", "test", "fixed", [TraceRequest(0.05 * i, 1500, 1, "interactive") for i in range(40)])
@@ -110,7 +110,7 @@ def test_a_planner_with_drift_runs_several_draws_that_differ() -> None:
 def test_the_real_runs_batches_are_charged_to_the_simulated_requests_they_ran() -> None:
     """The workers log the client's x-request-id (peer-<ns>-<index>); the simulation names the same
     arrivals w<index>: renamed, every request's own measured factor is found, not the median's."""
-    from engine.bench.plan_real import as_simulated
+    from engine.bench.planner_validation.against_serve import as_simulated
     from engine.core.request import Request
     from engine.sim.oracle import ExactCosts
     from loadtest.peer.client import arrival_index, request_id
@@ -127,9 +127,9 @@ def test_the_real_runs_batches_are_charged_to_the_simulated_requests_they_ran() 
 def test_the_measured_costs_are_each_run_replayed_alone_then_their_median() -> None:
     """Three runs whose requests all ran 1x, 2x and 6x the profile: the column is the median of the three
     replays (the 2x run's), not one replay of the three pooled (each request at its mean, 3x)."""
-    from engine.bench.plan_fleet import Planner
-    from engine.bench.plan_real import as_simulated, replayed_runs
+    from engine.bench.planner_validation.against_serve import as_simulated, replayed_runs
     from engine.core.config import EngineConfig
+    from engine.planner.fleet import Planner
     from engine.sim.oracle import ExactCosts
     from loadtest.peer.client import request_id
     from loadtest.workload import TraceRequest, Workload
@@ -162,7 +162,7 @@ def test_the_plan_s_speed_is_checked_on_the_runs_own_batch_sizes() -> None:
     """The pilot ran mostly short batches (3x the cost model), the runs mostly long ones (1.5x), at the
     same speed per size: over requests the pilot reads twice as slow; on the runs' batches the plan's
     speed is theirs. Runs whose long batches ran faster are told, by as much as their time says."""
-    from engine.bench.plan_real import planned_over_real
+    from engine.bench.planner_validation.against_serve import planned_over_real
     from engine.sim.oracle import at_speed
 
     def batches(short: int, long: int, long_factor: float = 1.5) -> list[MeasuredBatch]:
@@ -178,7 +178,7 @@ def test_the_plan_s_speed_is_checked_on_the_runs_own_batch_sizes() -> None:
 
 
 def test_the_command_says_how_far_the_plan_s_speed_was_from_each_fleet_s_runs() -> None:
-    from engine.bench.plan_report import pilot_against_runs
+    from engine.planner.report import pilot_against_runs
 
     doc = {"against_serve": [{"policy": "chunked:2048", "workers": 1, "planned_over_real_s": 1.17},
                              {"policy": "chunked:2048", "workers": 2, "planned_over_real_s": 0.96},
@@ -192,7 +192,7 @@ def test_each_pilot_run_s_speed_against_the_pooled_is_read_at_the_same_batch_siz
     """Two pilot runs of one mix, one twice as slow: 2/3 and 4/3 of their pooled time per batch. Two runs at
     the same speed per size but of different mixes (short batches 3x the cost model, long ones 1.5x):
     both 1.0, not the 2x a median factor over their batches would read. One run: nothing to compare."""
-    from engine.bench.plan_measured import relative_speeds
+    from engine.planner.measured import relative_speeds
 
     def run(short: int, long: int, slower: float = 1.0) -> list[MeasuredBatch]:
         return ([MeasuredBatch([f"s{i}"], 0.01, 0.03 * slower, 1.0, 100) for i in range(short)]

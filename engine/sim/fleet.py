@@ -9,7 +9,7 @@ lone instance takes them (a step begins before an arrival at the same time, an a
 wake-up, both before a step's end): one instance behind a trivial router is `simulate` exactly.
 
 The router is an interface (`Router`) so that this core module needs nothing of the gateway: the
-planner (engine/bench/plan.py) passes an adapter around the gateway's own `WorkerPool`.
+planner (engine/planner/) passes an adapter around the gateway's own `WorkerPool`.
 """
 
 from __future__ import annotations

@@ -41,10 +41,10 @@ class SimConfig:
     error: PredictionError = field(default_factory=PredictionError)  # true costs against predictions
     late_share: float = 0.5  # the scheduler's (EngineConfig.late_share)
     # CPU a request's arrival costs the instance's own core (a CPU worker's HTTP side beside its engine
-    # loop): a step running when it arrives ends this much later (engine/bench/plan_speed.py's net_of_serving)
+    # loop): a step running when it arrives ends this much later (engine/planner/measured.py's net_of_serving)
     arrival_cpu_s: float = 0.0
     # What a batch begun on an idle instance takes beyond its size's speed: a CPU worker's thread waking
-    # from its wait, its caches cold (engine/bench/plan_measured.py's idle_wake)
+    # from its wait, its caches cold (engine/planner/measured.py's idle_wake)
     idle_wake_s: float = 0.0
 
 

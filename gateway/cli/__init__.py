@@ -60,7 +60,7 @@ LOADTEST = Command("loadtest.run", "a Locust profile, headless, against a gatewa
 # Top-level tools that parse their own arguments, as the benchmarks do.
 TOOLS = {
     "loadtest": LOADTEST,
-    "plan": Command("engine.bench.plan", "capacity planner: the instances a workload needs per policy to meet an "
+    "plan": Command("engine.planner.command", "capacity planner: the instances a workload needs per policy to meet an "
                     "SLO attainment target (simulated behind the gateway's routing)", BENCH),
 }
 

@@ -1,4 +1,5 @@
-"""`flowprefill plan --against-serve N,N`: the planner's fleet against the real one on this machine.
+"""`flowprefill plan --against-serve N,N`: the planner's fleet against the real one on this machine (a
+benchmark of the planner, engine/planner/, not part of it).
 
 For each policy and each N: `flowprefill serve --workers N` (the gateway and N engine workers, each
 `--threads` torch threads, prefix caching off as in the simulation) is started, the workload's arrivals
@@ -16,7 +17,7 @@ machine's speed fixes. Those two learn from the run they are compared with; the 
 measured on other arrivals (each point's logs are kept in `<out>/batch-logs/<policy>-w<n>/` to be such a
 pilot), which is what a planner knows before the fleet exists. With `--cost cpu`, the plan itself runs
 at the speed of each policy's own short `serve` pilot on the workload's first requests
-(engine/bench/plan_speed.py): that fleet, "as planned", is the planner's own prediction. `--repeats R`
+(engine/planner/speed.py): that fleet, "as planned", is the planner's own prediction. `--repeats R`
 runs each real fleet R times, in rounds, and compares with the median of its runs per class (each run's
 logs in `run-<r>/`); with `--interleave-pilots` each round also runs each fleet's pilot just before its real
 run (`real_rounds`), and the plan is made after the rounds, at their pilots pooled.
@@ -25,164 +26,38 @@ run (`real_rounds`), and the plan is made after the rounds, at their pilots pool
 from __future__ import annotations
 
 import argparse
-import asyncio
 import copy
-import os
-import random
 import shutil
-import statistics
-import subprocess
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from rich.console import Console
 
-from engine.bench.plan import workers_of
-from engine.bench.plan_fleet import Planner
-from engine.bench.plan_measured import (
-    Planned,
-    idle_wake,
-    median_overheads,
-    net_of_serving,
-    net_of_wake,
-    overheads,
-    planned_at,
-    planned_with,
-    wander,
-)
-from engine.bench.plan_paired import Pair, paired
-from engine.bench.plan_speed import PilotError, PilotRun, Speeds, measured_speed
-from engine.core.batch_log import ENV as BATCH_LOG
-from engine.core.batch_log import MeasuredBatch, read_workers
+from engine.bench.planner_validation.median import median_run
+from engine.bench.planner_validation.paired import Pair, paired
+from engine.core.batch_log import MeasuredBatch
 from engine.core.config import EngineConfig
 from engine.core.request import Request
 from engine.model.plan import OpCost
+from engine.planner import serve_runs, speed
+from engine.planner.fleet import Planner
+from engine.planner.measured import Planned, planned_at, planned_with, wander
+from engine.planner.serve_runs import Run, fleet_name, workers_of
+from engine.planner.speed import PilotError, PilotRun, Speeds, from_pilots, measured_speed, pilot_fleets, pooled
 from engine.protocol.slo import DEFAULT_CLASSES
 from engine.sim.oracle import ExactCosts, at_speed, speed_by_size
-from gateway.processes import free_port, last_line, start, stop, wait_healthy
-from loadtest import report
 from loadtest.goodput import make_requests
-from loadtest.peer.client import Arrival, Target, arrival_index, arrivals, model_name, replay
-from loadtest.results import outcomes
-from loadtest.server import ServerCounters
+from loadtest.peer.client import Arrival, arrival_index, arrivals
 from loadtest.workload import Workload
-
-Run = tuple[dict[str, Any], list[str], list[MeasuredBatch]]  # a real run: its point, its workers' URLs, its batches
-
-
-def fleet_name(policy: str, n: int) -> str:
-    """A point's folder name under `<out>/batch-logs/`, e.g. `chunked-2048-w2`."""
-    return f"{policy.replace(':', '-')}-w{n}"
-
-
-def real_point(policy: str, n: int, threads: int | None, w: Workload, schedule: list[Arrival], logs: Path) -> Run:
-    """`serve --workers n` on the schedule, its workers logging their batches in `logs`: its goodput
-    point (with the workers' host time per batch, the requests' time outside them, and the serving
-    side's CPU per request), its workers' URLs, and the batches they ran, each less what the serving
-    side took from it (`net_of_serving`) and, begun on an idle worker, less what that cost it (`idle_wake`,
-    `net_of_wake`; request ids as the simulation's: `w{i}` for the schedule's i-th arrival)."""
-    logs.mkdir(parents=True, exist_ok=True)  # real_rounds emptied it: an earlier run's logs are not read
-    proc, port, argv = _start_serve(policy, n, threads, logs)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        counters = ServerCounters(url)  # the workers' CPU: their serving side's share is the runs' too
-        with off_the_workers_cores(n, threads):
-            records = asyncio.run(replay(Target(url, model_name(url)), schedule, max_tokens=1, drain_s=120))
-        preempted, cpu = counters.stop()
-    finally:
-        stop(proc)
-    workers = [[b._replace(ids=[_sim_id(rid) for rid in b.ids]) for b in bs] for bs in read_workers(logs)]
-    failed = sum(not r.ok for r in records)
-    pt = report.point(w.rate, outcomes(records), sum((preempted or {}).values())) | {
-        "failed": failed, "command": "flowprefill " + " ".join(argv)}
-    pt |= overheads(workers, {f"w{r.index}": r.ttft_s for r in records if r.ttft_s is not None and r.ok})
-    pt["serving_cpu_ms"] = cpu["serving_s"] * 1000 / len(records) if cpu and records else None
-    served = [net_of_serving(bs, (pt["serving_cpu_ms"] or 0.0) / 1000) for bs in workers]
-    # Where the workers share their cores with the gateway (two workers on 2 cores), a batch begun idle is
-    # also one that ran while the rest of the fleet was quiet, faster: its excess is not the wake-up alone.
-    # So it is netted out for one worker (over nine runs' pilots: 53 of 54 cells within 5 points, 50 without)
-    # and not for two workers on 2 cores (48 of 54 with it, 50 without).
-    wake_s = idle_wake(served) if gateway_cores(n, threads) is not None else None
-    pt["idle_wake_ms"] = None if wake_s is None else wake_s * 1000
-    batches = [b for bs in served for b in net_of_wake(bs, wake_s or 0.0)]
-    return pt, [f"http://127.0.0.1:{port + 1 + i}" for i in range(n)], batches
-
-
-def gateway_cores(n: int, threads: int | None) -> set[int] | None:
-    """The cores `serve --workers n` keeps for its gateway apart from its workers' own, or None where the
-    gateway shares theirs (serve's own split of this machine's cores)."""
-    from gateway.cli.serve import Cores, worker_threads
-
-    serve_args = argparse.Namespace(device="cpu", cpu_cores=None, workers=n, num_threads=threads)
-    cores = Cores.plan(serve_args, worker_threads(serve_args))
-    if cores is None or cores.shared & set().union(*cores.own):
-        return None
-    return set(cores.shared)
-
-
-@contextmanager
-def off_the_workers_cores(n: int, threads: int | None) -> Iterator[None]:
-    """The load generator (this process) on the gateway's cores while `serve --workers n` runs, where
-    serve pins its workers to cores of their own (it keeps the first core for the gateway when the
-    rest hold every worker: on 2 cores, one worker of one thread), as a deployment's clients are not on
-    its workers' cores. Unpinned, the replay's own Python shared the one worker's core at 16 req/s.
-    (The calling thread is pinned, and so the replay's event loop and any thread it starts.)"""
-    shared = gateway_cores(n, threads)
-    if shared is None:
-        yield  # the gateway shares the workers' cores: nowhere else to go
-        return
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, shared)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
-
-
-def _start_serve(policy: str, n: int, threads: int | None, logs: Path, tries: int = 3
-                 ) -> tuple[subprocess.Popen, int, list[str]]:
-    """`serve --workers n` started and healthy, its stderr in `logs/serve-<attempt>.log`. A port free when chosen can
-    be taken before serve binds it (the replay's connections come and go on this machine's ports: one of
-    four fleets in a run at 16 req/s exited 2, cause unseen); serve then refuses to start, and another
-    port is tried. Any other early exit is an error that names serve's own last line."""
-    for attempt in range(tries):
-        port = free_port(span=n + 1)
-        # --no-calibrate: the workers predict with the profile this planner reads (not each a start-up of its
-        # own, 13 % apart per operator on 2 EPYC cores), so their logged speeds carry over to its cost model
-        # --model tiny: the model the planner's profile is of (an engine's default, not serve's)
-        argv = ["serve", "--model", "tiny", "--port", str(port), "--workers", str(n), "--policy", policy,
-                "--no-prefix-caching", "--no-calibrate", *(["--threads", str(threads)] if threads else [])]
-        log = logs / f"serve-{attempt}.log"  # its own: an earlier attempt's last line is not this one's cause
-        proc = start(*argv, env={BATCH_LOG: str(logs)}, stderr_to=log)
-        try:
-            wait_healthy(f"http://127.0.0.1:{port}", proc, timeout=600)
-            return proc, port, argv
-        except (RuntimeError, TimeoutError) as exc:
-            stop(proc)
-            why = last_line(log)
-            if "in use" in why and attempt + 1 < tries:
-                continue
-            raise RuntimeError(f"flowprefill {' '.join(argv)}: {exc}: {why} (its log: {log})") from None
-        except BaseException:  # interrupted while it starts: it and its workers are not left running
-            stop(proc)
-            raise
-    raise AssertionError("unreachable")
-
-
-def _sim_id(worker_id: str) -> str:
-    """The replay client's `peer-<ns>-<i>` (a worker may add `-<hex>` to a reused id) as the simulation's `w<i>`."""
-    parts = worker_id.split("-")
-    return f"w{parts[2]}" if len(parts) >= 3 and parts[0] == "peer" and parts[2].isdecimal() else worker_id
 
 
 class Rounds(NamedTuple):
     """The real fleets' runs, in rounds; the runs that failed to start (per fleet, their causes); and,
     with `--interleave-pilots`, each pilot fleet's runs, one per round, taken just before its real run,
-    the causes of those that gave nothing (plan_speed's PilotError), and per real fleet each round in
+    the causes of those that gave nothing (engine/planner/speed.py's PilotError), and per real fleet each round in
     which both its own shape's pilot and its run went: the round, the pilot, the run's point
-    (engine/bench/plan_paired.py)."""
+    (paired.py)."""
 
     runs: dict[tuple[str, int], list[Run]]
     failed: dict[tuple[str, int], list[str]]
@@ -223,7 +98,7 @@ def real_rounds(args: argparse.Namespace, w: Workload, policies: list[str], cons
                           + (f" (run {r + 1} of {args.repeats})" if args.repeats > 1 else ""))
             logs = root / fleet_name(policy, n)
             try:
-                done.runs[(policy, n)].append(real_point(policy, n, args.threads, w, schedule,
+                done.runs[(policy, n)].append(serve_runs.real_point(policy, n, args.threads, w, schedule,
                                                          logs / f"run-{r + 1}" if args.repeats > 1 else logs))
                 if piloted_now is not None:
                     done.pairs[(policy, n)].append((r + 1, piloted_now, done.runs[(policy, n)][-1][0]))
@@ -231,6 +106,32 @@ def real_rounds(args: argparse.Namespace, w: Workload, policies: list[str], cons
                 console.print(f"[red]run {r + 1} of serve --workers {n} --policy {policy} failed: {exc}[/red]")
                 done.failed[(policy, n)].append(str(exc))
     return done
+
+
+def interleaved_pilots(args: argparse.Namespace, w: Workload, pilot: Callable[[], tuple[Workload, str]], cost: OpCost,
+                       policies: list[str], console: Console) -> tuple[Speeds, Rounds]:
+    """`--interleave-pilots`: the pilots run in `--against-serve`'s rounds, each fleet's once per round
+    just before its real run, not all before the plan: on a shared 2-core machine the speed can move a
+    fifth between pilots and the fleets they plan minutes later (then 4 of 12 cells within 5 points, all
+    pessimistic, where the runs' own speed put all 12 within 5). The plan's speeds (`from_pilots`, each
+    fleet's round runs pooled) and the real rounds (`Rounds`) to compare them with."""
+    sent, where = pilot()
+
+    def one(policy: str, n: int, r: int) -> PilotRun:
+        folder = Path(args.out) / "pilot" / fleet_name(policy, n)
+        if r == 0:
+            shutil.rmtree(folder, ignore_errors=True)  # an earlier pilot's run-<r>/ folders are not this one's
+        console.print(f"pilot: serve --workers {n} --policy {policy}, {where}, over {sent.duration_s:.0f} s "
+                      f"(round {r + 1} of {args.repeats})")
+        return speed.serve_pilot(policy, args.threads, sent, folder / f"run-{r + 1}", n)
+
+    fleets = pilot_fleets(args, policies)
+    rounds = real_rounds(args, w, policies, console, one, fleets)
+    for policy, n in fleets:
+        if not rounds.pilots[(policy, n)]:  # every round's failed: the last one's cause
+            raise PilotError(rounds.pilot_failed[(policy, n)][-1])
+    ran = {(p, n): pooled(rounds.pilots[(p, n)], Path(args.out) / "pilot" / fleet_name(p, n)) for p, n in fleets}
+    return from_pilots(cost, ran, where, console), rounds
 
 
 def compare_fleets(args: argparse.Namespace, w: Workload, cost: OpCost, engine_cfg: EngineConfig, rounds: Rounds,
@@ -264,7 +165,7 @@ def compare(args: argparse.Namespace, w: Workload, schedule: list[Arrival], cost
             engine_cfg: EngineConfig, policy: str, n: int,
             runs: list[Run], pairs: Sequence[Pair] = ()) -> dict[str, Any]:
     """One fleet's real runs (their median per class) beside its simulations: with the cost model, as
-    planned, each run at the pilot just before it (`pairs`, plan_paired), at the speed the runs measured,
+    planned, each run at the pilot just before it (`pairs`, paired.py), at the speed the runs measured,
     charged what they measured (their batches pooled: a request's factor is then its seconds summed over
     the runs over its predicted seconds summed)."""
     urls = runs[0][1]  # the workers' names (routing by load alone does not hash them)
@@ -339,43 +240,6 @@ def replayed_runs(planner: Planner, policy: str, n: int, cost: OpCost, runs: lis
     points = [planner.evaluate(policy, n, stop_early=False, exact=ExactCosts.from_batches(cost, as_simulated(bs, reqs)))
               for bs in runs]
     return median_run([pt | {"failed": 0, "command": None} for pt in points])
-
-
-def median_run(points: list[dict[str, Any]]) -> dict[str, Any]:
-    """Several runs of one fleet as one point: per class and overall the median attainment (and TTFT
-    percentiles), each run's own attainments kept under `runs`. One run is itself."""
-    if len(points) == 1:
-        return points[0]
-    per_class = {}
-    for c, first in points[0]["per_class"].items():
-        mine = [p["per_class"][c] for p in points]
-        per_class[c] = {"n": first["n"], "attainment": statistics.median(x["attainment"] for x in mine),
-                        "median_interval": median_interval([x["attainment"] for x in mine])} | {
-            k: statistics.median(x[k] for x in mine) if all(x[k] is not None for x in mine) else None
-            for k in ("ttft_p50_ms", "ttft_p99_ms")}
-    attainment = statistics.median(p["attainment"] for p in points)
-    return {"rate": points[0]["rate"], "attainment": attainment, "goodput_rps": points[0]["rate"] * attainment,
-            "median_interval": median_interval([p["attainment"] for p in points]),
-            "per_class": per_class, "preemptions": statistics.median(p["preemptions"] for p in points),
-            "failed": sum(p["failed"] for p in points), "command": points[0]["command"],
-            **median_overheads(points),
-            "runs": [{"attainment": p["attainment"], "failed": p["failed"],
-                      "per_class": {c: x["attainment"] for c, x in p["per_class"].items()}} for p in points]}
-
-
-MEDIAN_LEVEL = 0.9  # the real median's interval: 90 %, by bootstrap over the runs
-BOOTSTRAP_DRAWS = 2000  # resamples: the interval's ends move under 0.5 points between seeds for nine runs
-
-
-def median_interval(xs: list[float], level: float = MEDIAN_LEVEL, draws: int = BOOTSTRAP_DRAWS) -> list[float]:
-    """How well `xs`' median is known: the central `level` of the medians of `draws` resamples of `xs`
-    with replacement (a fixed seed, so one plan.json reads the same twice). On this shared 2-core VM,
-    nine runs of one overloaded `chunked:2048` worker at 5.5 req/s ran 46-79 %: their median is known
-    to 57.5-77.5, wider than the 5-point target: a plan can miss it by more than 5 and be right."""
-    rng = random.Random(0)
-    medians = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(draws))
-    tail = (1 - level) / 2
-    return [medians[int(tail * draws)], medians[min(draws - 1, int((1 - tail) * draws))]]
 
 
 def pilot_folder(pilot: Path, policy: str, n: int) -> Path:

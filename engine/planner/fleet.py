@@ -1,7 +1,7 @@
 """The planner's fleets: a workload simulated on N instances of a policy behind the gateway's own routing
 (engine/sim/fleet.py), judged against an attainment target, and the smallest N that meets it.
-`flowprefill plan` (engine/bench/plan.py) asks it per policy; `--against-serve` (engine/bench/plan_real.py)
-sets a fleet beside the real one.
+`flowprefill plan` (engine/planner/command.py) asks it per policy; `--against-serve`
+(engine/bench/planner_validation/) sets a fleet beside the real one.
 """
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from engine.bench.plan_measured import Planned
-from engine.bench.plan_routing import GatewayRouter, KeyOf
 from engine.core.config import EngineConfig
 from engine.core.request import Request
 from engine.model.plan import OpCost
+from engine.planner.measured import Planned
+from engine.planner.routing import GatewayRouter, KeyOf
 from engine.protocol.slo import DEFAULT_CLASSES, SLOClass
 from engine.sim.errors import PredictionError
 from engine.sim.fleet import Fleet
@@ -40,7 +40,7 @@ class Planner:
     each request's time outside the instances' batches, out of its TTFT budget, `noise`: the spread of
     batches' speeds around the cost model's, `serving_s`: the CPU an arrival takes from the step it
     lands in, and `idle_wake_s`: what a batch begun on an idle instance takes more (all
-    plan_measured.Planned's)."""
+    measured.Planned's)."""
 
     def __init__(self, w: Workload, cost: OpCost, engine_cfg: EngineConfig, target: float, every_class: bool,
                  classes: dict[str, SLOClass] = DEFAULT_CLASSES, key_of: KeyOf | None = None,

@@ -22,9 +22,10 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from engine.bench.plan_fleet import Planner
-from engine.bench.plan_speed import PilotRun, planned_from
+from engine.bench.planner_validation.median import median_interval
 from engine.model.plan import OpCost
+from engine.planner.fleet import Planner
+from engine.planner.speed import PilotRun, planned_from
 
 Pair = tuple[int, PilotRun, dict[str, Any]]  # a round: its number, its pilot, its real run's goodput point
 
@@ -34,8 +35,6 @@ def paired(planner: Planner, policy: str, n: int, cost: OpCost, pairs: Sequence[
     and overall, the median of those predictions, and the median of prediction minus run (`median_gap`)
     with its 90 % bootstrap interval (`gap_interval`: how well the rounds know it). None: no round had
     both."""
-    from engine.bench.plan_real import median_interval
-
     if not pairs:
         return None
     rounds = []

@@ -2,7 +2,7 @@
 time between batches, the time a request spends outside it, how far a batch's speed strays from its
 size's, what its HTTP side's CPU takes from the batches requests arrive in, and what a batch costs more
 when the worker was idle before it. A `serve` pilot measures
-them (engine/bench/plan_speed.py), and the planner simulates with them (`Planned`).
+them (engine/planner/speed.py), and the planner simulates with them (`Planned`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from engine.core.batch_log import MeasuredBatch
 from engine.model.plan import OpCost, size_class
 from engine.sim.oracle import factors_by_size, sized
 
-# What a real run's point says of its workers beyond their speed (plan_real's real_point)
+# What a real run's point says of its workers beyond their speed (serve_runs.real_point)
 OVERHEADS = ("worker_host_ms", "outside_worker_ms", "serving_cpu_ms", "idle_wake_ms")
 
 

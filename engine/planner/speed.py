@@ -24,9 +24,9 @@ each policy planned at the speed its pilot's worker logged (engine/core/batch_lo
 mean 2.4-4.1 points off per class, at an engine pass's speed 4.9-5.5 (up to 17.5). Neither foresees the
 machine's drift: where a shared machine slowed down within minutes, the plan at pilots taken a minute
 before the fleets ran was 16.2 points off per class at one worker (hence `--interleave-pilots`,
-engine/bench/plan_paired.py).
+engine/bench/planner_validation/paired.py).
 
-Speed per size is not all a pilot measures (engine/bench/plan_measured.py): also the worker's own time
+Speed per size is not all a pilot measures (engine/planner/measured.py): also the worker's own time
 between batches, the time a request spends outside the worker, how far one batch's speed strays from
 its size's, and the CPU the worker's HTTP side takes from the batches requests arrive in; the plan
 simulates with all of them. And with `--against-serve`, each fleet of n > 1 workers sharing this machine
@@ -38,14 +38,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from rich.console import Console
 from rich.progress import Progress
 
-from engine.bench.plan_measured import (
+from engine.core.batch_log import MeasuredBatch
+from engine.core.config import EngineConfig
+from engine.model.plan import OpCost
+from engine.planner import serve_runs
+from engine.planner.measured import (
     OVERHEADS,
     Planned,
     median_overheads,
@@ -56,16 +61,12 @@ from engine.bench.plan_measured import (
     strays,
     wander,
 )
-from engine.core.batch_log import MeasuredBatch
-from engine.core.config import EngineConfig
-from engine.model.plan import OpCost
+from engine.planner.serve_runs import fleet_name, workers_of
 from engine.protocol.slo import DEFAULT_CLASSES
 from engine.sim.oracle import BatchCostRecorder, ExactCosts, at_speed, speed_by_size
 from loadtest.goodput import make_requests
+from loadtest.peer.client import arrivals
 from loadtest.workload import Workload, head
-
-if TYPE_CHECKING:
-    from engine.bench.plan_real import Rounds
 
 ENGINE_PASS = 100  # prompts: about 4 s on 2 EPYC cores for azure-mix's, and every size class it has
 PILOT = 100  # requests per policy: 14-16 s through `serve` at 16 req/s on 2 EPYC cores
@@ -128,14 +129,9 @@ def serve_pilot(policy: str, threads: int | None, pilot: Workload, logs: Path, w
     --policy <policy>` (`--threads`, prefix caching off, `--no-calibrate`, its batch log in `logs`): the
     batches its workers ran, and the pilot's own goodput point with its workers' host time per batch and
     its requests' time outside them (what it rests on, for plan.json)."""
-    import shutil
-
-    from engine.bench.plan_real import real_point  # (plan_real builds on plan, which builds on this module)
-    from loadtest.peer.client import arrivals
-
     shutil.rmtree(logs, ignore_errors=True)  # an earlier pilot's logs are not this one's
     try:  # prompts of their own: none is one a compared real run sends
-        pt, _urls, batches = real_point(policy, workers, threads, pilot, arrivals(pilot, seed="pilot"), logs)
+        pt, _urls, batches = serve_runs.real_point(policy, workers, threads, pilot, arrivals(pilot, seed="pilot"), logs)
     except RuntimeError as exc:  # serve did not start
         raise PilotError(f"{policy}'s pilot: {exc}") from None
     n = len(pilot.requests)
@@ -149,8 +145,6 @@ def repeated_pilot(policy: str, threads: int | None, pilot: Workload, logs: Path
                    ) -> PilotRun:
     """`serve_pilot` `runs` times, each a fresh serve logging in `logs/run-<r>/`, pooled (`pooled`). One
     run is `serve_pilot` itself."""
-    import shutil
-
     if runs == 1:
         return serve_pilot(policy, threads, pilot, logs, workers)
     shutil.rmtree(logs, ignore_errors=True)  # an earlier pilot's run-<r>/ folders are not this one's
@@ -213,8 +207,6 @@ def _pilots(args: argparse.Namespace, pilot: Callable[[], tuple[Workload, str]],
     their machines to themselves; and for each `--against-serve` fleet of n > 1, a pilot of that fleet,
     whose workers share this machine's cores with each other and the gateway as its real runs' will (on
     2 EPYC cores two workers' batches ran 5.6-13.5 % slower per size than one worker's)."""
-    from engine.bench.plan_real import fleet_name
-
     w, where = pilot()
     ran = {}
     for policy, n in pilot_fleets(args, policies):
@@ -224,41 +216,9 @@ def _pilots(args: argparse.Namespace, pilot: Callable[[], tuple[Workload, str]],
     return from_pilots(cost, ran, where, console)
 
 
-def interleaved_pilots(args: argparse.Namespace, w: Workload, pilot: Callable[[], tuple[Workload, str]], cost: OpCost,
-                       policies: list[str], console: Console) -> tuple[Speeds, Rounds]:
-    """`--interleave-pilots`: the pilots run in `--against-serve`'s rounds, each fleet's once per round
-    just before its real run, not all before the plan: on a shared 2-core machine the speed can move a
-    fifth between pilots and the fleets they plan minutes later (then 4 of 12 cells within 5 points, all
-    pessimistic, where the runs' own speed put all 12 within 5). The plan's speeds (`from_pilots`, each
-    fleet's round runs pooled) and the real rounds (plan_real's `Rounds`) to compare them with."""
-    import shutil
-
-    from engine.bench.plan_real import fleet_name, real_rounds
-
-    sent, where = pilot()
-
-    def one(policy: str, n: int, r: int) -> PilotRun:
-        folder = Path(args.out) / "pilot" / fleet_name(policy, n)
-        if r == 0:
-            shutil.rmtree(folder, ignore_errors=True)  # an earlier pilot's run-<r>/ folders are not this one's
-        console.print(f"pilot: serve --workers {n} --policy {policy}, {where}, over {sent.duration_s:.0f} s "
-                      f"(round {r + 1} of {args.repeats})")
-        return serve_pilot(policy, args.threads, sent, folder / f"run-{r + 1}", n)
-
-    fleets = pilot_fleets(args, policies)
-    rounds = real_rounds(args, w, policies, console, one, fleets)
-    for policy, n in fleets:
-        if not rounds.pilots[(policy, n)]:  # every round's failed: the last one's cause
-            raise PilotError(rounds.pilot_failed[(policy, n)][-1])
-    ran = {(p, n): pooled(rounds.pilots[(p, n)], Path(args.out) / "pilot" / fleet_name(p, n)) for p, n in fleets}
-    return from_pilots(cost, ran, where, console), rounds
-
-
 def pilot_fleets(args: argparse.Namespace, policies: list[str]) -> list[tuple[str, int]]:
     """The fleets a pilot runs for: each policy on one worker (what the plan's instances are), and on
     each `--against-serve` fleet's n > 1 workers."""
-    from engine.bench.plan import workers_of
-
     shared = [n for n in workers_of(args.against_serve) if n > 1] if args.against_serve else []
     return [(policy, n) for policy in policies for n in [1, *shared]]
 

@@ -6,7 +6,7 @@ from each instance's GET /load, polled as the gateway polls it, plus its request
 affinity within its slack where the trace names its prompts' blocks), each instance the real scheduler
 and policy on one shared virtual clock (engine/sim/fleet.py), with a cost model (`cpu`: this machine
 profiled, as `bench goodput` does, at the speed a short pilot of the real `serve` ran the workload's
-first requests, per policy, engine/bench/plan_speed.py; `MODEL@GPU`: roofline). The smallest N that
+first requests, per policy, engine/planner/speed.py; `MODEL@GPU`: roofline). The smallest N that
 meets the target is found by doubling, then bisection (attainment grows with N); a run whose certain
 misses already put it far below the target stops early. Reported at that N: attainment and goodput per
 class, the instances FlowPrefill saves against each other policy, and the cost per million requests at a
@@ -29,13 +29,18 @@ from rich.progress import Progress
 
 from engine.bench.console import results_console
 from engine.bench.machine import machine_info
-from engine.bench.plan_fleet import Planner, plan_policy
-from engine.bench.plan_measured import Planned
-from engine.bench.plan_routing import DEFAULTS, trace_key
-from engine.bench.plan_speed import ENGINE_PASS, PILOT, PilotError, interleaved_pilots, planning_costs
+from engine.bench.planner_validation import against_serve
 from engine.core.config import EngineConfig
+from engine.core.predictor import measured_profile
 from engine.core.scheduler import make_policy
+from engine.planner.fleet import Planner, plan_policy
+from engine.planner.measured import Planned
+from engine.planner.report import agreement, plot, plot_paired, print_tables
+from engine.planner.routing import DEFAULTS, trace_key
+from engine.planner.serve_runs import workers_of
+from engine.planner.speed import ENGINE_PASS, PILOT, PilotError, planning_costs
 from gateway.cli.common import Parser
+from gateway.cli.serve import worker_threads
 from loadtest import report
 from loadtest.goodput import DEFAULT_POLICIES, Runner, measured_cost
 from loadtest.workload import (
@@ -57,16 +62,6 @@ def cost_per_million(n: int | None, price: float, w: Workload) -> float | None:
     if n is None or not w.requests or w.duration_s <= 0:
         return None
     return n * price * w.duration_s / 3600 / len(w.requests) * 1e6
-
-
-def workers_of(spec: str) -> list[int]:
-    try:
-        ns = [int(x) for x in spec.split(",") if x]
-    except ValueError:
-        raise ValueError(f"--against-serve {spec!r}: expected worker counts, e.g. 1,2") from None
-    if not ns or min(ns) < 1:
-        raise ValueError(f"--against-serve {spec!r}: expected worker counts >= 1, e.g. 1,2")
-    return ns
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,8 +140,6 @@ def one_worker_threads() -> int:
     """The torch threads `serve --workers 1` gives its worker on this machine (one core stays with the
     gateway). The profile is cached per thread count: planned with torch's default (2 on 2 cores), a
     pilot's one-thread worker's speeds were applied to another profile."""
-    from gateway.cli.serve import worker_threads
-
     return worker_threads(argparse.Namespace(num_threads=None, workers=1))
 
 
@@ -242,8 +235,6 @@ def at_rate_of(earlier: Workload, planned: Workload) -> Workload:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.bench.plan_report import agreement, plot, plot_paired, print_tables
-
     parser = build_parser()
     args = parser.parse_args(argv)
     if (problem := check_args(args)) is not None:
@@ -271,8 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     rounds = None  # the real fleets' runs, where they ran before the plan (with its pilots between them)
     try:
         if args.interleave_pilots:
-            speeds, rounds = interleaved_pilots(args, w, lambda: pilot_workload(args, w), runner.cost, policies,
-                                                console)
+            speeds, rounds = against_serve.interleaved_pilots(args, w, lambda: pilot_workload(args, w), runner.cost,
+                                                              policies, console)
         else:
             speeds = planning_costs(args, w, lambda: pilot_workload(args, w), runner.cost, runner.vocab, engine_cfg,
                                     policies, console)
@@ -285,16 +276,13 @@ def main(argv: list[str] | None = None) -> int:
     if speeds.key is not None:
         doc[speeds.key] = speeds.said
     if runner.profile_key is not None:  # what `--cost THIS/plan.json` plans with again
-        from engine.core.predictor import measured_profile
-
         doc["cost_profile"] = measured_profile(runner.cost) | {"key": runner.profile_key}
     if args.against_serve is not None:
-        from engine.bench.plan_real import compare_fleets, real_rounds
-
         own = speeds.key in ("pilot", "engine_pass")  # the planner's own prediction (not one learned from a run)
         if rounds is None:  # the real fleets have not run yet
-            rounds = real_rounds(args, w, policies, console)
-        doc["against_serve"] = compare_fleets(args, w, runner.cost, engine_cfg, rounds, speeds if own else None)
+            rounds = against_serve.real_rounds(args, w, policies, console)
+        doc["against_serve"] = against_serve.compare_fleets(args, w, runner.cost, engine_cfg, rounds,
+                                                             speeds if own else None)
         doc["against_serve_agreement"] = agreement(doc["against_serve"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -108,7 +108,7 @@ def agreement(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _gap(row: dict[str, Any], key: str, c: str) -> float:
     """A simulation's gap to the real fleet in class `c` ("all": overall): its attainment less the runs'
-    median, or for the paired one (plan_paired) the median over the rounds of each run's own gap."""
+    median, or for the paired one (planner_validation/paired.py) the median over the rounds of each run's own gap."""
     if key == "sim_paired":
         return _cell(row[key], c)["median_gap"]
     return _attainment(row[key], c) - _attainment(row["real"], c)
@@ -163,7 +163,7 @@ def print_agreement(console: Console, summary: dict[str, Any]) -> None:
 
 def pilot_against_runs(doc: dict[str, Any]) -> list[str]:
     """Per fleet the plan simulated at a pilot's speed, how far that speed was off on its real runs' own
-    batches (`plan_real.planned_over_real`): at a fleet's knee the plan is off by about as much (one
+    batches (planner_validation's `planned_over_real`): at a fleet's knee the plan is off by about as much (one
     `chunked:2048` worker at 5.5 req/s on a Xeon: its runs' batches 19 % longer at its pilots' speed,
     18 points)."""
     lines = [f"  {row['policy']} on {row['workers']} worker(s): at the plan's speed its real runs' batches take "
@@ -175,7 +175,7 @@ def pilot_against_runs(doc: dict[str, Any]) -> list[str]:
 
 def _real_cell(real: dict[str, Any], c: str) -> str:
     """The real attainment; over several runs their median and, in brackets, how well the runs know it
-    (`plan_real.median_interval`)."""
+    (planner_validation's `median_interval`)."""
     if "runs" not in real:
         return _pct(_attainment(real, c))
     lo, hi = _interval(real, c)
