@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention import merge_lse
+from engine.attention.backend import merge_lse
 from engine.core.kv_cache import KVCache
 
 
