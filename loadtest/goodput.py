@@ -41,6 +41,7 @@ from engine.sim.simulator import BatchRecord
 from gateway.cli.common import CommandLineError, Parser
 from gateway.cli.options import add_engine_options, check_model, engine_config
 from loadtest import report
+from loadtest.goodput_errors import levels_of, sweep_errors
 from loadtest.workload import ClassRule, Workload, head, named_or_trace, scale_to_rate, synthesize_prompt
 
 DEFAULT_POLICIES = "flowprefill,fcfs,chunked:2048,chunked:8192"
@@ -182,11 +183,6 @@ class Runner:
             e.shutdown()
 
 
-def _collapsed(points: list[dict[str, Any]], floor: float = 0.5) -> bool:
-    """Two consecutive rates below `floor` attainment: the policy is saturated."""
-    return len(points) >= 2 and all(p["attainment"] < floor for p in points[-2:])
-
-
 def _scale_needed(points: list[dict[str, Any]]) -> float | None:
     """Tightest SLO scale (smallest) at which attainment is still >= the target."""
     ok = [p["slo_scale"] for p in points if p["attainment"] >= report.ATTAINMENT_TARGET]
@@ -257,8 +253,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.host_ms is not None and args.host_ms < 0:
         parser.error(f"--host-ms {args.host_ms:g}: a time, 0 or more")
     if args.errors is not None:
-        from loadtest.goodput_errors import levels_of, sweep_errors
-
         try:
             levels = levels_of(args)
         except ValueError as exc:
@@ -286,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
             for pol in policies:
                 for rate in rates:
                     progress.advance(task)
-                    if _collapsed(results[pol]):
+                    if report.collapsed(results[pol]):
                         continue  # far past its knee: higher rates only cost time
                     progress.update(task, description=f"{pol} @ {rate:g} req/s")
                     results[pol].append(runner.run(pol, scale_to_rate(base, rate), classes, 1.0))

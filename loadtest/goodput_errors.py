@@ -44,8 +44,6 @@ def levels_of(args: argparse.Namespace) -> list[PredictionError]:
 
 def sweep_errors(args: argparse.Namespace, console: Console, levels: list[PredictionError], policies: list[str],
                  rates: list[float], n: int, argv: list[str] | None, runner: Runner) -> int:
-    from loadtest.goodput import _collapsed
-
     rule = ClassRule()
     base = head(named_or_trace(args.workload, rule), n)
     classes = DEFAULT_CLASSES
@@ -59,7 +57,7 @@ def sweep_errors(args: argparse.Namespace, console: Console, levels: list[Predic
                 pts = results[level.label][pol] = []
                 for rate in rates:
                     progress.advance(task)
-                    if _collapsed(pts):
+                    if report.collapsed(pts):
                         continue
                     progress.update(task, description=f"{level.label}: {pol} @ {rate:g} req/s")
                     seeds = range(args.seeds if level.noise else 1)  # only noise draws from the seed

@@ -47,6 +47,11 @@ def knee(points: list[dict[str, Any]]) -> dict[str, Any] | None:
     return max(ok, key=lambda p: p["rate"]) if ok else None
 
 
+def collapsed(points: list[dict[str, Any]], floor: float = 0.5) -> bool:
+    """Two consecutive rates below `floor` attainment: the policy is saturated (a rate sweep stops)."""
+    return len(points) >= 2 and all(p["attainment"] < floor for p in points[-2:])
+
+
 def max_goodput(points: list[dict[str, Any]], per_class: bool = False,
                 target: float = ATTAINMENT_TARGET) -> float:
     """Highest offered rate whose attainment (every class's, with per_class) is >= target,
