@@ -150,8 +150,6 @@ ALLOWED_CYCLES: dict[frozenset[str], str] = {
     # split and the model (issue 58's "the cost model in one place" moves them together).
     frozenset({"engine.core.predictor", "engine.model.cost", "engine.model.graphs", "engine.model.linear",
                "engine.model.llama", "engine.model.plan"}): "the cost model and its calibration, apart",
-    frozenset({"loadtest.peer.cli", "loadtest.peer.raw", "loadtest.peer.run_sweep"}):
-        "bench peer's command and the two runs it dispatches to, which read its options' helpers",
 }
 PACKAGES = ("engine", "gateway", "loadtest", "telemetry")
 

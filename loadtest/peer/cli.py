@@ -17,16 +17,15 @@ Without --model the embedded model is written as a checkpoint (with a tokenizer 
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 from rich.console import Console
 
-from engine.bench.machine import cpu_count
 from gateway.cli.common import Parser
-from loadtest.peer.servers import PEERS, Contender, Placement, ServerError, SpecError, parse_contenders
+from loadtest.peer import raw, run_sweep
+from loadtest.peer.servers import PEERS, Contender, ServerError, SpecError, parse_contenders
 from loadtest.peer.sweep import SCENARIOS
 
 DEFAULT_CONTENDERS = "vllm:priority:512,vllm:priority:2048,vllm:fcfs:2048,gateway:vllm:priority:2048,flowprefill"
@@ -130,39 +129,6 @@ def contenders(args: argparse.Namespace) -> list[Contender]:
     return parse_contenders(DEFAULT_CONTENDERS + (",sglang:priority:2048" if args.sglang_python else ""))
 
 
-def placement(args: argparse.Namespace, threads: int | None = None) -> Placement:
-    threads = threads or args.threads
-    if threads < 1:
-        raise SpecError("--threads must be >= 1")
-    mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(cpu_count()))
-    if args.cores:
-        try:
-            cores = tuple(int(c) for c in args.cores.split(","))
-        except ValueError:
-            raise SpecError(f"--cores {args.cores!r}: expected comma-separated core numbers") from None
-        if not set(cores) <= set(mine):
-            raise SpecError(f"--cores {args.cores}: this process may run on cores {mine} only")
-    else:
-        cores = tuple(mine[-threads:])
-    if len(cores) < threads:
-        raise SpecError(f"{threads} threads need as many cores; {len(cores)} given ({list(cores)})")
-    return Placement(cores, threads, args.device)
-
-
-def model_dir(args: argparse.Namespace, console: Console) -> Path:
-    if args.model is not None:
-        if not (args.model / "config.json").is_file():
-            raise SpecError(f"--model {args.model}: no config.json (a Hugging Face checkpoint directory)")
-        return args.model
-    from loadtest.peer.checkpoint import write_checkpoint
-
-    path = args.out / "checkpoint"
-    if not (path / "tokenizer.json").is_file():
-        write_checkpoint(path)
-        console.print(f"wrote the embedded model as a checkpoint (with a byte-level tokenizer) to {path}")
-    return path
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[3:] if argv is None else argv)
@@ -177,11 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                 return fail(why)
             versions[kind] = version
         if args.mode == "raw":
-            from loadtest.peer import raw
-
             return raw.run(args, chosen, versions, console)
-        from loadtest.peer import run_sweep
-
         return run_sweep.run(args, chosen, versions, console)
     except SpecError as exc:
         return fail(str(exc))

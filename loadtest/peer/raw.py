@@ -25,9 +25,9 @@ from rich.table import Table
 from engine.bench.machine import machine_info
 from engine.core.config import ModelConfig
 from loadtest.peer.busy import BusyLoad
-from loadtest.peer.cli import model_dir, placement
 from loadtest.peer.client import PROMPT_VOCAB, Arrival, Target, model_name, replay
 from loadtest.peer.servers import Contender, Launch, Placement, SpecError, fleet
+from loadtest.peer.setup import model_dir, placement
 from loadtest.peer.sweep import rotation
 from loadtest.workload import synthesize_prompt
 

@@ -20,9 +20,9 @@ from engine.bench.machine import cpu_count, machine_info
 from engine.protocol.slo import DEFAULT_CLASSES
 from loadtest import report
 from loadtest.peer import summary
-from loadtest.peer.cli import model_dir, placement
 from loadtest.peer.client import Arrival, Target, arrivals, model_name, replay
 from loadtest.peer.servers import Contender, Launch, Placement, SpecError, fleet
+from loadtest.peer.setup import model_dir, placement
 from loadtest.peer.sweep import SCENARIOS, Scenario, Sweep
 from loadtest.workload import ClassRule, TraceError, Workload, head, named_or_trace
 
