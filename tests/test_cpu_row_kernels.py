@@ -15,9 +15,10 @@ from checkpoints import load_reference
 from engine.attention import cpu
 from engine.core.config import EngineConfig
 from engine.core.kv_cache import KVCache
+from engine.core.predictor import calibrate
 from engine.model import load_model
 from engine.model.kernels import CPUKernels, TorchKernels, select_kernels
-from engine.model.plan import OpCost, SeqSpan, plan_prefill
+from engine.model.plan import SeqSpan, plan_prefill
 from engine.model.rope import Rotary
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -90,7 +91,7 @@ def test_a_model_on_them_matches_transformers(kind: str, tiny_checkpoint: Callab
     spans = [SeqSpan(0, len(p)) for p in prompts]
     kv = KVCache(model.cfg, 16, 16 * 12, model.embed.dtype, model.device)
     tables = [kv.allocate(len(p)) for p in prompts]
-    steps = plan_prefill(OpCost.calibrate(model), spans, 1e-5)
+    steps = plan_prefill(calibrate(model), spans, 1e-5)
     gen = model.prefill(prompts, spans, tables, kv, steps, all_logits=True)
     with torch.inference_mode():
         while True:

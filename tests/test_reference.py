@@ -23,6 +23,7 @@ from checkpoints import VARIANTS, load_reference
 from engine.core.config import EngineConfig
 from engine.core.engine import Engine
 from engine.core.kv_cache import KVCache
+from engine.core.predictor import calibrate
 from engine.core.request import Request, SamplingParams, TokenOutput
 from engine.model import LlamaModel, load_model
 from engine.model.loader import load_checkpoint, save_checkpoint, tiny_model
@@ -99,7 +100,7 @@ class Loaded:
 def loaded(request: pytest.FixtureRequest, tiny_checkpoint: Callable[[str], Path]) -> Loaded:
     path = tiny_checkpoint(request.param)
     model, _ = load_model(EngineConfig(model=str(path)))
-    return Loaded(request.param, path, model, OpCost.calibrate(model), load_reference(path))
+    return Loaded(request.param, path, model, calibrate(model), load_reference(path))
 
 
 # -- prefill ---------------------------------------------------------------------------------
@@ -317,7 +318,7 @@ def test_tiny_model_saves_a_transformers_checkpoint(tmp_path: Path) -> None:
     prompts = _prompts((6, 40), cfg.vocab_size, seed=5)
     spans = [SeqSpan(0, len(p)) for p in prompts]
     for model in (embedded, from_dir):
-        cost = OpCost.calibrate(model)
+        cost = calibrate(model)
         for budget_s in (None, TINY_BUDGET_S):
             logits, _ = _prefill(model, cost, _Paged(model, [len(p) for p in prompts]), prompts, spans, budget_s)
             errs = [_rel_err(logits[:6], _reference_logits(ref, prompts[0])),

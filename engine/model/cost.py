@@ -188,13 +188,6 @@ class OpCost:
             pairs = queries * keys
         return self.scale * (self.step_overhead_s + pairs * self.attn_s_per_pair)
 
-    @classmethod
-    def calibrate(cls, model: object) -> OpCost:
-        """Measure this model's operators on its device (see engine.core.predictor)."""
-        from engine.core.predictor import calibrate
-
-        return calibrate(model)  # type: ignore[arg-type]
-
     def factor(self, tokens: int) -> float:
         """The correction for a batch of `tokens` prompt tokens: the machine's times its size class's.
         A class no batch has measured yet borrows its nearest measured class's, but only to slow down:
