@@ -39,6 +39,7 @@ import argparse
 import contextlib
 import copy
 import shutil
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -46,7 +47,7 @@ from typing import Any, NamedTuple
 from rich.console import Console
 from rich.progress import Progress
 
-from engine.core.batch_log import MeasuredBatch
+from engine.core.batch_log import MeasuredBatch, read
 from engine.core.config import EngineConfig
 from engine.model.plan import OpCost
 from engine.planner import serve_runs
@@ -154,8 +155,6 @@ def repeated_pilot(policy: str, threads: int | None, pilot: Workload, logs: Path
 def pooled(done: list[PilotRun], logs: Path) -> PilotRun:
     """Several runs of one pilot as one: their batches pooled (a request's factor its seconds summed over
     the runs, as --against-serve pools a fleet's runs), and per overhead the median of the runs'."""
-    import statistics
-
     said = [run for _, run in done]
     return [b for bs, _ in done for b in bs], {
         "sent": said[0]["sent"], "attainment": statistics.median(run["attainment"] for run in said),
@@ -167,8 +166,6 @@ def measured_speed(cost: OpCost, folder: Path) -> tuple[OpCost, dict[str, Any]]:
     """`cost` at the speed a pilot's batch logs in `folder` measured (engine/core/batch_log.py): a factor
     per batch size where the logs say sizes, else the median factor by which its requests ran slower
     than `cost` predicts; and what it rests on."""
-    from engine.core.batch_log import read
-
     return at_measured_speed(cost, read(folder))
 
 
