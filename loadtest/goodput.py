@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 import threading
 import time
 from dataclasses import replace
@@ -24,7 +23,6 @@ from typing import Any
 
 from rich.console import Console
 from rich.progress import Progress
-from rich.table import Table
 
 from engine.bench.console import results_console
 from engine.bench.machine import machine_info
@@ -40,14 +38,14 @@ from engine.sim.oracle import BatchCostRecorder, ExactCosts
 from engine.sim.simulator import BatchRecord
 from gateway.cli.common import CommandLineError, Parser
 from gateway.cli.options import add_engine_options, check_model, engine_config
-from loadtest import report
+from loadtest import goodput_report, report
 from loadtest.goodput_errors import levels_of, sweep_errors
+from loadtest.goodput_report import IDEAL
 from loadtest.workload import ClassRule, Workload, head, named_or_trace, scale_to_rate, synthesize_prompt
 
 DEFAULT_POLICIES = "flowprefill,fcfs,chunked:2048,chunked:8192"
 RATIO_PAIRS = [("flowprefill", "fcfs"), ("flowprefill", "chunked:2048"), ("flowprefill", "chunked:8192"),
                ("flowprefill", "flowprefill-ideal")]
-IDEAL = "flowprefill-ideal"  # simulator: zero stop latency, exact costs
 
 
 def make_requests(w: Workload, classes: dict[str, SLOClass], slo_scale: float, t0: float,
@@ -272,26 +270,26 @@ def main(argv: list[str] | None = None) -> int:
     base = head(base, n)
     classes = DEFAULT_CLASSES
     scale_rate = args.scale_rate or 2.0
-    results: dict[str, list[dict[str, Any]]] = {pol: [] for pol in policies}
-    scale_results: dict[str, list[dict[str, Any]]] = {pol: [] for pol in policies}
     try:
-        with Progress(console=console) as progress:
-            task = progress.add_task("goodput sweep", total=len(policies) * (len(rates) + len(scales)))
-            for pol in policies:
-                for rate in rates:
-                    progress.advance(task)
-                    if report.collapsed(results[pol]):
-                        continue  # far past its knee: higher rates only cost time
-                    progress.update(task, description=f"{pol} @ {rate:g} req/s")
-                    results[pol].append(runner.run(pol, scale_to_rate(base, rate), classes, 1.0))
-                for scale in scales:
-                    progress.update(task, description=f"{pol} @ SLO scale {scale:g}")
-                    pt = runner.run(pol, scale_to_rate(base, scale_rate), classes, scale)
-                    scale_results[pol].append(pt | {"slo_scale": scale})
-                    progress.advance(task)
+        results, scale_results = _sweep(runner, console, policies, base, classes, rates, scales, scale_rate)
     finally:
         runner.close()
 
+    doc = _document(args, argv, runner, base, classes, results, scale_results, scale_rate)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"goodput-{args.engine}"
+    (out / f"{stem}.json").write_text(json.dumps(doc, indent=2))
+    goodput_report.table(console, doc)
+    goodput_report.plot(doc, out / f"{stem}.png")
+    console.print(f"wrote {out / (stem + '.json')} and {out / (stem + '.png')}")
+    return 0
+
+
+def _document(args: argparse.Namespace, argv: list[str] | None, runner: Runner, base: Workload,
+              classes: dict[str, SLOClass], results: dict[str, list[dict[str, Any]]],
+              scale_results: dict[str, list[dict[str, Any]]], scale_rate: float) -> dict[str, Any]:
+    """The goodput.json document of a sweep (docs/reference.md's schema), its ratios included."""
     scale_needed = {pol: _scale_needed(pts) for pol, pts in scale_results.items()}
     doc = report.report(
         {"name": base.name, "source": base.source, "requests": len(base.requests), "class_rule": base.class_rule},
@@ -307,86 +305,28 @@ def main(argv: list[str] | None = None) -> int:
     for base_pol in ("chunked:2048", "chunked:8192"):
         if fp and sn.get(base_pol):
             doc["ratios"][f"slo_scale {base_pol}/flowprefill"] = sn[base_pol] / fp
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"goodput-{args.engine}"
-    (out / f"{stem}.json").write_text(json.dumps(doc, indent=2))
-    _table(console, doc)
-    _plot(doc, out / f"{stem}.png")
-    console.print(f"wrote {out / (stem + '.json')} and {out / (stem + '.png')}")
-    return 0
+    return doc
 
 
-def _table(console: Console, doc: dict[str, Any]) -> None:
-    t = Table(title=f"max goodput ({doc['engine']}, {doc['workload']['name']}, "
-                    f"{doc['workload']['requests']} requests, >= 90 % attainment)", caption=report.BELOW_CAPTION)
-    for col in ("policy", "max goodput req/s", "every class >= 90 %", "tightest SLO scale"):
-        t.add_column(col, justify="right")
-    tight = doc["slo_scale_sweep"]["tightest_scale_at_target"]
-    for name, pol in doc["policies"].items():
-        t.add_row(name, report.goodput_label(pol["max_goodput_rps"], pol["points"]),
-                  report.goodput_label(pol["max_goodput_per_class_rps"], pol["points"]),
-                  "-" if tight.get(name) is None else f"{tight[name]:g}")
-    console.print(t)
-    r = Table(title="ratios")
-    r.add_column("ratio")
-    r.add_column("value", justify="right")
-    for k, v in doc["ratios"].items():
-        r.add_row(k, report.ratio_label(v))
-    console.print(r)
-    if doc["engine"] == "real":
-        a = Table(title="simulator against the real engine (every measured point, percentage points)")
-        for col in ("simulated with", "points", "median |sim - real|", "within 5 pp"):
-            a.add_column(col, justify="right")
-        for key, label in (("sim_attainment", "the cost model"), ("sim_exact_attainment", "the measured costs")):
-            gaps = [abs(pt[key] - pt["attainment"]) * 100 for pol in doc["policies"].values()
-                    for pt in pol["points"] if pt.get(key) is not None]
-            if gaps:
-                a.add_row(label, str(len(gaps)), f"{statistics.median(gaps):.1f}",
-                          f"{sum(g <= 5 for g in gaps)} of {len(gaps)}")
-        console.print(a)
-        g = Table(title="host gap: the engine idle between batches while work waited (ms)")
-        for col in ("policy", "rate", "batches", "median", "p99"):
-            g.add_column(col, justify="right")
-        for name, pol in doc["policies"].items():
-            for pt in pol["points"]:
-                if gap := pt.get("host_gap_ms"):
-                    g.add_row(name, f"{pt['rate']:g}", str(gap["batches"]), f"{gap['p50']:.3f}", f"{gap['p99']:.3f}")
-        console.print(g)
-
-
-def _plot(doc: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    sweep = doc["slo_scale_sweep"]
-    scaled = any(sweep["policies"].get(name) for name in doc["policies"])
-    fig, axes = plt.subplots(1, 2 if scaled else 1, figsize=(12 if scaled else 7, 4.5), squeeze=False)
-    a, b = axes[0][0], axes[0][-1]
-    for name, pol in doc["policies"].items():
-        style = "--" if name == IDEAL else "-"
-        pts = pol["points"]
-        line, = a.plot([q["rate"] for q in pts], [q["attainment"] * 100 for q in pts], style, marker="o", label=name)
-        if any("sim_attainment" in q for q in pts):  # a real run: its simulated twin, from the same cost model
-            a.plot([q["rate"] for q in pts], [q["sim_attainment"] * 100 for q in pts], ":", color=line.get_color(),
-                   lw=1, label=f"{name}, simulated")
-        if scaled:
-            sp = sweep["policies"][name]
-            b.plot([q["slo_scale"] for q in sp], [q["attainment"] * 100 for q in sp], style, marker="o", label=name)
-    panels = [(a, "offered rate (req/s)", "attainment vs rate")]
-    if scaled:
-        panels.append((b, f"SLO scale (at {sweep['rate']:g} req/s)", "attainment vs SLO scale"))
-    for ax, xl, title in panels:
-        ax.axhline(90, color="grey", lw=0.8, ls=":")
-        ax.set_xlabel(xl)
-        ax.set_ylabel("TTFT SLO attainment (%)")
-        ax.set_ylim(0, 102)
-        ax.grid(alpha=0.3)
-        ax.set_title(title)
-    a.legend(fontsize=8)
-    fig.suptitle(f"{doc['workload']['name']} on {doc['model']} ({doc['engine']})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def _sweep(runner: Runner, console: Console, policies: list[str], base: Workload, classes: dict[str, SLOClass],
+           rates: list[float], scales: list[float], scale_rate: float
+           ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, list[dict[str, Any]]]]:
+    """Each policy over the rates (at SLO scale 1, up to where it collapsed), then over the SLO scales at
+    `scale_rate`: the points of each."""
+    results: dict[str, list[dict[str, Any]]] = {pol: [] for pol in policies}
+    scale_results: dict[str, list[dict[str, Any]]] = {pol: [] for pol in policies}
+    with Progress(console=console) as progress:
+        task = progress.add_task("goodput sweep", total=len(policies) * (len(rates) + len(scales)))
+        for pol in policies:
+            for rate in rates:
+                progress.advance(task)
+                if report.collapsed(results[pol]):
+                    continue  # far past its knee: higher rates only cost time
+                progress.update(task, description=f"{pol} @ {rate:g} req/s")
+                results[pol].append(runner.run(pol, scale_to_rate(base, rate), classes, 1.0))
+            for scale in scales:
+                progress.update(task, description=f"{pol} @ SLO scale {scale:g}")
+                pt = runner.run(pol, scale_to_rate(base, scale_rate), classes, scale)
+                scale_results[pol].append(pt | {"slo_scale": scale})
+                progress.advance(task)
+    return results, scale_results
