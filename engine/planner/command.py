@@ -94,6 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-affinity-chars", type=int, default=DEFAULTS.prefix_affinity_chars,
                    help="the gateway's prefix_affinity_chars (0: no affinity; a trace that names no prompt blocks "
                         "is routed by load alone)")
+    _add_speed_options(p)
+    p.add_argument("--out", default="bench-results", help="directory for plan.json and plan.png")
+    return p
+
+
+def _add_speed_options(p: argparse.ArgumentParser) -> None:
+    """How the plan learns the speed the workers will run at, and how it checks itself against real runs."""
     p.add_argument("--against-serve", default=None, metavar="N,N",
                    help="cpu: also run `flowprefill serve --workers N` on this machine for each N, on the same "
                         "arrivals, and compare its per-class attainment with the simulated fleet's")
@@ -132,8 +139,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan for a machine F slower than measured (0.2: every prefill 20 %% longer), so that the "
                         "fleet still meets the target when the machine's speed drifts (on 2 shared cores it moved "
                         "by up to a quarter between runs minutes apart)")
-    p.add_argument("--out", default="bench-results", help="directory for plan.json and plan.png")
-    return p
 
 
 def one_worker_threads() -> int:
