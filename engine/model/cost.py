@@ -284,6 +284,12 @@ class OpCost:
                             tuple(self.attn_s(s.length, s.start + s.length, True) for s in spans),
                             tuple(self.attn_s(1, s.start + s.length, True) for s in spans))
 
+    def terms_key(self) -> tuple[float | None, ...]:
+        """What `prefill_terms` depends on besides the spans (a caller remembering terms compares it): the
+        calibrated line and the scale, not the correction."""
+        return (self.scale, self.budget_s, self.step_overhead_s, self.attn_in_s_per_row, self.ffn_s_per_row,
+                self.attn_s_per_pair, self.row_step_floor_s)
+
     def batch_s(self, spans: list[SeqSpan]) -> float:
         """Predicted time from a batch's start to its first tokens: its prefill (`prefill_s`) and the host's
         time per batch, which a batch pays once whatever its size (what merging requests saves)."""

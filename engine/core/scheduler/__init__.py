@@ -241,8 +241,7 @@ class Scheduler(Owned):
         terms with it took 1.2 of a 2.5 ms host gap with 300 waiting (tiny model)."""
         cost = self.cost_for([req])
         span = SeqSpan(req.num_computed_tokens, req.remaining_prefill_tokens)
-        calibration = (span, cost.scale, cost.budget_s, cost.step_overhead_s, cost.attn_in_s_per_row,
-                       cost.ffn_s_per_row, cost.attn_s_per_pair, cost.row_step_floor_s)
+        calibration = (span, cost.terms_key())
         correction = (cost.factor(span.length), cost.batch_host_s)
         known = self._predicted.get(req.request_id)
         terms = None
