@@ -154,7 +154,7 @@ def test_a_request_whose_scoring_fails_fails_alone(monkeypatch: pytest.MonkeyPat
         sinks = {}
         for rid, n, k in (("busy", 300, None), ("scored", 50, 1), ("plain", 55, None)):
             r = Request(request_id=rid, prompt_token_ids=list(range(40, 40 + n)),
-                        sampling=SamplingParams(max_tokens=2, prompt_logprobs=k))
+                        sampling=SamplingParams(max_tokens=2, prompt_logprobs=k, ignore_eos=True))
             r.sink = sinks[rid] = Sink(r)
             eng.add_request(r)  # fcfs: "busy" runs first, the other two wait and form one batch
         eng.start()
@@ -233,7 +233,7 @@ def test_a_prompt_that_fills_the_cache_is_scored(monkeypatch: pytest.MonkeyPatch
         eng = factory("fcfs")
         (scored,) = eng.generate([[i % 250 + 1 for i in range(512)]], SamplingParams(max_tokens=0, prompt_logprobs=0))
         assert scored.finish_reason == "length" and len(scored.prompt_token_logprobs) == 512
-        (after,) = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+        (after,) = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))
         assert after.finish_reason == "length"
         assert_idle_and_free(eng)
     finally:
