@@ -15,19 +15,13 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 
 from engine.core import handoff
-from engine.core.decode import Answers
-from engine.core.kv_cache import KVCache
 from engine.core.messages import ENGINE_STOPPED, Arrive, Call, Cancel, EngineSnapshot, ImportKV, Message, Refusal
-from engine.core.observer import EngineObserver
-from engine.core.prefix_cache import PrefixCache
 from engine.core.request import Request, Sampled, SamplingParams
-from engine.core.scheduler import Scheduler
 from engine.model.plan import SIZE_CLASSES
 from engine.protocol.worker import WorkerLoad
 
 if TYPE_CHECKING:
-    from engine.core.config import EngineConfig
-    from engine.model.cost import OpCost
+    pass
 
 log = logging.getLogger("flowprefill.engine")
 _GENERATED = itertools.count()  # `Engine.generate`'s request ids (an object's id() is reused once it is freed)
@@ -44,16 +38,6 @@ T = TypeVar("T")
 
 class EngineFront:
     """Submission, cancellation, calls and the published snapshot (a part of `Engine`)."""
-
-    # The engine's state these methods use (engine/core/engine.py's Engine sets it up).
-    cfg: EngineConfig
-    cost: OpCost
-    kv: KVCache
-    scheduler: Scheduler
-    answers: Answers
-    prefixes: PrefixCache
-    observers: list[EngineObserver]
-    clock: Callable[[], float]
 
     def submit(self, reqs: list[Request], sheddable: bool = False,
                on_queued: Callable[[], None] | None = None) -> Future[Refusal | None]:

@@ -4,38 +4,22 @@ cancellations, failures, and the KV each gives back (a part of `Engine`)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from engine.core.decode import Answers
-from engine.core.kv_cache import KVCache, OutOfBlocks
-from engine.core.observer import EngineObserver
+from engine.core.kv_cache import OutOfBlocks
 from engine.core.prefill import PrefillBatch
-from engine.core.prefix_cache import PrefixCache
 from engine.core.request import Request, RequestState, Sampled, TokenOutput
 from engine.core.sampling import sample
-from engine.core.scheduler import Scheduler
 from engine.protocol.slo import SHED_ERROR
 
 if TYPE_CHECKING:
-    from engine.core.config import EngineConfig
-    from engine.model.cost import OpCost
+    pass
 
 log = logging.getLogger("flowprefill.engine")
 
 
 class EngineOutputs:
     """Results out of the engine thread (a part of `Engine`)."""
-
-    # The engine's state these methods use (engine/core/engine.py's Engine sets it up).
-    cfg: EngineConfig
-    cost: OpCost
-    kv: KVCache
-    scheduler: Scheduler
-    answers: Answers
-    prefixes: PrefixCache
-    observers: list[EngineObserver]
-    clock: Callable[[], float]
 
     def _complete(self, batch: PrefillBatch) -> None:
         now = self.clock()

@@ -27,20 +27,22 @@ class FlowPrefill:
             return head  # resume (or keep running) the most urgent batch
         ordered = sorted(s.waiting, key=lambda r: sedf_key(s, r))
         budget = due(s, head) - s.now - self.guard * head.ttft_target_s
-        late = s.predict_batch_s([head]) > budget  # the head misses its due time even alone
+        late = s.predict_s(head) > budget  # the head misses its due time even alone
 
         def fits(batch: list[Request]) -> bool:
-            return s.predict_batch_s(batch) <= budget or (late and merge_pays(s, batch))
+            predicted = s.predict_batch_s(batch)
+            return predicted <= budget or (late and merge_pays(s, batch, predicted))
 
         return s.fill(ordered, fits) or None
 
 
-def merge_pays(s: Scheduler, batch: list[Request]) -> bool:
-    """Whether the batch's last request should join a head that is late anyway: it delays the others by
-    its marginal time, and gains, against running as the next batch, its own time alone (the host's time
-    per batch included) less that marginal time. It joins while the others lose no more than it gains:
-    where the host's time per batch is large (3.8 ms on an H200 against 5-15 ms batches) or a batch's
-    time grows less than linearly with its tokens, saturated batches merge; on a CPU, almost never."""
+def merge_pays(s: Scheduler, batch: list[Request], predicted_s: float) -> bool:
+    """Whether the batch's last request should join a head that is late anyway (`predicted_s`: the batch's
+    prediction with it): it delays the others by its marginal time, and gains, against running as the
+    next batch, its own time alone (the host's time per batch included) less that marginal time. It joins
+    while the others lose no more than it gains: where the host's time per batch is large (3.8 ms on an
+    H200 against 5-15 ms batches) or a batch's time grows less than linearly with its tokens, saturated
+    batches merge; on a CPU, almost never."""
     *others, r = batch
-    marginal = s.predict_batch_s(batch) - s.predict_batch_s(others)
+    marginal = predicted_s - s.predict_batch_s(others)
     return marginal <= s.predict_s(r) - marginal
