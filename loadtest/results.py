@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
 
-from engine.protocol.slo import DEFAULT_CLASSES
+from engine.protocol.slo import DEFAULT_CLASSES, SLOClass
 from loadtest import report
 
 if TYPE_CHECKING:
@@ -68,8 +69,8 @@ def no_answer(exc: BaseException | None) -> str:
     return f"{kind} ({reason})"
 
 
-def outcomes(records: list[Record]) -> list[report.Outcome]:
-    return [report.Outcome(r.slo_class, DEFAULT_CLASSES[r.slo_class].ttft_ms / 1000 if r.slo_class in DEFAULT_CLASSES
+def outcomes(records: list[Record], classes: Mapping[str, SLOClass] = DEFAULT_CLASSES) -> list[report.Outcome]:
+    return [report.Outcome(r.slo_class, classes[r.slo_class].ttft_ms / 1000 if r.slo_class in classes
                            else 0.0, r.ttft_s if r.ok else None) for r in records]
 
 

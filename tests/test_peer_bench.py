@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from processes import asgi_body, free_port, in_process, start, stop, uvicorn_thread, wait_healthy
 
-from engine.protocol.slo import DEFAULT_CLASSES
+from engine.protocol.slo import DEFAULT_CLASSES, scaled
 from gateway.config import GatewayConfig, Upstream
 from loadtest import report
 from loadtest.peer import summary
@@ -33,6 +33,7 @@ from loadtest.results import Record
 from loadtest.workload import TraceRequest, Workload
 
 Seen = dict[str, Any]
+CLASSES = {k: {"ttft_ms": c.ttft_ms, "tbt_ms": c.tbt_ms} for k, c in DEFAULT_CLASSES.items()}  # a report's
 
 
 class FakeOpenAI:
@@ -362,7 +363,7 @@ def test_comparison_ratios_and_targets() -> None:
         "gateway+vllm-priority-2048": _pts({4: (1.0, 1.0), 8: (0.9, 0.9), 12: (0.5, 0.5)}),  # 8.0
         "flowprefill": _pts({4: (1.0, 1.0), 8: (1.0, 1.0), 12: (0.8, 0.95)}),  # 10.0; every class 12 -> +
     }
-    doc = report.report({}, "http", "m", 1.0, {}, policies)
+    doc = report.report({}, "http", "m", 1.0, CLASSES, policies)
     pol = doc["policies"]
     assert pol["vllm-priority-512"]["max_goodput_rps"] == pytest.approx(4 + 0.05 / 0.45 * 4)
     assert pol["flowprefill"]["max_goodput_rps"] == pytest.approx(10.0)
@@ -396,7 +397,7 @@ def test_hogs_targets_hold_at_every_rate() -> None:
     policies = {"vllm-priority-512": _pts({1: (0.7, 0.7), 2: (0.2, 0.05)}),
                 "vllm-fcfs-2048": _pts({1: (0.5, 0.5), 2: (0.3, 0.1)}),
                 "flowprefill": _pts({1: (0.56, 0.9), 2: (0.6, 0.9), 24: (0.4, 0.5)})}  # p99: 50 ms x rate
-    doc = report.report({}, "http", "m", 1.0, {}, policies)
+    doc = report.report({}, "http", "m", 1.0, CLASSES, policies)
     met = {t["name"]: (t["value"], t["met"]) for t in summary.comparison(doc, cs, "hogs")["targets"]}
     assert met["flowprefill interactive p99 TTFT / its target, worst rate (24 req/s)"] == (pytest.approx(4.8), False)
     # at 1 req/s 0.56 against vllm-priority-512's 0.7; at 2 req/s 0.6 against the better peer there, 0.3
@@ -404,7 +405,7 @@ def test_hogs_targets_hold_at_every_rate() -> None:
     assert not any("interactive p99 TTFT / its target, at its" in n for n in met)  # contended/step's knee target
     policies["flowprefill"] = _pts({1: (0.9, 0.9), 2: (0.35, 0.9)})
     policies["flowprefill"][1]["per_class"]["interactive"] |= {"n": 10, "failed": 2}  # unanswered: no p99
-    doc = report.report({}, "http", "m", 1.0, {}, policies)
+    doc = report.report({}, "http", "m", 1.0, CLASSES, policies)
     met = {t["name"]: (t["value"], t["met"]) for t in summary.comparison(doc, cs, "hogs")["targets"]}
     assert met["flowprefill interactive p99 TTFT / its target, worst rate (2 req/s)"] == (None, False)
     assert met["flowprefill attainment / the best peer's, worst rate (2 req/s)"] == (pytest.approx(1.167), True)
@@ -430,7 +431,7 @@ def test_the_scenarios_table_names_each_rows_scenario() -> None:
 def test_a_peer_that_never_reaches_90_percent() -> None:
     """No ratio to give (its max goodput is 0): the target counts as met if ours is above 0, and says why."""
     cs = parse_contenders("vllm:priority:512,vllm:fcfs:2048,flowprefill")
-    doc = report.report({}, "http", "m", 1.0, {}, {"vllm-priority-512": _pts({4: (0.5, 0.5), 8: (0.2, 0.2)}),
+    doc = report.report({}, "http", "m", 1.0, CLASSES, {"vllm-priority-512": _pts({4: (0.5, 0.5), 8: (0.2, 0.2)}),
                                                    "vllm-fcfs-2048": _pts({4: (0.8, 0.8), 8: (0.2, 0.2)}),
                                                    "flowprefill": _pts({4: (1.0, 1.0), 8: (0.5, 0.5)})})
     c = summary.comparison(doc, cs, "quiet")
@@ -629,13 +630,13 @@ def test_worst_class_tail_at_the_knee() -> None:
                  "per_class": {c: cls(c, 0.5, 1e6) for c in p99_ms}}]
     cs = parse_contenders("vllm:priority:2048,flowprefill")
     starved = {"interactive": 300.0, "batch": 6000 * 3.5}  # batch 3.5x its 6 s target at 8 req/s
-    doc = report.report({}, "http", "m", 1.0, {}, {"vllm-priority-2048": pts({"interactive": 500.0}, 0.9),
+    doc = report.report({}, "http", "m", 1.0, CLASSES, {"vllm-priority-2048": pts({"interactive": 500.0}, 0.9),
                                                    "flowprefill": pts(starved)})
     c = summary.comparison(doc, cs, "quiet")
     tail = next(t for t in c["targets"] if t["name"].startswith("flowprefill worst class"))
     assert (tail["value"], tail["met"]) == (pytest.approx(3.5), False) and "batch, 8 req/s" in tail["name"]
     assert c["tails_at_knee"]["vllm-priority-2048"] == {"class": "interactive", "factor": 2.0, "rate": 8.0}
-    doc["policies"]["flowprefill"] = report.report({}, "http", "m", 1.0, {}, {
+    doc["policies"]["flowprefill"] = report.report({}, "http", "m", 1.0, CLASSES, {
         "flowprefill": pts({"interactive": 700.0, "batch": 6000.0})})["policies"]["flowprefill"]
     ok = next(t for t in summary.comparison(doc, cs, "contended")["targets"] if "worst class" in t["name"])
     assert (ok["value"], ok["met"]) == (pytest.approx(2.8), True) and "interactive" in ok["name"]
@@ -645,7 +646,24 @@ def test_worst_class_tail_at_the_knee() -> None:
     assert (none["value"], none["met"]) == (None, False)  # never kept 90 %: no knee, not met
     starved = pts({"interactive": 300.0, "batch": 100.0})  # batch's p99 is fine, over the answers it got
     starved[1]["per_class"]["batch"] |= {"n": 10, "failed": 2}
-    doc["policies"]["flowprefill"] = report.report({}, "http", "m", 1.0, {}, {"flowprefill": starved}
+    doc["policies"]["flowprefill"] = report.report({}, "http", "m", 1.0, CLASSES, {"flowprefill": starved}
                                                    )["policies"]["flowprefill"]
     tail = next(t for t in summary.comparison(doc, cs, "quiet")["targets"] if "worst class" in t["name"])
     assert (tail["value"], tail["met"]) == (None, False) and "batch" in tail["name"]
+
+
+def test_scaled_slos_are_sent_and_measured_against() -> None:
+    """--slo-scale: each request carries its class's scaled TTFT target (x-slo-ttft-ms, which
+    FlowPrefill and the gateway read) and attainment counts against it. A server answering in 0.4 s
+    misses every default target of 250 ms and meets them all at 2x."""
+    sched = [a for a in arrivals(workload(8, rate=20)) if a.slo_class == "interactive"]
+    with fake_servers("peer", delay_s=0.4) as (urls, log):
+        target = Target(urls["peer"], "peer")
+        plain = run_point(target, sched, 20.0, Scenario("quiet"), 1, 10)
+        doubled = run_point(target, sched, 20.0, Scenario("quiet"), 1, 10, scaled(DEFAULT_CLASSES, 2))
+    assert plain["attainment"] == 0 and doubled["attainment"] == 1
+    assert doubled["per_class"]["interactive"]["ttft_target_ms"] == 500
+    sent = [seen["headers"].get("x-slo-ttft-ms") for seen in log]
+    assert sent == [None] * len(sched) + ["500"] * len(sched)
+    slow = scaled(DEFAULT_CLASSES, 3)["batch"]
+    assert (slow.ttft_ms, slow.late_bound_ms, slow.tbt_ms) == (18000, 36000, DEFAULT_CLASSES["batch"].tbt_ms)

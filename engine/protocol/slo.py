@@ -44,6 +44,13 @@ class SLOClass(msgspec.Struct, frozen=True):
         return 2 * self.ttft_ms if self.late_ms is None else self.late_ms
 
 
+def scaled(classes: Mapping[str, SLOClass], factor: float) -> dict[str, SLOClass]:
+    """Every class with its TTFT target and late bound times `factor`: the same SLOs for a model
+    `factor` times slower (a benchmark on a real model's CPU speed); TBT targets unchanged."""
+    return {k: msgspec.structs.replace(c, ttft_ms=c.ttft_ms * factor, late_ms=c.late_bound_ms * factor)
+            for k, c in classes.items()}
+
+
 def shed_reason(error: str | None) -> str | None:
     """The drop reason of a request the engine shed while it was queued (None: any other error)."""
     return SHED_REASON if error == SHED_ERROR else None

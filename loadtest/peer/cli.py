@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="runs per rate and contender (rotated); each rate reports its run of median attainment")
     p.add_argument("--max-tokens", type=int, default=1, help="output tokens per request (1: prefill only)")
     p.add_argument("--drain-s", type=float, default=60.0, help="wait this long for answers after the last arrival")
+    p.add_argument("--slo-scale", type=float, default=1.0,
+                   help="every class's TTFT target times this, sent with each request as its explicit target "
+                        "(x-slo-ttft-ms): the default SLOs for a model this many times slower than the embedded one")
     p.add_argument("--max-model-len", type=int, default=16384)
     p.add_argument("--start-timeout-s", type=float, default=900.0, help="how long a server may take to start")
     p.add_argument("--raw-prompts", default="512,2048,8192", help="raw: prompt lengths, tokens")

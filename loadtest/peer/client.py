@@ -14,13 +14,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import httpx
 import msgspec
 
-from engine.protocol.slo import DEFAULT_CLASSES
+from engine.protocol.headers import SLO_CLASS_HEADER, SLO_TTFT_HEADER
+from engine.protocol.slo import DEFAULT_CLASSES, SLOClass
 from loadtest.priority import class_priorities
 from loadtest.results import Record
 from loadtest.workload import Workload, synthesize_prompt
@@ -91,9 +92,11 @@ def arrival_index(rid: str) -> int | None:
     return int(index) if head.startswith("peer-") and index.isdigit() else None
 
 
-async def _send(client: httpx.AsyncClient, url: str, body: bytes, rec: Record) -> None:
-    headers = {"content-type": "application/json", "x-slo-class": rec.slo_class,
+async def _send(client: httpx.AsyncClient, url: str, body: bytes, rec: Record, ttft_ms: float | None) -> None:
+    headers = {"content-type": "application/json", SLO_CLASS_HEADER: rec.slo_class,
                "x-request-id": request_id(rec.index)}
+    if ttft_ms is not None:  # scaled targets: a server that reads SLO headers gets the target measured against
+        headers[SLO_TTFT_HEADER] = f"{ttft_ms:g}"
     t_send = time.perf_counter()
     try:
         async with client.stream("POST", f"{url}/v1/completions", content=body, headers=headers) as resp:
@@ -120,10 +123,12 @@ async def _send(client: httpx.AsyncClient, url: str, body: bytes, rec: Record) -
 
 
 async def replay(target: Target, schedule: list[Arrival], max_tokens: int = 1, drain_s: float = 60.0,
-                 at: list[tuple[float, Callable[[], None]]] | None = None) -> list[Record]:
+                 at: list[tuple[float, Callable[[], None]]] | None = None,
+                 classes: Mapping[str, SLOClass] | None = None) -> list[Record]:
     """Send `schedule` to `target` open loop and wait for every answer (at most `drain_s` after the
     last arrival; what is left then is cancelled, counted as failed). `at`: (seconds from the start,
-    callback) run on the way, e.g. switching a busy process on halfway."""
+    callback) run on the way, e.g. switching a busy process on halfway. `classes`: targets other than
+    the defaults (scaled), sent with each request as its explicit TTFT target."""
     priorities = class_priorities(target.priority_order or "lower_first")
     bodies = [_body(target, a, max_tokens, priorities) for a in schedule]
     records = [Record(index=a.index, slo_class=a.slo_class, input_tokens=a.input_tokens, scheduled_s=a.due_s)
@@ -138,7 +143,8 @@ async def replay(target: Target, schedule: list[Arrival], max_tokens: int = 1, d
             if (delay := t0 + a.due_s - loop.time()) > 0:
                 await asyncio.sleep(delay)
             rec.lag_s = max(0.0, loop.time() - (t0 + a.due_s))
-            tasks.append(asyncio.create_task(_send(client, target.url, body, rec)))
+            ttft_ms = classes[a.slo_class].ttft_ms if classes is not None else None
+            tasks.append(asyncio.create_task(_send(client, target.url, body, rec, ttft_ms)))
         _, pending = await asyncio.wait(tasks, timeout=drain_s) if tasks else (set(), set())
         for task in pending:
             task.cancel()
@@ -148,5 +154,5 @@ async def replay(target: Target, schedule: list[Arrival], max_tokens: int = 1, d
     return records
 
 
-def ttft_target_s(slo_class: str) -> float:
-    return DEFAULT_CLASSES[slo_class].ttft_ms / 1000
+def ttft_target_s(slo_class: str, classes: Mapping[str, SLOClass] = DEFAULT_CLASSES) -> float:
+    return classes[slo_class].ttft_ms / 1000

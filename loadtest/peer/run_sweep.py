@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from engine.bench.machine import cpu_count, machine_info
-from engine.protocol.slo import DEFAULT_CLASSES
+from engine.protocol.slo import DEFAULT_CLASSES, SLOClass, scaled
 from loadtest import report
 from loadtest.peer import summary
 from loadtest.peer.client import Arrival, Target, arrivals, model_name, replay
@@ -84,12 +84,17 @@ def warm_up(targets: dict[str, Target]) -> None:
         asyncio.run(replay(target, warm))
 
 
+def sweep_classes(args: argparse.Namespace) -> dict[str, SLOClass]:
+    """The SLO classes the sweep measures against: the defaults, their TTFT targets times --slo-scale."""
+    return DEFAULT_CLASSES if args.slo_scale == 1 else scaled(DEFAULT_CLASSES, args.slo_scale)
+
+
 def scenario_doc(args: argparse.Namespace, base: Workload, chosen: list[Contender], scenario: Scenario,
                  points: dict[str, list[dict[str, Any]]], context: dict[str, Any]) -> dict[str, Any]:
-    classes = {k: {"ttft_ms": c.ttft_ms, "tbt_ms": c.tbt_ms} for k, c in DEFAULT_CLASSES.items()}
+    classes = {k: {"ttft_ms": c.ttft_ms, "tbt_ms": c.tbt_ms} for k, c in sweep_classes(args).items()}
     doc = report.report(
         {"name": base.name, "source": base.source, "requests": len(base.requests), "class_rule": base.class_rule},
-        "http", context["model"], 1.0, classes, points,
+        "http", context["model"], args.slo_scale, classes, points,
         extra={"command": context["command"], "machine": context["machine"]})
     doc["peer"] = {"scenario": {"name": scenario.name, "describe": scenario.describe(), "duty": scenario.duty,
                                 "period_ms": scenario.period_ms, "cores": list(scenario.cores),
@@ -105,6 +110,8 @@ def run(args: argparse.Namespace, chosen: list[Contender], versions: dict[str, s
     rates = floats(args.rates, "--rates")
     if args.repeats < 1:
         raise SpecError("--repeats must be >= 1")
+    if not args.slo_scale > 0:
+        raise SpecError(f"--slo-scale {args.slo_scale:g}: expected a number > 0")
     base, where = workload(args), placement(args)
     plan = scenarios(args, where)
     model = model_dir(args, console)
@@ -130,7 +137,8 @@ def run(args: argparse.Namespace, chosen: list[Contender], versions: dict[str, s
 
 def _sweep(args: argparse.Namespace, base: Workload, chosen: list[Contender], targets: dict[str, Target],
            plan: list[Scenario], rates: list[float], context: dict[str, Any], console: Console) -> int:
-    sweep = Sweep(targets, base, arrivals, args.max_tokens, args.drain_s, repeats=args.repeats)
+    sweep = Sweep(targets, base, arrivals, args.max_tokens, args.drain_s, repeats=args.repeats,
+                  classes=sweep_classes(args))
     args.out.mkdir(parents=True, exist_ok=True)
     columns = (TextColumn("{task.description:<48}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     docs = []

@@ -82,10 +82,10 @@ def comparison(doc: dict[str, Any], contenders: list[Contender], scenario: str) 
                         "value": value, "target": TAIL_TARGET_FACTOR, "lower_is_better": True,
                         "met": value is not None and value <= TAIL_TARGET_FACTOR})
     if "flowprefill" in pol and scenario == "hogs":
-        targets += every_rate_targets(pol, peers)
+        targets += every_rate_targets(pol, peers, doc["classes"]["interactive"]["ttft_ms"])
     if "flowprefill" in pol and scenario in ("contended", "step"):
         p99 = interactive_p99_at_knee(pol["flowprefill"]["points"])
-        value = None if p99 is None else round(p99 / DEFAULT_CLASSES["interactive"].ttft_ms, 3)
+        value = None if p99 is None else round(p99 / doc["classes"]["interactive"]["ttft_ms"], 3)
         targets.append({"name": "flowprefill interactive p99 TTFT / its target, at its highest rate >= 90 %",
                         "value": value, "target": P99_TARGET_FACTOR, "lower_is_better": True,
                         "met": value is not None and value <= P99_TARGET_FACTOR})
@@ -93,11 +93,11 @@ def comparison(doc: dict[str, Any], contenders: list[Contender], scenario: str) 
             "unresolved": unresolved[False], "unresolved_every_class": unresolved[True], "tails_at_knee": tails}
 
 
-def every_rate_targets(pol: dict[str, Any], peers: list[str]) -> list[dict[str, Any]]:
+def every_rate_targets(pol: dict[str, Any], peers: list[str], interactive_ms: float) -> list[dict[str, Any]]:
     """FlowPrefill's worst rate for interactive p99 TTFT / its target (unanswered interactive requests:
     None, not met) and for its overall attainment / the best peer's at that rate."""
     ours = {p["rate"]: p for p in pol["flowprefill"]["points"]}
-    target_ms = DEFAULT_CLASSES["interactive"].ttft_ms
+    target_ms = interactive_ms
     factors = {}
     for rate, p in ours.items():
         c = p["per_class"].get("interactive")
@@ -160,7 +160,8 @@ def worst_tail_at_knee(points: list[dict[str, Any]]) -> dict[str, Any] | None:
 def summary_table(doc: dict[str, Any]) -> Table:
     peer = doc["peer"]
     t = Table(title=f"peer benchmark, {peer['scenario']['name']} ({doc['workload']['name']}, "
-                    f"{doc['workload']['requests']} requests, {peer['dtype']}, {peer['placement']})")
+                    f"{doc['workload']['requests']} requests, {peer['dtype']}, {peer['placement']}"
+                    + (f", TTFT targets x{doc['slo_scale']:g}" if doc.get("slo_scale", 1) != 1 else "") + ")")
     rates = sorted({p["rate"] for pol in doc["policies"].values() for p in pol["points"]})
     t.add_column("contender")
     for r in rates:
@@ -246,7 +247,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     a.set(xlabel="offered rate (req/s)", ylabel="TTFT SLO attainment (%)", ylim=(0, 102),
           title="attainment vs rate, every class" + (f" (median of {repeats} runs; bars: their range)"
                                                       if repeats > 1 else ""))
-    b.axhline(DEFAULT_CLASSES["interactive"].ttft_ms, color="grey", lw=0.8, ls=":")
+    b.axhline(doc["classes"]["interactive"]["ttft_ms"], color="grey", lw=0.8, ls=":")
     b.set(xlabel="offered rate (req/s)", ylabel="interactive TTFT p99 (ms, log)", yscale="log",
           title="interactive p99 TTFT (dotted: target)")
     for ax in (a, b):

@@ -8,12 +8,13 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from engine.protocol.slo import DEFAULT_CLASSES, SLOClass
 from loadtest import report
 from loadtest.peer import split
 from loadtest.peer.busy import BusyLoad
@@ -62,8 +63,9 @@ def rotation(names: list[str], k: int) -> list[str]:
 
 
 def run_point(target: Target, schedule: list[Arrival], rate: float, scenario: Scenario, max_tokens: int,
-              drain_s: float) -> dict[str, Any]:
-    """One contender at one rate: its records under the scenario's load, as a report point."""
+              drain_s: float, classes: Mapping[str, SLOClass] = DEFAULT_CLASSES) -> dict[str, Any]:
+    """One contender at one rate: its records under the scenario's load, as a report point, measured
+    against `classes`' targets (sent with each request where they are not the defaults)."""
     at: list[tuple[float, Callable[[], None]]] = []
     if busy := scenario.load():
         busy.start(paused=scenario.name == "step")
@@ -71,10 +73,11 @@ def run_point(target: Target, schedule: list[Arrival], rate: float, scenario: Sc
             at.append((schedule[len(schedule) // 2].due_s if schedule else 0.0, busy.resume))
     before = split.read(target.url)
     try:
-        records = asyncio.run(replay(target, schedule, max_tokens, drain_s, at))
+        sent = None if classes is DEFAULT_CLASSES else classes
+        records = asyncio.run(replay(target, schedule, max_tokens, drain_s, at, sent))
     finally:
         load = busy.stop() if busy else None
-    pt = point(rate, records)
+    pt = point(rate, records, classes)
     for cls, parts in split.split(before, split.read(target.url)).items():  # a gateway: where the time went
         if cls in pt["per_class"]:
             pt["per_class"][cls] |= parts
@@ -84,19 +87,20 @@ def run_point(target: Target, schedule: list[Arrival], rate: float, scenario: Sc
     return pt
 
 
-def point(rate: float, records: list[Record]) -> dict[str, Any]:
+def point(rate: float, records: list[Record], classes: Mapping[str, SLOClass] = DEFAULT_CLASSES) -> dict[str, Any]:
     """report.point (attainment, goodput, per-class TTFT p50/p99) plus, per class, its goodput, its
     failures and the latest a request was answered past its target; the send lag overall."""
-    pt = report.point(rate, outcomes(records))
+    pt = report.point(rate, outcomes(records, classes))
     for name, cls in pt["per_class"].items():
         mine = [r for r in records if r.slo_class == name]
-        attained = sum(1 for r in mine if r.ok and r.ttft_s is not None and r.ttft_s <= ttft_target_s(name))
-        late = [(r.ttft_s - ttft_target_s(name)) * 1000 for r in mine if r.ok and r.ttft_s is not None]
+        target_s = ttft_target_s(name, classes)
+        attained = sum(1 for r in mine if r.ok and r.ttft_s is not None and r.ttft_s <= target_s)
+        late = [(r.ttft_s - target_s) * 1000 for r in mine if r.ok and r.ttft_s is not None]
         cls["goodput_rps"] = rate * attained / len(records)
         cls["failed"] = sum(not r.ok for r in mine)
         cls["refused"] = sum(r.status == 429 for r in mine)  # shed by admission, a subset of failed
         cls["late_max_ms"] = round(max(late), 1) if late else None  # < 0: every answer on time, by this margin
-        cls["ttft_target_ms"] = ttft_target_s(name) * 1000
+        cls["ttft_target_ms"] = target_s * 1000
     lag = np.array([r.lag_s for r in records] or [0.0]) * 1000
     pt["failed"] = sum(not r.ok for r in records)
     pt["errors"] = sorted({r.error for r in records if r.error})[:5]
@@ -116,8 +120,9 @@ class Sweep:
     stops early."""
 
     def __init__(self, targets: dict[str, Target], base: Workload, schedule_of: Callable[[Workload], list[Arrival]],
-                 max_tokens: int = 1, drain_s: float = 60.0, pause_s: float = 1.0, repeats: int = 1) -> None:
-        self.targets, self.base, self.schedule_of = targets, base, schedule_of
+                 max_tokens: int = 1, drain_s: float = 60.0, pause_s: float = 1.0, repeats: int = 1,
+                 classes: Mapping[str, SLOClass] = DEFAULT_CLASSES) -> None:
+        self.targets, self.base, self.schedule_of, self.classes = targets, base, schedule_of, classes
         self.max_tokens, self.drain_s, self.pause_s, self.repeats = max_tokens, drain_s, pause_s, repeats
 
     def run(self, rates: list[float], scenario: Scenario,
@@ -137,7 +142,8 @@ class Sweep:
                     what = f"{scenario.name} @ {rate:g} req/s: {name}" + (f" ({r + 1}/{self.repeats})"
                                                                           if self.repeats > 1 else "")
                     progress(what, 0)
-                    pt = run_point(self.targets[name], schedule, rate, scenario, self.max_tokens, self.drain_s)
+                    pt = run_point(self.targets[name], schedule, rate, scenario, self.max_tokens, self.drain_s,
+                                   self.classes)
                     runs.setdefault(name, []).append(pt | {"order": position})
                     time.sleep(self.pause_s)  # the last answers' work, then the next contender starts cold alike
                     progress(f"{what}: {pt['attainment']:.1%} on time", 1)
