@@ -30,7 +30,7 @@ from engine.core import batch_log
 from engine.core.config import KV_AUTO_TOKENS, EngineConfig
 from engine.core.request import Request, SamplingParams
 from engine.core.scheduler import make_policy
-from engine.model.plan import OpCost
+from engine.model.cost import OpCost
 from engine.protocol.slo import DEFAULT_CLASSES, SLOClass
 from engine.sim import SimConfig, simulate
 from engine.sim.errors import DEFAULT_LEVELS, PredictionError
@@ -80,7 +80,7 @@ def outcomes(reqs: list[Request]) -> list[report.Outcome]:
 
 def measured_cost(cost_name: str) -> bool:
     """Whether `--cost` names a measured CPU profile: this machine's (cpu) or one stored in a .json file
-    (engine/core/predictor.py's read_profile), not a roofline (MODEL@GPU)."""
+    (engine/model/calibration.py's read_profile), not a roofline (MODEL@GPU)."""
     return cost_name == "cpu" or cost_name.lower().endswith(".json")
 
 
@@ -91,10 +91,10 @@ class Runner:
         self.kind, self.engine_cfg = kind, engine_cfg
         self._engines: dict[str, Any] = {}
         self._ideal: dict[tuple[float, float], dict[str, Any]] = {}  # (rate, slo scale) -> bound point
-        self.profile_key: str | None = None  # the measured profile's (engine/core/predictor.py), not a roofline's
+        self.profile_key: str | None = None  # the measured profile's (engine/model/calibration.py), not a roofline's
         if kind == "real" or measured_cost(cost_name):
             from engine.core.engine import Engine, release_memory
-            from engine.core.predictor import profile_key, read_profile
+            from engine.model.calibration import profile_key, read_profile
 
             # the cost model profiled on this machine; a simulation reads the cached profile as it
             # stands (at 3 req/s the same simulation gave 90.4 % and 83.2 % in two runs a minute

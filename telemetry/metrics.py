@@ -114,7 +114,7 @@ class EngineMetrics(EngineObserver):
     def _prediction_metrics(self, engine: Engine, r: CollectorRegistry) -> None:
         """How far the TTFT predictor, on which every slack rests, is off: per batch size class, each
         finished batch's measured over predicted time, and the correction the engine has learned."""
-        from engine.model.plan import SIZE_CLASSES, size_class  # the engine, hence torch, is loaded
+        from engine.model.cost import SIZE_CLASSES, size_class
 
         labels = [*map(str, SIZE_CLASSES), "+Inf"]
         self._class_label = lambda tokens: labels[size_class(tokens)]

@@ -12,8 +12,9 @@ from test_preemption import BUDGET, CFG, COST, EXACT, fresh_kv, make_weights, pr
 
 from engine.attention.sdpa import SDPABackend
 from engine.model.activations import MAX_KEPT_ROWS, MIN_ROWS, ActivationPool
+from engine.model.cost import SeqSpan
 from engine.model.llama import LlamaModel
-from engine.model.plan import SeqSpan, plan_prefill
+from engine.model.plan import plan_prefill
 
 
 @pytest.fixture(autouse=True)

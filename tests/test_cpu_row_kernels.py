@@ -15,10 +15,11 @@ from checkpoints import load_reference
 from engine.attention import cpu
 from engine.core.config import EngineConfig
 from engine.core.kv_cache import KVCache
-from engine.core.predictor import calibrate
 from engine.model import load_model
+from engine.model.calibration import calibrate
+from engine.model.cost import SeqSpan
 from engine.model.kernels import CPUKernels, TorchKernels, select_kernels
-from engine.model.plan import SeqSpan, plan_prefill
+from engine.model.plan import plan_prefill
 from engine.model.rope import Rotary
 
 DTYPES = [torch.float32, torch.bfloat16]

@@ -21,9 +21,10 @@ from engine.core.kv_cache import KVCache
 from engine.core.request import Request, Sampled, SamplingParams, TokenOutput
 from engine.core.sampling import sample as sample_with_logprobs
 from engine.core.tokenizer import ByteTokenizer
+from engine.model.cost import OpCost, SeqSpan
 from engine.model.llama import LlamaModel
 from engine.model.loader import expected_shapes
-from engine.model.plan import OpCost, SeqSpan, plan_prefill
+from engine.model.plan import plan_prefill
 
 BYTES = ByteTokenizer(512)
 EOS = BYTES.eos_token_ids[0]

@@ -21,7 +21,8 @@ import engine.core.prefill as prefill_module
 from engine.core.engine import Engine
 from engine.core.observer import EngineObserver
 from engine.core.request import Request, SamplingParams
-from engine.model.plan import SeqSpan, plan_prefill
+from engine.model.cost import SeqSpan
+from engine.model.plan import plan_prefill
 from engine.serving.worker import create_worker_app
 
 

@@ -554,7 +554,7 @@ def test_a_miss_only_calibration_predicts_is_admitted_until_a_batch_of_its_size_
     from engine.core.engine import Engine as _Engine
     from engine.core.request import Request as _Request
     from engine.core.scheduler import UNCONFIRMED_SPEEDUP
-    from engine.model.plan import SeqSpan
+    from engine.model.cost import SeqSpan
 
     eng = _Engine(EngineConfig())  # not started
     try:
@@ -583,7 +583,7 @@ def test_a_request_that_can_only_be_late_is_admitted_and_served_late() -> None:
     learned is what predicts it (and what /load reports)."""
     from engine.core.engine import Engine as _Engine
     from engine.core.request import Request as _Request
-    from engine.model.plan import SeqSpan
+    from engine.model.cost import SeqSpan
 
     eng = _Engine(EngineConfig())  # not started
     try:

@@ -66,7 +66,7 @@ def qwen3_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def splitting_cost(cfg: Any) -> Any:
     """A cost model that makes a budget of 1e-4 s split prompts into many steps and key tiles, however
     fast the GPU: what is under test is the plan's shape, not the device's speed."""
-    from engine.model.plan import OpCost
+    from engine.model.cost import OpCost
 
     return OpCost(cfg, attn_in_s_per_row=1e-6, ffn_s_per_row=1e-6, attn_s_per_pair=1e-9, step_overhead_s=0.0)
 
@@ -180,7 +180,8 @@ def test_engine_prefill_logits_match_sdpa_and_transformers(request: pytest.Fixtu
     from engine.core.config import EngineConfig
     from engine.core.kv_cache import KVCache
     from engine.model import load_model
-    from engine.model.plan import SeqSpan, plan_prefill
+    from engine.model.cost import SeqSpan
+    from engine.model.plan import plan_prefill
     prompts = [[i % 500 + 1 for i in range(3000)], list(range(5, 40)), [7] * 700]
     logits = {}
     for backend in ("flashinfer", "sdpa"):  # FlashInfer's attention and fused kernels; torch's throughout
@@ -216,7 +217,7 @@ def test_preempted_prefill_equals_uninterrupted_on_gpu(checkpoint: Path) -> None
     from engine.core.prefill import PrefillBatch
     from engine.core.request import Request
     from engine.model import load_model
-    from engine.model.plan import SeqSpan
+    from engine.model.cost import SeqSpan
 
     model, _ = load_model(EngineConfig(model=str(checkpoint), device="cuda", dtype="bfloat16",
                                        attention_backend="flashinfer"))
@@ -285,7 +286,8 @@ def test_no_step_waits_for_the_gpu(checkpoint: Path, budget_s: float | None, lon
     from engine.core.config import EngineConfig
     from engine.core.kv_cache import KVCache
     from engine.model import load_model
-    from engine.model.plan import SeqSpan, plan_prefill
+    from engine.model.cost import SeqSpan
+    from engine.model.plan import plan_prefill
     model, _ = load_model(EngineConfig(model=str(checkpoint), device="cuda", dtype="bfloat16",
                                        attention_backend="flashinfer"))
     cost = splitting_cost(model.cfg)
@@ -320,7 +322,7 @@ def test_cuda_graphs_match_the_eager_forward(checkpoint: Path) -> None:
     from engine.core.prefill import PrefillBatch
     from engine.core.request import Request
     from engine.model import load_model
-    from engine.model.plan import SeqSpan
+    from engine.model.cost import SeqSpan
 
     def cfg(graph_tokens: int) -> EngineConfig:
         return EngineConfig(model=str(checkpoint), device="cuda", dtype="bfloat16", attention_backend="flashinfer",

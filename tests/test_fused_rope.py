@@ -144,7 +144,7 @@ def test_a_model_with_a_short_context_calibrates_with_the_fused_rotation() -> No
     fused table holds exactly the context, where torch's grows)."""
     from dataclasses import replace
 
-    from engine.core.predictor import calibrate
+    from engine.model.calibration import calibrate
 
     short = replace(CFG, max_position_embeddings=1000)
     m = LlamaModel(short, make_weights(short), SDPABackend())

@@ -25,9 +25,10 @@ from engine.core.config import SMOLLM2, EngineConfig, ModelConfig, model_path, s
 from engine.core.kv_cache import KVCache
 from engine.core.tokenizer import HFTokenizer
 from engine.model import LlamaModel, load_model
+from engine.model.cost import OpCost, SeqSpan
 from engine.model.gguf import load_gguf
 from engine.model.loader import expected_shapes
-from engine.model.plan import OpCost, SeqSpan, plan_prefill
+from engine.model.plan import plan_prefill
 
 pytest.importorskip("transformers")  # the reference (a dev dependency; its GGUF loader needs accelerate)
 

@@ -17,9 +17,9 @@ from test_preemption import BUDGET, CFG, COST, FP32, fresh_kv, kv_of, make_weigh
 from engine.attention.sdpa import SDPABackend
 from engine.core.prefill import PrefillBatch
 from engine.core.request import Request
+from engine.model.cost import SeqSpan
 from engine.model.graphs import StepGraphs
 from engine.model.llama import LlamaModel
-from engine.model.plan import SeqSpan
 
 
 def graph_model(max_tokens: int = 256) -> tuple[LlamaModel, RerunCapture]:

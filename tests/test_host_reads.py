@@ -22,9 +22,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.attention.sdpa import SDPABackend
 from engine.core.config import ModelConfig
+from engine.model.cost import SeqSpan
 from engine.model.graphs import StepGraphs
 from engine.model.llama import LlamaModel
-from engine.model.plan import SeqSpan, plan_prefill
+from engine.model.plan import plan_prefill
 
 # Tensor methods that copy device data to the host (a CUDA synchronisation).
 HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__bool__,

@@ -21,7 +21,7 @@ from engine.core.kv_cache import BlockPool
 from engine.core.observer import EngineObserver
 from engine.core.request import Request, SamplingParams, TokenOutput
 from engine.core.scheduler import Scheduler, make_policy
-from engine.model.plan import OpCost
+from engine.model.cost import OpCost
 
 BS = 16
 

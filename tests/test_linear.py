@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from engine.core.config import ModelConfig
+from engine.model.cost import ATTN_IN, FFN, ROW_ALIGN, OpCost, SeqSpan
 from engine.model.linear import OneDnnLinear, TorchLinear, onednn_unavailable, select_linear
-from engine.model.plan import ATTN_IN, FFN, ROW_ALIGN, OpCost, SeqSpan, plan_prefill
+from engine.model.plan import plan_prefill
 
 onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 

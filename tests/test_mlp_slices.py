@@ -19,10 +19,11 @@ from test_preemption import CFG, EXACT, FP32, Case, assert_kv_equal, fresh_kv, k
 
 from engine.attention.sdpa import SDPABackend
 from engine.core.config import ModelConfig
-from engine.core.predictor import _median_of, calibrate, measured_profile
+from engine.model.calibration import _median_of, calibrate, measured_profile
+from engine.model.cost import FFN, FFN_IN, MLP, OpCost, SeqSpan
 from engine.model.linear import OneDnnLinear, TorchLinear, onednn_unavailable
 from engine.model.llama import MLP_SLICE_MIN_BYTES, LlamaModel, mlp_slices
-from engine.model.plan import FFN, FFN_IN, MLP, OpCost, SeqSpan, plan_prefill
+from engine.model.plan import plan_prefill
 
 # The whole FFN costs 10 us a row: 32-row blocks (the least) under a 100 us budget; a slice's MLP step
 # 1 us a row: 96-row blocks.

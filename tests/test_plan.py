@@ -16,7 +16,7 @@ from test_sim import COST, requests, trace
 
 from engine.core.config import EngineConfig
 from engine.core.scheduler import make_policy
-from engine.model.plan import SeqSpan
+from engine.model.cost import SeqSpan
 from engine.planner.fleet import Planner, smallest, with_prefixes
 from engine.planner.routing import GatewayRouter, distinct_key, prompt_key, trace_key
 from engine.protocol.slo import DEFAULT_CLASSES
@@ -400,7 +400,7 @@ def test_the_engine_pass_times_each_prompt_on_a_fresh_engine_and_returns_its_thr
     import statistics
     import threading
 
-    from engine.model.plan import size_class
+    from engine.model.cost import size_class
     from engine.planner.speed import at_measured_speed, engine_pass
     from loadtest.goodput import Runner
     from loadtest.workload import azure_mix, head

@@ -11,7 +11,7 @@ import pytest
 from test_sim import COST
 
 from engine.core.batch_log import MeasuredBatch
-from engine.model.plan import SeqSpan
+from engine.model.cost import SeqSpan
 
 
 def test_plan_on_this_cpu_pilots_each_policy_through_a_real_serve_first(

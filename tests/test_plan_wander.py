@@ -12,7 +12,7 @@ import pytest
 from test_sim import COST
 
 from engine.core.batch_log import MeasuredBatch
-from engine.model.plan import SeqSpan
+from engine.model.cost import SeqSpan
 from engine.planner.measured import Planned, Wander, wander
 from engine.sim.errors import Drift, PredictionError, TrueSpeed
 

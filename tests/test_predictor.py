@@ -6,7 +6,8 @@ import pytest
 
 from engine.core.config import EngineConfig, ModelConfig
 from engine.core.request import SamplingParams
-from engine.model.plan import SIZE_CLASSES, OpCost, SeqSpan, plan_prefill, size_class
+from engine.model.cost import SIZE_CLASSES, OpCost, SeqSpan, size_class
+from engine.model.plan import plan_prefill
 
 BUDGET = 0.002
 
@@ -140,7 +141,7 @@ def test_the_engine_learns_from_the_running_batch() -> None:
     import time
 
     from engine.core.engine import Engine
-    from engine.model.plan import size_class
+    from engine.model.cost import size_class
 
     engine = Engine(EngineConfig(), policy="flowprefill")
     prefill = engine.model.prefill
@@ -179,7 +180,7 @@ def test_one_stretched_short_batch_does_not_swing_every_prediction() -> None:
     """A 13 ms batch stretched to 200 ms by a pause reads 15x; one such measurement moves the machine's
     factor by at most MAX_SURPRISE's worth of its weight (here the whole-batch floor, 0.2), so the long
     classes' predictions do not follow it to a refusal."""
-    from engine.model.plan import MAX_SURPRISE
+    from engine.model.cost import MAX_SURPRISE
 
     cost = cost_model()
     for n in (100, 100, 100, 6000, 6000, 6000):  # each class's own way first
@@ -217,7 +218,7 @@ def test_a_cpu_calibration_does_not_count_time_its_thread_was_off_the_core() -> 
 
     import torch
 
-    from engine.core.predictor import _best_time
+    from engine.model.calibration import _best_time
 
     cpu = torch.device("cpu")
     assert _best_time(lambda: time.sleep(0.02), cpu, repeat=3) < 0.005

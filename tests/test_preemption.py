@@ -22,9 +22,10 @@ from engine.core.config import ModelConfig
 from engine.core.kv_cache import KVCache
 from engine.core.prefill import PrefillBatch
 from engine.core.request import Request
+from engine.model.cost import ATTENTION, ATTN_IN, FFN, OpCost, SeqSpan, Step
 from engine.model.llama import LlamaModel
 from engine.model.loader import expected_shapes
-from engine.model.plan import ATTENTION, ATTN_IN, FFN, OpCost, SeqSpan, Step, plan_prefill
+from engine.model.plan import plan_prefill
 
 # A small Qwen2-shaped model (GQA group 2, q/k/v bias): fast, and the same code paths as the default.
 CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -67,9 +67,9 @@ def test_overhead_section_compares_staircase_blocks_with_a_line(tmp_path: Path, 
     """Where calibration timed a row-block staircase (CUDA by default; asked for here on the CPU),
     the overhead section also runs the split with blocks sized from the per-row rate."""
     from engine.bench import prefill
-    from engine.core import predictor
+    from engine.model import calibration
 
-    monkeypatch.setattr(prefill, "load_cost", lambda model: predictor.calibrate(model, block_rows=(32, 64, 96, 128)))
+    monkeypatch.setattr(prefill, "load_cost", lambda model: calibration.calibrate(model, block_rows=(32, 64, 96, 128)))
     # A small step budget: on a fast core (oneDNN's projections) 512 tokens fit 2 ms steps unsplit.
     assert main(["bench", "prefill", "--quick", "--overhead-sizes", "512", "--repeats", "1", "--step-budget-ms",
                  "0.25", "--sections", "overhead", "--out", str(tmp_path)]) == 0

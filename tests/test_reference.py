@@ -23,11 +23,12 @@ from checkpoints import VARIANTS, load_reference
 from engine.core.config import EngineConfig
 from engine.core.engine import Engine
 from engine.core.kv_cache import KVCache
-from engine.core.predictor import calibrate
 from engine.core.request import Request, SamplingParams, TokenOutput
 from engine.model import LlamaModel, load_model
+from engine.model.calibration import calibrate
+from engine.model.cost import ATTENTION, FFN_IN, MLP, OpCost, SeqSpan, Step
 from engine.model.loader import load_checkpoint, save_checkpoint, tiny_model
-from engine.model.plan import ATTENTION, FFN_IN, MLP, OpCost, SeqSpan, Step, plan_prefill
+from engine.model.plan import plan_prefill
 
 pytest.importorskip("transformers")  # the reference (a dev dependency)
 

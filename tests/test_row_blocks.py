@@ -17,9 +17,10 @@ from test_preemption import CFG, COST, FP32, logits_of, make_weights
 
 from engine.attention.sdpa import SDPABackend
 from engine.core.config import ModelConfig
-from engine.core.predictor import calibrate, load_cost
+from engine.model.calibration import calibrate, load_cost
+from engine.model.cost import ATTN_IN, FFN, OpCost, SeqSpan
 from engine.model.llama import LlamaModel
-from engine.model.plan import ATTN_IN, FFN, OpCost, SeqSpan, plan_prefill
+from engine.model.plan import plan_prefill
 
 WAVE_S = 0.5e-3
 
@@ -93,9 +94,9 @@ def test_calibration_times_the_staircase_and_the_profile_is_the_recent_median(tm
     assert calibrate(model).row_block_s == {}, "a CPU times no staircase unless asked"
 
     # load_cost's profile is the median of the last HISTORY start-ups, entry by entry of the staircase.
-    from engine.core import predictor
+    from engine.model import calibration
 
-    monkeypatch.setattr(predictor, "calibrate", lambda m: replace(cost, row_block_s=dict(cost.row_block_s)))
+    monkeypatch.setattr(calibration, "calibrate", lambda m: replace(cost, row_block_s=dict(cost.row_block_s)))
     first = load_cost(model)
     (path,) = tmp_path.glob("opcost-*.json")
     lucky = json.loads(path.read_text())["calibrations"][-1]
@@ -104,7 +105,7 @@ def test_calibration_times_the_staircase_and_the_profile_is_the_recent_median(tm
     again = load_cost(model)  # two lucky start-ups and this one: the lucky time is the median
     assert again.row_block_s[FFN][1] == (64, 1e-9)
     assert again.row_block_s[FFN][0] == first.row_block_s[FFN][0]
-    for _ in range(predictor.HISTORY):
+    for _ in range(calibration.HISTORY):
         later = load_cost(model)
     assert later.row_block_s == cost.row_block_s, "a lucky start-up stops counting once it is not recent"
     path.write_text(json.dumps({"calibrations": [{**lucky, "row_block_s": "garbage"}]}))
@@ -132,12 +133,12 @@ def test_a_cpu_calibration_times_the_fixed_cost_of_a_step_on_the_prefills_own_st
     cost = calibrate(model)
     assert cost.step_overhead_s > 0 and cost.step_overhead_s != OpCost.step_overhead_s
     assert cost.row_step_floor_s > 0, "a row-wise step reads its weights, which a one-pair attention step does not"
-    from engine.core import predictor
+    from engine.model import calibration
 
-    monkeypatch.setattr(predictor, "calibrate", lambda m: replace(cost))
+    monkeypatch.setattr(calibration, "calibrate", lambda m: replace(cost))
     load_cost(model)
     (path,) = tmp_path.glob("opcost-*.json")
-    assert f"-v{predictor.PROFILE_VERSION}" in path.name
+    assert f"-v{calibration.PROFILE_VERSION}" in path.name
     entry = json.loads(path.read_text())["calibrations"][-1]
     path.write_text(json.dumps({"calibrations": [{**entry, "step_overhead_s": 1e-9}] * 2}))
     assert load_cost(model).step_overhead_s == 1e-9
@@ -155,16 +156,16 @@ def test_a_simulator_reads_the_profile_without_adding_to_it(tmp_path, monkeypatc
     records as a start-up does."""
     monkeypatch.setenv("FLOWPREFILL_CACHE", str(tmp_path))
     model = LlamaModel(CFG, make_weights(CFG), SDPABackend())
-    from engine.core import predictor
+    from engine.model import calibration
 
     base = calibrate(model)
     scales = iter([1.0, 1.4, 0.9, 1.2, 3.0])
 
     def start_up(_model: LlamaModel) -> OpCost:  # every operator k x the base calibration
         k = next(scales)
-        return replace(base, **{name: getattr(base, name) * k for name in predictor._MEASURED})
+        return replace(base, **{name: getattr(base, name) * k for name in calibration._MEASURED})
 
-    monkeypatch.setattr(predictor, "calibrate", start_up)
+    monkeypatch.setattr(calibration, "calibrate", start_up)
     first = load_cost(model, record=False)  # nothing cached: measured (x1) and recorded
     (path,) = tmp_path.glob("opcost-*.json")
     assert first.ffn_s_per_row == base.ffn_s_per_row

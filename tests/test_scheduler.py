@@ -11,7 +11,8 @@ from engine.core.kv_cache import BlockPool
 from engine.core.prefill import PrefillBatch
 from engine.core.request import Request, SamplingParams
 from engine.core.scheduler import Scheduler, make_policy
-from engine.model.plan import OpCost, SeqSpan, plan_prefill
+from engine.model.cost import OpCost, SeqSpan
+from engine.model.plan import plan_prefill
 from engine.protocol.slo import DEFAULT_CLASSES
 from engine.sim.simulator import VirtualRun
 
@@ -247,7 +248,7 @@ def test_a_batch_is_as_urgent_as_its_most_savable_request() -> None:
 def test_a_batch_is_judged_by_its_most_savable_request() -> None:
     """An on-time request keeps its batch on time, whether the others are late or lost."""
     from engine.core.scheduler.slack import ON_TIME, judge
-    from engine.model.plan import SeqSpan
+    from engine.model.cost import SeqSpan
 
     s, clock, _ = make_scheduler("flowprefill")
     s.now = clock.t = 10.0

@@ -13,7 +13,7 @@ import pytest
 from engine.core.config import EngineConfig, ModelConfig
 from engine.core.request import Request, SamplingParams
 from engine.core.scheduler import make_policy
-from engine.model.plan import OpCost
+from engine.model.cost import OpCost
 from engine.protocol.slo import DEFAULT_CLASSES
 from engine.sim import ExactCosts, SimConfig, simulate
 from engine.sim.costs import analytical
@@ -70,7 +70,7 @@ def test_flowprefill_beats_baselines_in_simulation() -> None:
 def test_gpu_cost_model_is_sane() -> None:
     cost = analytical("llama-3.1-8b", "h100")
     # ~16 GFLOP per token for an 8B model: a 2K prompt takes tens of milliseconds on an H100.
-    from engine.model.plan import SeqSpan
+    from engine.model.cost import SeqSpan
 
     t = cost.prefill_s([SeqSpan(0, 2048)])
     assert 0.02 < t < 0.2
@@ -111,7 +111,7 @@ def _real_and_simulated(engine_cfg: EngineConfig) -> tuple[list[Request], list[R
     cost model as the engine had it before them: (real, simulated, that model, the batches measured,
     the arrivals)."""
     from engine.core.engine import Engine
-    from engine.model.plan import SeqSpan
+    from engine.model.cost import SeqSpan
 
     engine = Engine(engine_cfg, policy="flowprefill")
     measured = BatchCostRecorder()
@@ -201,7 +201,7 @@ def test_exact_costs_time_and_predict_each_request_by_its_measured_factor() -> N
         simulate(alone, make_policy("flowprefill"), COST, SimConfig(ideal=True), exact=ExactCosts(COST, {"r0": factor}))
         ttft[factor] = alone[0].ttft
     assert ttft[2.0] == pytest.approx(2 * ttft[1.0], rel=0.05)
-    from engine.model.plan import SeqSpan
+    from engine.model.cost import SeqSpan
 
     hopeless = requests([(0.0, 1500, "standard")])
     hopeless[0].deadline = hopeless[0].arrival_time + 1.5 * COST.prefill_s([SeqSpan(0, 1500)])
@@ -218,7 +218,8 @@ def test_exact_costs_from_batches_sum_a_chunked_request() -> None:
 def test_the_bound_plans_as_the_engine_did_and_charges_what_it_measured() -> None:
     """A request the engine planned at its correction (1.0) and measured 2x slow takes exactly what
     it measured in the bound: replanned at 2x, its steps would halve and each adds an overhead."""
-    from engine.model.plan import SeqSpan, plan_prefill
+    from engine.model.cost import SeqSpan
+    from engine.model.plan import plan_prefill
     from engine.sim.oracle import MeasuredBatch
 
     cost = replace(COST, step_overhead_s=88e-6)

@@ -16,8 +16,8 @@ from engine.core.kv_cache import KVCache
 from engine.core.prefill import PrefillBatch
 from engine.core.request import Request
 from engine.model import LlamaModel
+from engine.model.cost import OpCost, SeqSpan
 from engine.model.loader import save_checkpoint, tiny_model
-from engine.model.plan import OpCost, SeqSpan
 
 
 class Chooser:

@@ -24,7 +24,7 @@ from engine.bench.stop_latency import random_prompt
 from engine.core.config import EngineConfig
 from engine.core.kv_cache import KVCache
 from engine.model import LlamaModel
-from engine.model.plan import OpCost
+from engine.model.cost import OpCost
 
 LINEAR = "preemptible, blocks from a line"  # the split sized by the per-row rate, not the staircase
 

@@ -49,9 +49,9 @@ from engine.bench.prefill_plot import HF, PREEMPTIBLE, UNSPLIT, plot, size_label
 from engine.bench.stop_latency import StopLatencySection, cost_dict, random_prompt
 from engine.core.config import TINY_MODEL, EngineConfig
 from engine.core.kv_cache import KVCache
-from engine.core.predictor import load_cost
 from engine.model import LlamaModel, load_model
-from engine.model.plan import OpCost, SeqSpan
+from engine.model.calibration import load_cost
+from engine.model.cost import OpCost, SeqSpan
 from gateway.cli.common import Parser
 
 BASE_CONFIG = EngineConfig()  # main() replaces it with the command line's settings
@@ -168,7 +168,7 @@ class Bench(OverheadSection, StopLatencySection):
         tok_s = {name: {k: int(k) / s for k, s in per.items()} for name, per in median_s.items()}
         ratio = ({name: {k: tok_s[name][k] / tok_s[HF][k] for k in tok_s[name]} for name in (UNSPLIT, PREEMPTIBLE)}
                  if HF in tok_s else {})
-        # The TTFT predictor's closed form against what was measured (engine/core/predictor.py).
+        # The TTFT predictor's closed form against what was measured (engine/model/calibration.py).
         predicted_s = {str(n): cost.prefill_s([SeqSpan(0, n)]) for n in sizes}
         # Achieved GFLOP/s (a full forward's FLOPs, engine/bench/flops.py) beside a large matmul's, timed now.
         peak = matmul_peak(model.embed.dtype, self.cfg.device)

@@ -24,8 +24,8 @@ from engine.bench.contenders import HFPrefill, OurPrefill, device_sync, load_tra
 from engine.bench.stop_latency import random_prompt
 from engine.core.config import TINY_MODEL, EngineConfig
 from engine.core.kv_cache import KVCache
-from engine.core.predictor import load_cost
 from engine.model import load_model
+from engine.model.calibration import load_cost
 
 
 def _device_us(evt: Any) -> float:

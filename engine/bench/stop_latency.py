@@ -26,7 +26,7 @@ from engine.core.batch_log import host_gaps_ms
 from engine.core.config import EngineConfig
 from engine.core.engine import Engine
 from engine.core.request import Request, SamplingParams
-from engine.model.plan import SIZE_CLASSES, OpCost, SeqSpan
+from engine.model.cost import SIZE_CLASSES, OpCost, SeqSpan
 from engine.sim.oracle import BatchCostRecorder
 
 STOP_TARGET_MS = 5.0  # what a preemption should cost at most (the line on the plot)

@@ -258,7 +258,7 @@ class EngineConfig:
     # after them (engine/core/kv_cache.py); blocks are reused at the granularity of kv_block_size.
     prefix_caching: bool = setting(True, "reuse the KV of prompt prefixes other requests computed, by KV block")
     # Each start-up times the operators and the profile is the median of the last five start-ups'
-    # timings (engine/core/predictor.py); on 2 EPYC cores five of them differed by up to 13 % per operator,
+    # timings (engine/model/calibration.py); on 2 EPYC cores five of them differed by up to 13 % per operator,
     # so two workers started minutes apart predict differently. Off, a worker predicts with the cached
     # profile as it stands, as every other worker started meanwhile does (`plan --against-serve`
     # replays its workers' logs against its own profile).

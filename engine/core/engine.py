@@ -23,14 +23,14 @@ from engine.core.kv_cache import KVCache
 from engine.core.messages import ENGINE_STOPPED, Arrive, Call, Cancel, EngineSnapshot, ImportKV, Message, Refusal
 from engine.core.observer import EngineObserver
 from engine.core.outputs import EngineOutputs
-from engine.core.predictor import StoredProfile, load_cost, stored_cost
 from engine.core.prefill import PrefillBatch
 from engine.core.prefix_cache import PrefixCache
 from engine.core.request import Request, Sampled
 from engine.core.scheduler import UNCONFIRMED_SPEEDUP, Policy, Scheduler, make_policy
 from engine.core.thread_cpu import ThreadCPU, readable
 from engine.model import load_model, use_device
-from engine.model.plan import ATTN_IN, FFN, MLP, SeqSpan
+from engine.model.calibration import StoredProfile, load_cost, stored_cost
+from engine.model.cost import ATTN_IN, FFN, MLP, SeqSpan
 from engine.protocol.slo import SHED_REASON
 from engine.protocol.worker import WorkerLoad
 
@@ -52,7 +52,7 @@ class Engine(EngineFront, EngineOutputs):
                  clock: Callable[[], float] = time.monotonic, record_profile: bool = True,
                  profile: StoredProfile | None = None) -> None:
         """`record_profile=False`: read the cached cost profile without adding a calibration to it
-        (a simulator's probe, engine/core/predictor.py's `load_cost`). `profile`: predict with the profile
+        (a simulator's probe, engine/model/calibration.py's `load_cost`). `profile`: predict with the profile
         read from a file instead (`read_profile`: a plan.json's, or another machine's cache file)."""
         self.cfg = cfg = cfg or EngineConfig()
         self.record_profile, self.profile = record_profile, profile

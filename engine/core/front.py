@@ -17,7 +17,7 @@ import torch
 from engine.core import handoff
 from engine.core.messages import ENGINE_STOPPED, Arrive, Call, Cancel, EngineSnapshot, ImportKV, Message, Refusal
 from engine.core.request import Request, Sampled, SamplingParams
-from engine.model.plan import SIZE_CLASSES
+from engine.model.cost import SIZE_CLASSES
 from engine.protocol.worker import WorkerLoad
 
 if TYPE_CHECKING:

@@ -18,8 +18,9 @@ import torch
 from engine.core.kv_cache import KVCache
 from engine.core.request import Logprob, Request, RequestState, Suspension
 from engine.core.sampling import prompt_logprobs
+from engine.model.cost import OpCost, SeqSpan
 from engine.model.llama import LlamaModel
-from engine.model.plan import OpCost, Plan, SeqSpan, plan_prefill
+from engine.model.plan import Plan, plan_prefill
 
 _batch_ids = itertools.count()
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from engine.core.kv_cache import BlockPool, block_hashes
 from engine.core.request import Request
-from engine.model.plan import SeqSpan
+from engine.model.cost import SeqSpan
 
 
 class PrefixCache:

@@ -1,4 +1,6 @@
-"""Model weights, loading and the operator-step forward."""
+"""Model weights, loading and the operator-step forward (`llama.py`), and the cost model that sizes its
+steps: `OpCost` (`cost.py`: predicted seconds per operator step, corrected online), calibrated at
+start-up (`calibration.py`), and the split of a prefill into steps (`plan.py`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The operator cost model the split plans with (`OpCost`): predicted seconds of each operator step on
-this device, measured at start-up (engine/core/predictor.py) and corrected online from executed batches.
+this device, measured at start-up (engine/model/calibration.py) and corrected online from executed batches.
 
 Also the vocabulary of a plan's steps (`Step`, `SeqSpan`, the operator names), which engine/model/plan.py
 cuts a prefill into.

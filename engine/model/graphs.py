@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.model.plan import ATTN_IN, FFN
+from engine.model.cost import ATTN_IN, FFN
 
 if TYPE_CHECKING:
     from engine.model.llama import LayerWeights, LlamaModel

@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from engine.model.plan import ROW_ALIGN
+from engine.model.cost import ROW_ALIGN
 
 log = logging.getLogger("flowprefill.engine")
 

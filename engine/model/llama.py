@@ -17,10 +17,10 @@ from engine.attention import AttentionBackend
 from engine.core.config import ModelConfig
 from engine.core.kv_cache import KVCache
 from engine.model.activations import ActivationPool, Activations
+from engine.model.cost import ATTENTION, ATTN_IN, FFN, FFN_IN, MLP, SeqSpan, Step
 from engine.model.graphs import GraphBuffers, StepGraphs
 from engine.model.kernels import RowKernels, TorchKernels
 from engine.model.linear import LinearKind, TorchLinear
-from engine.model.plan import ATTENTION, ATTN_IN, FFN, FFN_IN, MLP, SeqSpan, Step
 from engine.model.rope import Rotary, Rows
 
 # An MLP whose weights (per layer) exceed this is cut into intermediate-column slices for the split

@@ -12,28 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import overload
 
-# The cost model and the steps' vocabulary live in engine/model/cost.py; importers of this module keep
-# finding them here.
-from engine.model.cost import (
-    ATTENTION,
-    ATTN_IN,
-    CAUSAL_BLOCK,
-    FFN,
-    FFN_IN,
-    MAX_FACTOR,
-    MAX_SURPRISE,
-    MLP,
-    ROW_ALIGN,
-    SIZE_CLASSES,
-    OpCost,
-    SeqSpan,
-    Step,
-    _fit,
-    size_class,
-)
-
-__all__ = ["ATTENTION", "ATTN_IN", "CAUSAL_BLOCK", "FFN", "FFN_IN", "MAX_FACTOR", "MAX_SURPRISE", "MLP", "ROW_ALIGN",
-           "SIZE_CLASSES", "OpCost", "Plan", "SeqSpan", "Step", "plan_prefill", "size_class"]
+from engine.model.cost import ATTENTION, ATTN_IN, FFN, FFN_IN, MLP, OpCost, SeqSpan, Step, _fit
 
 
 def _blocks(total: int, size: int) -> list[tuple[int, int]]:

@@ -31,8 +31,8 @@ from engine.bench.console import results_console
 from engine.bench.machine import machine_info
 from engine.bench.planner_validation import against_serve
 from engine.core.config import EngineConfig
-from engine.core.predictor import measured_profile
 from engine.core.scheduler import make_policy
+from engine.model.calibration import measured_profile
 from engine.planner.fleet import Planner, plan_policy
 from engine.planner.measured import Planned
 from engine.planner.report import agreement, plot, plot_paired, print_tables

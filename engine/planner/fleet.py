@@ -12,7 +12,7 @@ from typing import Any
 
 from engine.core.config import EngineConfig
 from engine.core.request import Request
-from engine.model.plan import OpCost
+from engine.model.cost import OpCost
 from engine.planner.measured import Planned
 from engine.planner.routing import GatewayRouter, KeyOf
 from engine.protocol.slo import DEFAULT_CLASSES, SLOClass

@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any, NamedTuple
 
 from engine.core.batch_log import MeasuredBatch
-from engine.model.plan import OpCost, size_class
+from engine.model.cost import OpCost, size_class
 from engine.sim.oracle import factors_by_size, sized
 
 # What a real run's point says of its workers beyond their speed (serve_runs.real_point)

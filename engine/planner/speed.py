@@ -1,7 +1,7 @@
 """`flowprefill plan --cost cpu`: the operator profile checked against the engine itself, on the
 workload's own prompts, before planning.
 
-The profile times one block of each operator kind on an idle core (engine/core/predictor.py); the engine's
+The profile times one block of each operator kind on an idle core (engine/model/calibration.py); the engine's
 prefills run slower than that: on 2 AMD EPYC cores, one torch thread, azure-mix's first 200 prompts
 through a fresh engine one at a time ran 1.25-1.33x the profile's seconds (2.1x for batches under 128
 tokens, where a step's fixed costs dominate; 1.3x from 2K), and 1.14x on a second pass over the same
@@ -49,7 +49,7 @@ from rich.progress import Progress
 
 from engine.core.batch_log import MeasuredBatch, read
 from engine.core.config import EngineConfig
-from engine.model.plan import OpCost
+from engine.model.cost import OpCost
 from engine.planner import serve_runs
 from engine.planner.measured import (
     OVERHEADS,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.core.config import ModelConfig
-from engine.model.plan import OpCost
+from engine.model.cost import OpCost
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import Protocol
 
 from engine.core.request import Request, RequestState
 from engine.core.scheduler import make_policy
-from engine.model.plan import OpCost
+from engine.model.cost import OpCost
 from engine.sim.oracle import ExactCosts
 from engine.sim.simulator import BatchRecord, SimConfig, Simulation
 

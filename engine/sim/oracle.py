@@ -24,8 +24,7 @@ from engine.core.observer import EngineObserver
 from engine.core.prefill import PrefillBatch
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
-from engine.model.cost import PrefillTerms
-from engine.model.plan import SIZE_CLASSES, OpCost, SeqSpan, size_class
+from engine.model.cost import SIZE_CLASSES, OpCost, PrefillTerms, SeqSpan, size_class
 
 
 class BatchCostRecorder(EngineObserver):

@@ -24,7 +24,8 @@ from engine.core.kv_cache import BlockPool
 from engine.core.prefill import PrefillBatch
 from engine.core.request import Request, RequestState
 from engine.core.scheduler import Policy, Scheduler
-from engine.model.plan import OpCost, SeqSpan, plan_prefill
+from engine.model.cost import OpCost, SeqSpan
+from engine.model.plan import plan_prefill
 from engine.sim.errors import PredictionError
 from engine.sim.oracle import ExactCosts, OracleScheduler
 

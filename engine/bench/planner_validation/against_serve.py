@@ -39,7 +39,7 @@ from engine.bench.planner_validation.paired import Pair, paired
 from engine.core.batch_log import MeasuredBatch
 from engine.core.config import EngineConfig
 from engine.core.request import Request
-from engine.model.plan import OpCost
+from engine.model.cost import OpCost
 from engine.planner import serve_runs, speed
 from engine.planner.fleet import Planner
 from engine.planner.measured import Planned, planned_at, planned_with, wander

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.bench.planner_validation.median import median_interval
-from engine.model.plan import OpCost
+from engine.model.cost import OpCost
 from engine.planner.fleet import Planner
 from engine.planner.speed import PilotRun, planned_from
 

@@ -20,8 +20,7 @@ from engine.core.owner import Owned, owned
 from engine.core.prefill import PrefillBatch
 from engine.core.request import Request
 from engine.core.scheduler.slack import SHARED, LateShare, judge, remaining_of, standings
-from engine.model.cost import PrefillTerms
-from engine.model.plan import OpCost, SeqSpan
+from engine.model.cost import OpCost, PrefillTerms, SeqSpan
 
 # A request is refused (shed) for a predicted miss on its own prediction alone. Where no batch of its
 # size has run, that prediction is calibration alone, and calibration taken while another process shared

@@ -1,4 +1,5 @@
-"""The TTFT predictor: an operator cost model of this model on this machine.
+"""Calibration of the cost model (`OpCost`, engine/model/cost.py): this model's operators timed on
+this machine.
 
 Predicted prefill time is linear in token rows (projections, MLP) plus linear in query-key pairs
 (attention), so a few timed operator blocks give the whole curve from 16 tokens to the full
@@ -25,8 +26,9 @@ import torch
 
 from engine.core.config import cache_dir
 from engine.core.kv_cache import KVCache
+from engine.model.cost import ATTENTION, ATTN_IN, FFN, FFN_IN, MLP, OpCost, SeqSpan
 from engine.model.llama import LlamaModel
-from engine.model.plan import ATTENTION, ATTN_IN, FFN, FFN_IN, MLP, OpCost, SeqSpan, plan_prefill
+from engine.model.plan import plan_prefill
 
 _MEASURED = ("attn_in_s_per_row", "ffn_s_per_row", "attn_s_per_pair", "row_step_floor_s", "step_overhead_s")
 # Measured only for a model whose MLP has column slices (LlamaModel.mlp_slices): a profile without them
