@@ -27,7 +27,6 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from engine.bench.console import results_console
 from engine.protocol.headers import (
     KV_BYTES_HEADER,
     KV_MS_HEADER,
@@ -37,6 +36,7 @@ from engine.protocol.headers import (
     SLO_CLASS_HEADER,
 )
 from gateway.cli.common import Parser
+from gateway.cli.console import results_console
 from gateway.netio import UpstreamTransport
 from gateway.processes import free_port, start, stop, wait_healthy
 

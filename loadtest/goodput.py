@@ -24,8 +24,6 @@ from typing import Any
 from rich.console import Console
 from rich.progress import Progress
 
-from engine.bench.console import results_console
-from engine.bench.machine import machine_info
 from engine.core import batch_log
 from engine.core.config import KV_AUTO_TOKENS, EngineConfig
 from engine.core.request import Request, SamplingParams
@@ -37,10 +35,12 @@ from engine.sim.errors import DEFAULT_LEVELS, PredictionError
 from engine.sim.oracle import BatchCostRecorder, ExactCosts
 from engine.sim.simulator import BatchRecord
 from gateway.cli.common import CommandLineError, Parser
+from gateway.cli.console import results_console
 from gateway.cli.options import add_engine_options, check_model, engine_config
 from loadtest import goodput_report, report
 from loadtest.goodput_errors import levels_of, sweep_errors
 from loadtest.goodput_report import IDEAL
+from loadtest.machine import machine_info
 from loadtest.workload import ClassRule, Workload, head, named_or_trace, scale_to_rate, synthesize_prompt
 
 DEFAULT_POLICIES = "flowprefill,fcfs,chunked:2048,chunked:8192"

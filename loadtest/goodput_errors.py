@@ -19,10 +19,10 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from engine.bench.machine import machine_info
 from engine.protocol.slo import DEFAULT_CLASSES, SLOClass
 from engine.sim.errors import PredictionError
 from loadtest import report
+from loadtest.machine import machine_info
 from loadtest.workload import ClassRule, Workload, head, named_or_trace, scale_to_rate
 
 if TYPE_CHECKING:

@@ -28,8 +28,8 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
-from engine.bench.console import results_console
 from gateway.cli.common import CommandLineError, Parser
+from gateway.cli.console import results_console
 from gateway.processes import free_port, start, stop, wait_healthy
 from loadtest import report
 from loadtest.goodput import RATIO_PAIRS
@@ -316,7 +316,7 @@ def _plot_rates(doc: dict[str, Any], path: Path) -> None:
 def _machine() -> dict[str, Any]:
     import platform
 
-    from engine.bench.machine import cpu_count, cpu_model
+    from loadtest.machine import cpu_count, cpu_model
 
     return {"cpu_count": cpu_count(), "cpu_model": cpu_model(), "python": platform.python_version(),
             "loadavg_at_end": os.getloadavg()}

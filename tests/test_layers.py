@@ -38,7 +38,7 @@ BENCH = ("engine/bench/*.py", "engine/__init__.py", "gateway/bench.py", "gateway
 # the benchmarks only its command imports that, and the shared console and machine description.
 PLANNER = ("engine/planner/*.py",)
 PLANNER_COMMAND = "engine/planner/command.py"
-PLANNER_COMMAND_BENCH = ("engine.bench.planner_validation*", "engine.bench.console*", "engine.bench.machine*")
+PLANNER_COMMAND_BENCH = ("engine.bench.planner_validation*", "gateway.cli.console*", "loadtest.machine*")
 SERVING_MODULES = ("engine.serving",)
 # What the gateway's processes may load of the engine: its protocol, and through telemetry the observer
 # interface (engine/core/observer.py: no imports at run time; engine/core/__init__.py imports nothing);

@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from engine.bench.console import results_console
 from gateway.cli.common import Parser
+from gateway.cli.console import results_console
 from gateway.processes import free_port, start, stop, wait_healthy
 
 

@@ -28,7 +28,6 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from engine.bench.machine import machine_info
 from engine.bench.report import command, save_figure
 from engine.core.config import EngineConfig
 from engine.core.engine import Engine
@@ -37,6 +36,7 @@ from engine.core.request import Request, SamplingParams, TokenOutput
 from engine.protocol.slo import DEFAULT_CLASSES
 from engine.serving.worker import CHAT_DEFAULT_MAX_TOKENS
 from gateway.cli.common import Parser
+from loadtest.machine import machine_info
 from loadtest.workload import ClassRule, head, load_trace, scale_to_rate, synthesize_prompt, traces_dir
 
 POLICIES = ("full", "grow")

@@ -39,10 +39,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from engine.bench.console import results_console
 from engine.bench.contenders import HFPrefill, OurPrefill, device_sync, interleaved, load_transformers
 from engine.bench.flops import matmul_peak, prefill_flops
-from engine.bench.machine import cpu_count, machine_info
 from engine.bench.overhead import OverheadSection, median
 from engine.bench.prefill_markdown import markdown
 from engine.bench.prefill_plot import HF, PREEMPTIBLE, UNSPLIT, plot, size_label
@@ -53,6 +51,8 @@ from engine.model import LlamaModel, load_model
 from engine.model.calibration import load_cost
 from engine.model.cost import OpCost, SeqSpan
 from gateway.cli.common import Parser
+from gateway.cli.console import results_console
+from loadtest.machine import cpu_count, machine_info
 
 BASE_CONFIG = EngineConfig()  # main() replaces it with the command line's settings
 

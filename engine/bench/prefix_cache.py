@@ -24,12 +24,12 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from engine.bench.machine import machine_info
 from engine.bench.report import command, save_figure
 from engine.core.config import EngineConfig
 from engine.core.engine import Engine
 from engine.core.request import Request, SamplingParams
 from gateway.cli.common import Parser
+from loadtest.machine import machine_info
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:

@@ -11,7 +11,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from engine.bench.console import results_console
+from gateway.cli.console import results_console
 
 Results = dict[str, Any]
 

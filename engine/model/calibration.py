@@ -72,7 +72,7 @@ def calibrate(model: LlamaModel, block_rows: Sequence[int] | None = None) -> OpC
 
     On a CPU the cost per row is nearly flat in the block size; a GPU needs thousands of rows to
     fill, so there the per-row cost is taken from large blocks, and blocks of every multiple of 128
-    rows are timed (`OpCost.row_block_s`, `block_rows`): the planner then sizes token blocks so
+    rows are timed (`OpCost.row_block_s`, `block_rows`): the split (plan.py) then sizes token blocks so
     their tiles fill whole waves."""
     c, dev = model.cfg, model.device
     dtype = model.embed.dtype

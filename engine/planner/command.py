@@ -27,8 +27,6 @@ from typing import Any
 from rich.console import Console
 from rich.progress import Progress
 
-from engine.bench.console import results_console
-from engine.bench.machine import machine_info
 from engine.bench.planner_validation import against_serve
 from engine.core.config import EngineConfig
 from engine.core.scheduler import make_policy
@@ -40,9 +38,11 @@ from engine.planner.routing import DEFAULTS, trace_key
 from engine.planner.serve_runs import workers_of
 from engine.planner.speed import ENGINE_PASS, PILOT, PilotError, planning_costs
 from gateway.cli.common import Parser
+from gateway.cli.console import results_console
 from gateway.cli.serve import worker_threads
 from loadtest import report
 from loadtest.goodput import DEFAULT_POLICIES, Runner, measured_cost
+from loadtest.machine import machine_info
 from loadtest.workload import (
     PREFIX_BLOCK_TOKENS,
     ClassRule,

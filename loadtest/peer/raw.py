@@ -22,8 +22,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from engine.bench.machine import machine_info
 from engine.core.config import ModelConfig
+from loadtest.machine import machine_info
 from loadtest.peer.busy import BusyLoad
 from loadtest.peer.client import PROMPT_VOCAB, Arrival, Target, model_name, replay
 from loadtest.peer.servers import Contender, Launch, Placement, SpecError, fleet

@@ -16,9 +16,9 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from engine.bench.machine import cpu_count, machine_info
 from engine.protocol.slo import DEFAULT_CLASSES, SLOClass, scaled
 from loadtest import report
+from loadtest.machine import cpu_count, machine_info
 from loadtest.peer import summary
 from loadtest.peer.client import Arrival, Target, arrivals, model_name, replay
 from loadtest.peer.servers import Contender, Launch, Placement, SpecError, fleet

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from engine.bench.machine import cpu_count
+from loadtest.machine import cpu_count
 from loadtest.peer.checkpoint import write_checkpoint
 from loadtest.peer.servers import Placement, SpecError
 
