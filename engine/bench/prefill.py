@@ -57,8 +57,6 @@ from loadtest.machine import cpu_count, machine_info
 BASE_CONFIG = EngineConfig()  # main() replaces it with the command line's settings
 
 
-
-
 @dataclass(frozen=True)
 class Plan:
     """What one run of the bench measures."""
@@ -97,7 +95,6 @@ def _ints(text: str) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive token counts, got {text!r}")
     return tuple(values)
-
 
 
 # -- section 1: throughput (2 and 3 are mixed in) --------------------------------------------

@@ -159,23 +159,6 @@ class Engine(EngineFront, EngineOutputs):
         self._notify("on_shutdown")
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
     # -- the engine thread ---------------------------------------------------------------------
     def _loop(self) -> None:
         use_device(self.model.device)  # this thread's kernels, events and graph replays
@@ -357,23 +340,6 @@ class Engine(EngineFront, EngineOutputs):
             if (need := self.kv.blocks_for(self._reserve_tokens(r)) - len(r.block_table)) > 0:
                 r.block_table += self.kv.allocate_blocks(need)
         return PrefillBatch.on_model(reqs, spans, self.model, self.kv, self.cost, self.budget_s)
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def release_memory() -> None:
