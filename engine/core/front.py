@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -19,9 +19,6 @@ from engine.core.messages import ENGINE_STOPPED, Arrive, Call, Cancel, EngineSna
 from engine.core.request import Request, Sampled, SamplingParams
 from engine.model.cost import SIZE_CLASSES
 from engine.protocol.worker import WorkerLoad
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger("flowprefill.engine")
 _GENERATED = itertools.count()  # `Engine.generate`'s request ids (an object's id() is reused once it is freed)

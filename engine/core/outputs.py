@@ -4,16 +4,12 @@ cancellations, failures, and the KV each gives back (a part of `Engine`)."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from engine.core.kv_cache import OutOfBlocks
 from engine.core.prefill import PrefillBatch
 from engine.core.request import Request, RequestState, Sampled, TokenOutput
 from engine.core.sampling import sample
 from engine.protocol.slo import SHED_ERROR
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger("flowprefill.engine")
 
