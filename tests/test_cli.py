@@ -69,10 +69,11 @@ def test_every_option_has_help_and_shows_its_default(command: str) -> None:
 
 
 def test_loadtest_goodput_and_plan_options_have_help() -> None:
+    from engine.bench.planner_validation import command as bench_planner
     from engine.planner import command as plan
     from loadtest import goodput, run
 
-    for parser in (run.build_parser(), goodput.build_parser(), plan.build_parser()):
+    for parser in (run.build_parser(), goodput.build_parser(), plan.build_parser(), bench_planner.build_parser()):
         undocumented = [a.option_strings for a in parser._actions if not a.help]
         assert not undocumented, f"`{parser.prog}` options without help: {undocumented}"
     text = plan.build_parser().format_help()
@@ -85,13 +86,10 @@ def test_loadtest_goodput_and_plan_options_have_help() -> None:
     (["--rate", "5", "--native-rate"], "not allowed with argument"),
     (["--cost", "gpt-5@h100"], "unknown model 'gpt-5'"),
     (["--workload", "/nonexistent.csv"], "trace file /nonexistent.csv does not exist"),
-    (["--against-serve", "1,x"], "expected worker counts"),
     (["--skip", "-1"], "--skip must be >= 0"),
     (["--engine-pass", "-1"], "--pilot and --engine-pass must be >= 0"),
     (["--pilot", "-1"], "--pilot and --engine-pass must be >= 0"),
     (["--pilot-runs", "0"], "--pilot-runs must be >= 1"),
-    (["--repeats", "0"], "--repeats must be >= 1"),
-    (["--repeats", "3"], "it needs --against-serve"),
     (["--headroom", "-0.1"], "--headroom must be in [0, 10]"),
     (["--requests", "10", "--skip", "30000"], "none left after skipping 30000"),
     (["--speed-from", "/nonexistent"], "--speed-from /nonexistent: no batch log there"),
@@ -100,6 +98,33 @@ def test_a_plan_mistake_is_one_line_and_exit_2(argv: list[str], message: str,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     line = one_line_error(in_process(capsys, "plan", *argv))
     assert line.startswith("flowprefill plan: error: ") and message in line, line
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--against-serve", "1,x"], "expected worker counts"),
+    (["--against-serve", "1", "--repeats", "0"], "--repeats must be >= 1"),
+    (["--against-serve", "1", "--cost", "llama-3.1-8b@h100"], "use it with --cost cpu"),
+    (["--against-serve", "1", "--target", "1.5"], "--target 1.5: a share of requests in (0, 1]"),  # plan's own
+    (["--requests", "8"], "--against-serve N,N is required"),
+])
+def test_a_bench_planner_mistake_is_one_line_and_exit_2(argv: list[str], message: str,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    line = one_line_error(in_process(capsys, "bench", "planner", *argv))
+    assert line.startswith("flowprefill bench planner: error: ") and message in line, line
+
+
+@pytest.mark.parametrize("argv", [["--against-serve", "1"], ["--repeats", "3"], ["--interleave-pilots"],
+                                  ["--requests", "8", "--against-serve=1,2"]])
+def test_plan_refuses_the_options_that_moved_to_bench_planner(argv: list[str],
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """`plan` no longer runs real fleets: their options are `flowprefill bench planner`'s, and `plan`
+    says so in one line (not hidden in its help)."""
+    line = one_line_error(in_process(capsys, "plan", *argv))
+    flag = next(a for a in argv if a.startswith("--") and a != "--requests").split("=")[0]
+    assert line.startswith(f"flowprefill plan: error: {flag} moved: flowprefill bench planner"), line
+    from engine.planner import command as plan
+
+    assert flag not in plan.build_parser().format_help()
 
 
 def test_help_and_gateway_load_no_torch() -> None:

@@ -259,6 +259,7 @@ def test_every_documented_command_parses() -> None:
     from engine.bench import kv_growth as bench_kv
     from engine.bench import prefill as bench_prefill
     from engine.bench import prefix_cache as bench_prefix
+    from engine.bench.planner_validation import command as bench_planner
     from engine.planner import command as plan
     from gateway import bench as bench_gateway
     from gateway.cli import build_parser
@@ -277,7 +278,7 @@ def test_every_documented_command_parses() -> None:
         sub = {("bench", "prefill"): bench_prefill.build_parser, ("bench", "goodput"): bench_goodput.build_parser,
                ("bench", "gateway"): bench_gateway.build_parser, ("bench", "prefix"): bench_prefix.build_parser,
                ("bench", "kv"): bench_kv.build_parser, ("bench", "peer"): bench_peer.build_parser,
-               ("bench", "epp"): bench_epp.build_parser,
+               ("bench", "epp"): bench_epp.build_parser, ("bench", "planner"): bench_planner.build_parser,
                ("loadtest",): loadtest_run.build_parser, ("plan",): plan.build_parser}.get(head)
         try:
             if sub is None:

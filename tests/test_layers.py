@@ -34,11 +34,10 @@ SERVING = ("engine/serving/*.py",)
 # Benchmarks: the top, like the CLI.
 BENCH = ("engine/bench/*.py", "engine/__init__.py", "gateway/bench.py", "gateway/epp/bench*.py")
 # The capacity planner (`flowprefill plan`): above the engine and the gateway whose routing it simulates, below
-# the benchmarks. Its validation against real runs is a benchmark (engine/bench/planner_validation/): of
-# the benchmarks only its command imports that, and the shared console and machine description.
+# the benchmarks. Its validation against real runs is a benchmark (`flowprefill bench planner`,
+# engine/bench/planner_validation/) that builds on it: the planner, its command too, imports nothing of the
+# benchmarks (the console and machine description it shares with them are gateway/cli/ and loadtest/'s).
 PLANNER = ("engine/planner/*.py",)
-PLANNER_COMMAND = "engine/planner/command.py"
-PLANNER_COMMAND_BENCH = ("engine.bench.planner_validation*", "gateway.cli.console*", "loadtest.machine*")
 SERVING_MODULES = ("engine.serving",)
 # What the gateway's processes may load of the engine: its protocol, and through telemetry the observer
 # interface (engine/core/observer.py: no imports at run time; engine/core/__init__.py imports nothing);
@@ -78,12 +77,9 @@ def _rule(path: str, module: str, top: bool) -> str | None:
     root = module.split(".")[0]
     if (module == "engine.planner" or module.startswith("engine.planner.")) and not _matches(path, PLANNER + BENCH):
         return "only the benchmarks import the capacity planner (the command line runs it by its module's name)"
-    if _matches(path, BENCH) and module.startswith(PLANNER_COMMAND.removesuffix(".py").replace("/", ".")):
-        return "the planner's validation builds on the planner's parts, not on its command (which imports it)"
     if _matches(path, PLANNER):
-        if (module == "engine.bench" or module.startswith("engine.bench.")) and not (
-                path == PLANNER_COMMAND and _matches(module, PLANNER_COMMAND_BENCH)):
-            return "the planner imports nothing of the benchmarks (its command: its validation, console, machine)"
+        if module == "engine.bench" or module.startswith("engine.bench."):
+            return "the planner imports nothing of the benchmarks (its validation, a benchmark, builds on it)"
     elif _matches(path, PROTOCOL):
         if root not in sys.stdlib_module_names and root != "msgspec" and not module.startswith("engine.protocol"):
             return "the protocol imports only the standard library and msgspec"
@@ -136,7 +132,7 @@ def test_the_check_finds_a_forbidden_import(tmp_path: Path) -> None:
                        ("engine/protocol/slo.py", "import numpy"), ("engine/newcore.py", "import os"),
                        ("loadtest/goodput.py", "from engine.planner.fleet import Planner"),
                        ("engine/planner/fleet.py", "from engine.bench.planner_validation import median"),
-                       ("engine/bench/planner_validation/new.py", "from engine.planner.command import main")):
+                       ("engine/planner/command.py", "from engine.bench.planner_validation import against_serve")):
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text(f"def f():\n    {line}\n")
     found = forbidden_imports(tmp_path)

@@ -236,7 +236,7 @@ def test_the_command_writes_its_table_json_and_plot(tmp_path: Path) -> None:
 
 def test_a_worker_s_batch_log_is_what_the_planner_replays(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """$FLOWPREFILL_BATCH_LOG: each finished batch as the in-process recorder sees it, read back for
-    `plan --against-serve` (engine/core/batch_log.py); the replay client's ids as the simulation's."""
+    `bench planner` (engine/core/batch_log.py); the replay client's ids as the simulation's."""
     from engine.core import batch_log
     from engine.core.engine import Engine
     from engine.core.request import SamplingParams
@@ -289,7 +289,7 @@ def test_a_pilot_twice_as_slow_as_the_model_needs_a_bigger_fleet(tmp_path: Path)
 
 
 def test_an_against_serve_run_s_logs_are_each_fleet_s_pilot(tmp_path: Path) -> None:
-    """`--against-serve` keeps each fleet's batch logs under `<out>/batch-logs/<policy>-w<n>/`; given
+    """`bench planner` keeps each fleet's batch logs under `<out>/batch-logs/<policy>-w<n>/`; given
     as `--speed-from`, each point takes its own fleet's, and the planner the median of them all."""
     from engine.bench.planner_validation.against_serve import pilot_folder
     from gateway.cli import main
@@ -438,7 +438,7 @@ def test_plan_on_this_cpu_plans_at_the_engine_pass_speed_unless_told_not_to(tmp_
 def test_repeated_real_runs_are_compared_by_their_median_per_class() -> None:
     """`--against-serve --repeats 3`: per class and overall the median of the runs, each run kept."""
     from engine.bench.planner_validation.median import median_run
-    from engine.planner.report import _real_cell
+    from engine.bench.planner_validation.report import _real_cell
 
     def run(interactive: float, standard: float, failed: int = 0) -> dict[str, object]:
         per_class = {"interactive": {"n": 10, "attainment": interactive, "ttft_p50_ms": 50.0, "ttft_p99_ms": 900.0},
@@ -476,7 +476,7 @@ def test_agreement_counts_cells_within_the_band_leaving_out_small_classes() -> N
     overall) within 5 points of the real median, and its largest gap; a fleet that never ran has none."""
     from rich.console import Console
 
-    from engine.planner.report import agreement, print_agreement
+    from engine.bench.planner_validation.report import agreement, print_agreement
 
     def pt(overall: float, interactive: float, relaxed: float) -> dict[str, object]:
         return {"attainment": overall, "per_class": {"interactive": {"n": 122, "attainment": interactive},
@@ -514,10 +514,10 @@ def test_against_serve_repeats_in_rounds_keeps_each_run_and_survives_a_failed_st
     from rich.console import Console
 
     from engine.bench.planner_validation.against_serve import compare_fleets, real_rounds
+    from engine.bench.planner_validation.command import build_parser
+    from engine.bench.planner_validation.report import against_table
     from engine.core.batch_log import MeasuredBatch
     from engine.planner import serve_runs
-    from engine.planner.command import build_parser
-    from engine.planner.report import against_table
     from loadtest.workload import azure_mix, head
 
     stale = tmp_path / "batch-logs" / "fcfs-w1" / "batches-1.jsonl"
@@ -565,9 +565,9 @@ def test_against_serve_simulates_the_real_fleet_routed_by_load_alone(
     from rich.console import Console
 
     from engine.bench.planner_validation import against_serve
+    from engine.bench.planner_validation.command import build_parser
     from engine.core.batch_log import MeasuredBatch
     from engine.planner import serve_runs
-    from engine.planner.command import build_parser
     from engine.planner.fleet import Planner
     from loadtest.workload import azure_mix, head
 

@@ -1,4 +1,4 @@
-"""`plan --against-serve --interleave-pilots`: each real run predicted from the pilot of its own round
+"""`bench planner --interleave-pilots`: each real run predicted from the pilot of its own round
 (engine/bench/planner_validation/paired.py), and the verdict on the median of those gaps."""
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ def test_a_round_pairs_a_fleet_s_run_with_its_own_shape_s_pilot_of_that_round_on
     own number of workers that ran just before it, in the same round; a round whose pilot failed, or whose
     run did not start, pairs nothing (its other rounds still do)."""
     from engine.bench.planner_validation.against_serve import real_rounds
+    from engine.bench.planner_validation.command import build_parser
     from engine.planner import serve_runs
-    from engine.planner.command import build_parser
     from engine.planner.speed import PilotError
     from loadtest.workload import azure_mix, head
 
@@ -98,7 +98,7 @@ def test_the_verdict_on_paired_gaps_counts_their_median_and_tells_a_miss_by_thei
     """For the paired simulation a cell's gap is the median of the rounds' own gaps (not its median
     prediction less the runs' median), and a miss is beyond the band when that gap's interval is; the
     table shows it as its own column."""
-    from engine.planner.report import against_table, agreement, print_agreement
+    from engine.bench.planner_validation.report import against_table, agreement, print_agreement
 
     def each(gap: float, interval: list[float]) -> dict[str, Any]:
         cell = {"attainment": 0.9, "median_gap": gap, "gap_interval": interval}
@@ -126,7 +126,7 @@ def test_the_verdict_on_paired_gaps_counts_their_median_and_tells_a_miss_by_thei
 
 
 def test_the_rounds_plot_is_drawn_only_where_runs_were_paired(tmp_path: Path) -> None:
-    from engine.planner.report import plot_paired
+    from engine.bench.planner_validation.report import plot_paired
 
     doc: dict[str, Any] = {"workload": {"name": "azure-mix", "rate": 5.5},
                            "against_serve": [{"policy": "fcfs", "workers": 1, "real": point(0.5, 0.5)}]}

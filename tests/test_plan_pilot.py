@@ -87,7 +87,8 @@ def test_each_policy_is_planned_at_its_own_pilot_s_speed_and_compared_so_with_se
     `--against-serve 1,2` gets those as the planner's own prediction, its two-worker fleets the pilots of
     two workers. With `--pilot 0` an engine pass (here 2x) stands for every policy, with nothing outside."""
     from engine.bench.planner_validation import against_serve
-    from engine.planner import command, speed
+    from engine.bench.planner_validation import command as bench_planner
+    from engine.planner import speed
 
     def batches(factor: float) -> list[MeasuredBatch]:
         return [MeasuredBatch([f"w{i}"], 0.01 * (i + 1), factor * 0.01 * (i + 1), 1.0, 100 * (i + 1))
@@ -115,7 +116,7 @@ def test_each_policy_is_planned_at_its_own_pilot_s_speed_and_compared_so_with_se
     monkeypatch.setattr(against_serve, "compare_fleets", fake_compare)
     argv = ["--requests", "20", "--cost", "cpu", "--threads", "1", "--rate", "2", "--policies", "fcfs,chunked:512",
             "--max-instances", "2", "--against-serve", "1,2", "--pilot", "8", "--out", str(tmp_path)]
-    assert command.main(argv) == 0
+    assert bench_planner.main(argv) == 0
     doc = json.loads((tmp_path / "plan.json").read_text())
     assert pilots == [("fcfs", 8, tmp_path / "pilot" / "fcfs-w1", 1), ("fcfs", 8, tmp_path / "pilot" / "fcfs-w2", 2),
                       ("chunked:512", 8, tmp_path / "pilot" / "chunked-512-w1", 1),
@@ -143,7 +144,7 @@ def test_each_policy_is_planned_at_its_own_pilot_s_speed_and_compared_so_with_se
 
     assert_planned_at(factors, 0.002, 0.008)
     assert_planned_at({p: f * on_two for p, f in factors.items()}, 0.003, 0.007, workers=2)
-    assert command.main([*argv, "--pilot", "0"]) == 0
+    assert bench_planner.main([*argv, "--pilot", "0"]) == 0
     doc = json.loads((tmp_path / "plan.json").read_text())
     assert doc["engine_pass"]["factor"] == pytest.approx(2.0) and "pilot" not in doc and len(pilots) == 4
     assert_planned_at({"fcfs": 2.0, "chunked:512": 2.0}, 0.0, 0.0)
@@ -420,7 +421,8 @@ def test_interleaved_pilots_run_each_round_before_their_fleets_and_plan_at_every
     The plan and the real fleet's own prediction are at both rounds' pilots pooled (2x then 4x: 3x), a
     round whose pilot failed is left out (its cause said), and a pilot that failed in every round stops
     the plan with its cause, exit 2."""
-    from engine.planner import command, serve_runs, speed
+    from engine.bench.planner_validation import command as bench_planner
+    from engine.planner import serve_runs, speed
     from engine.planner.speed import PilotError
 
     calls: list[tuple[str, int, str]] = []
@@ -446,7 +448,7 @@ def test_interleaved_pilots_run_each_round_before_their_fleets_and_plan_at_every
     argv = ["--requests", "8", "--cost", "cpu", "--threads", "1", "--rate", "2", "--policies", "fcfs",
             "--max-instances", "2", "--against-serve", "2", "--repeats", "2", "--pilot", "4", "--interleave-pilots",
             "--out", str(tmp_path)]
-    assert command.main(argv) == 0
+    assert bench_planner.main(argv) == 0
     assert calls == [("pilot", 1, "run-1"), ("pilot", 2, "run-1"), ("real", 2, "run-1"),
                      ("pilot", 1, "run-2"), ("pilot", 2, "run-2"), ("real", 2, "run-2")]
     doc = json.loads((tmp_path / "plan.json").read_text())
@@ -468,18 +470,17 @@ def test_interleaved_pilots_run_each_round_before_their_fleets_and_plan_at_every
 
     broken.add((1, "run-2"))
     with pytest.raises(SystemExit) as exited:
-        command.main(argv)
+        bench_planner.main(argv)
     assert exited.value.code == 2
     assert "--pilot: fcfs's pilot: serve exited 2: address already in use (--pilot 0" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("extra", [[], ["--against-serve", "1", "--pilot", "0"],
-                                   ["--against-serve", "1", "--pilot-runs", "2"]])
-def test_interleaved_pilots_need_real_fleets_and_one_pilot_run_per_round(
+@pytest.mark.parametrize("extra", [["--pilot", "0"], ["--pilot-runs", "2"]])
+def test_interleaved_pilots_need_a_pilot_and_one_pilot_run_per_round(
         extra: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    from engine.planner import command
+    from engine.bench.planner_validation import command as bench_planner
 
     with pytest.raises(SystemExit) as exited:
-        command.main(["--requests", "8", "--interleave-pilots", *extra])
+        bench_planner.main(["--requests", "8", "--against-serve", "1", "--interleave-pilots", *extra])
     assert exited.value.code == 2
     assert "--interleave-pilots runs a pilot in each round of --against-serve" in capsys.readouterr().err

@@ -85,4 +85,4 @@ def test_a_stored_profile_of_another_engine_or_of_nothing_is_refused_in_one_line
     assert "cannot read it" in refused(*GOODPUT, "--cost", str(tmp_path / "missing.json"))
     assert "cannot read it" in refused(*GOODPUT, "--errors", "none", "--cost", str(tmp_path / "missing.json"))
     assert "--engine real predicts with its own profile" in refused(*GOODPUT, "--engine", "real", "--cost", stored)
-    assert "use it with --cost cpu" in refused(*PLAN, "--cost", stored, "--against-serve", "1")
+    assert "use it with --cost cpu" in refused("bench", "planner", *PLAN[1:], "--cost", stored, "--against-serve", "1")

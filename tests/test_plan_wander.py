@@ -178,7 +178,7 @@ def test_the_plan_s_speed_is_checked_on_the_runs_own_batch_sizes() -> None:
 
 
 def test_the_command_says_how_far_the_plan_s_speed_was_from_each_fleet_s_runs() -> None:
-    from engine.planner.report import pilot_against_runs
+    from engine.bench.planner_validation.report import pilot_against_runs
 
     doc = {"against_serve": [{"policy": "chunked:2048", "workers": 1, "planned_over_real_s": 1.17},
                              {"policy": "chunked:2048", "workers": 2, "planned_over_real_s": 0.96},

@@ -180,7 +180,7 @@ def test_a_simulator_reads_the_profile_without_adding_to_it(tmp_path, monkeypatc
 
 def test_an_engine_told_not_to_calibrate_predicts_with_the_cached_profile(tmp_path, monkeypatch) -> None:
     """`--no-calibrate` (EngineConfig.calibrate): the worker adds no start-up to the profile and predicts
-    with the cached one as it stands, as the planner reading it does (`plan --against-serve`'s workers)."""
+    with the cached one as it stands, as the planner reading it does (`bench planner`'s workers)."""
     from engine.core.config import EngineConfig
     from engine.core.engine import Engine
 

@@ -1,5 +1,5 @@
 """Every finished batch's predicted and measured seconds as JSON lines, when $FLOWPREFILL_BATCH_LOG
-names a folder (one file per worker process): what `flowprefill plan --against-serve` replays
+names a folder (one file per worker process): what `flowprefill bench planner` replays
 (engine/sim/oracle.py's ExactCosts) to tell the cost model's error from the fleet's mechanics.
 
 A line: [request ids, the calibrated model's seconds for the batch's plan, the seconds it took, the
@@ -82,7 +82,7 @@ def attach(engine: Engine, name: str = "") -> BatchLog | None:
 
 
 def read(folder: Path) -> list[MeasuredBatch]:
-    """Every batch the workers logged in `folder` and its subfolders (`plan --against-serve` keeps one per fleet)."""
+    """Every batch the workers logged in `folder` and its subfolders (`bench planner` keeps one per fleet)."""
     return [b for worker in read_workers(folder) for b in worker]
 
 

@@ -260,7 +260,7 @@ class EngineConfig:
     # Each start-up times the operators and the profile is the median of the last five start-ups'
     # timings (engine/model/calibration.py); on 2 EPYC cores five of them differed by up to 13 % per operator,
     # so two workers started minutes apart predict differently. Off, a worker predicts with the cached
-    # profile as it stands, as every other worker started meanwhile does (`plan --against-serve`
+    # profile as it stands, as every other worker started meanwhile does (`bench planner`
     # replays its workers' logs against its own profile).
     calibrate: bool = setting(True, "time the operators at start-up and add them to this machine's cached "
                                     "profile (--no-calibrate: predict with the cached profile as it stands, "

@@ -12,7 +12,10 @@ misses already put it far below the target stops early. Reported at that N: atta
 class, the instances FlowPrefill saves against each other policy, and the cost per million requests at a
 price per instance-hour.
 
-Writes <out>/plan.json, <out>/plan.png (attainment vs N per policy) and prints the table.
+Writes <out>/plan.json, <out>/plan.png (attainment vs N per policy) and prints the table. Its check against
+real `flowprefill serve` fleets on this machine is a benchmark of its own, `flowprefill bench planner`
+(engine/bench/planner_validation/), which composes this command's steps (`parse`, `set_up`, `measure_speeds`,
+`make_plan`, `write_outputs`) and adds the real fleets.
 """
 
 from __future__ import annotations
@@ -20,23 +23,22 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from rich.console import Console
 from rich.progress import Progress
 
-from engine.bench.planner_validation import against_serve
 from engine.core.config import EngineConfig
 from engine.core.scheduler import make_policy
 from engine.model.calibration import measured_profile
 from engine.planner.fleet import Planner, plan_policy
 from engine.planner.measured import Planned
-from engine.planner.report import agreement, plot, plot_paired, print_tables
-from engine.planner.routing import DEFAULTS, trace_key
-from engine.planner.serve_runs import workers_of
-from engine.planner.speed import ENGINE_PASS, PILOT, PilotError, planning_costs
+from engine.planner.report import plot, print_tables
+from engine.planner.routing import DEFAULTS, KeyOf, trace_key
+from engine.planner.speed import ENGINE_PASS, PILOT, PilotError, Speeds, planning_costs
 from gateway.cli.common import Parser
 from gateway.cli.console import results_console
 from gateway.cli.serve import worker_threads
@@ -66,6 +68,29 @@ def cost_per_million(n: int | None, price: float, w: Workload) -> float | None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="flowprefill plan", description=__doc__)
+    add_plan_options(p)
+    for flag in MOVED:
+        p.add_argument(flag, action=_Moved)
+    return p
+
+
+# What `flowprefill plan` took to check itself against real fleets: now `flowprefill bench planner`'s.
+MOVED = ("--against-serve", "--repeats", "--interleave-pilots")
+
+
+class _Moved(argparse.Action):
+    """An option that moved to `flowprefill bench planner`: hidden, and refused in one line saying where."""
+
+    def __init__(self, option_strings: list[str], dest: str, **_kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        parser.error(f"{option_string} moved: flowprefill bench planner takes it, with every plan option")
+
+
+def add_plan_options(p: argparse.ArgumentParser) -> None:
+    """Every option of `flowprefill plan` (`flowprefill bench planner` takes them all, and its own)."""
     p.add_argument("--workload", default="azure-mix",
                    help="azure-mix, long-mix or a trace file (Azure/BurstGPT CSV, JSONL)")
     p.add_argument("--requests", type=int, default=None, metavar="N", help="first N requests of the workload "
@@ -77,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "that plan profiled it, whatever this machine's cache holds now) or an engine's opcost-*.json "
                    "cache file (a machine profiled by a `serve` start-up there); no pilot then")
     p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="cpu or FILE.json: torch threads of the engine profiled, its pilots' and --against-serve's "
-                        "workers (as `serve --threads`; default: what `serve --workers 1` gives its worker here)")
+                   help="cpu or FILE.json: torch threads of the engine profiled, its pilots' workers and "
+                        "`bench planner`'s real fleets' (as `serve --threads`; default: what `serve --workers 1` "
+                        "gives its worker here)")
     p.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated policy names")
     p.add_argument("--target", type=float, default=report.ATTAINMENT_TARGET,
                    help="TTFT SLO attainment to meet, a share in (0, 1]")
@@ -96,21 +122,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "is routed by load alone)")
     _add_speed_options(p)
     p.add_argument("--out", default="bench-results", help="directory for plan.json and plan.png")
-    return p
+
+
 
 
 def _add_speed_options(p: argparse.ArgumentParser) -> None:
-    """How the plan learns the speed the workers will run at, and how it checks itself against real runs."""
-    p.add_argument("--against-serve", default=None, metavar="N,N",
-                   help="cpu: also run `flowprefill serve --workers N` on this machine for each N, on the same "
-                        "arrivals, and compare its per-class attainment with the simulated fleet's")
-    p.add_argument("--repeats", type=int, default=1, metavar="R",
-                   help="--against-serve: run each real fleet R times, in rounds, and compare with the median of "
-                        "its runs per class (at one instance's knee two runs of the same fleet differed by 14.5 "
-                        "points on this 2-core machine)")
+    """How the plan learns the speed the workers will run at."""
     p.add_argument("--speed-from", default=None, metavar="DIR",
-                   help="a pilot run's batch logs (its workers' $FLOWPREFILL_BATCH_LOG folder, or an --against-serve "
-                        "run's <out>/batch-logs, whose fleet of the same policy and size --against-serve then "
+                   help="a pilot run's batch logs (its workers' $FLOWPREFILL_BATCH_LOG folder, or a `bench planner` "
+                        "run's <out>/batch-logs, whose fleet of the same policy and size `bench planner` then "
                         "takes as each point's pilot): simulate at the "
                         "speed its machines ran, the median of measured over predicted prefill seconds (relative "
                         "to the workers' own calibration: the cost model should be theirs, e.g. --cost cpu on the "
@@ -127,10 +147,6 @@ def _add_speed_options(p: argparse.ArgumentParser) -> None:
                    help="run each pilot R times (a fresh serve each, logs in run-<r>/) and plan at their batches "
                         "pooled: on a shared machine one pilot is one sample of a speed that moves from run to run "
                         "(two workers on 2 EPYC cores: 8 %% per batch size between five runs of one fleet)")
-    p.add_argument("--interleave-pilots", action="store_true",
-                   help="with --against-serve and a pilot: run each fleet's pilot once per round of --repeats, just "
-                        "before its real run, and plan at every round's pilot pooled, not at pilots run all before "
-                        "(on 2 shared cores the speed moved a fifth between pilots and fleets minutes apart)")
     p.add_argument("--engine-pass", type=int, default=ENGINE_PASS, metavar="N",
                    help="cpu, with --pilot 0: first run the workload's first N prompts through the engine (with "
                         "--threads), one at a time in this process, and plan at the speed it ran, a factor per batch "
@@ -164,25 +180,10 @@ def check_args(args: argparse.Namespace) -> str | None:
         return "--pilot-runs must be >= 1"
     if not 0 <= args.headroom <= 10:
         return "--headroom must be in [0, 10] (0.2: plan for a machine 20 % slower)"
-    if args.repeats < 1:
-        return "--repeats must be >= 1"
-    if args.repeats > 1 and args.against_serve is None:
-        return "--repeats runs real fleets: it needs --against-serve"
-    if args.interleave_pilots and (args.against_serve is None or not args.pilot or args.speed_from is not None
-                                   or args.pilot_runs > 1):
-        return ("--interleave-pilots runs a pilot in each round of --against-serve: it needs --against-serve and "
-                "--pilot N, and takes neither --speed-from nor --pilot-runs (one pilot run per round)")
     if args.requests is not None and args.requests < 2:
         return "--requests must be >= 2 (a rate needs two arrivals)"
     if args.price < 0 or args.poll_s <= 0 or args.prefix_affinity_chars < 0:
         return "--price, --prefix-affinity-chars must be >= 0 and --poll-s > 0"
-    if args.against_serve is not None:
-        if args.cost != "cpu":
-            return "--against-serve compares with this machine's engine: use it with --cost cpu"
-        try:
-            workers_of(args.against_serve)
-        except ValueError as exc:
-            return str(exc)
     for name in [x for x in args.policies.split(",") if x]:
         try:
             make_policy(name)
@@ -192,7 +193,7 @@ def check_args(args: argparse.Namespace) -> str | None:
         return "--policies names no policy"
     if args.speed_from is not None and not any(Path(args.speed_from).rglob("batches-*.jsonl")):
         return (f"--speed-from {args.speed_from}: no batch log there (batches-*.jsonl, written by workers run with "
-                "FLOWPREFILL_BATCH_LOG set to that folder, or an --against-serve run's <out>/batch-logs)")
+                "FLOWPREFILL_BATCH_LOG set to that folder, or a `bench planner` run's <out>/batch-logs)")
     return None
 
 
@@ -241,9 +242,39 @@ def at_rate_of(earlier: Workload, planned: Workload) -> Workload:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    s = set_up(parser, parse(parser, argv, check_args), argv)
+    write_outputs(s, make_plan(s, measure_speeds(s)))
+    return 0
+
+
+@dataclass
+class Setup:
+    """What a plan runs on, from its command line: the workload planned, the console, the engine's
+    configuration and the cost model (`runner`), the policies and the simulated gateway's prefix key."""
+
+    parser: argparse.ArgumentParser
+    args: argparse.Namespace
+    argv: list[str] | None
+    w: Workload
+    console: Console
+    engine_cfg: EngineConfig
+    runner: Runner
+    policies: list[str]
+    key_of: KeyOf | None
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None,
+          *checks: Callable[[argparse.Namespace], str | None]) -> argparse.Namespace:
+    """The command line, each of `checks` (what is wrong with it, or None) refused as one line, exit 2."""
     args = parser.parse_args(argv)
-    if (problem := check_args(args)) is not None:
-        parser.error(problem)
+    for check in checks:
+        if (problem := check(args)) is not None:
+            parser.error(problem)
+    return args
+
+
+def set_up(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str] | None) -> Setup:
+    """The workload (refused where it cannot be read or has under two requests) and the cost model."""
     try:
         w = load_workload(args)
     except (TraceError, ValueError) as exc:
@@ -263,42 +294,52 @@ def main(argv: list[str] | None = None) -> int:
     # fleet's (at 2 instances 12 name pairs gave 81.5-97.5 %, 87.0 % on average; 87.5 % by load alone).
     routed_by_prefix = args.prefix_affinity_chars and any(r.prefix for r in w.requests)
     key_of = trace_key(args.prefix_affinity_chars, PREFIX_BLOCK_TOKENS) if routed_by_prefix else None
-    policies = [x for x in args.policies.split(",") if x]
-    rounds = None  # the real fleets' runs, where they ran before the plan (with its pilots between them)
+    return Setup(parser, args, argv, w, console, engine_cfg, runner, [x for x in args.policies.split(",") if x],
+                 key_of)
+
+
+def measure_speeds(s: Setup, fleets: Sequence[int] = ()) -> Speeds:
+    """What each policy is planned at (`planning_costs`: a pilot, an engine pass, `--speed-from`, or the
+    cost model as it is); `fleets`: the worker counts of real fleets that get pilots of their own shape."""
     try:
-        if args.interleave_pilots:
-            speeds, rounds = against_serve.interleaved_pilots(args, w, lambda: pilot_workload(args, w), runner.cost,
-                                                              policies, console)
-        else:
-            speeds = planning_costs(args, w, lambda: pilot_workload(args, w), runner.cost, runner.vocab, engine_cfg,
-                                    policies, console)
+        return planning_costs(s.args, s.w, lambda: pilot_workload(s.args, s.w), s.runner.cost, s.runner.vocab,
+                              s.engine_cfg, s.policies, s.console, fleets)
     except PilotError as exc:
-        parser.error(f"--pilot: {exc} (--pilot 0 plans without one)")
-    planner = Planner(w, runner.cost, engine_cfg, args.target, args.every_class, key_of=key_of, poll_s=args.poll_s)
+        refuse_pilot(s.parser, exc)
+
+
+def refuse_pilot(parser: argparse.ArgumentParser, exc: PilotError) -> NoReturn:
+    """A pilot that gave no speed to plan at: one line, exit 2."""
+    parser.error(f"--pilot: {exc} (--pilot 0 plans without one)")
+
+
+def make_plan(s: Setup, speeds: Speeds) -> dict[str, Any]:
+    """Each policy's smallest fleet at `speeds`, as plan.json says it."""
+    args = s.args
+    planner = Planner(s.w, s.runner.cost, s.engine_cfg, args.target, args.every_class, key_of=s.key_of,
+                      poll_s=args.poll_s)
     started = time.perf_counter()
-    results = plan_each(args, planner, with_headroom(args, speeds.planned, console), w, console)
-    doc = document(args, argv, w, runner.model_name, results, time.perf_counter() - started, planner.sims)
+    results = plan_each(args, planner, with_headroom(args, speeds.planned, s.console), s.w, s.console)
+    doc = document(args, f"{s.parser.prog} {' '.join(s.argv or [])}".strip(), s.w, s.runner.model_name, results,
+                   time.perf_counter() - started, planner.sims)
     if speeds.key is not None:
         doc[speeds.key] = speeds.said
-    if runner.profile_key is not None:  # what `--cost THIS/plan.json` plans with again
-        doc["cost_profile"] = measured_profile(runner.cost) | {"key": runner.profile_key}
-    if args.against_serve is not None:
-        own = speeds.key in ("pilot", "engine_pass")  # the planner's own prediction (not one learned from a run)
-        if rounds is None:  # the real fleets have not run yet
-            rounds = against_serve.real_rounds(args, w, policies, console)
-        doc["against_serve"] = against_serve.compare_fleets(args, w, runner.cost, engine_cfg, rounds,
-                                                             speeds if own else None)
-        doc["against_serve_agreement"] = agreement(doc["against_serve"])
-    out = Path(args.out)
+    if s.runner.profile_key is not None:  # what `--cost THIS/plan.json` plans with again
+        doc["cost_profile"] = measured_profile(s.runner.cost) | {"key": s.runner.profile_key}
+    return doc
+
+
+def write_outputs(s: Setup, doc: dict[str, Any],
+                  then: Callable[[Console, dict[str, Any], Path], list[Path]] | None = None) -> None:
+    """plan.json and plan.png in `--out`, the plan's tables printed; `then` prints and draws what a
+    caller adds (its files written are said with the plan's)."""
+    out = Path(s.args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(json.dumps(doc, indent=2))
-    print_tables(console, doc)
+    print_tables(s.console, doc)
     plot(doc, out / "plan.png")
-    wrote = [out / "plan.json", out / "plan.png"]
-    if plot_paired(doc, out / "against-serve.png"):  # each round's run against its own pilot's prediction
-        wrote.append(out / "against-serve.png")
-    console.print("wrote " + ", ".join(map(str, wrote)))
-    return 0
+    wrote = [out / "plan.json", out / "plan.png", *(then(s.console, doc, out) if then else [])]
+    s.console.print("wrote " + ", ".join(map(str, wrote)))
 
 
 def with_headroom(args: argparse.Namespace, costs: dict[str, Planned], console: Console) -> dict[str, Planned]:
@@ -324,7 +365,7 @@ def plan_each(args: argparse.Namespace, planner: Planner, costs: dict[str, Plann
     return results
 
 
-def document(args: argparse.Namespace, argv: list[str] | None, w: Workload, model: str,
+def document(args: argparse.Namespace, command: str, w: Workload, model: str,
              results: dict[str, dict[str, Any]], elapsed_s: float, sims: int) -> dict[str, Any]:
     """plan.json: the workload, the question asked, and per policy its smallest fleet and every point."""
     fp = results.get("flowprefill", {}).get("instances")
@@ -333,10 +374,10 @@ def document(args: argparse.Namespace, argv: list[str] | None, w: Workload, mode
     return {"workload": {"name": w.name, "source": w.source, "requests": len(w.requests), "class_rule": w.class_rule,
                          "rate": w.rate, "duration_s": w.duration_s},
             "cost_model": args.cost, "model": model, "target": args.target, "every_class": args.every_class,
-            "headroom": args.headroom, "pilots_interleaved": args.interleave_pilots,
+            "headroom": args.headroom,
             "max_instances": args.max_instances, "price_per_instance_hour": args.price,
             "routing": {"poll_s": args.poll_s, "prefix_affinity_chars": args.prefix_affinity_chars,
                         "affinity_slack_s": DEFAULTS.prefix_affinity_slack_s},
             "policies": results, "instances_saved_by_flowprefill": saved,
             "planning_s": elapsed_s, "fleets_simulated": sims, "machine": machine_info(),
-            "command": "flowprefill plan " + " ".join(argv or [])}
+            "command": command}

@@ -1,6 +1,6 @@
 """The planner's fleets: a workload simulated on N instances of a policy behind the gateway's own routing
 (engine/sim/fleet.py), judged against an attainment target, and the smallest N that meets it.
-`flowprefill plan` (engine/planner/command.py) asks it per policy; `--against-serve`
+`flowprefill plan` (engine/planner/command.py) asks it per policy; `flowprefill bench planner`
 (engine/bench/planner_validation/) sets a fleet beside the real one.
 """
 

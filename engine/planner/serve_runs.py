@@ -1,5 +1,5 @@
 """Real `flowprefill serve` fleets run on this machine: a planner's pilot (engine/planner/speed.py) and
-`plan --against-serve`'s runs (engine/bench/planner_validation/) alike.
+`flowprefill bench planner`'s real fleets (engine/bench/planner_validation/) alike.
 
 `real_point` starts `serve --workers N` (the gateway and N engine workers, each `--threads` torch threads,
 prefix caching off as in the simulation, its workers logging their batches, engine/core/batch_log.py),
@@ -30,16 +30,6 @@ from loadtest.server import ServerCounters
 from loadtest.workload import Workload
 
 Run = tuple[dict[str, Any], list[str], list[MeasuredBatch]]  # a real run: its point, its workers' URLs, its batches
-
-
-def workers_of(spec: str) -> list[int]:
-    try:
-        ns = [int(x) for x in spec.split(",") if x]
-    except ValueError:
-        raise ValueError(f"--against-serve {spec!r}: expected worker counts, e.g. 1,2") from None
-    if not ns or min(ns) < 1:
-        raise ValueError(f"--against-serve {spec!r}: expected worker counts >= 1, e.g. 1,2")
-    return ns
 
 
 def fleet_name(policy: str, n: int) -> str:

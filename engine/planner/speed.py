@@ -18,19 +18,19 @@ pass's speed per size predicts for them, over twelve runs: the worker's HTTP ser
 streams share the engine's core, and requests arrive open loop into batches of every shape. So the
 default is a **pilot** (`--pilot N`, `serve_pilot`): the workload's first N requests sent at their own
 arrival times to a real `flowprefill serve --workers 1 --no-calibrate` of each policy (bench peer's
-client, as `--against-serve` sends them; the worker predicts with the profile this planner reads), and
+client, as `bench planner`'s real fleets are sent them; the worker predicts with the profile this planner reads), and
 each policy planned at the speed its pilot's worker logged (engine/core/batch_log.py). 100 requests took
 14-16 s per policy at 16 req/s. Against real fleets at one worker, the plan at the pilots' speed was a
 mean 2.4-4.1 points off per class, at an engine pass's speed 4.9-5.5 (up to 17.5). Neither foresees the
 machine's drift: where a shared machine slowed down within minutes, the plan at pilots taken a minute
-before the fleets ran was 16.2 points off per class at one worker (hence `--interleave-pilots`,
-engine/bench/planner_validation/paired.py).
+before the fleets ran was 16.2 points off per class at one worker (hence `flowprefill bench planner
+--interleave-pilots`, engine/bench/planner_validation/paired.py).
 
 Speed per size is not all a pilot measures (engine/planner/measured.py): also the worker's own time
 between batches, the time a request spends outside the worker, how far one batch's speed strays from
 its size's, and the CPU the worker's HTTP side takes from the batches requests arrive in; the plan
-simulates with all of them. And with `--against-serve`, each fleet of n > 1 workers sharing this machine
-gets a pilot of its own shape.
+simulates with all of them. And where real fleets of n > 1 workers share this machine (`flowprefill
+bench planner --against-serve`), each gets a pilot of its own shape (`planning_costs`' `fleets`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import contextlib
 import copy
 import shutil
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -62,7 +62,7 @@ from engine.planner.measured import (
     strays,
     wander,
 )
-from engine.planner.serve_runs import fleet_name, workers_of
+from engine.planner.serve_runs import fleet_name
 from engine.protocol.slo import DEFAULT_CLASSES
 from engine.sim.oracle import BatchCostRecorder, ExactCosts, at_speed, speed_by_size
 from loadtest.goodput import make_requests
@@ -82,7 +82,8 @@ class PilotError(RuntimeError):
 
 class Speeds(NamedTuple):
     """What each policy is planned with, where that came from (plan.json's key) and what it rests on;
-    with `--against-serve`, each real fleet's own (policy, workers) where a pilot of its shape ran."""
+    with real fleets beside the plan (`bench planner`), each one's own (policy, workers) where a pilot of
+    its shape ran."""
 
     planned: dict[str, Planned]
     key: str | None = None
@@ -154,7 +155,7 @@ def repeated_pilot(policy: str, threads: int | None, pilot: Workload, logs: Path
 
 def pooled(done: list[PilotRun], logs: Path) -> PilotRun:
     """Several runs of one pilot as one: their batches pooled (a request's factor its seconds summed over
-    the runs, as --against-serve pools a fleet's runs), and per overhead the median of the runs'."""
+    the runs, as `bench planner` pools a fleet's runs), and per overhead the median of the runs'."""
     said = [run for _, run in done]
     return [b for bs, _ in done for b in bs], {
         "sent": said[0]["sent"], "attainment": statistics.median(run["attainment"] for run in said),
@@ -170,13 +171,14 @@ def measured_speed(cost: OpCost, folder: Path) -> tuple[OpCost, dict[str, Any]]:
 
 
 def planning_costs(args: argparse.Namespace, w: Workload, pilot: Callable[[], tuple[Workload, str]], cost: OpCost,
-                   vocab: int | None, engine_cfg: EngineConfig, policies: list[str], console: Console) -> Speeds:
+                   vocab: int | None, engine_cfg: EngineConfig, policies: list[str], console: Console,
+                   fleets: Sequence[int] = ()) -> Speeds:
     """What each policy's plan simulates: `cost` (the profile, or roofline) at the speed a pilot's logs
     measured (`--speed-from`), or for `--cost cpu` as each policy's own `serve` pilot ran (`--pilot`), or
     at an engine pass's speed (`--engine-pass`, with `--pilot 0`); where that came from (plan.json's key:
     "speed_from", "pilot", "engine_pass", or None for the cost model as it is). `pilot`: the pilot's
-    requests and where in the trace they come from (plan.py's `pilot_workload`), asked only where a pilot
-    runs."""
+    requests and where in the trace they come from (command.py's `pilot_workload`), asked only where a pilot
+    runs; `fleets`: the worker counts of real fleets to run beside the plan, each of n > 1 piloted too."""
     if args.speed_from is not None:
         at, measured = measured_speed(cost, Path(args.speed_from))
         return _same(policies, planned_at(at, measured), "speed_from",
@@ -185,7 +187,7 @@ def planning_costs(args: argparse.Namespace, w: Workload, pilot: Callable[[], tu
     if args.cost != "cpu" or not vocab:
         return Speeds(dict.fromkeys(policies, Planned(cost)))
     if args.pilot:
-        return _pilots(args, pilot, cost, policies, console)
+        return _pilots(args, pilot, cost, policies, console, fleets)
     if args.engine_pass:
         n = min(args.engine_pass, len(w.requests))
         with Progress(console=console, transient=True) as progress:
@@ -199,24 +201,24 @@ def planning_costs(args: argparse.Namespace, w: Workload, pilot: Callable[[], tu
 
 
 def _pilots(args: argparse.Namespace, pilot: Callable[[], tuple[Workload, str]], cost: OpCost, policies: list[str],
-            console: Console) -> Speeds:
+            console: Console, fleets: Sequence[int]) -> Speeds:
     """Each policy as its own pilot ran (`serve_pilot`): one worker for the plan, whose instances have
-    their machines to themselves; and for each `--against-serve` fleet of n > 1, a pilot of that fleet,
+    their machines to themselves; and for each real fleet (`fleets`) of n > 1, a pilot of that fleet,
     whose workers share this machine's cores with each other and the gateway as its real runs' will (on
     2 EPYC cores two workers' batches ran 5.6-13.5 % slower per size than one worker's)."""
     w, where = pilot()
     ran = {}
-    for policy, n in pilot_fleets(args, policies):
+    for policy, n in pilot_fleets(policies, fleets):
         console.print(f"pilot: serve --workers {n} --policy {policy}, {where}, over {w.duration_s:.0f} s")
         folder = Path(args.out) / "pilot" / fleet_name(policy, n)  # as --speed-from finds a fleet's own
         ran[(policy, n)] = repeated_pilot(policy, args.threads, w, folder, n, args.pilot_runs)
     return from_pilots(cost, ran, where, console)
 
 
-def pilot_fleets(args: argparse.Namespace, policies: list[str]) -> list[tuple[str, int]]:
+def pilot_fleets(policies: list[str], fleets: Sequence[int] = ()) -> list[tuple[str, int]]:
     """The fleets a pilot runs for: each policy on one worker (what the plan's instances are), and on
-    each `--against-serve` fleet's n > 1 workers."""
-    shared = [n for n in workers_of(args.against_serve) if n > 1] if args.against_serve else []
+    each real fleet's n > 1 workers (`fleets`: their worker counts)."""
+    shared = [n for n in fleets if n > 1]
     return [(policy, n) for policy in policies for n in [1, *shared]]
 
 

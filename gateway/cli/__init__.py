@@ -52,6 +52,8 @@ BENCHES = {
                   "KV taken as answers grow vs reserved up front, on chat requests of a trace", BENCH),
     "health": Command("engine.bench.health", "GET /health latency while a burst of requests arrives (the "
                       "event loop never waits on scheduling)", BENCH),
+    "planner": Command("engine.bench.planner_validation.command", "the capacity planner against real serve fleets "
+                       "on this machine: `plan`, then `serve --workers N` on the same arrivals", BENCH),
     "peer": Command("loadtest.peer.cli", "FlowPrefill next to vLLM / SGLang on this machine: goodput sweep or raw "
                     "TTFT", BENCH),
 }

@@ -1,5 +1,5 @@
-"""`flowprefill plan --against-serve N,N`: the planner's fleet against the real one on this machine (a
-benchmark of the planner, engine/planner/, not part of it).
+"""`flowprefill bench planner --against-serve N,N`: the planner's fleet against the real one on this machine
+(a benchmark of the planner, engine/planner/, not part of it).
 
 For each policy and each N: `flowprefill serve --workers N` (the gateway and N engine workers, each
 `--threads` torch threads, prefix caching off as in the simulation) is started, the workload's arrivals
@@ -43,13 +43,23 @@ from engine.model.cost import OpCost
 from engine.planner import serve_runs, speed
 from engine.planner.fleet import Planner
 from engine.planner.measured import Planned, planned_at, planned_with, wander
-from engine.planner.serve_runs import Run, fleet_name, workers_of
+from engine.planner.serve_runs import Run, fleet_name
 from engine.planner.speed import PilotError, PilotRun, Speeds, from_pilots, measured_speed, pilot_fleets, pooled
 from engine.protocol.slo import DEFAULT_CLASSES
 from engine.sim.oracle import ExactCosts, at_speed, speed_by_size
 from loadtest.goodput import make_requests
 from loadtest.peer.client import Arrival, arrival_index, arrivals
 from loadtest.workload import Workload
+
+
+def workers_of(spec: str) -> list[int]:
+    try:
+        ns = [int(x) for x in spec.split(",") if x]
+    except ValueError:
+        raise ValueError(f"--against-serve {spec!r}: expected worker counts, e.g. 1,2") from None
+    if not ns or min(ns) < 1:
+        raise ValueError(f"--against-serve {spec!r}: expected worker counts >= 1, e.g. 1,2")
+    return ns
 
 
 class Rounds(NamedTuple):
@@ -125,7 +135,7 @@ def interleaved_pilots(args: argparse.Namespace, w: Workload, pilot: Callable[[]
                       f"(round {r + 1} of {args.repeats})")
         return speed.serve_pilot(policy, args.threads, sent, folder / f"run-{r + 1}", n)
 
-    fleets = pilot_fleets(args, policies)
+    fleets = pilot_fleets(policies, workers_of(args.against_serve))
     rounds = real_rounds(args, w, policies, console, one, fleets)
     for policy, n in fleets:
         if not rounds.pilots[(policy, n)]:  # every round's failed: the last one's cause

@@ -1,4 +1,4 @@
-"""`plan --against-serve --interleave-pilots`: each real run against the plan made at the pilot just before it.
+"""`bench planner --interleave-pilots`: each real run against the plan made at the pilot just before it.
 
 On a shared machine whose speed moves, the median of a fleet's runs at its knee is itself a draw: one
 `chunked:2048` worker at 5.5 req/s on a 2-core Xeon met 42-55 % of its targets while the machine was slow
