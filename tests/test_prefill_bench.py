@@ -86,8 +86,8 @@ def test_prefill_flops_count_a_full_forward() -> None:
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from engine.bench.flops import prefill_flops
     from engine.core.config import ModelConfig
+    from loadtest.flops import prefill_flops
 
     cfg, n = ModelConfig(), 64
     hf = Qwen2ForCausalLM(Qwen2Config(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,

@@ -40,7 +40,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from engine.bench.contenders import HFPrefill, OurPrefill, device_sync, interleaved, load_transformers
-from engine.bench.flops import matmul_peak, prefill_flops
 from engine.bench.overhead import OverheadSection, median
 from engine.bench.prefill_markdown import markdown
 from engine.bench.prefill_plot import HF, PREEMPTIBLE, UNSPLIT, plot, size_label
@@ -52,6 +51,7 @@ from engine.model.calibration import load_cost
 from engine.model.cost import OpCost, SeqSpan
 from gateway.cli.common import Parser
 from gateway.cli.console import results_console
+from loadtest.flops import matmul_peak, prefill_flops
 from loadtest.machine import cpu_count, machine_info
 
 BASE_CONFIG = EngineConfig()  # main() replaces it with the command line's settings
@@ -167,7 +167,7 @@ class Bench(OverheadSection, StopLatencySection):
                  if HF in tok_s else {})
         # The TTFT predictor's closed form against what was measured (engine/model/calibration.py).
         predicted_s = {str(n): cost.prefill_s([SeqSpan(0, n)]) for n in sizes}
-        # Achieved GFLOP/s (a full forward's FLOPs, engine/bench/flops.py) beside a large matmul's, timed now.
+        # Achieved GFLOP/s (a full forward's FLOPs, loadtest/flops.py) beside a large matmul's, timed now.
         peak = matmul_peak(model.embed.dtype, self.cfg.device)
         gflops = {name: {k: prefill_flops(model.cfg, int(k)) / s / 1e9 for k, s in per.items()}
                   for name, per in median_s.items()}

@@ -1,5 +1,5 @@
 """The machine's measured matmul peak, for the raw mode's "share of peak": a large square matmul in the
-given dtype on the given threads (engine/bench/flops.py's), in a process pinned where the servers run.
+given dtype on the given threads (loadtest/flops.py's), in a process pinned where the servers run.
 
     python -m loadtest.peer.peak --dtype bfloat16 --threads 1 --size 2048
 """
@@ -14,7 +14,7 @@ import sys
 def matmul_gflops(dtype: str, threads: int, size: int = 2048, repeats: int = 5) -> float:
     import torch
 
-    from engine.bench.flops import matmul_peak
+    from loadtest.flops import matmul_peak
 
     torch.set_num_threads(threads)
     return matmul_peak(getattr(torch, dtype), "cpu", size, repeats)

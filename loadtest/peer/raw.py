@@ -23,6 +23,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from engine.core.config import ModelConfig
+from loadtest.flops import prefill_flops
 from loadtest.machine import machine_info
 from loadtest.peer.busy import BusyLoad
 from loadtest.peer.client import PROMPT_VOCAB, Arrival, Target, model_name, replay
@@ -30,16 +31,6 @@ from loadtest.peer.servers import Contender, Launch, Placement, SpecError, fleet
 from loadtest.peer.setup import model_dir, placement
 from loadtest.peer.sweep import rotation
 from loadtest.workload import synthesize_prompt
-
-
-def prefill_flops(cfg: ModelConfig, n: int) -> float:
-    """FLOPs of prefilling n tokens: every layer's matmuls per row (q, k, v, o; gate, up, down), causal
-    attention (QK^T and PV over the n(n+1)/2 query-key pairs) and the last row's logits."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    per_row = 2 * h * (q + 2 * kv) + 2 * q * h + 2 * 3 * h * cfg.intermediate_size
-    attention = 4 * cfg.num_attention_heads * d * n * (n + 1) / 2
-    return cfg.num_hidden_layers * (n * per_row + attention) + 2 * h * cfg.vocab_size
 
 
 def _ints(text: str, flag: str) -> list[int]:
