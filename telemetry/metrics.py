@@ -170,7 +170,7 @@ class EngineMetrics(EngineObserver):
             self.tpot.labels(cls).observe((req.last_token_time - req.first_token_time) / (n - 1))
         # A request counts once: a disaggregated one on its decode worker (its TTFT where it was
         # prefilled), one of n choices by its first choice.
-        if req.serving is not None and req.serving.choice:  # engine/serving/generation.py's Served
+        if req.choice:
             return
         if req.kv_sink is None:
             self.finished.labels(cls, req.finish_reason or "").inc()

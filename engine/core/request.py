@@ -1,4 +1,5 @@
-"""The one request type that flows from gateway to worker to scheduler to telemetry."""
+"""The engine core's request: what the worker adds, the scheduler ranks, prefill and decode run and
+observers (telemetry) are told of. It holds nothing of the serving layer's own state."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from engine.protocol.sampling import SamplingParams
 from engine.protocol.slo import DEFAULT_CLASSES, SLOClass
 
 if TYPE_CHECKING:
+    import torch
+
     from engine.core.sampling import TokenConstraint
 
 
@@ -111,10 +114,8 @@ class Request(msgspec.Struct, kw_only=True):
     # its first token is out (on the engine thread, before its blocks can be freed), for hand-off.
     kv_sink: Callable[[dict[str, Any]], None] | None = None
     prefilled_elsewhere: bool = False  # a decode worker's: its prompt's KV was handed to it
-    # The serving layer's state of this request (engine/serving/generation.py's Served: which of its HTTP
-    # request's n choices it is, its KV to hand off); the engine core never reads it.
-    serving: Any = None
-    prompt_token_mask: Any = None  # repetition_penalty's: which vocabulary ids the prompt holds (made once)
+    choice: int = 0  # OpenAI's n: which of its prompt's n samples (observers count the prompt by choice 0)
+    prompt_token_mask: torch.Tensor | None = None  # repetition_penalty's: the vocabulary ids the prompt holds
     # What its answer must follow token by token (structured output: engine/core/sampling.py's TokenConstraint,
     # the serving layer's GuidedAnswer); the sampler masks what it does not allow next.
     constraint: TokenConstraint | None = None

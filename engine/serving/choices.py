@@ -230,7 +230,7 @@ class Choices:
 
     def usage(self, sent: int | None = None) -> dict[str, Any]:
         """Each prompt counted once (as OpenAI does for n choices), the completions' tokens summed."""
-        firsts = [r for r in self.reqs if r.serving is None or not r.serving.choice]
+        firsts = [r for r in self.reqs if not r.choice]
         done = sum(len(r.output_token_ids) for r in self.reqs) if sent is None else sent
         return usage(sum(r.num_prompt_tokens for r in firsts), done, sum(r.cached_tokens for r in firsts))
 

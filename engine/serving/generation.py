@@ -51,7 +51,7 @@ from engine.serving import kv_transport
 from engine.serving.choices import Choices, LogprobFormatter, completion_body, sse
 from engine.serving.endpoint import BadRequest, EventStream, decode_body
 from engine.serving.reasoning import CLOSE, OPEN, ReasoningParser, ReasoningStream
-from engine.serving.stages import Prepared, Served, Started
+from engine.serving.stages import HeldKV, Prepared, Started
 from engine.serving.structured_output import Grammars, GuidedAnswer, failed_by_constraint
 from engine.serving.tool_calls import ForcedCall, ToolCallParser
 
@@ -183,7 +183,8 @@ class Generation:
             if body.stream:
                 raise BadRequest(f"a request with {KV_TO_HEADER} must not stream")
             sampling = msgspec.structs.replace(sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1))
-        reqs = self._engine_requests(slo, rid, n, prep, sampling, bool(kv_to))
+        held = HeldKV() if kv_to else None
+        reqs = self._engine_requests(slo, rid, n, prep, sampling, held)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
         for r in reqs:
@@ -204,7 +205,7 @@ class Generation:
                           else lambda: LogprobFormatter(self.engine.tokenizer.token_bytes, chat),
                           prep.calls, (lambda: ReasoningStream(reasoner, thinking))
                           if reasoner and prep.prompt is not None else None, echo, body.prompt_logprobs)
-        return Started(rid, choices, headers, kv_to)
+        return Started(rid, choices, headers, kv_to, held)
 
     def _check_route(self, kv_to: str | None, kv_id: str | None, n: int, prompts: int, sampling: SamplingParams,
                      body: Any) -> None:
@@ -229,18 +230,16 @@ class Generation:
         return rid
 
     def _engine_requests(self, slo: SLOClass, rid: str, n: int, prep: Prepared, sampling: SamplingParams,
-                         export_kv: bool) -> list[EngineRequest]:
+                         held: HeldKV | None) -> list[EngineRequest]:
         """n choices of each prompt are n engine requests: choice i's seed is seed + i (reproducible,
-        yet different; a prompt of a batch samples as it would alone)."""
+        yet different; a prompt of a batch samples as it would alone). `held`: the prefill half's (one
+        request) KV, given to it on the engine thread before the first token's output is queued."""
         seeds = [None if sampling.seed is None else (sampling.seed + i) % 2**64 for i in range(n)]
-        reqs = []
-        for k, cid in enumerate(_choice_ids(rid, n * len(prep.prompts))):
-            served = Served(choice=k % n)
-            reqs.append(EngineRequest.for_class(
-                slo, request_id=cid, prompt_token_ids=prep.prompts[k // n][0], serving=served,
-                sampling=msgspec.structs.replace(sampling, seed=seeds[k % n]) if k % n else sampling,
-                kv_sink=served.keep_kv if export_kv else None))
-        return reqs
+        keep = None if held is None else lambda kv: setattr(held, "kv", kv)
+        return [EngineRequest.for_class(
+            slo, request_id=cid, prompt_token_ids=prep.prompts[k // n][0], choice=k % n, kv_sink=keep,
+            sampling=msgspec.structs.replace(sampling, seed=seeds[k % n]) if k % n else sampling)
+            for k, cid in enumerate(_choice_ids(rid, n * len(prep.prompts)))]
 
     def _constrain(self, reqs: list[EngineRequest], prompt: str | None, grammar: Any) -> bool:
         """Whether the answers begin in reasoning; with a structured output, each answer's own
@@ -338,11 +337,10 @@ class Generation:
             client = failed_by_constraint(choices.error)
             return Response(error_body(choices.error, "invalid_request_error" if client else "server_error"),
                             status_code=400 if client else 500, headers=headers)
-        req = started.first
-        served: Served = req.serving
-        if not started.kv_to or served.kv is None:
+        req, held = started.first, started.held
+        if not started.kv_to or held is None or held.kv is None:
             return None
-        kv, served.kv = served.kv, None
+        kv, held.kv = held.kv, None
         transport = "http" if request.headers.get(KV_TRANSPORT_HEADER) == "http" else "auto"
         t0 = time.perf_counter()
         try:

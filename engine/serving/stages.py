@@ -1,6 +1,6 @@
 """One OpenAI request's stages in the serving layer: its prompts and sampling before any engine work
-(`Prepared`), the state each of its engine requests carries for the serving layer (`Served`, the engine's
-`Request.serving`, which the engine never reads), and, once queued, what formats its outputs (`Started`)."""
+(`Prepared`), and, once queued, what formats its outputs (`Started`, with the KV a prefill half hands on,
+`HeldKV`). The engine's `Request` carries nothing of the serving layer's."""
 
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ class Prepared:
 
 
 @dataclass
-class Served:
-    """The serving layer's state of one engine request (its `Request.serving`; the engine never reads it)."""
+class HeldKV:
+    """The prefill half of a disaggregated request: its prompt's KV, from the engine's `Request.kv_sink`
+    until the worker hands it on."""
 
-    choice: int = 0  # OpenAI's n: which choice of its HTTP request (usage and metrics count a prompt by choice 0)
-    kv: dict[str, Any] | None = None  # the prefill half of a disaggregated request: its prompt's KV, to hand off
+    kv: dict[str, Any] | None = None
 
     def keep_kv(self, kv: dict[str, Any]) -> None:
         """Request.kv_sink (on the engine thread, before the first token's output is queued)."""
@@ -43,6 +43,7 @@ class Started:
     choices: Choices
     headers: dict[str, str]
     kv_to: str | None  # the prefill half of a disaggregated request: where its KV goes
+    held: HeldKV | None = None  # and its KV until then
 
     @property
     def first(self) -> EngineRequest:
