@@ -26,6 +26,9 @@ _GENERATED = itertools.count()  # `Engine.generate`'s request ids (an object's i
 # second): it predicts every waiting request, 2.7 us each once the correction has moved, which publishing
 # at each finished answer and arrival repeated: 0.4 ms a publish with 300 waiting, half a batch's host time.
 PUBLISH_BACKLOG_S = 0.01
+# A queue this short is predicted afresh at every publish (some 3 us a request): an answer's load report, read
+# as it ends, must not still count its own work (an empty queue reports none).
+PUBLISH_BACKLOG_FRESH = 16
 # Between events (a decision, an answer starting or ending, KV taken or freed) the snapshot is refreshed this
 # often, for a running batch's shrinking backlog and the learned machine factor: building it takes some 25 us,
 # 1 % of a 2 ms step were it done after each.
@@ -174,7 +177,7 @@ class EngineFront:
         request) is recomputed at most every PUBLISH_BACKLOG_S unless `full`; in between, the requests just
         `added` have their own predictions added to it."""
         s, now = self.scheduler, time.perf_counter()
-        if full or now - self._backlog_at >= PUBLISH_BACKLOG_S:
+        if full or now - self._backlog_at >= PUBLISH_BACKLOG_S or len(s.waiting) + len(s.pool) <= PUBLISH_BACKLOG_FRESH:
             self._backlog, self._backlog_at = s.backlog(), now
         elif added:
             by_class = dict(self._backlog[1])

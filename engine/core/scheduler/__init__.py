@@ -217,7 +217,10 @@ class Scheduler(Owned):
 
     def remaining_s(self, batch: PrefillBatch) -> float:
         """Predicted time to finish a formed batch from where it stands, with the correction as it is
-        now (not as it was when the batch was planned: a batch suspended before a slowdown owes more)."""
+        now (not as it was when the batch was planned: a batch suspended before a slowdown owes more).
+        A finished batch, whose first tokens are going out, owes nothing."""
+        if batch.finished:
+            return 0.0
         cost = self.cost_for(batch.requests)
         return batch.remaining_base_s * cost.scale * cost.factor(batch.num_tokens) + cost.batch_host_s
 
