@@ -30,9 +30,10 @@ def classify(cfg: GatewayConfig, headers: Mapping[str, str], body: Mapping[str, 
              api_key: str | None) -> SLOClass:
     """x-slo-class > x-llm-d-inference-objective (or x-gateway-inference-objective) >
     x-llm-d-slo-ttft-ms (or x-slo-ttft-ms) > body service_tier > the API key's default > length
-    rules > the default class; then capped at the key's ceiling. x-llm-d-slo-tpot-ms (or
-    x-slo-tpot-ms) sets the TBT target of the class applied (under a ceiling, never tighter than the
-    ceiling's)."""
+    rules > the default class; then capped at the key's ceiling. A class named by a header takes an
+    explicit TTFT target sent with it (as a worker does: engine/protocol/slo.py's `requested_slo`).
+    x-llm-d-slo-tpot-ms (or x-slo-tpot-ms) sets the TBT target of the class applied (under a ceiling,
+    never tighter than the ceiling's)."""
     key = cfg.api_keys.get(api_key) if api_key else None
     try:
         slo = _requested(cfg, headers, body, key)
@@ -48,9 +49,10 @@ def classify(cfg: GatewayConfig, headers: Mapping[str, str], body: Mapping[str, 
 
 
 def _requested(cfg: GatewayConfig, headers: Mapping[str, str], body: Mapping[str, Any], key: Any) -> SLOClass:
+    ms = target_ms(headers, TTFT_HEADERS)
     if (named := named_class(headers, cfg.classes)) is not None:
-        return named
-    if (ms := target_ms(headers, TTFT_HEADERS)) is not None:
+        return named if ms is None else msgspec.structs.replace(named, ttft_ms=ms)
+    if ms is not None:
         return class_for_ttft(cfg.classes, ms)
     tier = body.get("service_tier")
     if isinstance(tier, str) and (by_tier := class_named(cfg.classes, tier)) is not None:

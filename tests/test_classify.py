@@ -24,7 +24,8 @@ def test_precedence() -> None:
     body = {"prompt": "short", "service_tier": "batch"}
     both = {"x-slo-class": "standard", "x-gateway-inference-objective": "batch"}
     assert classify(c, both, body, "k").name == "standard"
-    assert classify(c, {"x-gateway-inference-objective": "batch", "x-slo-ttft-ms": "100"}, body, "k").name == "batch"
+    named = classify(c, {"x-gateway-inference-objective": "batch", "x-slo-ttft-ms": "100"}, body, "k")
+    assert (named.name, named.ttft_ms, named.priority) == ("batch", 100, c.classes["batch"].priority)  # its target
     explicit = classify(c, {"x-slo-ttft-ms": "300"}, body, "k")
     assert explicit.ttft_ms == 300 and explicit.name == "standard"  # the tightest class meeting 300 ms
     assert classify(c, {}, body, "k").name == "batch"  # service_tier

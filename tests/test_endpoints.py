@@ -126,6 +126,7 @@ def test_tokenize_through_the_gateway(stack: tuple[str, str, Finished]) -> None:
     ({"x-slo-class": "interactive", "x-llm-d-inference-objective": "batch"}, "interactive", 0.25, 0.1),
     ({"x-llm-d-slo-ttft-ms": "300", "x-slo-ttft-ms": "5000"}, "standard", 0.3, 0.1),
     ({"x-slo-ttft-ms": "5000"}, "batch", 5.0, 0.2),
+    ({"x-slo-class": "relaxed", "x-slo-ttft-ms": "48000"}, "relaxed", 48.0, 0.2),  # a class at a target of its own
     ({"x-llm-d-slo-tpot-ms": "40", "x-slo-tpot-ms": "90"}, "standard", 0.5, 0.04),
     ({"x-slo-tpot-ms": "90", "x-llm-d-inference-objective": "batch"}, "batch", 6.0, 0.09),
 ])
