@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -667,3 +668,24 @@ def test_scaled_slos_are_sent_and_measured_against() -> None:
     assert sent == [None] * len(sched) + ["500"] * len(sched)
     slow = scaled(DEFAULT_CLASSES, 3)["batch"]
     assert (slow.ttft_ms, slow.late_bound_ms, slow.tbt_ms) == (18000, 36000, DEFAULT_CLASSES["batch"].tbt_ms)
+
+
+def test_a_busy_process_outlives_no_killed_benchmark(tmp_path: Path) -> None:
+    """A benchmark killed without stopping its competing load (SIGKILL, a crash) must not leave busy
+    processes loading the servers' core for ever: each exits once its parent is gone."""
+    core = sorted(os.sched_getaffinity(0))[-1]
+    script = ("import os, sys; from loadtest.peer.busy import BusyLoad; "
+              f"load = BusyLoad(({core},), 0.2, 5.0).start(); print(load._procs[0].pid, flush=True); os._exit(0)")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    pid = int(parent.stdout.readline())  # not to the pipe's end: the busy process holds it open while it runs
+    parent.wait(timeout=60)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    pytest.fail(f"busy process {pid} still ran 10 s after its benchmark died")

@@ -18,9 +18,11 @@ import time
 from contextlib import suppress
 
 
-def spin(duty: float, period_s: float) -> None:
+def spin(duty: float, period_s: float, parent: int | None = None) -> None:
+    """Busy `duty` of every period; returns once `parent` is no longer this process's parent (the
+    benchmark that started it was killed without stopping it: an orphan would load the core for ever)."""
     busy, idle = duty * period_s, (1 - duty) * period_s
-    while True:
+    while parent is None or os.getppid() == parent:
         end = time.perf_counter() + busy
         while time.perf_counter() < end:
             pass
@@ -43,7 +45,7 @@ class BusyLoad:
 
     def start(self, paused: bool = False) -> BusyLoad:
         argv = [sys.executable, "-m", "loadtest.peer.busy", "--duty", str(self.duty), "--period-ms",
-                str(self.period_ms)]
+                str(self.period_ms), "--parent", str(os.getpid())]
         # A hog is given every core explicitly: a child inherits its parent's affinity, and the
         # benchmark has pinned itself (the load generator) off the servers' cores by now.
         slots = [set(self.cores)] * self.hogs if self.hogs else [{core} for core in self.cores]
@@ -90,9 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest.peer.busy", description=__doc__.split("\n")[0])
     p.add_argument("--duty", type=float, default=0.5)
     p.add_argument("--period-ms", type=float, default=10.0)
+    p.add_argument("--parent", type=int, default=None, help="exit once this process is no longer the parent")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    spin(args.duty, args.period_ms / 1000)
+    spin(args.duty, args.period_ms / 1000, args.parent)
     return 0
 
 

@@ -17,6 +17,7 @@ Without --model the embedded model is written as a checkpoint (with a tokenizer 
 from __future__ import annotations
 
 import argparse
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -136,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[3:] if argv is None else argv)
     console = Console()
+    # Killed (SIGTERM), the benchmark still stops the servers and busy processes it started: their
+    # context managers run as SystemExit unwinds, where the default action would leave them running.
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         chosen = contenders(args)
         kinds = sorted({c.server.kind for c in chosen} & set(PEERS))
@@ -153,3 +157,5 @@ def main(argv: list[str] | None = None) -> int:
     except ServerError as exc:  # a contender that would not start: its log's end says why
         print(f"flowprefill bench peer: {exc}", file=sys.stderr)
         return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
