@@ -40,7 +40,7 @@ class EngineFactory:
     def __call__(self, policy: str = "flowprefill", start: bool = True, **cfg: object) -> Engine:
         shared = self._shared
         if "model" in shared:
-            self.monkeypatch.setattr(engine_module, "load_model", lambda c: shared["model"])
+            self.monkeypatch.setattr(engine_module, "load_model", lambda c, *_: shared["model"])
             self.monkeypatch.setattr(engine_module, "load_cost", lambda m, record=True: copy.deepcopy(shared["cost"]))
         eng = Engine(EngineConfig(**{**self.defaults, **cfg}), policy)  # type: ignore[arg-type]
         shared.setdefault("model", (eng.model, eng.tokenizer))

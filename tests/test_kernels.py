@@ -3,6 +3,8 @@ The fused kernels themselves are checked against torch's in tests/test_flashinfe
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -41,3 +43,23 @@ def test_torch_rms_norm_is_transformers_arithmetic() -> None:
     torch.nn.init.normal_(norm.weight, 1.0, 0.1)
     with torch.no_grad():
         assert torch.equal(TorchKernels().rms_norm(x, norm.weight, 1e-5), norm(x))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
+def test_the_kernel_build_runs_on_the_cores_given_not_the_pinned_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """serve pins a worker's compute to one core before its model loads: the one-time kernel build
+    (two compilers, ~19 s of CPU) must not be confined there with the GGUF's conversion."""
+    import engine.model as model_module
+    from engine.attention import cpu
+
+    every = set(os.sched_getaffinity(0))
+    seen: list[set[int]] = []
+    monkeypatch.setattr(cpu, "build", lambda: seen.append(set(os.sched_getaffinity(0))))
+    os.sched_setaffinity(0, {min(every)})  # as Engine's pin_compute leaves the loading thread
+    try:
+        thread = model_module._cpu_kernels_built_meanwhile(EngineConfig(), torch.device("cpu"), every)
+        assert thread is not None
+        thread.join(timeout=30)
+    finally:
+        os.sched_setaffinity(0, every)
+    assert seen == [every]

@@ -104,7 +104,7 @@ class Engine(EngineFront, EngineOutputs):
             self.pinning.bind_threads(torch.get_num_threads())
         # Each phase logged as it ends: a first start with a new model takes tens of seconds on a CPU.
         t0 = time.perf_counter()
-        self.model, self.tokenizer = load_model(cfg)
+        self.model, self.tokenizer = load_model(cfg, self.pinning.before if self.pinning is not None else None)
         log.info("model %s loaded (%s, %s) in %.1f s", self.model.cfg.name, cfg.dtype, cfg.device,
                  time.perf_counter() - t0)
         dtype = getattr(torch, cfg.dtype)

@@ -4,6 +4,7 @@ start-up (`calibration.py`), and the split of a prefill into steps (`plan.py`)."
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -20,9 +21,12 @@ from engine.model.loader import load_checkpoint, tiny_model
 __all__ = ["LlamaModel", "load_model", "use_device"]
 
 
-def load_model(cfg: EngineConfig) -> tuple[LlamaModel, ByteTokenizer | HFTokenizer]:
+def load_model(cfg: EngineConfig, build_cores: set[int] | None = None
+               ) -> tuple[LlamaModel, ByteTokenizer | HFTokenizer]:
+    """`build_cores`: where a first build of the CPU kernels may run (the cores the process had before
+    its engine pinned its compute: the build is a one-time compile, not the engine's work)."""
     device = torch.device(cfg.device)
-    build = _cpu_kernels_built_meanwhile(cfg, device)
+    build = _cpu_kernels_built_meanwhile(cfg, device, build_cores)
     try:
         model_cfg, weights, tokenizer = load_weights(cfg)
     finally:  # also when loading fails: torch's builder holds a lock file in its build folder until it
@@ -42,14 +46,23 @@ def load_model(cfg: EngineConfig) -> tuple[LlamaModel, ByteTokenizer | HFTokeniz
     return model, tokenizer
 
 
-def _cpu_kernels_built_meanwhile(cfg: EngineConfig, device: torch.device) -> threading.Thread | None:
-    """Where the CPU kernels may serve, their first build (g++ in a child process: 20-35 s on 2 cores)
-    starts now, beside the weights' loading (a GGUF's parsing and dequantization: ~6 s for SmolLM2),
-    instead of after it; `cpu.build` is cached, so the backend's choice later finds it done."""
+def _cpu_kernels_built_meanwhile(cfg: EngineConfig, device: torch.device, cores: set[int] | None
+                                 ) -> threading.Thread | None:
+    """Where the CPU kernels may serve, their first build (g++, two compilers in child processes: 12 s
+    on 2 idle cores, 19 s of CPU) starts now, beside the weights' loading (a GGUF's parsing and
+    dequantization: ~5 s for SmolLM2), instead of after it; `cpu.build` is cached, so the backend's
+    choice later finds it done. On `cores` where given: confined to `serve`'s one compute core, the
+    build and the GGUF's conversion took 27 s of a first start."""
     may_serve = cfg.attention_backend in ("auto", "cpu") or cfg.row_kernels in ("auto", "cpu")
     if device.type != "cpu" or not may_serve:
         return None
-    thread = threading.Thread(target=cpu.build, name="flowprefill-kernel-build", daemon=True)
+
+    def build() -> None:
+        if cores and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, cores)  # this thread, and the compilers it starts
+        cpu.build()
+
+    thread = threading.Thread(target=build, name="flowprefill-kernel-build", daemon=True)
     thread.start()
     return thread
 
