@@ -14,7 +14,6 @@ def size_label(n: int) -> str:
     return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
-
 def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib
 

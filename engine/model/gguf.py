@@ -208,7 +208,6 @@ def load_weights(meta: Metadata, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     return weights
 
 
-
 def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     """Undo llama.cpp's converter, which reorders each head's q_proj/k_proj rows (and bias) from the
     rotate-half layout Hugging Face's Llama uses to interleaved pairs (convert_hf_to_gguf.py's

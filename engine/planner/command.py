@@ -124,8 +124,6 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench-results", help="directory for plan.json and plan.png")
 
 
-
-
 def _add_speed_options(p: argparse.ArgumentParser) -> None:
     """How the plan learns the speed the workers will run at."""
     p.add_argument("--speed-from", default=None, metavar="DIR",

@@ -156,7 +156,6 @@ def worst_tail_at_knee(points: list[dict[str, Any]]) -> dict[str, Any] | None:
     return {"class": worst, "factor": None if factor is None else round(factor, 3), "rate": knee["rate"]}
 
 
-
 def summary_table(doc: dict[str, Any]) -> Table:
     peer = doc["peer"]
     t = Table(title=f"peer benchmark, {peer['scenario']['name']} ({doc['workload']['name']}, "
