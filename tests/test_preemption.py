@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Generator
+from dataclasses import replace
 from itertools import pairwise
 from typing import ClassVar
 
@@ -22,7 +23,7 @@ from engine.core.config import ModelConfig
 from engine.core.kv_cache import KVCache
 from engine.core.prefill import PrefillBatch
 from engine.core.request import Request
-from engine.model.cost import ATTENTION, ATTN_IN, FFN, OpCost, SeqSpan, Step
+from engine.model.cost import ATTENTION, ATTN_IN, FFN, HEAD, OpCost, SeqSpan, Step
 from engine.model.llama import LlamaModel
 from engine.model.loader import expected_shapes
 from engine.model.plan import plan_prefill
@@ -174,8 +175,15 @@ def test_plan_partitions_every_operator(budget: float | None) -> None:
     for layer in range(CFG.num_hidden_layers):
         mine = [s for s in steps if s.layer == layer]
         kinds = [s.op for s in mine]
-        # all q/k/v projections, then all attention tiles, then all FFN blocks
-        assert kinds == sorted(kinds, key=[ATTN_IN, ATTENTION, FFN].index)
+        # all q/k/v projections, then all attention tiles, then all FFN blocks (the last layer: the head)
+        assert kinds == sorted(kinds, key=[ATTN_IN, ATTENTION, FFN, HEAD].index)
+        heads = [s for s in mine if s.op == HEAD]
+        if layer < CFG.num_hidden_layers - 1:
+            assert heads == []
+        else:  # every sequence's logits over the whole vocabulary, each column once
+            assert heads[0].cols[0] == 0 and heads[-1].cols[1] == CFG.vocab_size
+            assert all(a.cols[1] == b.cols[0] for a, b in pairwise(heads))
+            assert all(h.rows == (0, len(spans)) for h in heads)
         for op in (ATTN_IN, FFN):
             blocks = [s.rows for s in mine if s.op == op]
             assert blocks[0][0] == 0 and blocks[-1][1] == rows
@@ -207,7 +215,7 @@ def test_plan_partitions_every_operator(budget: float | None) -> None:
     if budget is None:
         # one step per operator: 1 projection, one attention step per sequence, 1 FFN
         per_layer = 2 + len(spans)
-        assert len(steps) == per_layer * CFG.num_hidden_layers
+        assert len(steps) == per_layer * CFG.num_hidden_layers + 1  # and the head
     elif budget >= BUDGET / 2:
         assert all(s.cost <= budget * (1 + 1e-9) for s in steps), "a step is predicted to outlast the budget"
 
@@ -294,6 +302,23 @@ def test_split_equals_unsplit(model: LlamaModel, budget: float) -> None:
     spans = [SeqSpan(s, n) for _, s, n in spec]
     assert len(plan_prefill(COST, spans, budget)) > 5 * len(plan_prefill(COST, spans, None))
     torch.testing.assert_close(split, whole, **FP32)
+
+
+def test_the_head_is_cut_by_vocabulary_columns_within_the_budget(model: LlamaModel) -> None:
+    # A head longer than the budget (a real model's lm_head on a CPU: 11 ms in fp32 for SmolLM2-135M); this
+    # vocabulary of 128 is two blocks of 64 columns.
+    cost = OpCost(CFG, attn_in_s_per_row=1e-6, ffn_s_per_row=1e-6, attn_s_per_pair=1e-8, step_overhead_s=0.0,
+                  head_s=1.5 * BUDGET, head_s_per_row=BUDGET / 8)
+    spec = [(40, 0, 40), (7, 0, 7)]
+    spans = [SeqSpan(s, n) for _, s, n in spec]
+    heads = [s for s in plan_prefill(cost, spans, BUDGET) if s.op == HEAD]
+    assert [h.cols for h in heads] == [(0, 64), (64, 128)] and all(h.cost <= BUDGET for h in heads)
+    assert sum(h.cost for h in heads) == pytest.approx(cost.head_op_s(2, CFG.vocab_size))
+    assert [h.cols for h in plan_prefill(cost, spans, None) if h.op == HEAD] == [(0, CFG.vocab_size)]
+    # The plan's total is what the cost model predicts for the batch: the head included.
+    plan = plan_prefill(cost, spans, BUDGET, last_token_only=True)
+    assert plan.total_cost == pytest.approx(replace(cost, budget_s=BUDGET).prefill_s(spans), rel=0.02)
+    torch.testing.assert_close(logits_of(model, spec, BUDGET, cost), logits_of(model, spec, None, cost), **EXACT)
 
 
 def test_split_equals_unsplit_long_prompt(model: LlamaModel) -> None:

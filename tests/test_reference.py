@@ -130,8 +130,8 @@ def test_prefill_matches_transformers(loaded: Loaded, mode: str) -> None:
     logits, steps = _prefill(m, cost, _Paged(m, [len(p) for p in prompts]), prompts, spans, budget_s)
 
     layers = m.cfg.num_hidden_layers
-    if mode == "unsplit":  # one step per operator: attn_in, one causal tile per sequence, ffn
-        assert len(steps) == layers * (2 + len(prompts))
+    if mode == "unsplit":  # one step per operator: attn_in, one causal tile per sequence, ffn; the head
+        assert len(steps) == layers * (2 + len(prompts)) + 1
     if mode == "split_min":  # the sub-operator split really happened
         assert {b - a for _, op, (a, b), *_ in steps if op != ATTENTION} <= set(range(1, 33))
         assert {b - a for _, op, (a, b), *_ in steps if op == ATTENTION} <= set(range(1, 33))

@@ -30,7 +30,8 @@ from engine.model.cost import ATTENTION, ATTN_IN, FFN, FFN_IN, MLP, OpCost, SeqS
 from engine.model.llama import LlamaModel
 from engine.model.plan import plan_prefill
 
-_MEASURED = ("attn_in_s_per_row", "ffn_s_per_row", "attn_s_per_pair", "row_step_floor_s", "step_overhead_s")
+_MEASURED = ("attn_in_s_per_row", "ffn_s_per_row", "attn_s_per_pair", "row_step_floor_s", "step_overhead_s",
+             "head_s", "head_s_per_row")
 # Measured only for a model whose MLP has column slices (LlamaModel.mlp_slices): a profile without them
 # (an older one, or a plan.json's) still serves, its FFN cut by rows only.
 _MEASURED_SLICED = ("ffn_in_s_per_row", "mlp_s_per_row")
@@ -125,7 +126,18 @@ def calibrate(model: LlamaModel, block_rows: Sequence[int] | None = None) -> OpC
         cost.mlp_slices = model.mlp_slices
         if model.mlp_slices > 1:
             cost.ffn_in_s_per_row, cost.mlp_s_per_row = per_row(FFN_IN), per_row(MLP)
+        cost.head_s, cost.head_s_per_row = _head_costs(model)
     return cost
+
+
+def _head_costs(model: LlamaModel, rows: int = 16) -> tuple[float, float]:
+    """The head over the whole vocabulary (`OpCost.head_s`): one row, and each row more, from one row's
+    time and `rows` rows'. A serving batch has a handful of sequences: the line between them is its range."""
+    x = torch.randn(rows, model.cfg.hidden_size, dtype=model.embed.dtype, device=model.device) * 0.02
+    one = _best_time(lambda: model._logits(x[:1]), model.device, repeat=5)
+    many = _best_time(lambda: model._logits(x), model.device, repeat=5)
+    per_row = max(0.0, (many - one) / (rows - 1))
+    return one, per_row
 
 
 def _cpu_step_costs(model: LlamaModel, cost: OpCost, repeat: int = 7) -> tuple[float, float]:

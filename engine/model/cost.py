@@ -25,6 +25,11 @@ ATTN_IN, ATTENTION, FFN = "attn_in", "attention", "ffn"
 # rows, one FFN_IN step (o_proj + residual + post-norm) and one MLP step per column slice (gate/up,
 # SiLU-and-mul and down of that slice, added to the residual).
 FFN_IN, MLP = "ffn_in", "mlp"
+# The head: the final norm and each sequence's last-token logits, cut by vocabulary columns. Reading the
+# lm_head's weights dominates it (SmolLM2-135M in fp32: 113 MB, 11 ms on one AMD EPYC core, 1.5-1.8x a
+# 50 ms progress report's prediction when the model left it out, which raised the whole correction 15-20 %
+# after each batch and made the next 2K batch 5,128 steps where 3,614 fit its budget).
+HEAD = "head"
 # Whole-FFN blocks at least this tall run as well as the unsplit FFN, shorter ones starve on their
 # weights: SmolLM2-135M's FFN (11.9 MB of fp32 weights per layer) over 2,048 rows, one AMD EPYC core,
 # in blocks of 32 rows took +28 % over one call, 64 rows +3 to +12 %, 128 rows -11 % (its 25 MB
@@ -44,7 +49,7 @@ def size_class(tokens: int) -> int:
 
 class Step(NamedTuple):
     layer: int
-    op: str  # attn_in | attention | ffn | ffn_in | mlp
+    op: str  # attn_in | attention | ffn | ffn_in | mlp | head
     rows: tuple[int, int]  # rows of the batch's flattened tokens this step produces
     seq: int = -1  # attention: which sequence of the batch
     keys: tuple[int, int] = (0, 0)  # attention: absolute key positions of this tile
@@ -53,6 +58,7 @@ class Step(NamedTuple):
     causal: bool = False
     cost: float = 0.0  # predicted seconds
     part: int = 0  # mlp: which of the MLP's intermediate-column slices
+    cols: tuple[int, int] = (0, 0)  # head: the vocabulary columns whose logits it computes
 
 
 class PrefillTerms(NamedTuple):
@@ -64,6 +70,7 @@ class PrefillTerms(NamedTuple):
     ffn_one: float  # the last layer's FFN of one sequence's last token
     attn: tuple[float, ...]  # per sequence: its attention, causal over its keys
     attn_last: tuple[float, ...]  # per sequence: its last token's attention (the last layer)
+    head: float  # the head over the batch's sequences, whole
 
 
 class SeqSpan(NamedTuple):
@@ -107,6 +114,10 @@ class OpCost:
     mlp_slices: int = 1
     ffn_in_s_per_row: float = 0.0
     mlp_s_per_row: float = 0.0
+    # The head (HEAD) over the whole vocabulary: what one row costs (its weights read once) and each
+    # further row (0: not measured, as in a profile calibrated before the head was).
+    head_s: float = 0.0
+    head_s_per_row: float = 0.0
 
     def per_row_s(self, op: str) -> float:
         """Unscaled seconds per row of a row-wise op."""
@@ -176,6 +187,11 @@ class OpCost:
             return []
         top = most if budget_s is None else min(most, _fit(2 * budget_s, self._block_per_row_s(op), 32))
         return [*range(1, ROW_ALIGN + 1), *range(2 * ROW_ALIGN, top + ROW_ALIGN, ROW_ALIGN)]
+
+    def head_op_s(self, rows: int, cols: int) -> float:
+        """A head step: `rows` sequences' logits over `cols` of the vocabulary's columns."""
+        whole = self.head_s + max(0, rows - 1) * self.head_s_per_row
+        return self.scale * (self.step_overhead_s + whole * cols / self.cfg.vocab_size)
 
     def attn_s(self, queries: int, keys: int, causal: bool) -> float:
         # Causal (bottom-right): every key before the queries' own, then the diagonal square, of which
@@ -251,6 +267,8 @@ class OpCost:
         """What this cost model says one planned step takes."""
         if step.op == ATTENTION:
             return self.attn_s(step.rows[1] - step.rows[0], step.keys[1] - step.keys[0], step.causal)
+        if step.op == HEAD:
+            return self.head_op_s(step.rows[1] - step.rows[0], step.cols[1] - step.cols[0])
         return self.row_op_s(step.op, step.rows[1] - step.rows[0])
 
     def prefill_s(self, spans: list[SeqSpan], terms: PrefillTerms | None = None) -> float:
@@ -274,7 +292,7 @@ class OpCost:
         attn_in = op(t.attn_in)
         per_layer = attn_in + (self._sliced_ffn_s(t.rows, factor) or op(t.ffn)) + sum(op(a) for a in t.attn)
         last = attn_in + sum(op(a) for a in t.attn_last) + op(t.ffn_one) * len(t.attn)
-        return per_layer * (self.cfg.num_hidden_layers - 1) + last
+        return per_layer * (self.cfg.num_hidden_layers - 1) + last + op(t.head)
 
     def prefill_terms(self, spans: list[SeqSpan]) -> PrefillTerms:
         """The operators' calibrated seconds a prediction of these spans sums (`prefill_s`), before the
@@ -282,13 +300,14 @@ class OpCost:
         rows = sum(s.length for s in spans)
         return PrefillTerms(rows, self.row_op_s(ATTN_IN, rows), self.row_op_s(FFN, rows), self.row_op_s(FFN, 1),
                             tuple(self.attn_s(s.length, s.start + s.length, True) for s in spans),
-                            tuple(self.attn_s(1, s.start + s.length, True) for s in spans))
+                            tuple(self.attn_s(1, s.start + s.length, True) for s in spans),
+                            self.head_op_s(len(spans), self.cfg.vocab_size))
 
     def terms_key(self) -> tuple[float | None, ...]:
         """What `prefill_terms` depends on besides the spans (a caller remembering terms compares it): the
         calibrated line and the scale, not the correction."""
         return (self.scale, self.budget_s, self.step_overhead_s, self.attn_in_s_per_row, self.ffn_s_per_row,
-                self.attn_s_per_pair, self.row_step_floor_s)
+                self.attn_s_per_pair, self.row_step_floor_s, self.head_s, self.head_s_per_row)
 
     def batch_s(self, spans: list[SeqSpan]) -> float:
         """Predicted time from a batch's start to its first tokens: its prefill (`prefill_s`) and the host's

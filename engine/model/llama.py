@@ -17,7 +17,7 @@ from engine.attention import AttentionBackend
 from engine.core.config import ModelConfig
 from engine.core.kv_cache import KVCache
 from engine.model.activations import ActivationPool, Activations
-from engine.model.cost import ATTENTION, ATTN_IN, FFN, FFN_IN, MLP, SeqSpan, Step
+from engine.model.cost import ATTENTION, ATTN_IN, FFN, FFN_IN, HEAD, MLP, SeqSpan, Step
 from engine.model.graphs import GraphBuffers, StepGraphs
 from engine.model.kernels import RowKernels, TorchKernels
 from engine.model.linear import LinearKind, TorchLinear
@@ -210,6 +210,7 @@ class LlamaModel:
             outs: list[torch.Tensor] = []  # partial results of the current query block's key tiles
             lses: list[torch.Tensor] = []
             block = (x, x)  # an FFN block's residual stream and normed input, from its FFN_IN step on
+            head: list[torch.Tensor] = []  # the last rows' final-normed states and logits, from a HEAD step on
             for i, step in enumerate(steps):
                 layer = self.layers[step.layer]
                 a, b = step.rows
@@ -229,18 +230,31 @@ class LlamaModel:
                     if step.causal:  # the diagonal tile is the last of its query block
                         attn[a:b] = self.backend.merge(outs, lses)
                         outs, lses = [], []
+                elif step.op == HEAD:
+                    self._head_step(step, x, row0, head)
                 else:
                     x, block = self._ffn_step(step, layer, x, attn, block, whole, lease)
                 yield i
             if all_logits:
                 return self._logits(x)
-            last = self._logits(x[torch.tensor(row0[1:], device=self.device) - 1])
+            # (a hand-made plan without HEAD steps: the head at the end)
+            last = head[1] if head else self._logits(x[torch.tensor(row0[1:], device=self.device) - 1])
             return (last, x[torch.tensor(keep_rows, device=self.device)]) if keep_rows else last
         finally:  # also when a cancelled batch's generator is closed while suspended
             if lease is not None:
                 StepGraphs.release(lease)
             if kept is not None:
                 self.activations.release(kept)
+
+    def _head_step(self, step: Step, x: torch.Tensor, row0: Sequence[int], head: list[torch.Tensor]) -> None:
+        """One HEAD step: its vocabulary columns of each sequence's last-token logits (the first step also
+        takes the final norm of the last rows), in fp32 as `_logits` gives them."""
+        if not head:
+            normed = self._rms(x[torch.tensor(row0[1:], device=self.device) - 1], self.norm)
+            head += [normed, torch.empty(len(row0) - 1, self.lm_head.shape[0], dtype=torch.float32, device=self.device)]
+        normed, logits = head
+        a, b = step.cols
+        logits[:, a:b] = normed @ self.lm_head[a:b].t()
 
     def _attn_in_step(self, step: Step, layer: LayerWeights, x: torch.Tensor, rope: Rows,
                       qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor], whole: bool, lease: GraphBuffers | None

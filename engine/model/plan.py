@@ -1,18 +1,20 @@
 """The prefill of a batch as a flat list of operator steps, each predicted to fit a time budget.
 
-This is where the *sub-operator split* lives: row-wise operators are cut into token blocks and
-attention into (query block x key tile) pieces, so that no step outlasts `budget_s` and a
-preemption request never waits longer than one step, whatever the prompt length. Where the FFN's
+This is where the *sub-operator split* lives: row-wise operators are cut into token blocks,
+attention into (query block x key tile) pieces and the head into vocabulary columns, so that no
+step outlasts `budget_s` and a preemption request never waits longer than one step, whatever the
+prompt length. Where the FFN's
 blocks would be too short to run well, its MLP is cut by intermediate columns as well (FFN_IN and MLP
 steps, `OpCost.sliced_ffn_rows`), and the blocks grow by as much.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from typing import overload
 
-from engine.model.cost import ATTENTION, ATTN_IN, FFN, FFN_IN, MLP, OpCost, SeqSpan, Step, _fit
+from engine.model.cost import ATTENTION, ATTN_IN, FFN, FFN_IN, HEAD, MLP, OpCost, SeqSpan, Step, _fit
 
 
 def _blocks(total: int, size: int) -> list[tuple[int, int]]:
@@ -97,6 +99,21 @@ def _prefix_sums(steps: list[Step]) -> list[float]:
     return out
 
 
+def _head_steps(cost: OpCost, sequences: int, budget_s: float | None) -> list[Step]:
+    """The head (each sequence's last-token logits) in vocabulary column blocks, each within the budget;
+    one step without one. Blocks of whole multiples of 64 columns: a memory-bound matrix-vector product
+    loses nothing cut by columns, as each block reads only its own weights."""
+    vocab = cost.cfg.vocab_size
+    whole = cost.head_op_s(sequences, vocab) - cost.scale * cost.step_overhead_s
+    parts = 1
+    if budget_s is not None and whole > 0:
+        work_s = max(budget_s - cost.scale * cost.step_overhead_s, budget_s / 2)
+        parts = min(math.ceil(whole / work_s), max(1, vocab // 64))
+    size = math.ceil(vocab / parts / 64) * 64
+    return [Step(0, HEAD, (0, sequences), cols=(a, b), cost=cost.head_op_s(sequences, b - a))
+            for a, b in _blocks(vocab, size)]
+
+
 def _step_sizes(cost: OpCost, spans: list[SeqSpan], rows: int, budget_s: float | None
                 ) -> tuple[int, int, int, int, int]:
     """The blocks a budget cuts a batch's operators into: rows per ATTN_IN step and per FFN step, rows per
@@ -160,7 +177,7 @@ def plan_prefill(cost: OpCost, spans: list[SeqSpan], budget_s: float | None, las
     body = layer(None)
     # The last layer's attention and MLP outputs are read only at each sequence's last token (its
     # logits); its K/V are still written for every token.
-    last = layer([(s.length - 1, s.length) for s in spans]) if last_token_only else None
-    plan = Plan(body, cost.cfg.num_hidden_layers, last)
+    last = layer([(s.length - 1, s.length) for s in spans]) if last_token_only else list(body)
+    plan = Plan(body, cost.cfg.num_hidden_layers, last + _head_steps(cost, len(spans), budget_s))
     plan.scale = cost.scale
     return plan
