@@ -92,6 +92,7 @@ class Engine(EngineFront, EngineOutputs):
         self.thread_cpu: ThreadCPU | None = None  # its compute threads' CPU and the serving side's, once running
         self._backlog: tuple[float, dict[str, float]] = (0.0, {})
         self._backlog_at = -math.inf
+        self._backlog_key: tuple[int, int, int, int] = (-1, -1, -1, -1)  # front.py's `_publish`
         self._published: tuple[tuple[int, int, int], float] = ((-1, -1, -1), -math.inf)  # (events mark, when)
         self._snapshot = EngineSnapshot(WorkerLoad())
         self._publish(full=True)

@@ -118,6 +118,9 @@ class OpCost:
     # further row (0: not measured, as in a profile calibrated before the head was).
     head_s: float = 0.0
     head_s_per_row: float = 0.0
+    # Moves each time the correction or the host time learns (`observe`, `observe_host`): a prediction made at
+    # the same revision (and calibration) is still the cost model's.
+    revision: int = 0
 
     def per_row_s(self, op: str) -> float:
         """Unscaled seconds per row of a row-wise op."""
@@ -247,6 +250,7 @@ class OpCost:
         to, and its surprise counts up to MAX_SURPRISE."""
         if not (base_s > 0 and measured_s > 0):
             return
+        self.revision += 1
         k = size_class(tokens)
         target = measured_s / (base_s * self.scale)
         self.class_observations[k] += 1
@@ -321,6 +325,7 @@ class OpCost:
         (the collector, a process starting beside it) does not make every batch look expensive."""
         if seconds < 0:
             return
+        self.revision += 1
         sample = min(seconds, MAX_SURPRISE * self.batch_host_s + 1e-3)
         self.batch_host_s += HOST_WEIGHT * (sample - self.batch_host_s)
 
