@@ -12,7 +12,7 @@ import torch
 
 from engine.core import handoff
 from engine.core.request import Logprob, Request, Sampled, SamplingParams
-from engine.core.sampling import penalized, sample
+from engine.core.sampling import draw, penalized, sample
 from engine.protocol.openai import ChatCompletionRequest, CompletionRequest, Unsupported
 from engine.serving.choices import LogprobFormatter
 
@@ -257,3 +257,18 @@ def test_a_stop_string_must_end_after_the_first_min_tokens_tokens() -> None:
     assert stream([1, 2, 3, 0], stop=["b", "abcd"], min_tokens=3) == ("abc", "stop")
     # one that ends after them counts, even begun inside them (vLLM's search reaches back len(stop) - 1)
     assert stream([1, 2, 3, 4, 2], stop=["b", "abcd"], min_tokens=3) == ("", "stop")
+
+
+def test_draw_follows_the_weights_and_never_picks_a_zero() -> None:
+    """The CPU sampler's inverse-transform draw: frequencies follow the weights (any total), ids of weight
+    zero (masked by top-k, top-p, min-p) never come, and a seeded generator repeats its draws."""
+    weights = torch.tensor([0.0, 5.0, 0.0, 3.0, 2.0, 0.0])
+    gen = torch.Generator().manual_seed(7)
+    counts = torch.bincount(torch.tensor([draw(weights, gen) for _ in range(20000)]), minlength=6)
+    assert counts[[0, 2, 5]].sum() == 0
+    torch.testing.assert_close(counts.double() / 20000, weights.double() / 10, atol=0.015, rtol=0)
+    seeded = [draw(weights, torch.Generator().manual_seed(3)) for _ in range(5)]
+    assert len(set(seeded)) == 1
+    last_only = torch.zeros(49152)
+    last_only[-1] = 1e-30  # a vocabulary-sized row whose one allowed id is the last
+    assert draw(last_only, gen) == 49151

@@ -99,7 +99,20 @@ def sample_row(row: torch.Tensor, req: Request, generators: dict[str, torch.Gene
     gen = generators.get(req.request_id)
     if gen is None and p.seed is not None:
         gen = generators[req.request_id] = torch.Generator(device=row.device).manual_seed(p.seed)
-    return int(torch.multinomial(probs, 1, generator=gen))
+    return draw(probs, gen)
+
+
+def draw(probs: torch.Tensor, gen: torch.Generator | None = None) -> int:
+    """One id drawn from `probs` (any non-negative weights): inverse transform sampling, a uniform draw
+    located in their running sum. Not torch.multinomial, which on a CPU took 1.1 ms for SmolLM2's 49,152
+    ids on one EPYC core (this: 0.06 ms), a millisecond on every sampled token of every answer. On CUDA
+    multinomial is fast and avoids the host reading the sum, so it stays."""
+    if probs.device.type == "cuda":
+        return int(torch.multinomial(probs, 1, generator=gen))
+    cdf = probs.double().cumsum(0)  # float64: 49,152 float32 partial sums drift by up to ~1e-4 relative
+    u = torch.rand(1, dtype=torch.float64, generator=gen) * cdf[-1]
+    i = int(torch.searchsorted(cdf, u, right=True))  # the first id whose running sum passes u
+    return i if i < len(cdf) else int(probs.nonzero()[-1])  # (u rounded up to the total)
 
 
 def logprob(row: torch.Tensor, token: int, top: int) -> Logprob:
