@@ -3,9 +3,8 @@
 This is where the *sub-operator split* lives: row-wise operators are cut into token blocks,
 attention into (query block x key tile) pieces and the head into vocabulary columns, so that no
 step outlasts `budget_s` and a preemption request never waits longer than one step, whatever the
-prompt length. Where the FFN's
-blocks would be too short to run well, its MLP is cut by intermediate columns as well (FFN_IN and MLP
-steps, `OpCost.sliced_ffn_rows`), and the blocks grow by as much.
+prompt length. Where the FFN's blocks would be too short to run well, its MLP is cut by intermediate
+columns as well (FFN_IN and MLP steps, `OpCost.sliced_ffn_rows`), and the blocks grow by as much.
 """
 
 from __future__ import annotations
