@@ -137,7 +137,7 @@ class EngineMetrics(EngineObserver):
 
     def on_preempt(self, victim: PrefillBatch, by: PrefillBatch) -> None:
         self.preemptions.labels(victim.head.slo_class, by.head.slo_class).inc()
-        self.stop_latency.observe(victim.head.suspensions[-1].stop_latency_s)
+        self.stop_latency.observe(victim.head.times.suspensions[-1].stop_latency_s)
 
     def on_evict(self, req: Request, now: float) -> None:
         self.evictions.labels(req.slo_class).inc()
@@ -166,8 +166,9 @@ class EngineMetrics(EngineObserver):
             self.prefix_hits.inc(req.cached_tokens)
         cls = req.slo_class
         n = len(req.output_token_ids)
-        if req.kv_sink is None and n > 1 and req.first_token_time is not None and req.last_token_time is not None:
-            self.tpot.labels(cls).observe((req.last_token_time - req.first_token_time) / (n - 1))
+        first, last = req.times.first_token_time, req.times.last_token_time
+        if req.kv_sink is None and n > 1 and first is not None and last is not None:
+            self.tpot.labels(cls).observe((last - first) / (n - 1))
         # A request counts once: a disaggregated one on its decode worker (its TTFT where it was
         # prefilled), one of n choices by its first choice.
         if req.choice:
@@ -175,8 +176,8 @@ class EngineMetrics(EngineObserver):
         if req.kv_sink is None:
             self.finished.labels(cls, req.finish_reason or "").inc()
             self.prompt_tokens.labels(cls).inc(req.num_prompt_tokens)
-            if req.finish_time is not None:
-                self.duration.labels(cls).observe(req.finish_time - req.arrival_time)
+            if req.times.finish_time is not None:
+                self.duration.labels(cls).observe(req.times.finish_time - req.arrival_time)
         if req.ttft is None or req.prefilled_elsewhere:
             return
         self.ttft.labels(cls).observe(req.ttft)

@@ -177,7 +177,7 @@ class EngineTracer(EngineObserver):
                 "flowprefill.batch.id": batch.batch_id,
                 "flowprefill.batch.request_ids": members,
                 "flowprefill.batch.tokens": batch.num_tokens,
-                "flowprefill.segment": len(r.segments),
+                "flowprefill.segment": len(r.times.segments),
                 "flowprefill.start_step": batch.next_step,
                 "flowprefill.steps": len(batch.steps),
             })
@@ -198,9 +198,9 @@ class EngineTracer(EngineObserver):
                  for b in by.requests if (rt := self._trace(b)) is not None and rt.prefill is not None]
         for r in victim.requests:
             rt = self._trace(r)
-            if rt is None or r.state.done or not r.suspensions:
+            if rt is None or r.state.done or not r.times.suspensions:
                 continue
-            s = r.suspensions[-1]
+            s = r.times.suspensions[-1]
             rt.preempted = self._child(rt, "preempted", s.start, links=links, attributes={
                 "flowprefill.preempted_by": s.preempted_by,
                 "flowprefill.layer": s.layer,
@@ -226,21 +226,21 @@ class EngineTracer(EngineObserver):
         _, rt = self._traces.pop(id(req), (None, None))
         if rt is None:
             return
-        end = req.finish_time if req.finish_time is not None else self._clock()
+        end = req.times.finish_time if req.times.finish_time is not None else self._clock()
         for span in (rt.queue, rt.prefill, rt.preempted):  # cancelled or failed mid-way
             if span is not None:
                 span.set_attribute("flowprefill.interrupted_by", req.finish_reason or "")
                 span.end(self._ns(end))
         root = rt.root
-        if req.first_token_time is not None:
-            self._child(rt, "decode", req.first_token_time, attributes={
+        if req.times.first_token_time is not None:
+            self._child(rt, "decode", req.times.first_token_time, attributes={
                 "gen_ai.usage.output_tokens": len(req.output_token_ids)}).end(self._ns(end))
             root.set_attribute("flowprefill.ttft_ms", req.ttft * 1000)
             root.set_attribute("flowprefill.slo_attained", req.ttft <= req.ttft_target_s)
         root.set_attribute("gen_ai.usage.output_tokens", len(req.output_token_ids))
         root.set_attribute("gen_ai.response.finish_reasons", [req.finish_reason or ""])
-        root.set_attribute("flowprefill.preemptions", len(req.suspensions))
-        root.set_attribute("flowprefill.evictions", req.evictions)
+        root.set_attribute("flowprefill.preemptions", len(req.times.suspensions))
+        root.set_attribute("flowprefill.evictions", req.times.evictions)
         root.set_attribute("flowprefill.cached_tokens", req.cached_tokens)
         if req.finish_reason == "error":
             root.set_status(Status(StatusCode.ERROR, "engine error"))

@@ -208,19 +208,19 @@ def test_flowprefill_preempts_and_records_the_suspension(make_engine: Callable[.
     assert long_sink.wait() == "length"
 
     assert eng.preemptions >= 1
-    assert len(long.suspensions) == 1
-    s = long.suspensions[0]
+    assert len(long.times.suspensions) == 1
+    s = long.times.suspensions[0]
     stopped_before = batch.steps[6]  # it stopped at the boundary after step 5
     assert (s.layer, s.operator) == (stopped_before.layer, stopped_before.op)
     assert s.tokens_done == stopped_before.rows[0]
     assert s.preempted_by == "urgent"
     assert s.stop_latency_s >= 0.0
     assert s.end is not None and s.end >= s.start
-    assert not urgent.suspensions
+    assert not urgent.times.suspensions
     # the urgent request got its first token before the long one, which ran in two segments
-    assert urgent.first_token_time < long.first_token_time
-    assert len(long.segments) == 2
-    assert long.segments[0][1] <= urgent.prefill_start <= long.segments[1][0]
+    assert urgent.times.first_token_time < long.times.first_token_time
+    assert len(long.times.segments) == 2
+    assert long.times.segments[0][1] <= urgent.times.prefill_start <= long.times.segments[1][0]
     assert len(long_sink.tokens) == 3 and len(urgent_sink.tokens) == 3
     assert long.state is RequestState.FINISHED and urgent.state is RequestState.FINISHED
     assert_idle_and_free(eng)
@@ -237,9 +237,9 @@ def test_fcfs_never_preempts(make_engine: Callable[..., Engine], monkeypatch: py
     for _, sink in [(long, long_sink), (urgent, urgent_sink), *others]:
         assert sink.wait() == "length"
     assert eng.preemptions == 0
-    assert long.suspensions == [] and len(long.segments) == 1
-    assert urgent.prefill_start >= long.first_token_time
-    assert all(not r.suspensions for r, _ in others)
+    assert long.times.suspensions == [] and len(long.times.segments) == 1
+    assert urgent.times.prefill_start >= long.times.first_token_time
+    assert all(not r.times.suspensions for r, _ in others)
     assert_idle_and_free(eng)
 
 
@@ -267,7 +267,7 @@ def test_cancel_suspended_batch_frees_everything(make_engine: Callable[..., Engi
     assert long.state is RequestState.CANCELLED and long.finish_reason == "cancelled"
     assert batch not in eng.scheduler.pool
     assert urgent_sink.wait() == "length"
-    assert long.first_token_time is None
+    assert long.times.first_token_time is None
     assert_idle_and_free(eng)
 
 
@@ -279,7 +279,7 @@ def test_cancel_running_prefill(make_engine: Callable[..., Engine], monkeypatch:
     eng.cancel("long")
     gate.release.set()
     assert long_sink.wait() == "cancelled"
-    assert long.first_token_time is None
+    assert long.times.first_token_time is None
     assert_idle_and_free(eng)
     # the engine goes on serving
     _, sink = submit(eng, "after", 12)
@@ -298,7 +298,7 @@ def test_cancel_waiting_request(make_engine: Callable[..., Engine], monkeypatch:
     eng.cancel("waiting")
     gate.release.set()  # cancels are processed by the engine thread, at the next boundary
     assert waiting_sink.wait() == "cancelled"
-    assert waiting.prefill_start is None and waiting.output_token_ids == []
+    assert waiting.times.prefill_start is None and waiting.output_token_ids == []
     assert waiting.state is RequestState.CANCELLED
     assert waiting not in eng.scheduler.waiting
     assert long_sink.wait() == "length"
@@ -463,7 +463,7 @@ def test_every_request_ends_with_a_finish_reason(make_engine: Callable[..., Engi
             assert req.request_id in cancelled
         if req.request_id not in cancelled:
             assert reason != "cancelled"
-            assert req.first_token_time is not None and req.ttft is not None and req.ttft >= 0
+            assert req.times.first_token_time is not None and req.ttft is not None and req.ttft >= 0
         assert req.state.done
     if policy == "fcfs":
         assert eng.preemptions == 0
@@ -496,7 +496,7 @@ def test_request_waiting_for_kv_runs_once_kv_is_freed(make_engine: Callable[...,
     go_on.set()
     assert first_sink.wait() == ("cancelled" if how == "cancel" else "length")
     assert second_sink.wait() == "length", "the second request must be scheduled once the first freed its KV"
-    assert second.prefill_start is not None and second.prefill_start >= first.finish_time
+    assert second.times.prefill_start is not None and second.times.prefill_start >= first.times.finish_time
     assert_idle_and_free(eng)
 
 

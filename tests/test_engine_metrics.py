@@ -53,10 +53,10 @@ def test_tokens_gaps_and_endings_are_counted(make_engine: EngineFactory) -> None
     assert got[("flowprefill_inter_token_latency_seconds_count", std)] == 9  # gaps after the first token
     assert got[("flowprefill_inter_token_latency_seconds_count", batch)] == 5
     gaps = got[("flowprefill_inter_token_latency_seconds_sum", std)]
-    assert gaps == pytest.approx(a.last_token_time - a.first_token_time)  # the gaps tile the answer
+    assert gaps == pytest.approx(a.times.last_token_time - a.times.first_token_time)  # the gaps tile the answer
     assert got[("flowprefill_time_per_output_token_seconds_count", std)] == 1
     assert got[("flowprefill_time_per_output_token_seconds_sum", std)] == pytest.approx(gaps / 9)
-    assert got[("flowprefill_request_duration_seconds_sum", std)] == pytest.approx(a.finish_time - a.arrival_time)
+    assert got[("flowprefill_request_duration_seconds_sum", std)] == pytest.approx(a.times.finish_time - a.arrival_time)
     assert got[("flowprefill_requests_finished_total", (("finish_reason", "length"), *std))] == 1
     buckets = {dict(k[1])["le"] for k in got if k[0] == "flowprefill_inter_token_latency_seconds_bucket"}
     assert {"0.1", "0.2"} <= buckets  # the default classes' TBT targets are bucket boundaries

@@ -109,9 +109,9 @@ def test_evicted_answers_are_recomputed_exactly(make_engine: EngineFactory, poli
         assert sink.wait() == "length" and ref_sink.wait() == "length"
         assert req.output_token_ids == ref.output_token_ids, req.request_id
         assert "".join(o.text for o in sink.outputs) == "".join(o.text for o in ref_sink.outputs)
-        assert req.ttft is not None and req.first_token_time == sink.req.first_token_time
+        assert req.ttft is not None and req.times.first_token_time == sink.req.times.first_token_time
     assert evictions.requests and not none.requests
-    assert sum(r.evictions for r, _ in got) == len(evictions.requests)
+    assert sum(r.times.evictions for r, _ in got) == len(evictions.requests)
     for eng in (small, big):
         assert_idle_and_free(eng)
 
@@ -148,7 +148,7 @@ def test_an_evicted_answer_can_be_cancelled_while_it_waits(make_engine: EngineFa
     Squeeze.eng = eng  # type: ignore[attr-defined]
     req, sink = submit(eng, "a", tokens(20, seed=3), max_tokens=100, sink_cls=Squeeze)
     assert evictions.happened.wait(60)  # after its 13th token, whose KV goes into a third block
-    assert evictions.requests == ["a"] and req.evictions == 1 and "a" in eng.answers.evicted
+    assert evictions.requests == ["a"] and req.times.evictions == 1 and "a" in eng.answers.evicted
     assert eng.num_waiting == 1 and req.block_table == []  # it waits: 3 blocks needed, 2 free
     assert b"flowprefill_requests_evicted 1.0" in metrics.render()  # a stalled stream, counted
     # its next token is due a TBT target after its recompute: it waits feasible, not hopeless
@@ -182,8 +182,8 @@ def test_an_evicted_answer_resumes_when_blocks_come_back(make_engine: EngineFact
     gaps = {s.name: s.value for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples
             if s.name.startswith("flowprefill_inter_token_latency_seconds_") and not s.name.endswith("bucket")}
     assert gaps["flowprefill_inter_token_latency_seconds_count"] == 39  # the wait for blocks is one of them
-    assert gaps["flowprefill_inter_token_latency_seconds_sum"] == pytest.approx(req.last_token_time
-                                                                                - req.first_token_time)
+    assert gaps["flowprefill_inter_token_latency_seconds_sum"] == pytest.approx(req.times.last_token_time
+                                                                                - req.times.first_token_time)
     assert_idle_and_free(eng)
 
 
@@ -226,7 +226,7 @@ def test_a_handed_off_answer_evicted_on_its_decode_worker_is_recomputed_there(ma
     assert sink.wait() == "length"
     ref, ref_sink = submit(alone, "ref", prompt, max_tokens=40)
     assert ref_sink.wait() == "length"
-    assert req.output_token_ids == ref.output_token_ids and req.evictions == 1
+    assert req.output_token_ids == ref.output_token_ids and req.times.evictions == 1
     assert req.block_hashes is None  # never looked up in this worker's prefix cache (nor counted so)
     assert_idle_and_free(decode)
 
@@ -300,7 +300,7 @@ def test_an_evicted_answer_does_not_stall_the_prefill_holding_the_kv(make_engine
     p, p_sink = submit(eng, "p", tokens(7 * BS - 1, seed=8), max_tokens=4)  # 7 blocks: 1 left, the headroom
     p.deadline += 100  # a relaxed prompt: the evicted answer ranks first
     eng._take_inbox()  # its arrival, as the engine thread takes it
-    while not e.evictions:  # p's prefill is long: decode steps fall due meanwhile
+    while not e.times.evictions:  # p's prefill is long: decode steps fall due meanwhile
         eng._decode_step()  # e takes the last block, then is evicted at 49 tokens
     assert eng.kv.num_free_blocks == 3 < eng.kv.blocks_for(e.num_tokens + 1) == 4
     eng.start()

@@ -85,8 +85,8 @@ def test_one_instance_is_the_single_instance_simulation(policy: str, cfg: SimCon
     fleet = Fleet(fleet_reqs, 1, policy, COST, cfg, GatewayRouter(1, distinct_key()))
     assert fleet.run()
     assert (fleet.preemptions == pre and pre > 0) or policy.startswith(("chunked", "fcfs"))
-    assert [r.first_token_time for r in fleet_reqs] == [r.first_token_time for r in alone]
-    assert [len(r.suspensions) for r in fleet_reqs] == [len(r.suspensions) for r in alone]
+    assert [r.times.first_token_time for r in fleet_reqs] == [r.times.first_token_time for r in alone]
+    assert [len(r.times.suspensions) for r in fleet_reqs] == [len(r.times.suspensions) for r in alone]
 
 
 def _long_then_short(router: GatewayRouter) -> Fleet:

@@ -471,7 +471,7 @@ def test_a_suspension_records_the_queued_work_its_stop_waited_for(model: LlamaMo
     queued = batch.wait_device()
     assert queued == (4, pytest.approx(sum(batch.steps.cost(i) for i in range(4))))
     batch.suspend(1.0, 0.99, None, queued)
-    s = req.suspensions[-1]
+    s = req.times.suspensions[-1]
     assert (s.queued_steps, s.queued_predicted_s) == queued and s.stop_latency_s == pytest.approx(0.01)
     assert batch.wait_device() == (0, 0.0)  # drained
     batch.close()

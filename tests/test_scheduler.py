@@ -164,7 +164,7 @@ def test_every_policy_finishes_every_request(name: str) -> None:
             enumerate([(8000, "batch", 0.0), (100, "interactive", 0.05), (3000, "relaxed", 0.06),
                        (1500, "standard", 0.2), (50, "interactive", 0.21)])]
     simulate(reqs, make_policy(name), COST, SimConfig())
-    assert all(r.first_token_time is not None for r in reqs)
+    assert all(r.times.first_token_time is not None for r in reqs)
 
 
 def test_bad_policy_names_rejected() -> None:
@@ -301,7 +301,7 @@ def test_a_late_request_of_a_shed_class_leaves_the_queue() -> None:
     started = Request.for_class(bulk, request_id="s", prompt_token_ids=[1] * 100,
                                 sampling=SamplingParams(max_tokens=1), arrival_time=0.0)
     s.on_arrival(queued)
-    started.prefill_start = 0.0  # a chunked prompt between its chunks
+    started.times.prefill_start = 0.0  # a chunked prompt between its chunks
     s.on_arrival(started)
     assert not s.shed and queued in s.waiting
     clock.t = 1.0

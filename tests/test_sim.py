@@ -39,11 +39,11 @@ def test_deterministic_for_a_seed() -> None:
     for _ in range(2):
         reqs = requests(trace(3.0, 100))
         pre = simulate(reqs, make_policy("flowprefill"), COST, SimConfig(noise=0.2, seed=7))
-        runs.append((pre, [r.first_token_time for r in reqs]))
+        runs.append((pre, [r.times.first_token_time for r in reqs]))
     assert runs[0] == runs[1]
     other = requests(trace(3.0, 100))
     simulate(other, make_policy("flowprefill"), COST, SimConfig(noise=0.2, seed=8))
-    assert [r.first_token_time for r in other] != runs[0][1]
+    assert [r.times.first_token_time for r in other] != runs[0][1]
 
 
 def test_ideal_preemption_bounds_the_real_mechanism() -> None:
@@ -89,7 +89,7 @@ def test_the_host_s_time_per_batch_delays_the_next_batch_not_the_correction() ->
     def first_tokens(cost: OpCost, ideal: bool = False) -> list[float]:
         reqs = requests(spec)
         simulate(reqs, make_policy("fcfs"), cost, SimConfig(max_batch_tokens=600, ideal=ideal))
-        return sorted(r.first_token_time for r in reqs)
+        return sorted(r.times.first_token_time for r in reqs)
 
     base, charged = first_tokens(COST), first_tokens(replace(COST, batch_host_s=host))
     step_s = base[0]  # one 600-token prompt's steps
@@ -145,15 +145,15 @@ def _real_and_simulated(engine_cfg: EngineConfig) -> tuple[list[Request], list[R
 
 
 def _order(reqs: list[Request]) -> list[str]:
-    return [r.request_id for r in sorted(reqs, key=lambda r: r.first_token_time)]
+    return [r.request_id for r in sorted(reqs, key=lambda r: r.times.first_token_time)]
 
 
 def _disagreement(real: list[Request], sim: list[Request]) -> str | None:
     """How the real run's decisions differ from the simulated ones (None: they agree)."""
     if not _order(real) == _order(sim) == ["r1", "r2", "r3", "r0"]:
         return f"first tokens in order {_order(real)} (real) and {_order(sim)} (simulated)"
-    if not len(real[0].suspensions) == len(sim[0].suspensions) == 3:
-        return f"{len(real[0].suspensions)} suspensions (real) and {len(sim[0].suspensions)} (simulated)"
+    if not len(real[0].times.suspensions) == len(sim[0].times.suspensions) == 3:
+        return f"{len(real[0].times.suspensions)} suspensions (real) and {len(sim[0].times.suspensions)} (simulated)"
     for a, b in zip(real, sim, strict=True):  # TTFTs of the same order (the machine is shared and noisy)
         if not b.ttft / 2.5 - 0.1 < a.ttft < b.ttft * 2.5 + 0.1:
             return f"{a.request_id}: TTFT {a.ttft:.3f} s (real) and {b.ttft:.3f} s (simulated)"
@@ -192,7 +192,7 @@ def test_exact_costs_time_and_predict_each_request_by_its_measured_factor() -> N
     a, b = requests(spec), requests(spec)
     simulate(a, make_policy("flowprefill"), COST, SimConfig(ideal=True), exact=uniform)
     simulate(b, make_policy("flowprefill"), replace(COST, scale=1.5), SimConfig(ideal=True))
-    assert [r.first_token_time for r in a] == pytest.approx([r.first_token_time for r in b])
+    assert [r.times.first_token_time for r in a] == pytest.approx([r.times.first_token_time for r in b])
 
     # A request measured twice as slow takes twice as long alone, and is predicted so on arrival.
     ttft = {}

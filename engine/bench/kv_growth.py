@@ -107,7 +107,7 @@ def _serve(engine: Engine, workload: list[tuple[float, list[int], int, str]], ma
             "ttft_p50_ms": 1000 * statistics.median(ttfts), "ttft_p99_ms": 1000 * _p99(ttfts),
             "token_gap_p50_ms": 1000 * statistics.median(gaps), "token_gap_p99_ms": 1000 * _p99(gaps),
             "decoding_mean": statistics.fmean(decoding) if decoding else 0.0, "decoding_max": max(decoding, default=0),
-            "evictions": sum(r.evictions for r in reqs), "recomputed_tokens": recompute.tokens,
+            "evictions": sum(r.times.evictions for r in reqs), "recomputed_tokens": recompute.tokens,
             "timeline": timeline}
 
 

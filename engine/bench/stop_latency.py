@@ -127,14 +127,14 @@ class StopLatencySection:
             long_runs += 1
             t0 = time.monotonic()
             engine.add_request(long_req)
-            _wait_until(lambda r=long_req: r.prefill_start is not None or r.finish_reason is not None,
+            _wait_until(lambda r=long_req: r.times.prefill_start is not None or r.finish_reason is not None,
                         timeout=60.0)
             # Spread the wanted arrivals over what this prefill (or the cell's time) will last.
             want = target - len(suspensions)
             expected_s = max(long_wall) if long_wall else predicted_s
             span_s = min(expected_s, max(cell_end - time.monotonic(), MIN_INJECTION_GAP_S))
             gap = max(MIN_INJECTION_GAP_S, span_s / want)
-            while not long_done.is_set() and len(suspensions) + len(long_req.suspensions) < target:
+            while not long_done.is_set() and len(suspensions) + len(long_req.times.suspensions) < target:
                 if long_done.wait(rng.uniform(0.0, 2.0 * gap)) or time.monotonic() > cell_end:
                     break
                 ids = random_prompt(URGENT_PROMPT_TOKENS, vocab, self.gen)
@@ -156,7 +156,7 @@ class StopLatencySection:
                 long_wall.append(time.monotonic() - t0)
             new = [{"stop_ms": s.stop_latency_s * 1e3, "layer": s.layer, "operator": s.operator,
                     "tokens_done": s.tokens_done, "queued_steps": s.queued_steps,
-                    "queued_predicted_ms": s.queued_predicted_s * 1e3} for s in long_req.suspensions]
+                    "queued_predicted_ms": s.queued_predicted_s * 1e3} for s in long_req.times.suspensions]
             self.progress.advance(task, min(target, len(suspensions) + len(new)) - min(target, len(suspensions)))
             suspensions += new
         self.progress.advance(task, max(0, target - len(suspensions)))  # what the time cap left undone

@@ -111,8 +111,8 @@ class Answers(Owned):
         stream = self.evicted.pop(req.request_id, None)
         if stream is None:
             stream = OutputStream(req, self.tokenizer)
-            req.first_token_time = now
-        req.last_token_time = now
+            req.times.first_token_time = now
+        req.times.last_token_time = now
         req.state = RequestState.DECODING
         self.running[req.request_id] = stream
         return stream.push(token)

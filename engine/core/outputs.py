@@ -61,7 +61,7 @@ class EngineOutputs:
 
     def _start_decoding(self, r: Request, token: Sampled, now: float) -> None:
         """Its first token, or after a recompute its next one (the gap includes the eviction)."""
-        gap = now - r.last_token_time if r.last_token_time is not None else None
+        gap = now - r.times.last_token_time if r.times.last_token_time is not None else None
         out = self.answers.start(r, token, now)
         self._notify("on_tokens", [r], [gap])
         self._emit(out)
@@ -77,7 +77,7 @@ class EngineOutputs:
             req.num_computed_tokens = self.prefixes.cached_tokens(req) if req.block_hashes is not None else 0
             req.state = RequestState.WAITING
             req.deadline = now + self.scheduler.predict_s(req) + req.tbt_target_s
-            req.evictions += 1
+            req.times.evictions += 1
             self._notify("on_evict", req, now)
             self.scheduler.on_evicted(req)
 
@@ -104,7 +104,7 @@ class EngineOutputs:
                 continue
             self.kv.import_tokens(req.block_table, kv)
             req.num_computed_tokens = req.num_prompt_tokens
-            req.prefill_start = self.clock()
+            req.times.prefill_start = self.clock()
             self._start_decoding(req, token, self.clock())
             self.answers.schedule(self.clock())
 
@@ -115,14 +115,14 @@ class EngineOutputs:
             return
         streams, tokens = self.answers.step(self.model, self.kv, self._generators)
         now = self._device_free_at = self.clock()
-        got = [(s.req, now - s.req.last_token_time) for s, t in zip(streams, tokens, strict=True)
+        got = [(s.req, now - s.req.times.last_token_time) for s, t in zip(streams, tokens, strict=True)
                if not isinstance(t, Exception)]
         self._notify("on_tokens", [r for r, _ in got], [gap for _, gap in got])
         for stream, token in zip(streams, tokens, strict=True):
             if isinstance(token, Exception):
                 self._finish(stream.req, "error", f"sampling failed: {token}")
                 continue
-            stream.req.last_token_time = now
+            stream.req.times.last_token_time = now
             self._emit(stream.push(token))
         self.answers.next_step_at = float("inf")
         self.answers.schedule(now)
@@ -142,7 +142,7 @@ class EngineOutputs:
 
     def _release(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
-        req.finish_time = self.clock()
+        req.times.finish_time = self.clock()
         req.state = {"cancelled": RequestState.CANCELLED, "error": RequestState.FAILED}.get(
             reason, RequestState.FINISHED)
         self.answers.drop(req.request_id)

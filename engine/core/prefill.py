@@ -221,15 +221,15 @@ class PrefillBatch:
             if r.state.done:  # cancelled while in this batch: it stays cancelled
                 continue
             r.state = RequestState.PREFILLING
-            if r.prefill_start is None:
-                r.prefill_start = now
-            if r.suspensions and r.suspensions[-1].end is None:
-                r.suspensions[-1].end = now
+            if r.times.prefill_start is None:
+                r.times.prefill_start = now
+            if r.times.suspensions and r.times.suspensions[-1].end is None:
+                r.times.suspensions[-1].end = now
 
     def end_segment(self, now: float) -> None:
         if self.segment_start is not None:
             for r in self.requests:
-                r.segments.append((self.segment_start, now))
+                r.times.segments.append((self.segment_start, now))
         self.segment_start = None
 
     def suspend(self, now: float, decided_at: float, by: PrefillBatch | None,
@@ -241,7 +241,7 @@ class PrefillBatch:
             if r.state.done:
                 continue
             r.state = RequestState.SUSPENDED
-            r.suspensions.append(Suspension(
+            r.times.suspensions.append(Suspension(
                 start=now, preempted_by=by.head.request_id if by else "",
                 by_class=by.head.slo_class if by else "", layer=step.layer, operator=step.op,
                 tokens_done=done_rows, stop_latency_s=max(0.0, now - decided_at),

@@ -50,6 +50,19 @@ class Suspension(msgspec.Struct):
     queued_predicted_s: float = 0.0
 
 
+class Timeline(msgspec.Struct):
+    """When a request's work happened, on the engine's clock: the engine thread writes it, observers
+    (telemetry, metrics) and reports (attainment, the simulator's) read it."""
+
+    prefill_start: float | None = None  # first time its batch ran
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finish_time: float | None = None
+    segments: list[tuple[float, float]] = []  # execution intervals of its prefill
+    suspensions: list[Suspension] = []
+    evictions: int = 0  # times its answer's KV was taken back while it decoded (then recomputed)
+
+
 class Logprob(msgspec.Struct, array_like=True):
     """A sampled token's log-probability under the model's distribution (its logits before any
     penalty or temperature, as vLLM reports them), with the likeliest tokens' when asked for."""
@@ -101,14 +114,8 @@ class Request(msgspec.Struct, kw_only=True):
     output_token_ids: list[int] = []
     # SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing precedes it)
     prompt_token_logprobs: list[Logprob | None] = []
-    prefill_start: float | None = None  # first time its batch ran
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    last_token_time: float | None = None
     finish_reason: str | None = None
-    segments: list[tuple[float, float]] = []  # execution intervals of its prefill
-    evictions: int = 0  # times its answer's KV was taken back while it decoded (then recomputed)
-    suspensions: list[Suspension] = []
+    times: Timeline = msgspec.field(default_factory=Timeline)
     sink: Callable[[TokenOutput], None] | None = None  # called from the engine thread
     # Prefill/decode disaggregation: a prefill worker's request gives its prompt's KV to `kv_sink` when
     # its first token is out (on the engine thread, before its blocks can be freed), for hand-off.
@@ -188,7 +195,7 @@ class Request(msgspec.Struct, kw_only=True):
 
     @property
     def ttft(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+        return None if self.times.first_token_time is None else self.times.first_token_time - self.arrival_time
 
     @property
     def max_total_tokens(self) -> int:

@@ -204,7 +204,7 @@ class Fleet:
         reqs = self._by_deadline
         while self._overdue < len(reqs) and reqs[self._overdue].deadline < now:
             r = reqs[self._overdue]
-            if r.first_token_time is None or r.first_token_time > r.deadline:
+            if r.times.first_token_time is None or r.times.first_token_time > r.deadline:
                 self.misses[r.slo_class] = self.misses.get(r.slo_class, 0) + 1
             self._overdue += 1
         return self.misses

@@ -290,7 +290,7 @@ class Simulation:
         for r, span, whole in zip(batch.requests, batch.spans, batch.completes_prefills, strict=True):
             r.num_computed_tokens = span.start + span.length
             if whole:
-                r.first_token_time = r.finish_time = now
+                r.times.first_token_time = r.times.finish_time = now
                 r.state = RequestState.FINISHED
                 r.finish_reason = "length"
                 self.kv.free(r.block_table)

@@ -184,7 +184,7 @@ class Scheduler(Owned):
     def _shed_late(self) -> None:
         """Queued requests of `late = "shed"` classes that can no longer meet their deadline leave
         (the engine ends them; the worker answers 429). Work begun, or an answer begun, is kept."""
-        for r in [r for r in self.waiting if r.shed_late and r.prefill_start is None and not r.output_token_ids]:
+        for r in [r for r in self.waiting if r.shed_late and r.times.prefill_start is None and not r.output_token_ids]:
             # (negative slack, on a prediction strong enough to refuse on: cannot_meet implies slack < 0)
             if self.cannot_meet([r], self.predict_s(r), r.remaining_prefill_tokens, self.now):
                 self.waiting.remove(r)
