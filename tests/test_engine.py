@@ -652,8 +652,8 @@ def test_each_batch_records_its_host_gap(make_engine: Callable[..., Engine]) -> 
 def test_a_short_queue_is_predicted_again_only_when_it_or_the_cost_model_moved(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The snapshot is refreshed every few milliseconds while a batch runs; a short queue's predictions are
-    remade only when a decision or the cost model's correction moved (each periodic remake cost 150 us, 4 %
-    of the engine thread at azure-mix's knee), and what it reports stays exact."""
+    remade only when a decision or the cost model's correction moved (a periodic remake made a publish 2-4x
+    longer with 5-15 waiting), and what it reports stays exact."""
     from engine.core.engine import Engine as _Engine
     from engine.core.request import Request as _Request
     from engine.core.scheduler import Scheduler

@@ -104,9 +104,9 @@ def sample_row(row: torch.Tensor, req: Request, generators: dict[str, torch.Gene
 
 def draw(probs: torch.Tensor, gen: torch.Generator | None = None) -> int:
     """One id drawn from `probs` (any non-negative weights): inverse transform sampling, a uniform draw
-    located in their running sum. Not torch.multinomial, which on a CPU took 1.1 ms for SmolLM2's 49,152
-    ids on one EPYC core (this: 0.06 ms), a millisecond on every sampled token of every answer. On CUDA
-    multinomial is fast and avoids the host reading the sum, so it stays."""
+    located in their running sum. Not torch.multinomial, which on a CPU took 1.0 ms for SmolLM2's 49,152
+    ids on one EPYC core (this: 0.07 ms), a millisecond on every sampled token of every answer. On CUDA
+    multinomial is fast, so it stays."""
     if probs.device.type == "cuda":
         return int(torch.multinomial(probs, 1, generator=gen))
     cdf = probs.double().cumsum(0)  # float64: 49,152 float32 partial sums drift by up to ~1e-4 relative

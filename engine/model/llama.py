@@ -238,7 +238,7 @@ class LlamaModel:
             if all_logits:
                 return self._logits(x)
             # (a hand-made plan without HEAD steps: the head at the end)
-            last = head[1] if head else self._logits(x[torch.tensor(row0[1:], device=self.device) - 1])
+            last = head[1] if head else self._logits(self._last_rows(x, row0))
             return (last, x[torch.tensor(keep_rows, device=self.device)]) if keep_rows else last
         finally:  # also when a cancelled batch's generator is closed while suspended
             if lease is not None:
@@ -246,11 +246,15 @@ class LlamaModel:
             if kept is not None:
                 self.activations.release(kept)
 
+    def _last_rows(self, x: torch.Tensor, row0: Sequence[int]) -> torch.Tensor:
+        """Each sequence's last row of the batch's flattened tokens."""
+        return x[torch.tensor(row0[1:], device=self.device) - 1]
+
     def _head_step(self, step: Step, x: torch.Tensor, row0: Sequence[int], head: list[torch.Tensor]) -> None:
         """One HEAD step: its vocabulary columns of each sequence's last-token logits (the first step also
         takes the final norm of the last rows), in fp32 as `_logits` gives them."""
         if not head:
-            normed = self._rms(x[torch.tensor(row0[1:], device=self.device) - 1], self.norm)
+            normed = self._rms(self._last_rows(x, row0), self.norm)
             head += [normed, torch.empty(len(row0) - 1, self.lm_head.shape[0], dtype=torch.float32, device=self.device)]
         normed, logits = head
         a, b = step.cols
