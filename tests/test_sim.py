@@ -284,3 +284,37 @@ def test_noise_is_the_same_for_a_seed_and_mean_one() -> None:
     assert sum(draws) / len(draws) == pytest.approx(1.0, abs=0.02)
     again = PredictionError.parse("noise:0.5").machine(10.0, seed=3)
     assert [again.batch_factor() for _ in range(5)] == draws[:5]
+
+
+def test_the_simulator_steps_its_batches_through_the_engines_loop() -> None:
+    """engine/core/prefill.py's `PrefillLoop` is the one loop: in the simulator, as in the engine, each
+    batch records the host gap before it, and the scheduler's cost model learns the host time per
+    batch from those gaps (here it starts unaware of the 4 ms the virtual host takes)."""
+    from engine.sim.simulator import Simulation
+
+    spec = [(0.0, 600, "standard"), (0.0, 600, "standard"), (0.0, 600, "standard")]
+    sim = Simulation(requests(spec), make_policy("fcfs"), replace(COST, batch_host_s=0.004),
+                     SimConfig(max_batch_tokens=600), None)
+    sim.sched.cost.batch_host_s = 0.0
+    sim.run()
+    assert sim.loop.current is None and sim.preemptions == sim.loop.preemptions == 0
+    assert sim.sched.cost.batch_host_s > 0  # two batches waited 4 ms each behind the host
+    assert sim.truth.batch_host_s == 0.004  # what the virtual host takes does not learn
+
+
+def test_a_batch_counts_every_step_its_forward_ran() -> None:
+    """A forward may run several steps in one next() (the simulator's fast-forward): the batch counts
+    every step up to the one it yields as done."""
+    from engine.core.prefill import PrefillBatch
+    from engine.model.cost import SeqSpan
+    from engine.model.plan import plan_prefill
+    from engine.sim.simulator import VirtualRun
+
+    spans = [SeqSpan(0, 600)]
+    plan = plan_prefill(COST, spans, 0.002, last_token_only=True)
+    run = VirtualRun(len(plan))
+    batch = PrefillBatch([], spans, plan, run)  # type: ignore[arg-type]
+    run.seek(4)
+    assert not batch.advance()
+    assert batch.next_step == 5 and batch.remaining_s == pytest.approx(plan.total_cost - plan.cost_before(5))
+    assert not batch.advance() and batch.next_step == 6

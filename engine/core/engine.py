@@ -23,7 +23,7 @@ from engine.core.kv_cache import KVCache
 from engine.core.messages import ENGINE_STOPPED, Arrive, Call, Cancel, EngineSnapshot, ImportKV, Message, Refusal
 from engine.core.observer import EngineObserver
 from engine.core.outputs import EngineOutputs
-from engine.core.prefill import PrefillBatch
+from engine.core.prefill import PrefillBatch, PrefillLoop
 from engine.core.prefix_cache import PrefixCache
 from engine.core.request import Request, Sampled
 from engine.core.scheduler import UNCONFIRMED_SPEEDUP, Policy, Scheduler, make_policy
@@ -77,7 +77,7 @@ class Engine(EngineFront, EngineOutputs):
         self.scheduler = Scheduler(self.policy, self._new_batch, self.cost, self.kv, cfg.max_batch_tokens, clock,
                                    self._reserve_tokens, self._headroom_blocks, cfg.late_share)
         self.observers: list[EngineObserver] = []
-        self.preemptions = 0
+        self.prefill = PrefillLoop(self.scheduler, clock, self._notify)
         self._cv = threading.Condition()  # guards the inbox and `_stop`: all other state is the engine thread's
         self._inbox: deque[Message] = deque()
         self._ids: set[str] = set()  # ids in use, from submission to the last output (`has_request`)
@@ -86,8 +86,6 @@ class Engine(EngineFront, EngineOutputs):
         self._generators: dict[str, torch.Generator] = {}
         self._cancels: deque[str] = deque()
         self._imports: deque[tuple[Request, dict[str, torch.Tensor], Sampled]] = deque()
-        self._current: PrefillBatch | None = None
-        self._device_free_at = -math.inf  # when the last step (prefill or decode) ended, the engine's clock
         self._stop = False
         self.thread_cpu: ThreadCPU | None = None  # its compute threads' CPU and the serving side's, once running
         self._backlog: tuple[float, dict[str, float]] = (0.0, {})
@@ -277,9 +275,8 @@ class Engine(EngineFront, EngineOutputs):
             self._process_shed()
         if self.scheduler.wake_at <= self.clock():  # the late tier's turn begins or ends
             self.scheduler.on_timer()
-        batch = self.scheduler.chosen  # read before the clock: a later decision never looks negative
-        now = self.clock()
-        if self.answers.running and (batch is None or now >= self.answers.next_step_at):
+        batch = self.scheduler.chosen
+        if self.answers.running and (batch is None or self.clock() >= self.answers.next_step_at):
             try:
                 self._decode_step()
             except Exception as exc:
@@ -290,38 +287,18 @@ class Engine(EngineFront, EngineOutputs):
             return
         if batch is None:
             return
-        if batch is not self._current:  # the per-boundary check: is the running batch still chosen?
-            self._switch(batch, now)
         try:
-            finished = batch.advance()
-            self._device_free_at = self.clock()
+            finished = self.prefill.step(batch)  # engine/core/prefill.py
         except Exception as exc:
             log.exception("prefill step failed")
             self._fail_batch(batch, f"prefill failed: {exc}")
             return
         if finished:
             self._complete(batch)
-        elif batch.exec_s - batch.observed[1] >= self.scheduler.progress_every_s:
-            self.scheduler.on_progress(batch)  # the correction learns from the running batch too
 
-    def _switch(self, batch: PrefillBatch, now: float) -> None:
-        prev = self._current
-        preempted = prev is not None and prev in self.scheduler.pool  # it still owes work
-        if preempted:
-            queued = prev.wait_device()  # on CUDA its last queued steps may still run: the stop ends there
-            now = self.clock()
-            prev.suspend(now, self.scheduler.chosen_at, batch, queued)
-            self.preemptions += 1
-            self._notify("on_segment_end", prev, now)
-        if batch.began_at is None:
-            waited_from = max(self._device_free_at, min(r.arrival_time for r in batch.requests))
-            batch.host_gap_s = max(0.0, now - waited_from)
-            self.cost.observe_host(batch.host_gap_s)  # what a batch costs the host: its predictions add it
-        batch.begin_segment(now)
-        self._notify("on_segment_start", batch, now)
-        if preempted:
-            self._notify("on_preempt", prev, batch)
-        self._current = batch
+    @property
+    def preemptions(self) -> int:
+        return self.prefill.preemptions
 
     def _reserve_tokens(self, req: Request) -> int:
         """The KV a request takes when its batch forms (EngineConfig.kv_reservation): with `grow`, its

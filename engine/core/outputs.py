@@ -18,10 +18,7 @@ class EngineOutputs:
     """Results out of the engine thread (a part of `Engine`)."""
 
     def _complete(self, batch: PrefillBatch) -> None:
-        now = self.clock()
-        batch.end_segment(now)
-        self._notify("on_segment_end", batch, now)
-        self.scheduler.on_progress(batch)
+        self.prefill.end(batch)  # engine/core/prefill.py
         for r, scored in batch.score_prompts(self.model.logits_of):  # first: one that fails is skipped below
             if isinstance(scored, Exception):
                 log.error("prompt logprobs of %s failed", r.request_id, exc_info=scored)
@@ -30,7 +27,6 @@ class EngineOutputs:
                 r.prompt_token_logprobs = [*r.prompt_token_logprobs, *scored]
         live, unfinished = [], []
         for i, (r, whole) in enumerate(zip(batch.requests, batch.completes_prefills, strict=True)):
-            r.num_computed_tokens = batch.spans[i].start + batch.spans[i].length
             if r.state.done or r.request_id not in self._requests:
                 continue
             self.prefixes.prefilled(r)
@@ -55,8 +51,7 @@ class EngineOutputs:
         for r in batch.requests:  # cancelled while the batch ran: their KV was in use until now
             if r.state.done:
                 self.kv.free(r.block_table)  # on_completion below decides anyway
-        self.scheduler.on_completion(batch, unfinished)
-        self._current = None
+        self.prefill.complete(batch, unfinished)
         self.answers.schedule(now)
 
     def _start_decoding(self, r: Request, token: Sampled, now: float) -> None:
@@ -114,7 +109,7 @@ class EngineOutputs:
         if not self.answers.running:  # every answer was evicted
             return
         streams, tokens = self.answers.step(self.model, self.kv, self._generators)
-        now = self._device_free_at = self.clock()
+        now = self.prefill.device_free_at = self.clock()
         got = [(s.req, now - s.req.times.last_token_time) for s, t in zip(streams, tokens, strict=True)
                if not isinstance(t, Exception)]
         self._notify("on_tokens", [r for r, _ in got], [gap for _, gap in got])
@@ -196,8 +191,7 @@ class EngineOutputs:
             dropped = self.scheduler.on_cancel(req)
             if dropped is not None:
                 dropped.close()
-                if dropped is self._current:
-                    self._current = None
+                self.prefill.dropped(dropped)
             if dropped is not None:
                 for r in dropped.requests:
                     if r is not req:
@@ -208,13 +202,12 @@ class EngineOutputs:
         if batch in self.scheduler.pool:
             self.scheduler.on_completion(batch)
         batch.close()
-        if self._current is batch:
-            self._current = None
+        self.prefill.dropped(batch)
         for r in batch.requests:
             if not r.state.done:
                 self._finish(r, "error", message)
             self.kv.free(r.block_table)
 
     def _fail_current(self, message: str) -> None:
-        if self._current is not None:
-            self._fail_batch(self._current, message)
+        if self.prefill.current is not None:
+            self._fail_batch(self.prefill.current, message)

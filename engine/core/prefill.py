@@ -1,17 +1,21 @@
-"""Operator-level preemption: a prefill batch that advances one operator step at a time.
+"""Operator-level preemption: a prefill batch that advances one operator step at a time, and the
+engine loop's prefill part that steps it.
 
-The engine loop calls `advance()` while this batch is the scheduler's choice; the moment the
-choice changes, the loop simply stops calling it. The suspended generator keeps the activations
-and the KV already written, so `advance()` later resumes exactly where it stopped.
+The loop (`PrefillLoop`) calls `advance()` while this batch is the scheduler's choice; the moment the
+choice changes, it suspends the batch and simply stops calling it. The suspended generator keeps the
+activations and the KV already written, so `advance()` later resumes exactly where it stopped. The
+engine thread runs the loop on the model (engine/core/engine.py), the simulator on a virtual device
+whose steps advance a virtual clock (engine/sim/simulator.py): one loop, so the two cannot drift apart.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import deque
-from collections.abc import Callable, Generator
-from typing import Any
+from collections.abc import Callable, Generator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,6 +25,9 @@ from engine.core.sampling import prompt_logprobs
 from engine.model.cost import OpCost, SeqSpan
 from engine.model.llama import LlamaModel
 from engine.model.plan import Plan, plan_prefill
+
+if TYPE_CHECKING:  # the scheduler's pool holds batches
+    from engine.core.scheduler import Scheduler
 
 _batch_ids = itertools.count()
 
@@ -74,11 +81,14 @@ class RunAhead:
 
 
 class PrefillBatch:
-    """Requests prefilled together. `run` executes `steps` one per next() (the model's forward, or
-    the simulator's virtual clock) and returns the last-token logits."""
+    """Requests prefilled together. `run` executes `steps` (the model's forward, or the simulator's
+    virtual device): each next() runs one or more of them and yields the index of the last one run,
+    and it returns the last-token logits. `timer`: what its steps' times are measured on (the
+    simulator's: its virtual clock)."""
 
     def __init__(self, requests: list[Request], spans: list[SeqSpan], steps: Plan,
-                 run: Generator[int, None, torch.Tensor | None], device: torch.device | None = None) -> None:
+                 run: Generator[int, None, torch.Tensor | None], device: torch.device | None = None,
+                 timer: Callable[[], float] = time.perf_counter) -> None:
         self.batch_id = next(_batch_ids)
         self.requests, self.spans, self.steps = requests, spans, steps
         self.total_cost = steps.total_cost
@@ -93,7 +103,7 @@ class PrefillBatch:
         # hidden states of those rows, in that order, once the batch is done.
         self.keep: list[tuple[int, int, int]] = []
         self.kept: torch.Tensor | None = None
-        self._run = run
+        self._run, self._timer = run, timer
         self._device = RunAhead(device or torch.device("cpu"))
         self.segment_start: float | None = None
         self.began_at: float | None = None  # its first step's start (the engine's clock)
@@ -180,11 +190,11 @@ class PrefillBatch:
         return self.next_step > 0
 
     def advance(self) -> bool:
-        """Run one operator step. True when the whole prefill is finished."""
-        t0 = time.perf_counter()
+        """Run its next operator step. True when the whole prefill is finished."""
+        t0 = self._timer()
         try:
             i = next(self._run)
-            self._device.step_queued(self.steps.cost(i))
+            self._device.step_queued(self.steps.cost_before(i + 1) - self._cost_done)
         except StopIteration as stop:
             self._device.drain()  # the measured time includes the device's last steps
             value = stop.value
@@ -192,8 +202,8 @@ class PrefillBatch:
             self.finished = True
             return True
         finally:
-            self.exec_s += time.perf_counter() - t0
-        self._cost_done += self.steps.cost(i)
+            self.exec_s += self._timer() - t0
+        self._cost_done = self.steps.cost_before(i + 1)
         self.next_step = i + 1
         return False
 
@@ -201,16 +211,10 @@ class PrefillBatch:
         """Block until this batch's queued steps have run (a suspension is complete on the device).
         Returns how many steps were queued and their predicted seconds: what the wait was for."""
         queued = (self._device.queued, self._device.queued_s)
-        t0 = time.perf_counter()
+        t0 = self._timer()
         self._device.drain()
-        self.exec_s += time.perf_counter() - t0
+        self.exec_s += self._timer() - t0
         return queued
-
-    def skip_to(self, step: int) -> None:
-        """Virtual executions only (the simulator): steps before `step` count as done."""
-        self._run.seek(step)  # type: ignore[attr-defined]
-        self.next_step = step
-        self._cost_done = self.steps.cost_before(step)
 
     # -- bookkeeping of execution segments and suspensions (what telemetry reports) -------------
     def begin_segment(self, now: float) -> None:
@@ -250,3 +254,76 @@ class PrefillBatch:
     def close(self) -> None:
         """Drop the suspended computation (its activations are released with the generator)."""
         self._run.close()
+
+
+def _no_observers(event: str, *args: object) -> None:
+    """What a loop without observers tells (the simulator's)."""
+
+
+class PrefillLoop:
+    """Which batch's steps run, and the bookkeeping of every switch and completion. `notify`: the
+    engine's observers (telemetry), called as `notify(event, *args)`."""
+
+    def __init__(self, scheduler: Scheduler, clock: Callable[[], float],
+                 notify: Callable[..., None] = _no_observers) -> None:
+        self.scheduler, self.clock, self.notify = scheduler, clock, notify
+        self.current: PrefillBatch | None = None  # the batch whose steps ran last (None: none since one ended)
+        self.preemptions = 0
+        self.device_free_at = -math.inf  # when the device's last step (prefill or decode) ended, on `clock`
+
+    def step(self, batch: PrefillBatch) -> bool:
+        """Run the chosen batch's next step, switching to it first. True when its prefill is done: the
+        caller then `end`s it. Every `progress_every_s` of measured time the correction learns."""
+        if batch is not self.current:  # the per-boundary check: is the running batch still chosen?
+            self.switch(batch)
+        finished = batch.advance()
+        self.device_free_at = self.clock()
+        if not finished and batch.exec_s - batch.observed[1] >= self.scheduler.progress_every_s:
+            self.scheduler.on_progress(batch)
+        return finished
+
+    def switch(self, batch: PrefillBatch) -> None:
+        """`batch` runs from now: the one that ran is suspended where it stands if it still owes work.
+        A batch's first segment records its host gap (the device idle while its work waited), which
+        the scheduler's predictions add per batch."""
+        now, prev = self.clock(), self.current
+        preempted = prev is not None and prev in self.scheduler.pool
+        if preempted:
+            assert prev is not None
+            queued = prev.wait_device()  # on CUDA its last queued steps may still run: the stop ends there
+            now = self.clock()
+            prev.suspend(now, self.scheduler.chosen_at, batch, queued)
+            self.preemptions += 1
+            self.notify("on_segment_end", prev, now)
+        if batch.began_at is None:
+            waited_from = max(self.device_free_at, min(r.arrival_time for r in batch.requests))
+            batch.host_gap_s = max(0.0, now - waited_from)
+            self.scheduler.on_host_gap(batch.host_gap_s)
+        batch.begin_segment(now)
+        self.notify("on_segment_start", batch, now)
+        if preempted:
+            self.notify("on_preempt", prev, batch)
+        self.current = batch
+
+    def end(self, batch: PrefillBatch) -> float:
+        """`batch`'s last step has run: its segment ends, the correction learns from its last steps, and
+        each request has computed its span. Returns the time it ended."""
+        now = self.clock()
+        batch.end_segment(now)
+        self.notify("on_segment_end", batch, now)
+        self.scheduler.on_progress(batch)
+        for r, span in zip(batch.requests, batch.spans, strict=True):
+            r.num_computed_tokens = span.start + span.length
+        return now
+
+    def complete(self, batch: PrefillBatch, unfinished: Sequence[Request]) -> None:
+        """Its first tokens are out: the batch leaves the scheduler's pool, `unfinished` (requests with
+        prompt left: one chunk of theirs was done) queue again, and the next decision is made."""
+        self.scheduler.on_completion(batch, unfinished)
+        self.dropped(batch)
+
+    def dropped(self, batch: PrefillBatch) -> None:
+        """`batch` left the device (completed, cancelled or failed): none runs until the next step.
+        Until then an engine that fails finds it here."""
+        if self.current is batch:
+            self.current = None

@@ -105,6 +105,9 @@ class OracleScheduler(Scheduler):
     def on_progress(self, batch: PrefillBatch) -> None:
         """Exact costs need no correction."""
 
+    def on_host_gap(self, seconds: float) -> None:
+        """Exact costs charge the host's time as given."""
+
 
 def sized(b: MeasuredBatch) -> bool:
     """Whether a logged batch says its size and both its times: what a speed per size can read."""

@@ -1,14 +1,17 @@
 """Discrete-event simulation of one prefill instance.
 
-The real `Scheduler` and policy objects run unmodified on a virtual clock; batches are real
-`PrefillBatch`es with real step plans, whose steps take the time a cost model says instead of running
-a model. Events (arrivals, the scheduler's own wake-ups) happen at their virtual times; a running step
-always finishes before a switch, as on the real engine, unless `ideal` is set (preemption with zero
-stop latency: the bound that perfect preemption could reach).
+The real `Scheduler` and policy objects run unmodified on a virtual clock, stepped by the engine's own
+loop (engine/core/prefill.py: switches, preemptions, progress reports, completions); batches are
+real `PrefillBatch`es with real step plans, whose steps take the time a cost model says instead of
+running a model (a virtual device: this module is its clock and event driver). Events (arrivals, the
+scheduler's own wake-ups) happen at their virtual times; a running step always finishes before a
+switch, as on the real engine, unless `ideal` is set (preemption with zero stop latency: the bound
+that perfect preemption could reach).
 
 The truth is the cost model as given, frozen, times the injected prediction error
 (`SimConfig.error`, engine/sim/errors.py); the scheduler predicts with its own copy, which learns
-online from the true times of the steps it ran, at the engine's cadence (`Scheduler.on_progress`).
+online from the true times of the steps it ran and the host gaps before its batches, as the engine's
+does (`Scheduler.on_progress`, `on_host_gap`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from engine.core.kv_cache import BlockPool
-from engine.core.prefill import PrefillBatch
+from engine.core.prefill import PrefillBatch, PrefillLoop
 from engine.core.request import Request, RequestState
 from engine.core.scheduler import Policy, Scheduler
 from engine.model.cost import OpCost, SeqSpan
@@ -58,7 +61,8 @@ class _Clock:
 
 
 class VirtualRun:
-    """Stands in for the model's forward: each next() is one step, taking no real time."""
+    """Stands in for the model's forward: each next() runs one step (or, after `seek`, every step up to
+    the one sought at once), taking no real time; the simulator charges their time."""
 
     def __init__(self, n_steps: int) -> None:
         self.n, self.i = n_steps, 0
@@ -73,6 +77,7 @@ class VirtualRun:
         return self.i - 1
 
     def seek(self, step: int) -> None:
+        """The next next() runs the steps up to `step` and yields it."""
         self.i = step
 
     def close(self) -> None:
@@ -129,11 +134,10 @@ class Simulation:
             self.sched = OracleScheduler(policy, self._make_batch, exact.base, self.kv, cfg.max_batch_tokens,
                                          self.clock, late_share=cfg.late_share)
             self.sched.exact = exact
-        self.preemptions = 0
+        self.loop = PrefillLoop(self.sched, self.clock)
+        self.runs: dict[int, VirtualRun] = {}  # batch id -> its virtual forward
         self.batches: list[BatchRecord] = []
-        self.began: dict[int, float] = {}  # batch id -> when it first ran
         self.step_left: dict[int, float] = {}  # ideal: batch id -> seconds left of its cut step
-        self.current: PrefillBatch | None = None  # the batch whose steps run (None: none since the last completed)
         self.step_start: float = 0.0
         self.step_end: float | None = None  # the running step's (step_end None: no step running)
         self.busy_until = -math.inf  # when its last step ended (a batch begun later begins idle)
@@ -146,12 +150,18 @@ class Simulation:
                 r.block_table = self.kv.allocate(r.max_total_tokens)
         planner = self.sched.cost_for(reqs) if self.exact is None else self.exact.plan_cost(reqs)
         steps = plan_prefill(planner, spans, self.cfg.step_budget_s, last_token_only=True)
-        batch = PrefillBatch(reqs, spans, steps, VirtualRun(len(steps)))  # type: ignore[arg-type]
+        run = VirtualRun(len(steps))
+        batch = PrefillBatch(reqs, spans, steps, run, timer=self.clock)  # type: ignore[arg-type]
+        self.runs[batch.batch_id] = run
         if self.exact is None:
             self.own_factor[batch.batch_id] = self.machine.batch_factor()
         else:  # true seconds per planned second: the measured factor over the plan's own scale
             self.own_factor[batch.batch_id] = self.exact.for_requests(reqs).scale / steps.scale
         return batch
+
+    @property
+    def preemptions(self) -> int:
+        return self.loop.preemptions
 
     def true_rate(self, batch: PrefillBatch) -> float:
         """True seconds per second of the batch's plan, now."""
@@ -209,14 +219,9 @@ class Simulation:
         batch = self.sched.chosen
         assert batch is not None
         # idle since its last step ended: the batch pays for the wake-up
-        woke = self.current is None and self.clock.t > self.busy_until and not self.cfg.ideal
-        if batch is not self.current:
-            if self.current is not None and self.current in self.sched.pool:
-                self.current.suspend(self.clock.t, self.sched.chosen_at, batch)
-                self.preemptions += 1
-            batch.begin_segment(self.clock.t)
-            self.began.setdefault(batch.batch_id, self.clock.t)
-            self.current = batch
+        woke = self.loop.current is None and self.clock.t > self.busy_until and not self.cfg.ideal
+        if batch is not self.loop.current:
+            self.loop.switch(batch)
         start = self.clock.t
         left = self.step_left.pop(batch.batch_id, None)
         if left is None and not self.cfg.ideal:
@@ -229,27 +234,26 @@ class Simulation:
 
     def cut(self, t: float) -> None:
         """Ideal preemption: the running step stops at t, before its end, its progress kept."""
-        assert self.current is not None and self.step_end is not None
-        self.step_left[self.current.batch_id] = self.step_end - t
-        self.current.exec_s += t - self.step_start
+        batch = self.loop.current
+        assert batch is not None and self.step_end is not None
+        self.step_left[batch.batch_id] = self.step_end - t
+        batch.exec_s += t - self.step_start
+        self.loop.device_free_at = t
         self.step_end = None
 
     def end_step(self) -> None:
         """The running step ends (`begin_step`'s time): the batch advances, completing or reporting
         progress at the engine's cadence."""
-        batch, end = self.current, self.step_end
+        batch, end = self.loop.current, self.step_end
         assert batch is not None and end is not None
         self.clock.t, self.step_end, self.busy_until = end, None, end
-        measured = batch.exec_s + end - self.step_start
-        finished = batch.advance()
-        # virtual time, not the instant advance() took; the host's time after the last step is not the
-        # batch's (the engine measures only its steps, and the correction learns from those)
-        batch.exec_s = measured - (self._host_s() if finished else 0.0)
-        if finished:
+        # The host's time after the last step is not the batch's (the engine measures only its steps,
+        # and the correction learns from those): the device went idle when the last step ended.
+        host_s = self._host_s() if batch.next_step >= len(batch.steps) else 0.0
+        batch.exec_s += end - self.step_start - host_s
+        if self.loop.step(batch):  # the engine's own step: progress reports at its cadence
+            self.loop.device_free_at = end - host_s
             self._complete(batch)
-            self.current = None
-        elif batch.exec_s - batch.observed[1] >= self.sched.progress_every_s:
-            self.sched.on_progress(batch)
 
     def _host_s(self) -> float:
         """The host's time to finish a batch, which the final next() stands for (none in the ideal bound)."""
@@ -278,17 +282,17 @@ class Simulation:
             elapsed = (plan.cost_before(j) - base) * rate
             self.clock.t += elapsed
             batch.exec_s += elapsed
-            batch.skip_to(j)
+            self.runs[batch.batch_id].seek(j - 1)
+            batch.advance()  # steps i..j-1 at once: nothing happens at their boundaries
 
     def _complete(self, batch: PrefillBatch) -> None:
-        now = self.clock.t
-        self.batches.append(BatchRecord(self.began.pop(batch.batch_id), batch.num_tokens, batch.total_cost,
-                                        batch.exec_s))
-        batch.end_segment(now)
-        self.sched.on_progress(batch)
+        """The engine's completion (engine/core/prefill.py), with the virtual device's first token."""
+        now = self.loop.end(batch)
+        del self.runs[batch.batch_id]
+        assert batch.began_at is not None
+        self.batches.append(BatchRecord(batch.began_at, batch.num_tokens, batch.total_cost, batch.exec_s))
         unfinished = []
-        for r, span, whole in zip(batch.requests, batch.spans, batch.completes_prefills, strict=True):
-            r.num_computed_tokens = span.start + span.length
+        for r, whole in zip(batch.requests, batch.completes_prefills, strict=True):
             if whole:
                 r.times.first_token_time = r.times.finish_time = now
                 r.state = RequestState.FINISHED
@@ -298,4 +302,4 @@ class Simulation:
             else:
                 r.state = RequestState.WAITING
                 unfinished.append(r)
-        self.sched.on_completion(batch, unfinished)
+        self.loop.complete(batch, unfinished)

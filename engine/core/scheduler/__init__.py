@@ -143,6 +143,12 @@ class Scheduler(Owned):
         base_s, measured_s = batch.take_progress()
         self.cost.observe(batch.num_tokens, base_s, measured_s, whole)
 
+    @owned
+    def on_host_gap(self, seconds: float) -> None:
+        """A batch began `seconds` after the device went idle with its work waiting (the host's time
+        between batches): the cost model's host time per batch learns it."""
+        self.cost.observe_host(seconds)
+
     # -- the decision --------------------------------------------------------------------------
     def _decide(self) -> None:
         self.invocations += 1
