@@ -70,7 +70,8 @@ def sim_config(engine_cfg: EngineConfig, ideal: bool = False, error: PredictionE
     """The simulator set up as the engine `engine_cfg` describes (its step budget, batch bound, KV, late share)."""
     budget = engine_cfg.step_budget_ms / 1000 if engine_cfg.preemptible else None
     return SimConfig(step_budget_s=budget, max_batch_tokens=engine_cfg.max_batch_tokens,
-                     kv_capacity_tokens=engine_cfg.kv_capacity_tokens or KV_AUTO_TOKENS, ideal=ideal,
+                     kv_capacity_tokens=engine_cfg.kv_capacity_tokens or KV_AUTO_TOKENS,
+                     kv_reservation=engine_cfg.kv_reservation, ideal=ideal,
                      late_share=engine_cfg.late_share, error=error or PredictionError(), seed=seed)
 
 

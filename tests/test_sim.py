@@ -318,3 +318,21 @@ def test_a_batch_counts_every_step_its_forward_ran() -> None:
     assert not batch.advance()
     assert batch.next_step == 5 and batch.remaining_s == pytest.approx(plan.total_cost - plan.cost_before(5))
     assert not batch.advance() and batch.next_step == 6
+
+
+def test_the_simulator_reserves_kv_as_the_engine_does() -> None:
+    """EngineConfig.kv_reservation: `grow` takes a prompt's blocks (and its first answer token's) when its
+    batch forms, `full` its whole answer's too: in 8 blocks of 256 two 600-token prompts with
+    max_tokens 1,000 fit together only with `grow` (they queue behind a short one, and fill its place)."""
+    spec = [(0.0, 100, "standard"), (0.001, 600, "standard"), (0.001, 600, "standard")]
+
+    def first_tokens(reservation: str) -> list[float]:
+        reqs = requests(spec)
+        for r in reqs:
+            r.sampling = SamplingParams(max_tokens=1000)
+        simulate(reqs, make_policy("fcfs"), COST, SimConfig(kv_capacity_tokens=2048, kv_reservation=reservation))
+        return [r.times.first_token_time - reqs[0].times.first_token_time for r in reqs[1:]]
+
+    grow, full = first_tokens("grow"), first_tokens("full")
+    assert grow[0] == grow[1]  # one batch
+    assert full[0] < full[1] == pytest.approx(2 * full[0], rel=0.1)  # one after the other

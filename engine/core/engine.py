@@ -19,7 +19,7 @@ from engine.core.config import EngineConfig, auto_kv_tokens, kv_bytes_per_token
 from engine.core.cpu_affinity import CorePinning, on_passing_thread, team_ids
 from engine.core.decode import Answers
 from engine.core.front import EngineFront
-from engine.core.kv_cache import KVCache
+from engine.core.kv_cache import KVCache, reserved_tokens
 from engine.core.messages import ENGINE_STOPPED, Arrive, Call, Cancel, EngineSnapshot, ImportKV, Message, Refusal
 from engine.core.observer import EngineObserver
 from engine.core.outputs import EngineOutputs
@@ -301,11 +301,7 @@ class Engine(EngineFront, EngineOutputs):
         return self.prefill.preemptions
 
     def _reserve_tokens(self, req: Request) -> int:
-        """The KV a request takes when its batch forms (EngineConfig.kv_reservation): with `grow`, its
-        prefill's and the next token's, whose KV the first decode step writes."""
-        # (a prompt scored with max_tokens 0 writes no first token: not a block more than the prompt's)
-        return req.max_total_tokens if self.cfg.kv_reservation == "full" else min(req.num_tokens + 1,
-                                                                                   req.max_total_tokens)
+        return reserved_tokens(req, self.cfg.kv_reservation)
 
     def _headroom_blocks(self) -> int:
         """Blocks a new batch leaves free: one per growing answer, so answers crossing into their
@@ -315,8 +311,7 @@ class Engine(EngineFront, EngineOutputs):
     def _new_batch(self, reqs: list[Request], spans: list[SeqSpan]) -> PrefillBatch:
         spans = [self.prefixes.take(r, span) for r, span in zip(reqs, spans, strict=True)]
         for r in reqs:
-            if (need := self.kv.blocks_for(self._reserve_tokens(r)) - len(r.block_table)) > 0:
-                r.block_table += self.kv.allocate_blocks(need)
+            self.kv.reserve(r.block_table, self._reserve_tokens(r))
         return PrefillBatch.on_model(reqs, spans, self.model, self.kv, self.cost, self.budget_s)
 
 

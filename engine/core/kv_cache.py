@@ -8,13 +8,24 @@ import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.core.config import ModelConfig
 from engine.core.owner import Owned, owned
 
+if TYPE_CHECKING:
+    from engine.core.request import Request
+
 log = logging.getLogger(__name__)
+
+
+def reserved_tokens(req: Request, reservation: str) -> int:
+    """The KV a request takes when its batch forms (EngineConfig.kv_reservation): with `grow`, its
+    prefill's and the next token's, whose KV the first decode step writes; with `full`, its answer's too."""
+    # (a prompt scored with max_tokens 0 writes no first token: not a block more than the prompt's)
+    return req.max_total_tokens if reservation == "full" else min(req.num_tokens + 1, req.max_total_tokens)
 
 
 class OutOfBlocks(RuntimeError):
@@ -79,6 +90,11 @@ class BlockPool(Owned):
 
     def allocate(self, num_tokens: int) -> list[int]:
         return self.allocate_blocks(self.blocks_for(num_tokens))
+
+    def reserve(self, block_table: list[int], num_tokens: int) -> None:
+        """Grow `block_table`, in place, to hold `num_tokens` (the blocks it holds count)."""
+        if (need := self.blocks_for(num_tokens) - len(block_table)) > 0:
+            block_table += self.allocate_blocks(need)
 
     @owned
     def allocate_blocks(self, n: int) -> list[int]:

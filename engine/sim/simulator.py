@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from engine.core.kv_cache import BlockPool
+from engine.core.kv_cache import BlockPool, reserved_tokens
 from engine.core.prefill import PrefillBatch, PrefillLoop
 from engine.core.request import Request, RequestState
 from engine.core.scheduler import Policy, Scheduler
@@ -39,6 +39,7 @@ class SimConfig:
     max_batch_tokens: int = 2048
     kv_capacity_tokens: int = 1 << 20
     kv_block_size: int = 256
+    kv_reservation: str = "grow"  # the engine's (EngineConfig.kv_reservation)
     ideal: bool = False  # zero stop latency
     noise: float = 0.0  # lognormal sigma of true step durations around the cost model
     seed: int = 0
@@ -129,10 +130,10 @@ class Simulation:
             model = copy.deepcopy(cost)  # the scheduler's: biased as asked, it learns from what steps take
             model.scale *= cfg.error.bias
             self.sched = Scheduler(policy, self._make_batch, model, self.kv, cfg.max_batch_tokens,
-                                   self.clock, late_share=cfg.late_share)
+                                   self.clock, self._reserve_tokens, late_share=cfg.late_share)
         else:
             self.sched = OracleScheduler(policy, self._make_batch, exact.base, self.kv, cfg.max_batch_tokens,
-                                         self.clock, late_share=cfg.late_share)
+                                         self.clock, self._reserve_tokens, late_share=cfg.late_share)
             self.sched.exact = exact
         self.loop = PrefillLoop(self.sched, self.clock)
         self.runs: dict[int, VirtualRun] = {}  # batch id -> its virtual forward
@@ -146,8 +147,7 @@ class Simulation:
 
     def _make_batch(self, reqs: list[Request], spans: list[SeqSpan]) -> PrefillBatch:
         for r in reqs:
-            if not r.block_table:
-                r.block_table = self.kv.allocate(r.max_total_tokens)
+            self.kv.reserve(r.block_table, self._reserve_tokens(r))
         planner = self.sched.cost_for(reqs) if self.exact is None else self.exact.plan_cost(reqs)
         steps = plan_prefill(planner, spans, self.cfg.step_budget_s, last_token_only=True)
         run = VirtualRun(len(steps))
@@ -158,6 +158,9 @@ class Simulation:
         else:  # true seconds per planned second: the measured factor over the plan's own scale
             self.own_factor[batch.batch_id] = self.exact.for_requests(reqs).scale / steps.scale
         return batch
+
+    def _reserve_tokens(self, req: Request) -> int:
+        return reserved_tokens(req, self.cfg.kv_reservation)
 
     @property
     def preemptions(self) -> int:
