@@ -204,6 +204,18 @@ def test_calibration_measures_the_slices_and_the_profile_keeps_them(model: Llama
     assert calibrate(plain).mlp_s_per_row == 0.0
 
 
+def test_calibration_times_a_decode_step_and_the_profile_keeps_it(model: LlamaModel) -> None:
+    """What the simulator charges a decode step: one answer's, each answer more, each context token more;
+    a profile from before decode was timed says 0 (decode takes no time there)."""
+    cost = calibrate(model)
+    assert cost.decode_s > 0 and cost.decode_s_per_seq >= 0 and cost.decode_s_per_token >= 0
+    assert cost.decode_step_s(4, 400) >= cost.decode_step_s(1, 100) > 0 == cost.decode_step_s(0, 0)
+    profile = measured_profile(cost)
+    assert _median_of(model, [profile]).decode_s == pytest.approx(cost.decode_s)
+    older = {k: v for k, v in profile.items() if not k.startswith("decode_")}
+    assert _median_of(model, [older]).decode_step_s(4, 400) == 0.0
+
+
 def test_the_warmed_row_counts_cover_every_sliced_step() -> None:
     """`OpCost.step_rows(MLP)` names every row count an FFN_IN or MLP step runs on (what the engine
     warms at start), for batches of one to many prompts at corrections from half to 20x calibration;

@@ -89,6 +89,22 @@ def test_one_instance_is_the_single_instance_simulation(policy: str, cfg: SimCon
     assert [len(r.times.suspensions) for r in fleet_reqs] == [len(r.times.suspensions) for r in alone]
 
 
+def test_one_instance_is_the_single_instance_simulation_with_answers_too() -> None:
+    """Decode steps are the instance's own events: answers pace the same behind a trivial router."""
+    from engine.core.request import SamplingParams
+
+    cost = replace(COST, decode_s=0.002, decode_s_per_seq=0.0005)
+    alone, fleet_reqs = requests(trace(2.0, 60)), requests(trace(2.0, 60))
+    for r in (*alone, *fleet_reqs):
+        r.sampling = SamplingParams(max_tokens=20)
+    simulate(alone, make_policy("flowprefill"), cost, SimConfig())
+    fleet = Fleet(fleet_reqs, 1, "flowprefill", cost, SimConfig(), GatewayRouter(1, distinct_key()))
+    assert fleet.run()
+    assert all(len(r.output_token_ids) == 20 for r in fleet_reqs)
+    assert [r.times.first_token_time for r in fleet_reqs] == [r.times.first_token_time for r in alone]
+    assert [r.times.finish_time for r in fleet_reqs] == [r.times.finish_time for r in alone]
+
+
 def _long_then_short(router: GatewayRouter) -> Fleet:
     """A 6000-token prompt at 0, a 100-token one at 1.5 s, after the poll at 1 s saw the first's backlog."""
     reqs = requests([(0.0, 6000, "batch"), (1.5, 100, "interactive")])

@@ -336,3 +336,55 @@ def test_the_simulator_reserves_kv_as_the_engine_does() -> None:
     grow, full = first_tokens("grow"), first_tokens("full")
     assert grow[0] == grow[1]  # one batch
     assert full[0] < full[1] == pytest.approx(2 * full[0], rel=0.1)  # one after the other
+
+
+def _answering(spec: list[tuple[float, int, str]], max_tokens: list[int]) -> list[Request]:
+    reqs = requests(spec)
+    for r, n in zip(reqs, max_tokens, strict=True):
+        r.sampling = SamplingParams(max_tokens=n)
+    return reqs
+
+
+def test_the_simulator_decodes_answers_as_the_engine_paces_them() -> None:
+    """Answers decode on the virtual device with the engine's `Answers`: back to back while no prefill
+    waits, else a step each time the most urgent answer has used half its TBT target, between prefill
+    steps; a prefill arriving meanwhile is slowed by them, and the answer's KV is held to its end."""
+    cost = replace(COST, decode_s=0.01)
+    alone = _answering([(0.0, 100, "standard")], [50])
+    simulate(alone, make_policy("flowprefill"), cost, SimConfig())
+    a = alone[0]
+    assert a.state.done and a.finish_reason == "length" and len(a.output_token_ids) == 50
+    assert a.times.finish_time - a.times.first_token_time == pytest.approx(49 * 0.01)
+
+    spec = [(0.0, 100, "standard"), (0.05, 3000, "batch")]
+    with_answer = _answering(spec, [200, 1])
+    simulate(with_answer, make_policy("flowprefill"), cost, SimConfig())
+    prefill_alone = _answering(spec, [1, 1])
+    simulate(prefill_alone, make_policy("flowprefill"), cost, SimConfig())
+    slowed = with_answer[1].ttft - prefill_alone[1].ttft
+    assert slowed > 0.01  # decode steps ran between its prefill steps
+    answer = with_answer[0]
+    tbt = (answer.times.finish_time - answer.times.first_token_time) / 199
+    assert tbt <= answer.tbt_target_s  # and the answer kept its pace
+    free = simulate_kv_after(cost)
+    assert free == 0  # every block went back
+
+
+def simulate_kv_after(cost: OpCost) -> int:
+    """Blocks still taken once a simulation with answers has ended."""
+    from engine.sim.simulator import Simulation
+
+    sim = Simulation(_answering([(0.0, 300, "standard"), (0.01, 300, "standard")], [40, 40]),
+                     make_policy("flowprefill"), cost, SimConfig(), None)
+    sim.run()
+    return sim.kv.num_blocks - sim.kv.num_free_blocks
+
+
+def test_the_simulator_evicts_answers_when_kv_runs_out_and_recomputes_them() -> None:
+    """KV taken as answers grow (`grow`): three 200-token prompts whose answers outgrow 4 blocks of 256
+    evict one another (the engine's `Answers.make_room`), and each is recomputed and finished."""
+    cost = replace(COST, decode_s=0.001)
+    reqs = _answering([(0.0, 200, "standard"), (0.0, 200, "standard"), (0.0, 200, "standard")], [300, 300, 300])
+    simulate(reqs, make_policy("flowprefill"), cost, SimConfig(kv_capacity_tokens=1024))
+    assert all(r.finish_reason == "length" and len(r.output_token_ids) == 300 for r in reqs)
+    assert sum(r.times.evictions for r in reqs) >= 1

@@ -62,18 +62,13 @@ class EngineOutputs:
         self._emit(out)
 
     def _evict(self, evicted: list[Request]) -> None:
-        """Answers.make_room took these answers' KV back: they queue to be recomputed. Each one's next
-        token is due a TBT target after its recompute, were it to run now: the deadline its slack is
-        ranked by, so it starts feasible and grows urgent as it waits (a bare TBT target would rank
-        a long recompute hopeless at once, behind every feasible prompt, for as long as they come)."""
+        """Answers.make_room took these answers' KV back: they queue to be recomputed
+        (`Scheduler.on_evicted`), what of them is still cached kept."""
         now = self.clock()
         for req in evicted:
             # a handed-off request's prompt was never looked up here (block_hashes None): recomputed whole
             req.num_computed_tokens = self.prefixes.cached_tokens(req) if req.block_hashes is not None else 0
-            req.state = RequestState.WAITING
-            req.deadline = now + self.scheduler.predict_s(req) + req.tbt_target_s
-            req.times.evictions += 1
-            self._notify("on_evict", req, now)
+            self._notify("on_evict", req, now)  # before a decision can take its cached blocks
             self.scheduler.on_evicted(req)
 
     def _give_back(self, req: Request) -> None:

@@ -118,9 +118,22 @@ class OpCost:
     # further row (0: not measured, as in a profile calibrated before the head was).
     head_s: float = 0.0
     head_s_per_row: float = 0.0
+    # One decode step (each running answer's next token): one answer with a short context, each answer
+    # more, and each token of context more (its KV read by attention). 0: not measured (a profile
+    # calibrated before decode was, or a GPU's own): the simulator's decode then takes no time.
+    decode_s: float = 0.0
+    decode_s_per_seq: float = 0.0
+    decode_s_per_token: float = 0.0
     # Moves each time the correction or the host time learns (`observe`, `observe_host`): a prediction made at
     # the same revision (and calibration) is still the cost model's.
     revision: int = 0
+
+    def decode_step_s(self, answers: int, context_tokens: int) -> float:
+        """One decode step of `answers` answers holding `context_tokens` tokens of KV in all."""
+        if answers <= 0:
+            return 0.0
+        return self.scale * (self.decode_s + self.decode_s_per_seq * (answers - 1)
+                             + self.decode_s_per_token * context_tokens)
 
     def per_row_s(self, op: str) -> float:
         """Unscaled seconds per row of a row-wise op."""

@@ -65,4 +65,11 @@ def analytical(model: str, gpu: str, bytes_per_param: int = 2) -> OpCost:
         step_overhead_s=g.launch_s,
         row_step_floor_s=ffn_weights / (g.hbm_tb_s * 1e12),
         batch_host_s=g.batch_host_s,
+        # A decode step reads every weight once (the head's too) and each answer's KV; one launch per layer
+        # (CUDA graphs replay the rest).
+        decode_s=c.num_hidden_layers * (g.launch_s + (c.hidden_size * (q + 2 * kv) + ffn_weights // bytes_per_param)
+                                        * bytes_per_param / (g.hbm_tb_s * 1e12))
+        + c.vocab_size * c.hidden_size * bytes_per_param / (g.hbm_tb_s * 1e12),
+        decode_s_per_seq=(attn_in_flops + ffn_flops) * c.num_hidden_layers / mm,
+        decode_s_per_token=c.num_hidden_layers * 2 * kv * bytes_per_param / (g.hbm_tb_s * 1e12),
     )

@@ -146,7 +146,7 @@ class Fleet:
         """An instance's next own event: a step to begin now, its wake-up during a step, the step's end.
         Idle, it waits for an arrival (as a lone instance, it takes no wake-up then)."""
         if s.step_end is None:
-            return (s.clock.t, BEGIN) if s.sched.chosen is not None else (math.inf, END)
+            return (s.clock.t, BEGIN) if s.has_work() else (math.inf, END)
         return (s.sched.wake_at, TIMER) if s.sched.wake_at <= s.step_end else (s.step_end, END)
 
     def _act(self, i: int, t: float, kind: int, t_arr: float) -> None:
@@ -156,7 +156,7 @@ class Fleet:
             s.begin_step()
             return
         if kind == TIMER:
-            if s.cfg.ideal and t < s.step_end:  # type: ignore[operator]
+            if s.cfg.ideal and not s.decoding and t < s.step_end:  # type: ignore[operator]
                 s.cut(t)
             s.fire(t)
         else:
@@ -182,7 +182,7 @@ class Fleet:
                 self.caches[i].store(req)
             self.router.admitted(req, i)
             self.placed[req.request_id] = i
-            if s.cfg.ideal and s.step_end is not None and t < s.step_end:
+            if s.cfg.ideal and not s.decoding and s.step_end is not None and t < s.step_end:
                 s.cut(t)  # ideal preemption: the running step stops at the arrival
             s.arrive(req, t)
             self.router.reported(i, self.load(i))

@@ -23,10 +23,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from engine.core.decode import Answers
 from engine.core.kv_cache import BlockPool, reserved_tokens
 from engine.core.prefill import PrefillBatch, PrefillLoop
-from engine.core.request import Request, RequestState
+from engine.core.request import Request, RequestState, Sampled
 from engine.core.scheduler import Policy, Scheduler
+from engine.core.tokenizer import ByteTokenizer
 from engine.model.cost import OpCost, SeqSpan
 from engine.model.plan import plan_prefill
 from engine.sim.errors import PredictionError
@@ -51,6 +53,10 @@ class SimConfig:
     # What a batch begun on an idle instance takes beyond its size's speed: a CPU worker's thread waking
     # from its wait, its caches cold (engine/planner/measured.py's idle_wake)
     idle_wake_s: float = 0.0
+
+
+# What the virtual device samples: a byte, never an end of sequence, so an answer runs to its max_tokens.
+TOKEN = Sampled(ord("a"))
 
 
 class _Clock:
@@ -136,6 +142,8 @@ class Simulation:
                                          self.clock, self._reserve_tokens, late_share=cfg.late_share)
             self.sched.exact = exact
         self.loop = PrefillLoop(self.sched, self.clock)
+        self.answers = Answers(self.kv, ByteTokenizer())  # the engine's: decode's pace, KV growth, evictions
+        self.decoding = False  # the running step is a decode step
         self.runs: dict[int, VirtualRun] = {}  # batch id -> its virtual forward
         self.batches: list[BatchRecord] = []
         self.step_left: dict[int, float] = {}  # ideal: batch id -> seconds left of its cut step
@@ -193,13 +201,19 @@ class Simulation:
             self.step_end += self.cfg.arrival_cpu_s
         self.sched.on_arrival(req)
 
+    def has_work(self) -> bool:
+        """A prefill batch chosen or answers decoding: the device runs a step."""
+        return self.sched.chosen is not None or bool(self.answers.running)
+
     def run(self) -> int:
-        while self.sched.chosen is not None or self.arrivals:
-            if self.sched.chosen is None:
+        while self.has_work() or self.arrivals:
+            if not self.has_work():
                 self.fire(self.arrivals[0].arrival_time)
                 continue
             end = self.begin_step()
-            if self.cfg.ideal and self.next_event() < end:
+            if end is None:
+                continue
+            if self.cfg.ideal and not self.decoding and self.next_event() < end:
                 t = self.next_event()  # ideal preemption: the step stops mid-way, its progress kept
                 self.cut(t)
                 self.fire(t)
@@ -214,13 +228,23 @@ class Simulation:
         for r in self.sched.shed:
             r.state, r.finish_reason = RequestState.FAILED, "error"
 
-    def begin_step(self) -> float:
-        """Switch to the scheduler's chosen batch if it is not the one running (a preemption when that
-        one is unfinished) and start its next step (or what is left of a cut one); returns when the
-        step ends. `lookahead`: events the instance cannot see (a fleet's next arrival) also stop a
-        fast-forward."""
+    def begin_step(self) -> float | None:
+        """Start the device's next step and return when it ends (None: nothing to run). As the engine's
+        loop: a decode step when one is due or no prefill is chosen; else the chosen batch's next step
+        (or what is left of a cut one), switched to if it is not the one running (a preemption when
+        that one is unfinished). `lookahead`: events the instance cannot see (a fleet's next arrival)
+        also stop a fast-forward."""
         batch = self.sched.chosen
-        assert batch is not None
+        if self.answers.running and (batch is None or self.clock.t >= self.answers.next_step_at):
+            if evicted := self.answers.make_room(lambda r: self.kv.free(r.block_table)):
+                for r in evicted:  # recomputed whole: this instance keeps no prefix cache
+                    r.num_computed_tokens = 0
+                    self.sched.on_evicted(r)
+            if self.answers.running:
+                return self._begin_decode()
+            batch = self.sched.chosen
+        if batch is None:
+            return None
         # idle since its last step ended: the batch pays for the wake-up
         woke = self.loop.current is None and self.clock.t > self.busy_until and not self.cfg.ideal
         if batch is not self.loop.current:
@@ -244,9 +268,40 @@ class Simulation:
         self.loop.device_free_at = t
         self.step_end = None
 
+    def _begin_decode(self) -> float:
+        streams = self.answers.running.values()
+        d = self.truth.decode_step_s(len(streams), sum(s.req.num_tokens for s in streams))
+        d *= self.machine.at(self.clock.t) * (self.rng.lognormvariate(0, self.cfg.noise) if self.cfg.noise else 1.0)
+        self.decoding, self.step_start, self.step_end = True, self.clock.t, self.clock.t + d
+        return self.step_end
+
+    def _end_decode(self, now: float) -> None:
+        """Each running answer's next token, as the engine's decode step hands them out."""
+        self.decoding = False
+        self.loop.device_free_at = now
+        for stream in list(self.answers.running.values()):
+            stream.req.times.last_token_time = now
+            if reason := stream.push(TOKEN).finish_reason:
+                self._finished(stream.req, reason, now)
+        self.answers.next_step_at = math.inf
+        self.answers.schedule(now)
+
+    def _finished(self, r: Request, reason: str, now: float) -> None:
+        """Its answer is done: its KV goes back, and requests waiting for KV get a decision."""
+        r.finish_reason, r.times.finish_time, r.state = reason, now, RequestState.FINISHED
+        self.answers.drop(r.request_id)
+        self.kv.free(r.block_table)
+        if self.sched.waiting and self.sched.chosen is None:
+            self.sched.on_kv_freed()
+
     def end_step(self) -> None:
-        """The running step ends (`begin_step`'s time): the batch advances, completing or reporting
-        progress at the engine's cadence."""
+        """The running step ends (`begin_step`'s time): a decode step's tokens are out, or the batch
+        advances, completing or reporting progress at the engine's cadence."""
+        if self.decoding:
+            assert self.step_end is not None
+            self.clock.t, self.step_end, self.busy_until = self.step_end, None, self.step_end
+            self._end_decode(self.clock.t)
+            return
         batch, end = self.loop.current, self.step_end
         assert batch is not None and end is not None
         self.clock.t, self.step_end, self.busy_until = end, None, end
@@ -277,7 +332,7 @@ class Simulation:
         t = self.clock.t
         observe_in = self.sched.progress_every_s - (batch.exec_s - batch.observed[1])
         until = min(self.next_event(), self.lookahead, self.machine.next_change_after(t),
-                    t + max(observe_in, 0.0))
+                    t + max(observe_in, 0.0), self.answers.next_step_at if self.answers.running else math.inf)
         rate = self.true_rate(batch) * (self.rng.lognormvariate(0, self.cfg.noise) if self.cfg.noise else 1.0)
         base = plan.cost_before(i)
         j = min(len(plan), plan.first_step_ending_after(base + (until - t) / rate))
@@ -289,20 +344,21 @@ class Simulation:
             batch.advance()  # steps i..j-1 at once: nothing happens at their boundaries
 
     def _complete(self, batch: PrefillBatch) -> None:
-        """The engine's completion (engine/core/prefill.py), with the virtual device's first token."""
+        """The engine's completion (engine/core/prefill.py), with the virtual device's first tokens: each
+        answer then decodes with the engine's `Answers`."""
         now = self.loop.end(batch)
         del self.runs[batch.batch_id]
         assert batch.began_at is not None
         self.batches.append(BatchRecord(batch.began_at, batch.num_tokens, batch.total_cost, batch.exec_s))
         unfinished = []
         for r, whole in zip(batch.requests, batch.completes_prefills, strict=True):
-            if whole:
-                r.times.first_token_time = r.times.finish_time = now
-                r.state = RequestState.FINISHED
-                r.finish_reason = "length"
-                self.kv.free(r.block_table)
-                self.done.append(r)
-            else:
+            if not whole:  # one chunk of its prompt is done: it queues for the next
                 r.state = RequestState.WAITING
                 unfinished.append(r)
+                continue
+            if not r.times.evictions:
+                self.done.append(r)  # its first token (a recompute's is its next one)
+            if reason := self.answers.start(r, TOKEN, now).finish_reason:
+                self._finished(r, reason, now)
         self.loop.complete(batch, unfinished)
+        self.answers.schedule(now)

@@ -18,7 +18,7 @@ from engine.core.config import POLICIES, parse_policy  # noqa: F401 (the names, 
 from engine.core.kv_cache import BlockPool
 from engine.core.owner import Owned, owned
 from engine.core.prefill import PrefillBatch
-from engine.core.request import Request
+from engine.core.request import Request, RequestState
 from engine.core.scheduler.slack import SHARED, LateShare, judge, remaining_of, standings
 from engine.model.cost import OpCost, PrefillTerms, SeqSpan
 
@@ -115,8 +115,15 @@ class Scheduler(Owned):
 
     @owned
     def on_evicted(self, req: Request) -> None:
-        """An answer's KV was taken back while it decoded: it queues to be recomputed, in arrival
-        order among the waiting (so first-come policies resume it first, as vLLM does)."""
+        """An answer's KV was taken back while it decoded (`num_computed_tokens`: what of it is still
+        cached): it queues to be recomputed, in arrival order among the waiting (so first-come policies
+        resume it first, as vLLM does). Its next token is due a TBT target after its recompute, were it
+        to run now: the deadline its slack is ranked by, so it starts feasible and grows urgent as it
+        waits (a bare TBT target would rank a long recompute hopeless at once, behind every feasible
+        prompt, for as long as they come)."""
+        req.state = RequestState.WAITING
+        req.deadline = self.clock() + self.predict_s(req) + req.tbt_target_s
+        req.times.evictions += 1
         self.waiting.append(req)
         self.waiting.sort(key=lambda r: r.arrival_time)
         self._decide()
