@@ -49,15 +49,18 @@ RATIO_PAIRS = [("flowprefill", "fcfs"), ("flowprefill", "chunked:2048"), ("flowp
 
 
 def make_requests(w: Workload, classes: dict[str, SLOClass], slo_scale: float, t0: float,
-                  vocab: int | None) -> list[Request]:
+                  vocab: int | None, max_tokens: int = 1) -> list[Request]:
+    """The workload's requests, answering as many tokens as the trace says, at most `max_tokens` (1: the
+    first token alone), never ending early (an end of sequence ignored: a simulated answer has none)."""
     out = []
     zeros: dict[int, list[int]] = {}  # simulated prompts: only their length counts, and they are never changed
     for i, tr in enumerate(w.requests):
         c = classes[tr.slo_class]
         n = tr.input_tokens
         ids = synthesize_prompt(n, vocab, seed=i) if vocab else zeros.get(n) or zeros.setdefault(n, [0] * n)
-        r = Request.for_class(c, request_id=f"w{i}", prompt_token_ids=ids, sampling=SamplingParams(max_tokens=1),
-                              arrival_time=t0 + tr.arrival_s)
+        answer = max(1, min(tr.output_tokens, max_tokens))
+        r = Request.for_class(c, request_id=f"w{i}", prompt_token_ids=ids, arrival_time=t0 + tr.arrival_s,
+                              sampling=SamplingParams(max_tokens=answer, ignore_eos=answer > 1))
         r.ttft_target_s *= slo_scale
         r.late_s *= slo_scale
         r.deadline = r.arrival_time + r.ttft_target_s
@@ -88,8 +91,8 @@ def measured_cost(cost_name: str) -> bool:
 class Runner:
     """Runs one (policy, workload, slo scale) point on the real engine or the simulator."""
 
-    def __init__(self, kind: str, engine_cfg: EngineConfig, cost_name: str) -> None:
-        self.kind, self.engine_cfg = kind, engine_cfg
+    def __init__(self, kind: str, engine_cfg: EngineConfig, cost_name: str, max_tokens: int = 1) -> None:
+        self.kind, self.engine_cfg, self.max_tokens = kind, engine_cfg, max_tokens
         self._engines: dict[str, Any] = {}
         self._ideal: dict[tuple[float, float], dict[str, Any]] = {}  # (rate, slo scale) -> bound point
         self.profile_key: str | None = None  # the measured profile's (engine/model/calibration.py), not a roofline's
@@ -120,7 +123,7 @@ class Runner:
             cost: OpCost | None = None, exact: ExactCosts | None = None,
             error: PredictionError | None = None, seed: int = 0, batches: list[BatchRecord] | None = None
             ) -> dict[str, Any]:
-        reqs = make_requests(w, classes, scale, 0.0, None)
+        reqs = make_requests(w, classes, scale, 0.0, None, self.max_tokens)
         name = "flowprefill" if policy == IDEAL else policy
         cfg = sim_config(self.engine_cfg, ideal=policy == IDEAL, error=error, seed=seed)
         pre = simulate(reqs, make_policy(name), cost or self.cost, cfg, exact=exact, batches=batches)
@@ -143,7 +146,7 @@ class Runner:
         # corrects it online as the engine does (the engine thread goes on correcting its own).
         snapshot = copy.deepcopy(self.cost)
         t0 = time.monotonic() + 0.5
-        reqs = make_requests(w, classes, scale, t0, self.vocab)
+        reqs = make_requests(w, classes, scale, t0, self.vocab, self.max_tokens)
         remaining = threading.Semaphore(0)
         for r in reqs:
             r.sink = lambda out: out.finish_reason and remaining.release()
@@ -209,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sim: the host's time per batch outside its steps, ms (OpCost.batch_host_s: sampling, "
                         "finishing, the next decision); 0 models it overlapped with the device, as asynchronous "
                         "scheduling would (default: the cost model's, 3.8 for MODEL@GPU)")
+    p.add_argument("--max-tokens", type=int, default=1,
+                   help="each request answers as many tokens as its trace says, at most this many; the engine "
+                        "(and the simulator) decode them between prefill steps (default: 1, the first token alone)")
     p.add_argument("--no-ideal", action="store_true", help="skip the ideal-preemption bound")
     p.add_argument("--errors", nargs="?", const=DEFAULT_LEVELS, default=None, metavar="LEVELS",
                    help="sim: sweep the rates once per injected prediction error instead (comma-separated: "
@@ -249,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--cost {args.cost}: the simulator's cost model; --engine real predicts with its own profile")
     if real and args.host_ms is not None:
         parser.error("--host-ms: the simulator's; --engine real measures its own host time")
+    if args.max_tokens < 1:
+        parser.error(f"--max-tokens {args.max_tokens}: at least 1")
     if args.host_ms is not None and args.host_ms < 0:
         parser.error(f"--host-ms {args.host_ms:g}: a time, 0 or more")
     if args.errors is not None:
@@ -257,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             parser.error(str(exc))  # one line, exit 2
     try:
-        runner = Runner("sim" if args.errors is not None else args.engine, engine_cfg, args.cost)
+        runner = Runner("sim" if args.errors is not None else args.engine, engine_cfg, args.cost, args.max_tokens)
     except ValueError as exc:
         parser.error(f"--cost {args.cost}: {exc}")  # one line, exit 2
     if args.host_ms is not None:
@@ -300,6 +308,7 @@ def _document(args: argparse.Namespace, argv: list[str] | None, runner: Runner, 
         extra={"slo_scale_sweep": {"rate": scale_rate, "policies": scale_results,
                                    "tightest_scale_at_target": scale_needed},
                "cost_model": args.cost if args.engine == "sim" else "cpu (measured)",
+               "max_tokens": args.max_tokens,
                "machine": machine_info(),
                "command": "flowprefill bench goodput " + " ".join(argv or [])})
     fp, sn = scale_needed.get("flowprefill"), scale_needed

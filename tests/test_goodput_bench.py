@@ -228,3 +228,33 @@ def test_the_host_time_per_batch_is_a_what_if_of_the_simulator(tmp_path: Path) -
         with pytest.raises(SystemExit) as exit_:
             main(["bench", "goodput", *bad])
         assert exit_.value.code == 2
+
+
+def test_answers_cost_the_simulated_device_its_decode_steps(tmp_path: Path) -> None:
+    """--max-tokens: each request answers its trace's 10 tokens, decoded between prefill steps on the
+    simulated H200 (a decode step of the 8B model reads its 16 GB of weights): attainment can only fall."""
+    trace = _trace(tmp_path)
+    served = {}
+    for answer in ("1", "10"):
+        out = tmp_path / answer
+        assert main(["bench", "goodput", "--engine", "sim", "--cost", "llama-3.1-8b@h200", "--workload", str(trace),
+                     "--policies", "flowprefill", "--rates", "20,80,160", "--slo-scales", "", "--no-ideal",
+                     "--max-tokens", answer, "--out", str(out)]) == 0
+        doc = json.loads((out / "goodput-sim.json").read_text())
+        assert doc["max_tokens"] == int(answer)
+        served[answer] = [p["attainment"] for p in doc["policies"]["flowprefill"]["points"]]
+    assert sum(served["10"]) < sum(served["1"])
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "goodput", "--max-tokens", "0"])
+    assert exit_.value.code == 2
+
+
+def test_requests_answer_what_the_trace_says_at_most_max_tokens() -> None:
+    from engine.protocol.slo import DEFAULT_CLASSES
+    from loadtest.goodput import make_requests
+    from loadtest.workload import TraceRequest, Workload
+
+    w = Workload("w", "test", "given", [TraceRequest(0.0, 100, 5, "standard"), TraceRequest(0.1, 100, 50, "standard"),
+                                        TraceRequest(0.2, 100, 0, "standard")])
+    assert [r.sampling.max_tokens for r in make_requests(w, DEFAULT_CLASSES, 1.0, 0.0, None, 20)] == [5, 20, 1]
+    assert [r.sampling.max_tokens for r in make_requests(w, DEFAULT_CLASSES, 1.0, 0.0, None)] == [1, 1, 1]
