@@ -129,16 +129,21 @@ def calibrate(model: LlamaModel, block_rows: Sequence[int] | None = None) -> OpC
         cost.mlp_slices = model.mlp_slices
         if model.mlp_slices > 1:
             cost.ffn_in_s_per_row, cost.mlp_s_per_row = per_row(FFN_IN), per_row(MLP)
-        cost.head_s, cost.head_s_per_row = _head_costs(model)
-        if not gpu:
-            cost.decode_s, cost.decode_s_per_seq, cost.decode_s_per_token = _decode_costs(model)
+        _time_outside_steps(model, cost)
     return cost
+
+
+def _time_outside_steps(model: LlamaModel, cost: OpCost) -> None:
+    """What runs outside a prefill's row-wise steps: its head, and (on a CPU) a decode step."""
+    cost.head_s, cost.head_s_per_row = _head_costs(model)
+    if model.device.type != "cuda":
+        cost.decode_s, cost.decode_s_per_seq, cost.decode_s_per_token = _decode_costs(model)
 
 
 def _decode_costs(model: LlamaModel, answers: int = 8, short: int = 16, long: int = 1024) -> tuple[float, float, float]:
     """A decode step (`OpCost.decode_step_s`): one answer with `short` tokens of context, `answers` of them,
     and one with `long`; the lines between them are the cost per answer and per context token. On one EPYC
-    core: 1.95 ms, 0.24 ms and 0.9 ns for the embedded model; 54 ms, 3.5 ms and 11 ns for SmolLM2 in fp32
+    core: 1.95 ms, 0.24 ms and 0.9 us for the embedded model; 54 ms, 3.5 ms and 11 us for SmolLM2 in fp32
     (its weights read once a step), 0.85 s of its start-up."""
     long = min(long, model.cfg.max_position_embeddings - 1)  # a short-context model's longest
     kv = KVCache(model.cfg, 16, answers * (short + 16) + long + 16, model.embed.dtype, model.device)

@@ -129,10 +129,11 @@ class OpCost:
     revision: int = 0
 
     def decode_step_s(self, answers: int, context_tokens: int) -> float:
-        """One decode step of `answers` answers holding `context_tokens` tokens of KV in all."""
+        """One decode step of `answers` answers holding `context_tokens` tokens of KV in all, at the speed
+        the correction has learned the machine runs (`machine`: prefill's, shared by every size)."""
         if answers <= 0:
             return 0.0
-        return self.scale * (self.decode_s + self.decode_s_per_seq * (answers - 1)
+        return self.scale * self.machine * (self.decode_s + self.decode_s_per_seq * (answers - 1)
                              + self.decode_s_per_token * context_tokens)
 
     def per_row_s(self, op: str) -> float:
