@@ -388,3 +388,17 @@ def test_the_simulator_evicts_answers_when_kv_runs_out_and_recomputes_them() -> 
     simulate(reqs, make_policy("flowprefill"), cost, SimConfig(kv_capacity_tokens=1024))
     assert all(r.finish_reason == "length" and len(r.output_token_ids) == 300 for r in reqs)
     assert sum(r.times.evictions for r in reqs) >= 1
+
+
+def test_the_simulator_caches_prefixes_as_the_engine_does() -> None:
+    """`prefix_caching`: a trace's block hashes are looked up at arrival; the blocks a prefill wrote are
+    findable once it has run, not while it runs (a twin arriving then computes its prompt too)."""
+    spec = [(0.0, 2048, "batch"), (0.001, 2048, "batch"), (5.0, 2048, "batch"), (5.0, 2048, "batch")]
+    reqs = requests(spec)
+    for r in reqs:
+        r.block_hashes = [bytes([1]), bytes([2]), bytes([3]), r.request_id.encode()]
+    reqs[3].block_hashes = None  # no hashes: a distinct prompt
+    cfg = SimConfig(prefix_caching=True, kv_block_size=512)
+    simulate(reqs, make_policy("fcfs"), COST, cfg)
+    assert [r.cached_tokens for r in reqs] == [0, 0, 3 * 512, 0]
+    assert reqs[2].ttft < reqs[0].ttft / 2  # it computed a quarter of its prompt

@@ -15,7 +15,7 @@ planner (engine/planner/) passes an adapter around the gateway's own `WorkerPool
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Protocol
@@ -56,39 +56,15 @@ class Router(Protocol):
     def poll(self, now: float, loads: Sequence[Load]) -> None: ...
 
 
-class CachedPrefixes:
-    """An instance's prefix cache as far as a trace can tell (its requests' `block_hashes`, each naming a
-    block of `block_tokens` and all before it): the blocks it holds, least recently used first out."""
-
-    def __init__(self, capacity_blocks: int, block_tokens: int) -> None:
-        self.capacity, self.block_tokens = capacity_blocks, block_tokens
-        self._blocks: OrderedDict[bytes, None] = OrderedDict()
-
-    def cached_tokens(self, req: Request) -> int:
-        """The leading prompt tokens cached here (at least the last one is computed: it makes the logits)."""
-        n = 0
-        for h in req.block_hashes or ():
-            if h not in self._blocks:
-                break
-            n += 1
-        return min(n * self.block_tokens, req.num_prompt_tokens - 1)
-
-    def store(self, req: Request) -> None:
-        for h in req.block_hashes or ():
-            self._blocks[h] = None
-            self._blocks.move_to_end(h)
-        while len(self._blocks) > self.capacity:
-            self._blocks.popitem(last=False)
-
-
 class Fleet:
     """`n` instances of `policy`, each with its own scheduler, KV pool and noise stream, fed
     `requests` through `router`. Admission as a worker's: a request of a `sheddable` class that
     could not meet its deadline even if it ran next, or any request past `max_waiting` queued, is
     refused there, and the router may try another instance (the gateway's retry of a shed request);
     refused everywhere, it fails. `prefix_block_tokens`: the requests' `block_hashes` name blocks of
-    this many tokens, and each instance caches them (a request computes only what is not cached where
-    it runs); None: no prefix caching."""
+    this many tokens (the instances' KV block size then), and each instance caches them as the engine
+    does (engine/core/prefix_cache.py: a request computes only what is cached where it runs when its
+    batch forms); None: no prefix caching."""
 
     def __init__(self, requests: list[Request], n: int, policy: str, cost: OpCost, cfg: SimConfig, router: Router,
                  exact: ExactCosts | None = None, sheddable: frozenset[str] = frozenset(),
@@ -97,11 +73,11 @@ class Fleet:
             raise ValueError("a fleet needs at least one instance")
         self.arrivals = deque(sorted(requests, key=lambda r: r.arrival_time))
         span = (self.arrivals[0].arrival_time, self.arrivals[-1].arrival_time) if requests else (0.0, 0.0)
+        if prefix_block_tokens:  # the instances' KV blocks are the trace's: its hashes name them
+            cfg = replace(cfg, prefix_caching=True, kv_block_size=prefix_block_tokens)
         self.sims = [Simulation([], make_policy(policy), cost, replace(cfg, seed=cfg.seed + SEED_STRIDE * i), exact,
                                 span) for i in range(n)]
         self.router, self.sheddable, self.max_waiting = router, sheddable, max_waiting
-        self.caches = [CachedPrefixes(cfg.kv_capacity_tokens // prefix_block_tokens, prefix_block_tokens)
-                       for _ in range(n)] if prefix_block_tokens else None
         self.refused: list[Request] = []  # shed by every instance tried
         self.placed: dict[str, int] = {}  # request id -> the instance that admitted it
         self._shed_seen = [0] * n  # late requests each scheduler shed while queued, taken back so far
@@ -173,13 +149,10 @@ class Fleet:
         while (i := self.router.pick(req, t, tried)) is not None:
             tried.add(i)
             s = self.sims[i]
-            if self.caches is not None:
-                req.num_computed_tokens = req.cached_tokens = self.caches[i].cached_tokens(req)
+            req.num_computed_tokens = req.cached_tokens = s.prefixes.cached_tokens(req)  # what admission sees
             if self._refuses(s, req, t):
                 self.router.shed(req, i)
                 continue
-            if self.caches is not None:
-                self.caches[i].store(req)
             self.router.admitted(req, i)
             self.placed[req.request_id] = i
             if s.cfg.ideal and not s.decoding and s.step_end is not None and t < s.step_end:
@@ -208,3 +181,4 @@ class Fleet:
                 self.misses[r.slo_class] = self.misses.get(r.slo_class, 0) + 1
             self._overdue += 1
         return self.misses
+

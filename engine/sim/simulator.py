@@ -26,6 +26,7 @@ from typing import NamedTuple
 from engine.core.decode import Answers
 from engine.core.kv_cache import BlockPool, reserved_tokens
 from engine.core.prefill import PrefillBatch, PrefillLoop
+from engine.core.prefix_cache import PrefixCache
 from engine.core.request import Request, RequestState, Sampled
 from engine.core.scheduler import Policy, Scheduler
 from engine.core.tokenizer import ByteTokenizer
@@ -42,6 +43,9 @@ class SimConfig:
     kv_capacity_tokens: int = 1 << 20
     kv_block_size: int = 256
     kv_reservation: str = "grow"  # the engine's (EngineConfig.kv_reservation)
+    # The engine's prefix cache, on the requests' `block_hashes` (a trace's, one per KV block); a request
+    # without them shares nothing (simulated prompts are placeholders: their tokens say nothing)
+    prefix_caching: bool = False
     ideal: bool = False  # zero stop latency
     noise: float = 0.0  # lognormal sigma of true step durations around the cost model
     seed: int = 0
@@ -143,6 +147,7 @@ class Simulation:
             self.sched.exact = exact
         self.loop = PrefillLoop(self.sched, self.clock)
         self.answers = Answers(self.kv, ByteTokenizer())  # the engine's: decode's pace, KV growth, evictions
+        self.prefixes = PrefixCache(self.kv, cfg.prefix_caching)
         self.decoding = False  # the running step is a decode step
         self.runs: dict[int, VirtualRun] = {}  # batch id -> its virtual forward
         self.batches: list[BatchRecord] = []
@@ -154,6 +159,7 @@ class Simulation:
         self.done: list[Request] = []  # first tokens out since the caller last emptied it (a fleet's router reads it)
 
     def _make_batch(self, reqs: list[Request], spans: list[SeqSpan]) -> PrefillBatch:
+        spans = [self.prefixes.take(r, span) for r, span in zip(reqs, spans, strict=True)]
         for r in reqs:
             self.kv.reserve(r.block_table, self._reserve_tokens(r))
         planner = self.sched.cost_for(reqs) if self.exact is None else self.exact.plan_cost(reqs)
@@ -199,6 +205,10 @@ class Simulation:
         self.clock.t = max(self.clock.t, t)
         if self.cfg.arrival_cpu_s and self.step_end is not None and t < self.step_end and not self.cfg.ideal:
             self.step_end += self.cfg.arrival_cpu_s
+        if self.cfg.prefix_caching:  # looked up as the engine queues it (engine/core/engine.py's _queue)
+            if req.block_hashes is None:
+                req.block_hashes = []
+            req.num_computed_tokens = req.cached_tokens = self.prefixes.cached_tokens(req)
         self.sched.on_arrival(req)
 
     def has_work(self) -> bool:
@@ -236,9 +246,9 @@ class Simulation:
         also stop a fast-forward."""
         batch = self.sched.chosen
         if self.answers.running and (batch is None or self.clock.t >= self.answers.next_step_at):
-            if evicted := self.answers.make_room(lambda r: self.kv.free(r.block_table)):
-                for r in evicted:  # recomputed whole: this instance keeps no prefix cache
-                    r.num_computed_tokens = 0
+            if evicted := self.answers.make_room(self._give_back):
+                for r in evicted:  # recomputed but for what is still cached
+                    r.num_computed_tokens = self.prefixes.cached_tokens(r)
                     self.sched.on_evicted(r)
             if self.answers.running:
                 return self._begin_decode()
@@ -286,11 +296,15 @@ class Simulation:
         self.answers.next_step_at = math.inf
         self.answers.schedule(now)
 
+    def _give_back(self, r: Request) -> None:
+        self.prefixes.answered(r)  # what it wrote stays findable (the next turn's, a recompute's)
+        self.kv.free(r.block_table)
+
     def _finished(self, r: Request, reason: str, now: float) -> None:
         """Its answer is done: its KV goes back, and requests waiting for KV get a decision."""
         r.finish_reason, r.times.finish_time, r.state = reason, now, RequestState.FINISHED
         self.answers.drop(r.request_id)
-        self.kv.free(r.block_table)
+        self._give_back(r)
         if self.sched.waiting and self.sched.chosen is None:
             self.sched.on_kv_freed()
 
@@ -352,6 +366,7 @@ class Simulation:
         self.batches.append(BatchRecord(batch.began_at, batch.num_tokens, batch.total_cost, batch.exec_s))
         unfinished = []
         for r, whole in zip(batch.requests, batch.completes_prefills, strict=True):
+            self.prefixes.prefilled(r)
             if not whole:  # one chunk of its prompt is done: it queues for the next
                 r.state = RequestState.WAITING
                 unfinished.append(r)
