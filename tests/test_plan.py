@@ -229,6 +229,16 @@ def test_a_traces_prefixes_are_routed_to_their_cache(tmp_path: Path) -> None:
         assert all(r.cached_tokens == 0 for r in reqs if r not in shared)
 
 
+def test_prompts_a_trace_names_no_blocks_of_share_nothing_in_a_caching_fleet() -> None:
+    """Simulated prompts are placeholders (every prompt of a length alike): only a trace's hash ids share."""
+    reqs = requests([(0.0, 2048, "batch"), (1.0, 2048, "batch"), (2.0, 2048, "batch")])
+    reqs[0].block_hashes = [bytes([i]) for i in range(4)]
+    fleet = Fleet(reqs, 1, "fcfs", COST, SimConfig(), GatewayRouter(1, distinct_key()),
+                  prefix_block_tokens=PREFIX_BLOCK_TOKENS)
+    assert fleet.run()
+    assert [r.cached_tokens for r in reqs] == [0, 0, 0]
+
+
 def test_the_command_writes_its_table_json_and_plot(tmp_path: Path) -> None:
     """`flowprefill plan` end to end on a GPU cost model: each policy's smallest fleet meets the target
     and the one below it (when tried) does not; the saving and the price follow from them."""

@@ -287,6 +287,8 @@ class Engine(EngineFront, EngineOutputs):
             return
         if batch is None:
             return
+        if batch is not self.prefill.current:  # a failure here is the running batch's: `_fail_current`
+            self.prefill.switch(batch)
         try:
             finished = self.prefill.step(batch)  # engine/core/prefill.py
         except Exception as exc:

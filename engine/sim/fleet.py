@@ -149,7 +149,7 @@ class Fleet:
         while (i := self.router.pick(req, t, tried)) is not None:
             tried.add(i)
             s = self.sims[i]
-            req.num_computed_tokens = req.cached_tokens = s.prefixes.cached_tokens(req)  # what admission sees
+            req.num_computed_tokens = req.cached_tokens = s.cached_tokens(req)  # what admission sees
             if self._refuses(s, req, t):
                 self.router.shed(req, i)
                 continue

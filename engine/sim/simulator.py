@@ -140,10 +140,10 @@ class Simulation:
             model = copy.deepcopy(cost)  # the scheduler's: biased as asked, it learns from what steps take
             model.scale *= cfg.error.bias
             self.sched = Scheduler(policy, self._make_batch, model, self.kv, cfg.max_batch_tokens,
-                                   self.clock, self._reserve_tokens, late_share=cfg.late_share)
+                                   self.clock, self._reserve_tokens, self._headroom_blocks, cfg.late_share)
         else:
             self.sched = OracleScheduler(policy, self._make_batch, exact.base, self.kv, cfg.max_batch_tokens,
-                                         self.clock, self._reserve_tokens, late_share=cfg.late_share)
+                                         self.clock, self._reserve_tokens, self._headroom_blocks, cfg.late_share)
             self.sched.exact = exact
         self.loop = PrefillLoop(self.sched, self.clock)
         self.answers = Answers(self.kv, ByteTokenizer())  # the engine's: decode's pace, KV growth, evictions
@@ -176,6 +176,10 @@ class Simulation:
     def _reserve_tokens(self, req: Request) -> int:
         return reserved_tokens(req, self.cfg.kv_reservation)
 
+    def _headroom_blocks(self) -> int:
+        """As the engine's (`Engine._headroom_blocks`): a block per growing answer stays free."""
+        return len(self.answers.running) if self.cfg.kv_reservation == "grow" else 0
+
     @property
     def preemptions(self) -> int:
         return self.loop.preemptions
@@ -206,10 +210,13 @@ class Simulation:
         if self.cfg.arrival_cpu_s and self.step_end is not None and t < self.step_end and not self.cfg.ideal:
             self.step_end += self.cfg.arrival_cpu_s
         if self.cfg.prefix_caching:  # looked up as the engine queues it (engine/core/engine.py's _queue)
-            if req.block_hashes is None:
-                req.block_hashes = []
-            req.num_computed_tokens = req.cached_tokens = self.prefixes.cached_tokens(req)
+            req.num_computed_tokens = req.cached_tokens = self.cached_tokens(req)
         self.sched.on_arrival(req)
+
+    def cached_tokens(self, req: Request) -> int:
+        """What of its prompt is cached here (the engine's lookup). A request without block hashes shares
+        nothing: a simulated prompt's tokens are placeholders, alike in every prompt of a length."""
+        return self.prefixes.cached_tokens(req) if req.block_hashes is not None else 0
 
     def has_work(self) -> bool:
         """A prefill batch chosen or answers decoding: the device runs a step."""
@@ -248,7 +255,7 @@ class Simulation:
         if self.answers.running and (batch is None or self.clock.t >= self.answers.next_step_at):
             if evicted := self.answers.make_room(self._give_back):
                 for r in evicted:  # recomputed but for what is still cached
-                    r.num_computed_tokens = self.prefixes.cached_tokens(r)
+                    r.num_computed_tokens = self.cached_tokens(r)
                     self.sched.on_evicted(r)
             if self.answers.running:
                 return self._begin_decode()
