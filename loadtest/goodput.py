@@ -41,7 +41,16 @@ from loadtest import goodput_report, report
 from loadtest.goodput_errors import levels_of, sweep_errors
 from loadtest.goodput_report import IDEAL
 from loadtest.machine import machine_info
-from loadtest.workload import ClassRule, Workload, head, named_or_trace, scale_to_rate, synthesize_prompt
+from loadtest.workload import (
+    PREFIX_BLOCK_TOKENS,
+    ClassRule,
+    Workload,
+    head,
+    named_or_trace,
+    prefixed_prompt,
+    scale_to_rate,
+    synthesize_prompt,
+)
 
 DEFAULT_POLICIES = "flowprefill,fcfs,chunked:2048,chunked:8192"
 RATIO_PAIRS = [("flowprefill", "fcfs"), ("flowprefill", "chunked:2048"), ("flowprefill", "chunked:8192"),
@@ -57,13 +66,18 @@ def make_requests(w: Workload, classes: dict[str, SLOClass], slo_scale: float, t
     for i, tr in enumerate(w.requests):
         c = classes[tr.slo_class]
         n = tr.input_tokens
-        ids = synthesize_prompt(n, vocab, seed=i) if vocab else zeros.get(n) or zeros.setdefault(n, [0] * n)
+        if vocab:  # a trace naming its prompts' blocks shares them (the engine's prefix cache finds them)
+            ids = prefixed_prompt(tr.prefix, n, vocab) if tr.prefix else synthesize_prompt(n, vocab, seed=i)
+        else:
+            ids = zeros.get(n) or zeros.setdefault(n, [0] * n)
         answer = max(1, min(tr.output_tokens, max_tokens))
         r = Request.for_class(c, request_id=f"w{i}", prompt_token_ids=ids, arrival_time=t0 + tr.arrival_s,
                               sampling=SamplingParams(max_tokens=answer, ignore_eos=answer > 1))
         r.ttft_target_s *= slo_scale
         r.late_s *= slo_scale
         r.deadline = r.arrival_time + r.ttft_target_s
+        if tr.prefix and not vocab:  # simulated: the trace's hash ids name its blocks (SimConfig.prefix_caching)
+            r.block_hashes = [h.to_bytes(8, "little", signed=True) for h in tr.prefix]
         out.append(r)
     return out
 
@@ -72,9 +86,11 @@ def sim_config(engine_cfg: EngineConfig, ideal: bool = False, error: PredictionE
                seed: int = 0) -> SimConfig:
     """The simulator set up as the engine `engine_cfg` describes (its step budget, batch bound, KV, late share)."""
     budget = engine_cfg.step_budget_ms / 1000 if engine_cfg.preemptible else None
+    # with prefix caching its KV blocks are a trace's (make_requests gives simulated requests their hash ids)
+    block = PREFIX_BLOCK_TOKENS if engine_cfg.prefix_caching else SimConfig.kv_block_size
     return SimConfig(step_budget_s=budget, max_batch_tokens=engine_cfg.max_batch_tokens,
-                     kv_capacity_tokens=engine_cfg.kv_capacity_tokens or KV_AUTO_TOKENS,
-                     kv_reservation=engine_cfg.kv_reservation, ideal=ideal,
+                     kv_capacity_tokens=engine_cfg.kv_capacity_tokens or KV_AUTO_TOKENS, kv_block_size=block,
+                     kv_reservation=engine_cfg.kv_reservation, prefix_caching=engine_cfg.prefix_caching, ideal=ideal,
                      late_share=engine_cfg.late_share, error=error or PredictionError(), seed=seed)
 
 
@@ -198,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "same scheduler code with a cost model (--cost) (default: sim)")
     p.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated policy names")
     p.add_argument("--workload", default="azure-mix",
-                   help="azure-mix, long-mix or a trace file (Azure/BurstGPT CSV, JSONL)")
+                   help="azure-mix, long-mix, mooncake-4k or a trace file (Azure/BurstGPT CSV, JSONL)")
     p.add_argument("--requests", type=int, default=None, help="first N requests of the workload")
     p.add_argument("--rates", default=None, help="offered rates, req/s (default: per engine)")
     p.add_argument("--slo-scales", default="0.4,0.6,0.8,1.0,1.5,2.0",
@@ -270,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--cost {args.cost}: {exc}")  # one line, exit 2
     if args.host_ms is not None:
         runner.cost = replace(runner.cost, batch_host_s=args.host_ms / 1000)
+    if args.max_tokens > 1 and not runner.cost.decode_s:
+        console.print("warning: this cost model times no decode step (a GPU's profile, or one calibrated before "
+                      "decode was): simulated answers take no time")
     if args.errors is not None:
         return sweep_errors(args, console, levels, policies, rates, n, argv, runner)
     if not args.no_ideal and "flowprefill" in policies:

@@ -4,10 +4,11 @@ and prompts synthesized to an exact token count. Shared by the goodput benchmark
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import math
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
 
@@ -282,6 +283,35 @@ def long_mix(rule: ClassRule | None = None, short_max: int = SHORT_MAX, long_max
     return Workload("long-mix", source, rule.describe(), sorted(reqs + shorts, key=lambda r: r.arrival_s))
 
 
+# mooncake-4k's cut: a 4K prompt is a second or two of the tiny model's prefill on one CPU core.
+MOONCAKE_MAX = 4096
+
+
+def mooncake(rule: ClassRule | None = None, max_tokens: int = MOONCAKE_MAX) -> Workload:
+    """The Mooncake FAST'25 trace with each prompt cut to its first `max_tokens` tokens and the hash ids of
+    the blocks kept: a cut prompt shares exactly the prefix it shared (unlike long-mix's compression),
+    so prefix caching meets the trace's reuse. Classed by the length served."""
+    rule = rule or ClassRule()
+    moon = load_trace(traces_dir() / MOONCAKE_TRACE, rule)
+    reqs = [msgspec.structs.replace(r, input_tokens=n, slo_class=rule(n, r.type),
+                                    prefix=r.prefix[:-(-n // PREFIX_BLOCK_TOKENS)])
+            for r in moon.requests for n in [min(r.input_tokens, max_tokens)]]
+    source = f"{MOONCAKE_TRACE} (each prompt's first {max_tokens} tokens and their blocks' hash ids)"
+    return Workload(f"mooncake-{max_tokens // 1024}k", source, rule.describe(), reqs)
+
+
+def prefixed_prompt(prefix: Sequence[int], n_tokens: int, vocab_size: int) -> list[int]:
+    """Token ids of a prompt whose 512-token blocks are named by `prefix` (a trace's hash ids): the same
+    id, the same tokens, so two prompts share exactly the blocks their ids share."""
+    ids = [t for h in prefix for t in _block_tokens(h, vocab_size)][:n_tokens]
+    return ids + synthesize_prompt(n_tokens - len(ids), vocab_size, seed=f"rest-{prefix[-1] if prefix else ''}")
+
+
+@functools.lru_cache(maxsize=4096)
+def _block_tokens(block: int, vocab_size: int) -> tuple[int, ...]:
+    return tuple(synthesize_prompt(PREFIX_BLOCK_TOKENS, vocab_size, seed=f"block-{block}"))
+
+
 def compress(n: int, low: int, high: int, top: int) -> int:
     """n in (low, top] onto (low, high] on a log scale: low * (n / low) ** k with top landing on high,
     so lengths keep their order and relative spread (a Mooncake prompt of 11.6K tokens, its median,
@@ -293,7 +323,7 @@ def compress(n: int, low: int, high: int, top: int) -> int:
     return min(high, max(low + 1, math.ceil(low * (n / low) ** k)))
 
 
-NAMED = {"azure-mix": azure_mix, "long-mix": long_mix}
+NAMED = {"azure-mix": azure_mix, "long-mix": long_mix, "mooncake-4k": mooncake}
 
 
 def named_or_trace(spec: str, rule: ClassRule | None = None) -> Workload:

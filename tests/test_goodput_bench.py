@@ -258,3 +258,41 @@ def test_requests_answer_what_the_trace_says_at_most_max_tokens() -> None:
                                         TraceRequest(0.2, 100, 0, "standard")])
     assert [r.sampling.max_tokens for r in make_requests(w, DEFAULT_CLASSES, 1.0, 0.0, None, 20)] == [5, 20, 1]
     assert [r.sampling.max_tokens for r in make_requests(w, DEFAULT_CLASSES, 1.0, 0.0, None)] == [1, 1, 1]
+
+
+def test_a_trace_naming_its_blocks_shares_them_in_both_engines() -> None:
+    """mooncake-4k: prompts cut to 4,096 tokens, their blocks' hash ids kept. Real prompts are built block
+    by block (the same id, the same tokens: the engine's prefix cache finds them); simulated ones carry
+    the ids as block hashes (the simulator's)."""
+    from engine.protocol.slo import DEFAULT_CLASSES
+    from loadtest.goodput import make_requests
+    from loadtest.workload import PREFIX_BLOCK_TOKENS, head, mooncake
+
+    w = head(mooncake(), 100)
+    assert max(r.input_tokens for r in w.requests) == 4096
+    assert all(len(r.prefix) == -(-r.input_tokens // PREFIX_BLOCK_TOKENS) for r in w.requests)
+    real, sim = make_requests(w, DEFAULT_CLASSES, 1.0, 0.0, 512), make_requests(w, DEFAULT_CLASSES, 1.0, 0.0, None)
+    pairs = [(a, b) for a in range(len(w.requests)) for b in range(a)
+             if w.requests[a].prefix[:1] == w.requests[b].prefix[:1]]
+    assert pairs
+    for a, b in pairs:
+        shared = 0
+        while shared < min(len(w.requests[a].prefix), len(w.requests[b].prefix)) and \
+                w.requests[a].prefix[shared] == w.requests[b].prefix[shared]:
+            shared += 1
+        n = min(shared * PREFIX_BLOCK_TOKENS, real[a].num_prompt_tokens, real[b].num_prompt_tokens)
+        assert real[a].prompt_token_ids[:n] == real[b].prompt_token_ids[:n]
+        assert sim[a].block_hashes[:shared] == sim[b].block_hashes[:shared]
+    assert all(r.block_hashes is None for r in real)
+
+
+def test_the_simulated_twin_caches_a_traces_prefixes(tmp_path: Path) -> None:
+    served = {}
+    for caching in ("--prefix-caching", "--no-prefix-caching"):
+        out = tmp_path / caching
+        assert main(["bench", "goodput", "--engine", "sim", "--cost", "llama-3.1-8b@h100", "--workload", "mooncake-4k",
+                     "--requests", "300", "--policies", "flowprefill", "--rates", "40,80", "--slo-scales", "",
+                     "--no-ideal", caching, "--out", str(out)]) == 0
+        doc = json.loads((out / "goodput-sim.json").read_text())
+        served[caching] = [p["attainment"] for p in doc["policies"]["flowprefill"]["points"]]
+    assert sum(served["--prefix-caching"]) > sum(served["--no-prefix-caching"])

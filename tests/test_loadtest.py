@@ -72,7 +72,7 @@ def test_schedules() -> None:
     ('kind = "ramp"\nrates = []', "rates must list rates > 0"),
     ('kind = "burst"\nburst_class = "vip"', "unknown SLO class 'vip'"),
     ('kind = "burst"\nshared_prefixes = 0', "shared_prefix_tokens/shared_prefixes must be >= 0 / >= 1"),
-    ('kind = "trace"\ntrace = "/nonexistent.csv"', "is not azure-mix, long-mix or an existing trace file"),
+    ('kind = "trace"\ntrace = "/nonexistent.csv"', "is not azure-mix, long-mix, mooncake-4k or an existing trace file"),
     ('kind = "sometimes"', "Invalid enum value 'sometimes' - at `$.kind` (kind: poisson"),
     ('kind = "poisson"\nrate = 1\nrat = 2', "unknown field `rat`"),
     ('kind = "poisson"\nrate = "fast"', "Expected `float | null`, got `str` - at `$.rate`"),

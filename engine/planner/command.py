@@ -92,7 +92,7 @@ class _Moved(argparse.Action):
 def add_plan_options(p: argparse.ArgumentParser) -> None:
     """Every option of `flowprefill plan` (`flowprefill bench planner` takes them all, and its own)."""
     p.add_argument("--workload", default="azure-mix",
-                   help="azure-mix, long-mix or a trace file (Azure/BurstGPT CSV, JSONL)")
+                   help="azure-mix, long-mix, mooncake-4k or a trace file (Azure/BurstGPT CSV, JSONL)")
     p.add_argument("--requests", type=int, default=None, metavar="N", help="first N requests of the workload "
                    "(default: all)")
     p.add_argument("--skip", type=int, default=0, metavar="N", help="leave out the workload's first N requests "

@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "load generator runs on the others")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (no pinning; the peers use their GPU build)")
     p.add_argument("--workload", default="azure-mix",
-                   help="azure-mix, long-mix or a trace file (Azure/BurstGPT CSV, JSONL)")
+                   help="azure-mix, long-mix, mooncake-4k or a trace file (Azure/BurstGPT CSV, JSONL)")
     p.add_argument("--requests", type=int, default=100, help="the first N requests of the workload")
     p.add_argument("--rates", default="2,4,8,12,16,24", help="offered rates, req/s")
     p.add_argument("--scenarios", default="quiet", help=f"comma-separated: {', '.join(SCENARIOS)}")
