@@ -86,10 +86,9 @@ def sim_config(engine_cfg: EngineConfig, ideal: bool = False, error: PredictionE
                seed: int = 0) -> SimConfig:
     """The simulator set up as the engine `engine_cfg` describes (its step budget, batch bound, KV, late share)."""
     budget = engine_cfg.step_budget_ms / 1000 if engine_cfg.preemptible else None
-    # with prefix caching its KV blocks are a trace's (make_requests gives simulated requests their hash ids)
-    block = PREFIX_BLOCK_TOKENS if engine_cfg.prefix_caching else SimConfig.kv_block_size
     return SimConfig(step_budget_s=budget, max_batch_tokens=engine_cfg.max_batch_tokens,
-                     kv_capacity_tokens=engine_cfg.kv_capacity_tokens or KV_AUTO_TOKENS, kv_block_size=block,
+                     kv_capacity_tokens=engine_cfg.kv_capacity_tokens or KV_AUTO_TOKENS,
+                     kv_block_size=engine_cfg.kv_block_size,
                      kv_reservation=engine_cfg.kv_reservation, prefix_caching=engine_cfg.prefix_caching, ideal=ideal,
                      late_share=engine_cfg.late_share, error=error or PredictionError(), seed=seed)
 
@@ -142,6 +141,8 @@ class Runner:
         reqs = make_requests(w, classes, scale, 0.0, None, self.max_tokens)
         name = "flowprefill" if policy == IDEAL else policy
         cfg = sim_config(self.engine_cfg, ideal=policy == IDEAL, error=error, seed=seed)
+        if cfg.prefix_caching and any(tr.prefix for tr in w.requests):  # its KV blocks are those the ids name
+            cfg = replace(cfg, kv_block_size=PREFIX_BLOCK_TOKENS)
         pre = simulate(reqs, make_policy(name), cost or self.cost, cfg, exact=exact, batches=batches)
         return report.point(w.rate, outcomes(reqs), pre)
 
