@@ -35,7 +35,7 @@ from loadtest import results
 from loadtest.priority import ORDERS, class_priorities
 from loadtest.profiles import Profile, ProfileError, Schedule, load_profile
 from loadtest.server import ServerCounters
-from loadtest.workload import synthesize_prompt
+from loadtest.workload import prefixed_prompt, synthesize_prompt
 
 log = logging.getLogger("flowprefill.loadtest")
 LAG_WARN_S = 0.05
@@ -225,23 +225,28 @@ class OpenAIUser(HttpUser):
         rec = results.Record(index=i, slo_class=tr.slo_class, input_tokens=tr.input_tokens,
                              scheduled_s=tr.arrival_s, lag_s=max(0.0, time.time() - due))
         try:
-            self._stream(tr.slo_class, i, tr.input_tokens, min(p.max_tokens, tr.output_tokens or p.max_tokens), rec)
+            self._stream(tr.slo_class, i, tr.input_tokens, min(p.max_tokens, tr.output_tokens or p.max_tokens), rec,
+                         tr.prefix)
         except BaseException as exc:  # GreenletExit when the run stops: still accounted for
             rec.error = rec.error or f"interrupted: {type(exc).__name__}"
             raise
         finally:
             RUN.record(rec)
 
-    def _stream(self, cls: str, i: int, n_in: int, n_out: int, rec: results.Record) -> None:
+    def _stream(self, cls: str, i: int, n_in: int, n_out: int, rec: results.Record,
+                prefix: tuple[int, ...] = ()) -> None:
         p = RUN.profile
         # A chat message is text: printable ASCII (ids 32-126), one token a byte for the embedded model's
         # byte tokenizer; random bytes up to 255 are not UTF-8 (a 3,000-byte prompt never decodes).
         ids = 127 if p.endpoint == "chat" else 256
-        shared = []  # the start of the prompt that other requests share (a system prompt, a document)
-        if p.shared_prefix_tokens:
-            shared = synthesize_prompt(min(n_in, p.shared_prefix_tokens), ids,
-                                       seed=f"{RUN.nonce}-shared-{i % p.shared_prefixes}")
-        prompt_ids = shared + synthesize_prompt(n_in - len(shared), ids, seed=f"{RUN.nonce}-{i}")
+        if prefix:  # a trace naming its prompts' blocks (Mooncake's hash ids): they share what the ids share
+            prompt_ids = prefixed_prompt(prefix, n_in, ids, salt=f"{RUN.nonce}-")
+        else:
+            shared = []  # the start of the prompt that other requests share (a system prompt, a document)
+            if p.shared_prefix_tokens:
+                shared = synthesize_prompt(min(n_in, p.shared_prefix_tokens), ids,
+                                           seed=f"{RUN.nonce}-shared-{i % p.shared_prefixes}")
+            prompt_ids = shared + synthesize_prompt(n_in - len(shared), ids, seed=f"{RUN.nonce}-{i}")
         body: dict[str, Any] = {"model": RUN.model or None, "max_tokens": n_out, "stream": True,
                                 "temperature": 0, "ignore_eos": True, "priority": RUN.priorities.get(cls)}
         if RUN.profile.endpoint == "chat":

@@ -300,16 +300,17 @@ def mooncake(rule: ClassRule | None = None, max_tokens: int = MOONCAKE_MAX) -> W
     return Workload(f"mooncake-{max_tokens // 1024}k", source, rule.describe(), reqs)
 
 
-def prefixed_prompt(prefix: Sequence[int], n_tokens: int, vocab_size: int) -> list[int]:
+def prefixed_prompt(prefix: Sequence[int], n_tokens: int, vocab_size: int, salt: str = "") -> list[int]:
     """Token ids of a prompt whose 512-token blocks are named by `prefix` (a trace's hash ids): the same
-    id, the same tokens, so two prompts share exactly the blocks their ids share."""
-    ids = [t for h in prefix for t in _block_tokens(h, vocab_size)][:n_tokens]
-    return ids + synthesize_prompt(n_tokens - len(ids), vocab_size, seed=f"rest-{prefix[-1] if prefix else ''}")
+    id, the same tokens, so two prompts share exactly the blocks their ids share. `salt`: another run's
+    (a server's cache outlives a run: a fresh salt shares nothing with it)."""
+    ids = [t for h in prefix for t in _block_tokens(h, vocab_size, salt)][:n_tokens]
+    return ids + synthesize_prompt(n_tokens - len(ids), vocab_size, seed=f"{salt}rest-{prefix[-1] if prefix else ''}")
 
 
 @functools.lru_cache(maxsize=4096)
-def _block_tokens(block: int, vocab_size: int) -> tuple[int, ...]:
-    return tuple(synthesize_prompt(PREFIX_BLOCK_TOKENS, vocab_size, seed=f"block-{block}"))
+def _block_tokens(block: int, vocab_size: int, salt: str) -> tuple[int, ...]:
+    return tuple(synthesize_prompt(PREFIX_BLOCK_TOKENS, vocab_size, seed=f"{salt}block-{block}"))
 
 
 def compress(n: int, low: int, high: int, top: int) -> int:

@@ -161,6 +161,22 @@ def test_shared_prefixes_load_the_prefix_cache(served: str, tmp_path: Path) -> N
 
 
 @pytest.mark.slow
+def test_a_traces_named_blocks_load_the_prefix_cache(served: str, tmp_path: Path) -> None:
+    """A Mooncake JSONL trace names each prompt's 512-token blocks: four 600-token prompts sharing their
+    first block's id share its tokens, so each after the first finds them cached (two 256-token blocks)."""
+    rows = [{"timestamp": 0.6 * k, "input_length": 600, "output_length": 2, "hash_ids": [7, 100 + k]}
+            for k in range(4)]
+    (tmp_path / "trace.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (tmp_path / "trace.toml").write_text(f'kind = "trace"\ntrace = "{tmp_path / "trace.jsonl"}"\nmax_tokens = 2\n')
+    before = _prefix_hits(served)
+    out = tmp_path / "out"
+    assert flowprefill(["loadtest", "--profile", str(tmp_path / "trace.toml"), "--host", served,
+                        "--out", str(out)]) == 0
+    assert json.loads((out / "goodput.json").read_text())["accounting"]["failed"] == 0
+    assert _prefix_hits(served) - before >= 3 * 512
+
+
+@pytest.mark.slow
 def test_distributed_two_workers(served: str, tmp_path: Path) -> None:
     (tmp_path / "small.toml").write_text(SMALL)
     out = tmp_path / "out"
