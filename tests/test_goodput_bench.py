@@ -209,17 +209,21 @@ def test_batches_to_converge() -> None:
     assert batches_to_converge([-0.1] * 10) == 0
 
 
+def _flowprefill_on_h200(trace: Path, out: Path, rates: str, *extra: str) -> dict:
+    """A FlowPrefill sweep of `trace` on the simulated H200: its goodput-sim.json."""
+    assert main(["bench", "goodput", "--engine", "sim", "--cost", "llama-3.1-8b@h200", "--workload", str(trace),
+                 "--policies", "flowprefill", "--rates", rates, "--slo-scales", "", "--no-ideal", *extra,
+                 "--out", str(out)]) == 0
+    return json.loads((out / "goodput-sim.json").read_text())
+
+
 def test_the_host_time_per_batch_is_a_what_if_of_the_simulator(tmp_path: Path) -> None:
     """--host-ms: the same sweep with the host's time per batch serialized (the H200 model's 3.8 ms) and
     overlapped with the device (0): goodput can only rise when the host stops costing device time."""
     trace = _trace(tmp_path)
     best = {}
     for host in ("3.8", "0"):
-        out = tmp_path / host
-        assert main(["bench", "goodput", "--engine", "sim", "--cost", "llama-3.1-8b@h200", "--workload", str(trace),
-                     "--policies", "flowprefill", "--rates", "5,20,40,80,160", "--slo-scales", "", "--no-ideal",
-                     "--host-ms", host, "--out", str(out)]) == 0
-        doc = json.loads((out / "goodput-sim.json").read_text())
+        doc = _flowprefill_on_h200(trace, tmp_path / host, "5,20,40,80,160", "--host-ms", host)
         assert "--host-ms " + host in doc["command"]
         best[host] = doc["policies"]["flowprefill"]["points"]
     served = [(sum(p["attainment"] for p in best[h])) for h in ("3.8", "0")]
@@ -236,11 +240,7 @@ def test_answers_cost_the_simulated_device_its_decode_steps(tmp_path: Path) -> N
     trace = _trace(tmp_path)
     served = {}
     for answer in ("1", "10"):
-        out = tmp_path / answer
-        assert main(["bench", "goodput", "--engine", "sim", "--cost", "llama-3.1-8b@h200", "--workload", str(trace),
-                     "--policies", "flowprefill", "--rates", "20,80,160", "--slo-scales", "", "--no-ideal",
-                     "--max-tokens", answer, "--out", str(out)]) == 0
-        doc = json.loads((out / "goodput-sim.json").read_text())
+        doc = _flowprefill_on_h200(trace, tmp_path / answer, "20,80,160", "--max-tokens", answer)
         assert doc["max_tokens"] == int(answer)
         served[answer] = [p["attainment"] for p in doc["policies"]["flowprefill"]["points"]]
     assert sum(served["10"]) < sum(served["1"])

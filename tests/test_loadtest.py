@@ -145,6 +145,14 @@ def _prefix_hits(served: str) -> float:
                if line.startswith("flowprefill_prefix_cache_hits_total"))
 
 
+def _prefix_hits_of(served: str, profile: Path, out: Path) -> float:
+    """The prefix-cache hits (tokens) a loadtest of `profile` adds on the served worker; none of it fails."""
+    before = _prefix_hits(served)
+    assert flowprefill(["loadtest", "--profile", str(profile), "--host", served, "--out", str(out)]) == 0
+    assert json.loads((out / "goodput.json").read_text())["accounting"]["failed"] == 0
+    return _prefix_hits(served) - before
+
+
 @pytest.mark.slow
 def test_shared_prefixes_load_the_prefix_cache(served: str, tmp_path: Path) -> None:
     """Every prompt starts with the same 512 tokens: after the first, each finds them cached (two
@@ -152,12 +160,7 @@ def test_shared_prefixes_load_the_prefix_cache(served: str, tmp_path: Path) -> N
     (tmp_path / "shared.toml").write_text('kind = "burst"\nbacklog_requests = 1\nbacklog_tokens = 600\n'
                                           'burst_requests = 6\nburst_tokens = 600\nburst_rate = 10\n'
                                           'burst_at_s = 0.5\nmax_tokens = 2\nshared_prefix_tokens = 512\n')
-    before = _prefix_hits(served)
-    out = tmp_path / "out"
-    assert flowprefill(["loadtest", "--profile", str(tmp_path / "shared.toml"), "--host", served,
-                        "--out", str(out)]) == 0
-    assert json.loads((out / "goodput.json").read_text())["accounting"]["failed"] == 0
-    assert _prefix_hits(served) - before >= 6 * 512
+    assert _prefix_hits_of(served, tmp_path / "shared.toml", tmp_path / "out") >= 6 * 512
 
 
 @pytest.mark.slow
@@ -168,12 +171,7 @@ def test_a_traces_named_blocks_load_the_prefix_cache(served: str, tmp_path: Path
             for k in range(4)]
     (tmp_path / "trace.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     (tmp_path / "trace.toml").write_text(f'kind = "trace"\ntrace = "{tmp_path / "trace.jsonl"}"\nmax_tokens = 2\n')
-    before = _prefix_hits(served)
-    out = tmp_path / "out"
-    assert flowprefill(["loadtest", "--profile", str(tmp_path / "trace.toml"), "--host", served,
-                        "--out", str(out)]) == 0
-    assert json.loads((out / "goodput.json").read_text())["accounting"]["failed"] == 0
-    assert _prefix_hits(served) - before >= 3 * 512
+    assert _prefix_hits_of(served, tmp_path / "trace.toml", tmp_path / "out") >= 3 * 512
 
 
 @pytest.mark.slow

@@ -287,8 +287,7 @@ class Engine(EngineFront, EngineOutputs):
             return
         if batch is None:
             return
-        if batch is not self.prefill.current:  # a failure here is the running batch's: `_fail_current`
-            self.prefill.switch(batch)
+        self.prefill.switch(batch)  # outside the try: a failure here is the running batch's (`_fail_current`)
         try:
             finished = self.prefill.step(batch)  # engine/core/prefill.py
         except Exception as exc:

@@ -272,10 +272,8 @@ class PrefillLoop:
         self.device_free_at = -math.inf  # when the device's last step (prefill or decode) ended, on `clock`
 
     def step(self, batch: PrefillBatch) -> bool:
-        """Run the chosen batch's next step, switching to it first. True when its prefill is done: the
+        """Run the running batch's next step (`switch` made it so). True when its prefill is done: the
         caller then `end`s it. Every `progress_every_s` of measured time the correction learns."""
-        if batch is not self.current:  # the per-boundary check: is the running batch still chosen?
-            self.switch(batch)
         finished = batch.advance()
         self.device_free_at = self.clock()
         if not finished and batch.exec_s - batch.observed[1] >= self.scheduler.progress_every_s:
@@ -283,9 +281,12 @@ class PrefillLoop:
         return finished
 
     def switch(self, batch: PrefillBatch) -> None:
-        """`batch` runs from now: the one that ran is suspended where it stands if it still owes work.
-        A batch's first segment records its host gap (the device idle while its work waited), which
-        the scheduler's predictions add per batch."""
+        """The per-boundary check: `batch` (the scheduler's choice) runs from now. When it is not the one
+        that ran, that one is suspended where it stands if it still owes work, and a batch's first
+        segment records its host gap (the device idle while its work waited), which the scheduler's
+        predictions add per batch."""
+        if batch is self.current:
+            return
         now, prev = self.clock(), self.current
         preempted = prev is not None and prev in self.scheduler.pool
         if preempted:

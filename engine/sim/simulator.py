@@ -264,8 +264,7 @@ class Simulation:
             return None
         # idle since its last step ended: the batch pays for the wake-up
         woke = self.loop.current is None and self.clock.t > self.busy_until and not self.cfg.ideal
-        if batch is not self.loop.current:
-            self.loop.switch(batch)
+        self.loop.switch(batch)
         start = self.clock.t
         left = self.step_left.pop(batch.batch_id, None)
         if left is None and not self.cfg.ideal:
