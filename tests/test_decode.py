@@ -19,6 +19,7 @@ from engine.core.decode import OutputStream
 from engine.core.engine import Engine
 from engine.core.kv_cache import KVCache
 from engine.core.request import Request, Sampled, SamplingParams, TokenOutput
+from engine.core.sampling import draw, draw_among, nucleus
 from engine.core.sampling import sample as sample_with_logprobs
 from engine.core.tokenizer import ByteTokenizer
 from engine.model.cost import OpCost, SeqSpan
@@ -207,6 +208,31 @@ def test_greedy_equivalents(params: dict[str, object]) -> None:
     for trial in range(10):
         torch.manual_seed(trial)
         assert sample(logits, reqs, {}) == logits.argmax(-1).tolist()
+
+
+def _sorted_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """top_p by sorting the whole vocabulary (what `nucleus` must equal), as a vector of the vocabulary."""
+    sorted_p, order = probs.sort(descending=True)
+    drop = sorted_p.cumsum(0) - sorted_p >= top_p
+    drop[0] = False
+    return probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
+
+
+@pytest.mark.parametrize("vocab", [5, 50, 600, 49152])
+def test_nucleus_is_the_sorted_vocabularys_and_draws_the_same_id(vocab: int) -> None:
+    """`nucleus` looks among the top k only, k grown until the set ends inside them: the same ids and
+    probabilities as sorting everything, from peaked to flat distributions; `draw_among` over them
+    draws the id `draw` would over the whole vocabulary, for the same generator state."""
+    gen = torch.Generator().manual_seed(vocab)
+    for scale in (0.3, 2.0, 8.0, 30.0):
+        probs = torch.softmax(torch.randn(vocab, generator=gen) * scale, -1)
+        for top_p in (1e-9, 0.3, 0.9, 0.95, 0.999):
+            ids, kept = nucleus(probs, top_p)
+            want = _sorted_nucleus(probs, top_p)
+            assert torch.equal(torch.zeros_like(probs).scatter_(0, ids, kept), want), (scale, top_p)
+            for seed in range(3):
+                assert draw_among(ids, kept, torch.Generator().manual_seed(seed)) == \
+                    draw(want, torch.Generator().manual_seed(seed))
 
 
 def test_seed_determinism_and_independence() -> None:

