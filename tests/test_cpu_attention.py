@@ -109,6 +109,46 @@ def test_merge_is_the_shared_lse_merge(dtype: torch.dtype) -> None:
     assert cpu.merge(outs[:1], lses[:1]) is outs[0]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("head_dim", "q_heads", "kv_heads", "block_size"),
+                         [(64, 9, 3, 16), (32, 8, 2, 16), (128, 4, 4, 256), (16, 16, 2, 4), (64, 6, 3, 8)])
+def test_decode_reads_the_paged_cache_in_place(dtype: torch.dtype, head_dim: int, q_heads: int, kv_heads: int,
+                                               block_size: int) -> None:
+    """The decode kernel's answers (every sequence's one query against its blocks, scattered over the
+    cache, lengths ending mid-block) are the math's on the same keys, gathered; and the backend's
+    decode, tables made once for a step's layers, is the kernel's."""
+    _skip_unless_built(dtype, head_dim)
+    gen = torch.Generator().manual_seed(head_dim + q_heads)
+    blocks = 120
+    kc, vc = (torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
+    lengths = [1, block_size + 1, 5 * block_size - 3, 2 * block_size]
+    order = torch.randperm(blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for n in lengths:
+        k = -(-n // block_size)
+        tables.append(order[used:used + k])
+        used += k
+    tables[1] += [order[-1]]  # a table may hold more blocks than its length fills
+    q = torch.randn(len(lengths), q_heads, head_dim, generator=gen).to(dtype)
+    width = max(map(len, tables))
+    out = cpu._ops.decode(q, kc, vc, torch.tensor([t + [0] * (width - len(t)) for t in tables]), torch.tensor(lengths))
+    for i, (table, n) in enumerate(zip(tables, lengths, strict=True)):
+        k, v = (c[table].flatten(0, 1)[:n] for c in (kc, vc))
+        want = _reference(q[i:i + 1], k, v, False)[0][0]
+        assert _rel(out[i], want) < (2e-6 if dtype == torch.float32 else 8e-3), (i, n)
+
+    class Cache:
+        k, v = [kc], [vc]
+
+    backend = cpu.CPUBackend()
+    for _ in range(2):  # the second layer of a step reuses the tables
+        assert torch.equal(backend.decode(q, 0, Cache, tables, lengths), out)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="outside its table"):
+        cpu._ops.decode(q[:1], kc, vc, torch.tensor([[0]]), torch.tensor([block_size + 1]))
+    with pytest.raises(RuntimeError, match="block out of range"):
+        cpu._ops.decode(q[:1], kc, vc, torch.tensor([[blocks]]), torch.tensor([1]))
+
+
 def test_empty_inputs_and_refusals() -> None:
     _skip_unless_built(torch.float32)
     q, k = torch.randn(0, 4, 32), torch.randn(5, 2, 32)

@@ -1,5 +1,6 @@
-"""FlowPrefill's own CPU kernels (engine/attention/cpu_flash.cpp): attention, and the fused row kernels
-(RMSNorm, SiLU-and-mul, RoPE; engine/model/kernels.py), built on first use.
+"""FlowPrefill's own CPU kernels (engine/attention/cpu_flash.cpp): attention, decode attention on the paged
+cache (cpu_decode.cpp), and the fused row kernels (RMSNorm, SiLU-and-mul, RoPE; engine/model/kernels.py),
+built on first use.
 
 Why our own: torch's CPU flash kernel (`_scaled_dot_product_flash_attention_for_cpu`) runs this
 engine's default model (head size 32, 4:1 grouped-query heads) at about 50 GFLOP/s on one AVX-512
@@ -33,7 +34,7 @@ from engine.core.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_flash.cpp", "cpu_rows.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_flash.cpp", "cpu_rows.cpp", "cpu_decode.cpp")]
 HEADER = Path(__file__).with_name("cpu_simd.h")
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # the head sizes the kernel is instantiated for
 # -fopenmp: at::parallel_for is a `#pragma omp parallel` in ATen's headers, which a build without it
@@ -177,11 +178,21 @@ class CPUBackend:
              ) -> tuple[torch.Tensor, torch.Tensor]:
         return attention(q, k, v, causal)
 
+    def __init__(self) -> None:
+        self._step: tuple[list[list[int]], list[int], torch.Tensor, torch.Tensor] | None = None
+
     def decode(self, q: torch.Tensor, layer: int, kv: KVCache, block_tables: list[list[int]],
                lengths: list[int]) -> torch.Tensor:
-        out = torch.empty_like(q)
-        for i, (table, length) in enumerate(zip(block_tables, lengths, strict=True)):
-            k, v = kv.gather(layer, table, length)
-            out[i] = attention(q[i : i + 1], k, v, False)[0][0]
-        return out
+        """Every sequence's one query against its keys and values read in place from the paged cache: a
+        gather into contiguous K and V and a prefill tile per sequence took 118 of a 206 ms decode step
+        of SmolLM2 (fp32, 8 answers of 1K tokens, one EPYC core)."""
+        return _ops.decode(q, kv.k[layer], kv.v[layer], *self._tables(block_tables, lengths))
+
+    def _tables(self, block_tables: list[list[int]], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's tables and lengths as tensors, made once for all its layers (the same lists each)."""
+        if self._step is None or self._step[0] != block_tables or self._step[1] != lengths:
+            width = max(map(len, block_tables))
+            tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
+            self._step = [list(t) for t in block_tables], list(lengths), tables, torch.tensor(lengths, dtype=torch.long)
+        return self._step[2], self._step[3]
 

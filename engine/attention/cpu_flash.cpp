@@ -464,10 +464,12 @@ int64_t parallel_width(int64_t n) {
 
 }  // namespace
 
-// Every operator of the extension; the row kernels' implementations are cpu_rows.cpp's.
+// Every operator of the extension; the row kernels' implementations are cpu_rows.cpp's, decode's
+// cpu_decode.cpp's.
 TORCH_LIBRARY(flowprefill, m) {
   m.def("attention(Tensor q, Tensor k, Tensor v, bool causal) -> (Tensor, Tensor)");
   m.def("merge(Tensor[] outs, Tensor[] lses) -> Tensor");
+  m.def("decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor lengths) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("rope(Tensor positions, Tensor q, Tensor k, int head_dim, Tensor cos_sin) -> (Tensor, Tensor)");

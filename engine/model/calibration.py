@@ -43,8 +43,9 @@ _MEASURED_DECODE = ("decode_s", "decode_s_per_seq", "decode_s_per_token")
 # Part of the key: a profile measured by an older calibration is not merged into a newer one's (before
 # version 2 a CPU's step floor was never measured, and its cached 0 would have stayed the minimum;
 # before version 3 the cache held the fastest measurement ever, not the recent ones; before version 4
-# a CPU's operators were timed by the wall, and a start-up beside a busy process ran up to 2x slow).
-PROFILE_VERSION = 4
+# a CPU's operators were timed by the wall, and a start-up beside a busy process ran up to 2x slow; before
+# version 5 a CPU's decode gathered each answer's KV, 1.7-2x slower per step with 8 answers of 1K tokens).
+PROFILE_VERSION = 5
 # Start-ups whose measurements the profile is the median of. The fastest ever (what the cache kept
 # before) drifts to the machine's luckiest moment: on 2 shared AMD EPYC cores the cached profile was
 # 1.2-1.6x faster per operator than three fresh calibrations of the same hour, the engine's own steps
