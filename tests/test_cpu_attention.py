@@ -7,6 +7,7 @@ transformers) are tests/test_reference.py's, which run on this kernel wherever i
 from __future__ import annotations
 
 import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -143,6 +144,14 @@ def test_decode_reads_the_paged_cache_in_place(dtype: torch.dtype, head_dim: int
     backend = cpu.CPUBackend()
     for _ in range(2):  # the second layer of a step reuses the tables
         assert torch.equal(backend.decode(q, 0, Cache, tables, lengths), out)  # type: ignore[arg-type]
+    # Engines sharing a model decode on their own threads: a step on another thread leaves this one's
+    # tables (a shared cache failed one engine's decode steps, or read another's blocks).
+    mine = backend._tables(tables, lengths)[0]
+    others: list[torch.Tensor] = []
+    thread = threading.Thread(target=lambda: others.append(backend.decode(q[:2], 0, Cache, tables[:2], lengths[:2])))  # type: ignore[arg-type]
+    thread.start()
+    thread.join()
+    assert torch.equal(others[0], out[:2]) and backend._tables(tables, lengths)[0] is mine
     with pytest.raises(RuntimeError, match="outside its table"):
         cpu._ops.decode(q[:1], kc, vc, torch.tensor([[0]]), torch.tensor([block_size + 1]))
     with pytest.raises(RuntimeError, match="block out of range"):

@@ -179,7 +179,8 @@ class CPUBackend:
         return attention(q, k, v, causal)
 
     def __init__(self) -> None:
-        self._step: tuple[list[list[int]], list[int], torch.Tensor, torch.Tensor] | None = None
+        # Per thread: engines in one process may share a model (and so this backend), each on its own thread.
+        self._steps = threading.local()
 
     def decode(self, q: torch.Tensor, layer: int, kv: KVCache, block_tables: list[list[int]],
                lengths: list[int]) -> torch.Tensor:
@@ -190,9 +191,11 @@ class CPUBackend:
 
     def _tables(self, block_tables: list[list[int]], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's tables and lengths as tensors, made once for all its layers (the same lists each)."""
-        if self._step is None or self._step[0] != block_tables or self._step[1] != lengths:
+        step = getattr(self._steps, "last", None)
+        if step is None or step[0] != block_tables or step[1] != lengths:
             width = max(map(len, block_tables))
             tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
-            self._step = [list(t) for t in block_tables], list(lengths), tables, torch.tensor(lengths, dtype=torch.long)
-        return self._step[2], self._step[3]
+            step = self._steps.last = ([list(t) for t in block_tables], list(lengths), tables,
+                                       torch.tensor(lengths, dtype=torch.long))
+        return step[2], step[3]
 
