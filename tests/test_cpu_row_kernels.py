@@ -74,11 +74,17 @@ def test_rope_is_the_exact_rotation(dtype: torch.dtype, head_dim: int) -> None:
         cpu.rope(torch.tensor([4096] * n), q, k, head_dim, rotary._cos_sin)
 
 
-def test_chosen_only_when_asked_for() -> None:
-    assert select_kernels("auto", torch.device("cpu"), torch.float32, 64, 128).name == "torch"
+def test_chosen_automatically_where_they_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto takes them on a CPU where they build (this test module runs only there); where they cannot
+    run, auto keeps torch's and cpu is an error naming why."""
+    assert select_kernels("auto", torch.device("cpu"), torch.float32, 64, 128).name == "cpu"
     assert select_kernels("cpu", torch.device("cpu"), torch.float32, 64, 128).name == "cpu"
     with pytest.raises(ValueError, match="--row-kernels cpu: runs on the CPU"):
         select_kernels("cpu", torch.device("cuda"), torch.float32, 64, 128)
+    monkeypatch.setattr(cpu, "runs", lambda dtype: "needs a CPU with AVX-512")
+    assert select_kernels("auto", torch.device("cpu"), torch.float32, 64, 128).name == "torch"
+    with pytest.raises(ValueError, match="--row-kernels cpu: needs a CPU with AVX-512"):
+        select_kernels("cpu", torch.device("cpu"), torch.float32, 64, 128)
 
 
 @pytest.mark.parametrize("kind", ["qwen2_tied", "qwen3", "llama_bias"])

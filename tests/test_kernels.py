@@ -13,9 +13,13 @@ from engine.model import load_model
 from engine.model.kernels import TorchKernels, _probe, select_kernels
 
 
-def test_torch_kernels_on_a_cpu_whatever_is_asked_for_automatically() -> None:
-    assert select_kernels("auto", torch.device("cpu"), torch.bfloat16, 64, 128).name == "torch"
-    assert load_model(EngineConfig())[0].kernels.name == "torch"
+def test_on_a_cpu_auto_never_takes_flashinfers() -> None:
+    """auto on a CPU: FlowPrefill's row kernels where they run (tests/test_cpu_row_kernels.py), else torch's."""
+    from engine.attention.cpu import runs
+
+    want = "torch" if runs(torch.bfloat16) else "cpu"
+    assert select_kernels("auto", torch.device("cpu"), torch.bfloat16, 64, 128).name == want
+    assert load_model(EngineConfig(row_kernels="torch"))[0].kernels.name == "torch"
     with pytest.raises(ValueError, match="--row-kernels flashinfer: needs a CUDA device"):
         select_kernels("flashinfer", torch.device("cpu"), torch.bfloat16, 64, 128)
     with pytest.raises(ValueError, match="unknown row kernels 'triton'"):

@@ -225,8 +225,8 @@ class EngineConfig:
         "auto", "attention kernels (auto: FlashInfer on CUDA when installed; on a CPU FlowPrefill's own where it "
                 "builds, else SDPA)")
     row_kernels: Literal["auto", "torch", "flashinfer", "cpu"] = setting(
-        "auto", "RMSNorm, SiLU-and-mul and RoPE: fused kernels (auto: FlashInfer's on CUDA when they load; cpu: "
-                "FlowPrefill's, on a CPU)")
+        "auto", "RMSNorm, SiLU-and-mul and RoPE: fused kernels (auto: FlashInfer's on CUDA, FlowPrefill's on a "
+                "CPU, where they load; torch: transformers' arithmetic)")
     linear: Literal["auto", "torch", "onednn"] = setting(
         "auto", "the projections' matmuls (auto: oneDNN's on pre-packed weights on a CPU in float32/bfloat16 "
                 "when it loads and agrees with torch's; on an AMD CPU about 2.2x MKL's in fp32)")

@@ -164,12 +164,13 @@ class LlamaModel:
         if not attn_in_rows and not ffn_rows and not mlp_rows:
             return
         most = max([*attn_in_rows, *ffn_rows, *mlp_rows])
-        self.rotary.reserve(most)
+        self.rotary.reserve(min(most, self.rotary.max_pos))  # a batch's rows may be more than one context
         x = torch.randn(most, c.hidden_size, dtype=self.embed.dtype, device=self.device) * 0.02
         attn = torch.randn(most, c.num_attention_heads, c.head_dim, dtype=self.embed.dtype, device=self.device)
         with torch.inference_mode():
             for rows in attn_in_rows:
-                self._attn_in(layer, x[:rows], self.rotary.span_rows(0, rows))
+                positions = torch.arange(rows, device=self.device) % self.rotary.max_pos
+                self._attn_in(layer, x[:rows], self.rotary.rows(positions))
             for rows in ffn_rows:
                 self._ffn(layer, x[:rows], attn[:rows])
             for rows in mlp_rows:  # every slice has the first's shapes
