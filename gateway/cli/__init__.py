@@ -48,6 +48,8 @@ BENCHES = {
                    ("epp",)),
     "prefix": Command("engine.bench.prefix_cache",
                       "prefix caching on a multi-turn chat workload: TTFT per turn, on vs off", BENCH),
+    "decode": Command("engine.bench.decode", "decode step time by answers at once and context, per attention backend "
+                      "(the paged KV read in place vs gathered)", BENCH),
     "kv": Command("engine.bench.kv_growth",
                   "KV taken as answers grow vs reserved up front, on chat requests of a trace", BENCH),
     "health": Command("engine.bench.health", "GET /health latency while a burst of requests arrives (the "
