@@ -326,14 +326,23 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool cau
   sh.causal = causal;
   sh.scale2 = static_cast<float>(kLog2e / std::sqrt(static_cast<double>(D)));
   const size_t per_head = E::packed_elems(sh.nk_pad, D);
-  std::vector<T> kp(per_head * sh.hkv), vp(per_head * sh.hkv);
+  // The packed keys and values, in buffers this thread keeps: the packing writes every element, and a
+  // fresh zeroed vector per call cost a split prefill's hundreds of calls (SmolLM2 fp32, 2K tokens: 291
+  // calls, attention 10 % slower than in 30 unsplit ones).
+  thread_local std::vector<T> kp_buf, vp_buf;
+  if (kp_buf.size() < per_head * sh.hkv) {
+    kp_buf.resize(per_head * sh.hkv);
+    vp_buf.resize(per_head * sh.hkv);
+  }
+  T* const kp = kp_buf.data();
+  T* const vp = vp_buf.data();
   const T* kd = k.data_ptr<T>();
   const T* vd = v.data_ptr<T>();
   at::parallel_for(0, sh.hkv, 1, [&](int64_t a, int64_t b) {
     for (int64_t h = a; h < b; ++h) {
       using Raw = std::conditional_t<sizeof(T) == 2, uint16_t, float>;
-      E::pack_k(kd + h * k.stride(1), k.stride(0), sh.nk, sh.nk_pad, D, reinterpret_cast<Raw*>(kp.data() + h * per_head));
-      E::pack_v(vd + h * v.stride(1), v.stride(0), sh.nk, sh.nk_pad, D, reinterpret_cast<Raw*>(vp.data() + h * per_head));
+      E::pack_k(kd + h * k.stride(1), k.stride(0), sh.nk, sh.nk_pad, D, reinterpret_cast<Raw*>(kp + h * per_head));
+      E::pack_v(vd + h * v.stride(1), v.stride(0), sh.nk, sh.nk_pad, D, reinterpret_cast<Raw*>(vp + h * per_head));
     }
   });
   const int64_t n_qb = (sh.nq + kBlockQ - 1) / kBlockQ;
@@ -349,7 +358,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool cau
     for (int64_t item = a; item < b; ++item) {
       const int64_t qb = order[item / sh.hkv], h = item % sh.hkv;
       const int64_t q0 = qb * kBlockQ, q1 = std::min(sh.nq, q0 + kBlockQ);
-      attend_block<E, D, MR>(sh, qd, q.stride(0), q.stride(1), kp.data() + h * per_head, vp.data() + h * per_head, h,
+      attend_block<E, D, MR>(sh, qd, q.stride(0), q.stride(1), kp + h * per_head, vp + h * per_head, h,
                              q0, q1, od, ld, scratch);
     }
   });
