@@ -211,8 +211,8 @@ def test_greedy_equivalents(params: dict[str, object]) -> None:
 
 
 def _sorted_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """top_p by sorting the whole vocabulary (what `nucleus` must equal), as a vector of the vocabulary."""
-    sorted_p, order = probs.sort(descending=True)
+    """top_p by a stable sort of the whole vocabulary (what `nucleus` must equal: ties by id), as a vector."""
+    sorted_p, order = probs.sort(descending=True, stable=True)
     drop = sorted_p.cumsum(0) - sorted_p >= top_p
     drop[0] = False
     return probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
@@ -224,12 +224,17 @@ def test_nucleus_is_the_sorted_vocabularys_and_draws_the_same_id(vocab: int) -> 
     probabilities as sorting everything, from peaked to flat distributions; `draw_among` over them
     draws the id `draw` would over the whole vocabulary, for the same generator state."""
     gen = torch.Generator().manual_seed(vocab)
-    for scale in (0.3, 2.0, 8.0, 30.0):
-        probs = torch.softmax(torch.randn(vocab, generator=gen) * scale, -1)
-        for top_p in (1e-9, 0.3, 0.9, 0.95, 0.999):
+    rows = [torch.softmax(torch.randn(vocab, generator=gen) * scale, -1) for scale in (0.3, 2.0, 8.0, 30.0)]
+    # a bf16 model's logits: runs of equal probabilities, which the cut often falls inside
+    rows += [torch.softmax((torch.randn(vocab, generator=gen) * s + 10).bfloat16().float(), -1) for s in (1.0, 3.0)]
+    tied = torch.zeros(vocab)
+    tied[torch.randperm(vocab, generator=gen)[: max(2, vocab // 4)]] = 1.0  # one run of equal ids, at the top
+    rows.append(tied / tied.sum())
+    for probs in rows:
+        for top_p in (1e-9, 0.1, 0.3, 0.9, 0.95, 0.999):
             ids, kept = nucleus(probs, top_p)
             want = _sorted_nucleus(probs, top_p)
-            assert torch.equal(torch.zeros_like(probs).scatter_(0, ids, kept), want), (scale, top_p)
+            assert torch.equal(torch.zeros_like(probs).scatter_(0, ids, kept), want), top_p
             for seed in range(3):
                 assert draw_among(ids, kept, torch.Generator().manual_seed(seed)) == \
                     draw(want, torch.Generator().manual_seed(seed))

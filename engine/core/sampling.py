@@ -109,19 +109,32 @@ NUCLEUS_FIRST_K = 64
 
 def nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The smallest set of likeliest ids whose probabilities reach top_p, and those probabilities (the
-    likeliest id always: a top_p below float32's range rounds to 0). Found among the top k likeliest,
-    k grown until the set ends inside them, not by sorting the vocabulary: on one EPYC core, sampling a
-    token of SmolLM2 (49,152 ids) with top_p took 3.8 ms with the sort, 0.21 ms so. The set is the
-    sort's: the running sums over the top k are the first k of the sorted running sums."""
+    likeliest id always: a top_p below float32's range rounds to 0), ties at the cut broken by id (the
+    lowest kept), as a stable sort of the vocabulary orders them. Found among the top k likeliest, k
+    grown until the set ends inside them, not by sorting the vocabulary: on one EPYC core, sampling a
+    token of SmolLM2 (49,152 ids) with top_p took 3.8 ms with the sort, 0.21 ms so. The running sums
+    over the top k are the first k of the sorted running sums."""
     n, k = probs.numel(), min(NUCLEUS_FIRST_K, probs.numel())
     while True:
-        top, ids = probs.sort(descending=True) if 4 * k >= n else probs.topk(k)
+        top, ids = probs.sort(descending=True, stable=True) if 4 * k >= n else probs.topk(k)
         drop = top.cumsum(0) - top >= top_p  # the probability before each id already reaches top_p
         drop[0] = False
         if len(top) == n or bool(drop[-1]):  # beyond the last id tried every id is dropped too
-            return ids[~drop], top[~drop]
+            break
         # a flat distribution's nucleus is much of the vocabulary: straight to the sort, not k by k
         k = n if float(top.sum()) < top_p / 2 else 8 * k
+    keep = ~drop
+    last = top[keep][-1]  # the least kept probability
+    tie = top == last
+    kept_tied = int((tie & keep).sum())
+    # The cut falls inside a run of equal probabilities (a bf16 model's are often equal), or that run
+    # may go on past the top k: which of its ids the nucleus holds is the lowest ones, whatever order
+    # topk left them in.
+    if kept_tied < int(tie.sum()) or (len(top) < n and bool(top[-1] == last)):
+        lowest = (probs == last).nonzero().flatten()[:kept_tied]
+        above = keep & ~tie
+        return torch.cat((ids[above], lowest)), torch.cat((top[above], probs[lowest]))
+    return ids[keep], top[keep]
 
 
 def draw(probs: torch.Tensor, gen: torch.Generator | None = None) -> int:
