@@ -37,5 +37,8 @@ def test_a_wrong_result_or_argument_is_refused(capsys: pytest.CaptureFixture[str
         decode.main(["--backends", "cpu,gpu"])
     assert exit_.value.code == 2 and "distinct names of cpu, sdpa, flashinfer" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
+        decode.main(["--repeats", "0"])
+    assert exit_.value.code == 2 and "at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
         decode.main(["--backends", "flashinfer", "--answers", "1", "--contexts", "8"])
     assert exit_.value.code == 2 and "needs a CUDA device" in capsys.readouterr().err

@@ -156,6 +156,9 @@ def test_decode_reads_the_paged_cache_in_place(dtype: torch.dtype, head_dim: int
         cpu._ops.decode(q[:1], kc, vc, torch.tensor([[0]]), torch.tensor([block_size + 1]))
     with pytest.raises(RuntimeError, match="block out of range"):
         cpu._ops.decode(q[:1], kc, vc, torch.tensor([[blocks]]), torch.tensor([1]))
+    with pytest.raises(RuntimeError, match="at least one token and KV head"):  # not a division by zero
+        empty = torch.zeros(blocks, block_size, 0, head_dim, dtype=dtype)
+        cpu._ops.decode(q[:1], empty, empty, torch.tensor([[0]]), torch.tensor([1]))
 
 
 def test_empty_inputs_and_refusals() -> None:

@@ -128,6 +128,7 @@ at::Tensor decode(const at::Tensor& q_in, const at::Tensor& k_cache, const at::T
   TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "decode: q [n, hq, d], caches [blocks, block_size, hkv, d]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "decode: contiguous caches");
+  TORCH_CHECK(k_cache.size(1) > 0 && k_cache.size(2) > 0, "decode: a cache of blocks of at least one token and KV head");
   TORCH_CHECK(q_in.size(2) == k_cache.size(3) && q_in.size(1) % k_cache.size(2) == 0,
               "decode: q's head size is the cache's, its heads a multiple of the cache's");
   TORCH_CHECK(q_in.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),

@@ -328,7 +328,8 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool cau
   const size_t per_head = E::packed_elems(sh.nk_pad, D);
   // The packed keys and values, in buffers this thread keeps: the packing writes every element, and a
   // fresh zeroed vector per call cost a split prefill's hundreds of calls (SmolLM2 fp32, 2K tokens: 291
-  // calls, attention 10 % slower than in 30 unsplit ones).
+  // calls, attention 10 % slower than in 30 unsplit ones). They keep the longest prompt's size: one
+  // layer's keys and values of it, a layer's share of the KV cache that prompt took.
   thread_local std::vector<T> kp_buf, vp_buf;
   if (kp_buf.size() < per_head * sh.hkv) {
     kp_buf.resize(per_head * sh.hkv);

@@ -47,6 +47,16 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number of at least 1")
+    return value
+
+
 def _backends(text: str) -> list[str]:
     names = [b.strip() for b in text.split(",") if b.strip()]
     if not names or set(names) - {"cpu", "sdpa", "flashinfer"} or len(set(names)) < len(names):
@@ -193,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--answers", type=_ints, default=[1, 8, 32], help="answers decoding at once (default: 1,8,32)")
     p.add_argument("--contexts", type=_ints, default=[128, 1024, 4096],
                    help="tokens of context per answer (default: 128,1024,4096)")
-    p.add_argument("--repeats", type=int, default=7, help="steps timed per backend and size (median)")
+    p.add_argument("--repeats", type=_positive, default=7, help="steps timed per backend and size (median)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("bench-results"))
