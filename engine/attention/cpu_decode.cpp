@@ -112,15 +112,8 @@ void decode_group(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& v
 template <typename T>
 void decode_dispatch(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, const at::Tensor& tables,
                      const at::Tensor& lengths, at::Tensor& out) {
-  switch (q.size(2)) {
-    case 16: return decode_group<T, 16>(q, kc, vc, tables, lengths, out);
-    case 32: return decode_group<T, 32>(q, kc, vc, tables, lengths, out);
-    case 64: return decode_group<T, 64>(q, kc, vc, tables, lengths, out);
-    case 96: return decode_group<T, 96>(q, kc, vc, tables, lengths, out);
-    case 128: return decode_group<T, 128>(q, kc, vc, tables, lengths, out);
-    case 256: return decode_group<T, 256>(q, kc, vc, tables, lengths, out);
-    default: TORCH_CHECK(false, "flowprefill decode: head size ", q.size(2), " (16, 32, 64, 96, 128 or 256)");
-  }
+  with_head_dim(q.size(2), "flowprefill decode",
+                [&](auto D) { decode_group<T, decltype(D)::value>(q, kc, vc, tables, lengths, out); });
 }
 
 at::Tensor decode(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,

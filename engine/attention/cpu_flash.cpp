@@ -368,15 +368,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool cau
 template <typename E>
 void dispatch(int64_t d, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, at::Tensor& out,
               at::Tensor& lse) {
-  switch (d) {
-    case 16: return run<E, 16>(q, k, v, causal, out, lse);
-    case 32: return run<E, 32>(q, k, v, causal, out, lse);
-    case 64: return run<E, 64>(q, k, v, causal, out, lse);
-    case 96: return run<E, 96>(q, k, v, causal, out, lse);
-    case 128: return run<E, 128>(q, k, v, causal, out, lse);
-    case 256: return run<E, 256>(q, k, v, causal, out, lse);
-    default: TORCH_CHECK(false, "flowprefill attention: head size ", d, " is not built (16, 32, 64, 96, 128, 256)");
-  }
+  with_head_dim(d, "flowprefill attention", [&](auto D) { run<E, decltype(D)::value>(q, k, v, causal, out, lse); });
 }
 
 std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #ifndef FLOWPREFILL_BF16
 #define FLOWPREFILL_BF16 0  // built with -mavx512bf16 -DFLOWPREFILL_BF16=1 where the CPU has AVX-512 BF16
@@ -75,6 +76,21 @@ inline void store16(at::BFloat16* p, __m512 v, int n) {
 inline __m512 round_as(__m512 v, const float*) { return v; }
 inline __m512 round_as(__m512 v, const at::BFloat16*) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
+}
+
+// f(std::integral_constant<int, D>{}) for the head size D == d the kernels are built for (engine/attention/
+// cpu.py's HEAD_DIMS), else `op`'s error naming them.
+template <typename F>
+inline void with_head_dim(int64_t d, const char* op, F&& f) {
+  switch (d) {
+    case 16: return f(std::integral_constant<int, 16>{});
+    case 32: return f(std::integral_constant<int, 32>{});
+    case 64: return f(std::integral_constant<int, 64>{});
+    case 96: return f(std::integral_constant<int, 96>{});
+    case 128: return f(std::integral_constant<int, 128>{});
+    case 256: return f(std::integral_constant<int, 256>{});
+    default: TORCH_CHECK(false, op, ": head size ", d, " is not built (16, 32, 64, 96, 128, 256)");
+  }
 }
 
 }  // namespace flowprefill

@@ -31,20 +31,10 @@ from engine.core.config import TINY_MODEL, EngineConfig
 from engine.core.kv_cache import KVCache
 from engine.model import LlamaModel, load_model
 from engine.model.calibration import load_cost
-from gateway.cli.common import Parser
+from gateway.cli.common import Parser, counts
 from loadtest.machine import machine_info
 
 BLOCK = 16  # KV block size: an answer's blocks lie scattered over the cache, as a running engine's do
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated whole numbers of at least 1")
-    return values
 
 
 def _positive(text: str) -> int:
@@ -200,8 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--backends", type=_backends, default=["cpu", "sdpa"],
                    help="attention backends, comma-separated: cpu, sdpa, flashinfer (default: cpu,sdpa)")
-    p.add_argument("--answers", type=_ints, default=[1, 8, 32], help="answers decoding at once (default: 1,8,32)")
-    p.add_argument("--contexts", type=_ints, default=[128, 1024, 4096],
+    p.add_argument("--answers", type=counts, default=[1, 8, 32], help="answers decoding at once (default: 1,8,32)")
+    p.add_argument("--contexts", type=counts, default=[128, 1024, 4096],
                    help="tokens of context per answer (default: 128,1024,4096)")
     p.add_argument("--repeats", type=_positive, default=7, help="steps timed per backend and size (median)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")

@@ -49,7 +49,7 @@ from engine.core.kv_cache import KVCache
 from engine.model import LlamaModel, load_model
 from engine.model.calibration import load_cost
 from engine.model.cost import OpCost, SeqSpan
-from gateway.cli.common import Parser
+from gateway.cli.common import Parser, counts
 from gateway.cli.console import results_console
 from loadtest.flops import matmul_peak, prefill_flops
 from loadtest.machine import cpu_count, machine_info
@@ -81,22 +81,6 @@ QUICK = Plan(sizes=(512, 2048), overhead_sizes=(2048,), stop_sizes=(512, 2048, 8
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-def _ints(text: str) -> tuple[int, ...]:
-    """'512,2k,8K' -> (512, 2048, 8192)."""
-    values = []
-    for item in (v.strip().lower() for v in text.split(",")):
-        if not item:
-            continue
-        scale = 1024 if item.endswith("k") else 1
-        try:
-            values.append(int(item.removesuffix("k")) * scale)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(f"expected token counts like 512,2k,8k, got {text!r}") from exc
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive token counts, got {text!r}")
-    return tuple(values)
-
-
 # -- section 1: throughput (2 and 3 are mixed in) --------------------------------------------
 @dataclass
 class Bench(OverheadSection, StopLatencySection):
@@ -243,9 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a ~1 minute smoke run: fewer sizes, repeats and samples")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory (default bench-results)")
     p.add_argument("--repeats", type=int, help="interleaved repetitions per size (default 5, quick 3)")
-    p.add_argument("--sizes", type=_ints, help="throughput prompt lengths, e.g. 512,2k,8k")
-    p.add_argument("--overhead-sizes", type=_ints, help="checkpoint-overhead prompt lengths (default 2k,8k)")
-    p.add_argument("--stop-sizes", type=_ints, help="stop-latency prompt lengths (default 512,2k,8k,16k)")
+    p.add_argument("--sizes", type=counts, help="throughput prompt lengths, e.g. 512,2k,8k")
+    p.add_argument("--overhead-sizes", type=counts, help="checkpoint-overhead prompt lengths (default 2k,8k)")
+    p.add_argument("--stop-sizes", type=counts, help="stop-latency prompt lengths (default 512,2k,8k,16k)")
     p.add_argument("--stop-samples", type=int,
                    help="stop-latency samples per length with the split (default 30, quick 12; "
                         "fewer without the split, where each sample waits out an operator)")

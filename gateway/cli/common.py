@@ -24,6 +24,23 @@ class CommandLineError(Exception):
         self.code = code
 
 
+def counts(text: str) -> tuple[int, ...]:
+    """An argparse type: comma-separated whole numbers of at least 1, a `k` suffix for 1024s ('512,2k,8K'
+    -> (512, 2048, 8192))."""
+    values = []
+    for item in (v.strip().lower() for v in text.split(",")):
+        if not item:
+            continue
+        scale = 1024 if item.endswith("k") else 1
+        try:
+            values.append(int(item.removesuffix("k")) * scale)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"expected counts like 512,2k,8k, got {text!r}") from exc
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected counts of at least 1, got {text!r}")
+    return tuple(values)
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Each option's default after its help, unless the help says it or there is none to say (an
     unset value, an off flag); descriptions keep their line breaks."""
