@@ -174,13 +174,13 @@ class CPUBackend:
     name = "cpu"
     merge = staticmethod(merge)
 
-    def tile(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-        return attention(q, k, v, causal)
-
     def __init__(self) -> None:
         # Per thread: engines in one process may share a model (and so this backend), each on its own thread.
         self._steps = threading.local()
+
+    def tile(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        return attention(q, k, v, causal)
 
     def decode(self, q: torch.Tensor, layer: int, kv: KVCache, block_tables: list[list[int]],
                lengths: list[int]) -> torch.Tensor:

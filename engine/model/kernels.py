@@ -90,7 +90,8 @@ class CPUKernels:
         return silu_and_mul(gate_up)
 
 
-def _cpu_kernels(device: torch.device, dtype: torch.dtype, hidden: int, intermediate: int) -> RowKernels:
+def _cpu_kernels(device: torch.device, dtype: torch.dtype, hidden: int, intermediate: int) -> RowKernels | str:
+    """FlowPrefill's, or why they cannot run here (not built for this CPU or dtype, or disagreeing with torch's)."""
     from engine.attention.cpu import runs
 
     reason = runs(dtype)
@@ -100,18 +101,18 @@ def _cpu_kernels(device: torch.device, dtype: torch.dtype, hidden: int, intermed
             return CPUKernels()
         except Exception as e:
             reason = f"{type(e).__name__}: {e}"
-    raise ValueError(f"--row-kernels cpu: {reason}")
+    return reason
 
 
 def _auto_on_cpu(device: torch.device, dtype: torch.dtype, hidden: int, intermediate: int) -> RowKernels:
     """FlowPrefill's where they build and agree with torch's: on SmolLM2 (one EPYC core, interleaved) a
     2K prefill ran 5-7 % faster with them in fp32 and bf16, a split 512 one 21 %, since every step runs
     one operator where torch's run seven and two. Elsewhere torch's, with the reason in the log."""
-    try:
-        return _cpu_kernels(device, dtype, hidden, intermediate)
-    except ValueError as e:
-        log.info("FlowPrefill's CPU row kernels are not used (%s); torch's run instead", str(e).split(": ", 1)[1])
+    kernels = _cpu_kernels(device, dtype, hidden, intermediate)
+    if isinstance(kernels, str):
+        log.info("FlowPrefill's CPU row kernels are not used (%s); torch's run instead", kernels)
         return TorchKernels()
+    return kernels
 
 
 def select_kernels(name: str, device: torch.device, dtype: torch.dtype, hidden: int, intermediate: int
@@ -126,7 +127,10 @@ def select_kernels(name: str, device: torch.device, dtype: torch.dtype, hidden: 
     if name == "cpu":
         if device.type != "cpu":
             raise ValueError("--row-kernels cpu: runs on the CPU (--device cpu)")
-        return _cpu_kernels(device, dtype, hidden, intermediate)
+        kernels = _cpu_kernels(device, dtype, hidden, intermediate)
+        if isinstance(kernels, str):
+            raise ValueError(f"--row-kernels cpu: {kernels}")
+        return kernels
     if name == "auto" and device.type == "cpu":
         return _auto_on_cpu(device, dtype, hidden, intermediate)
     reason = ("needs a CUDA device" if device.type != "cuda"
