@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.attention import cpu, merge_lse, select_backend
+from engine.attention import cpu, select_backend
 from engine.attention.sdpa import SDPABackend
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -80,34 +80,46 @@ def test_kernel_matches_the_math_on_random_shapes(shape: tuple[int, int, int, in
         assert _rel(lse, want_lse) <= 2 * _rel(torch_lse, want_lse) + 2e-3
 
 
+def _running(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cuts: list[int]) -> torch.Tensor:
+    """q's causal attention built over the key tiles `cuts` makes, the last one the diagonal."""
+    tiles = cpu.RunningTiles(q)
+    bounds = list(zip([0, *cuts], [*cuts, len(k)], strict=True))
+    for i, (a, b) in enumerate(bounds):
+        last = i == len(bounds) - 1
+        out = tiles.add(k[a:b], v[a:b], causal=last, last=last)
+        assert (out is None) != last
+    return out
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_split_tiles_merge_to_the_whole(dtype: torch.dtype) -> None:
-    """The split's pieces: a query block's key tiles and its causal diagonal, merged by LSE."""
+def test_running_tiles_give_the_whole(dtype: torch.dtype) -> None:
+    """A split query block's key tiles, its online softmax carried from tile to tile: on the kernel's
+    128-key blocks the unsplit call's result bit for bit, elsewhere the same to rounding."""
     _skip_unless_built(dtype)
     gen = torch.Generator().manual_seed(3)
-    q = torch.randn(100, 8, 32, generator=gen).to(dtype)
-    k, v = (torch.randn(333, 2, 32, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(100, 9, 64, generator=gen).to(dtype)
+    k, v = (torch.randn(612, 3, 64, generator=gen).to(dtype) for _ in range(2))
     whole, _ = cpu.attention(q, k, v, True)
-    tiles = [cpu.attention(q, k[a:b], v[a:b], False) for a, b in ((0, 128), (128, 233))]
-    tiles.append(cpu.attention(q, k[233:], v[233:], True))
-    merged = cpu.merge([t[0] for t in tiles], [t[1] for t in tiles])
+    assert torch.equal(_running(q, k, v, [128, 384]), whole)
+    assert torch.equal(_running(q, k, v, []), whole)  # one tile: the plain kernel
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert _rel(merged, whole.double()) < tol
-    assert _rel(merged, merge_lse([t[0] for t in tiles], [t[1] for t in tiles]).double()) < tol
+    assert _rel(_running(q, k, v, [100, 233, 512]), whole.double()) < tol
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_merge_is_the_shared_lse_merge(dtype: torch.dtype) -> None:
-    """Tiles of random partial results, one with no visible key (lse -inf, as an empty tile gives)."""
+def test_running_tiles_keep_their_own_state(dtype: torch.dtype) -> None:
+    """Two query blocks' tiles interleaved (as a preemption interleaves batches) keep apart; a tile
+    over no keys leaves the state as it was."""
     _skip_unless_built(dtype)
-    gen = torch.Generator().manual_seed(5)
-    outs = [torch.randn(37, 6, 64, generator=gen).to(dtype) for _ in range(5)]
-    lses = [4 * torch.randn(37, 6, generator=gen) for _ in range(5)]
-    lses[2][:5] = float("-inf")
-    want = merge_lse([o.double() for o in outs], [x.double() for x in lses])
-    got = cpu.merge(outs, lses)
-    assert got.dtype == dtype and _rel(got, want) < (1e-6 if dtype == torch.float32 else 8e-3)
-    assert cpu.merge(outs[:1], lses[:1]) is outs[0]
+    gen = torch.Generator().manual_seed(4)
+    qs = [torch.randn(64, 8, 32, generator=gen).to(dtype) for _ in range(2)]
+    k, v = (torch.randn(320, 2, 32, generator=gen).to(dtype) for _ in range(2))
+    blocks = [cpu.RunningTiles(q) for q in qs]
+    for a, b in ((0, 128), (128, 128), (128, 256)):
+        for tiles in blocks:
+            assert tiles.add(k[a:b], v[a:b], causal=False, last=False) is None
+    for q, tiles in zip(qs, blocks, strict=True):
+        assert torch.equal(tiles.add(k[256:], v[256:], causal=True, last=True), cpu.attention(q, k, v, True)[0])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

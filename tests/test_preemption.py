@@ -18,6 +18,7 @@ import pytest
 import torch
 from helpers import drain
 
+from engine.attention import MergedTiles
 from engine.attention.sdpa import SDPABackend
 from engine.core.config import ModelConfig
 from engine.core.kv_cache import KVCache
@@ -159,6 +160,19 @@ def test_causal_tile_is_bottom_right_aligned(n_q: int, n_k: int, kv_heads: int) 
     scores = scores.masked_fill(~visible, float("-inf"))
     torch.testing.assert_close(out, torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, scores.logsumexp(-1).T, atol=1e-5, rtol=1e-5)
+
+
+def test_merged_tiles_give_the_whole() -> None:
+    """Any backend's tiles of a query block (`MergedTiles`: each tile's LSE kept, merged at the last)
+    equal one causal tile over every key."""
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(40, 8, 16, generator=gen)
+    k, v = torch.randn(300, 2, 16, generator=gen), torch.randn(300, 2, 16, generator=gen)
+    tiles = MergedTiles(SDPABackend(), q)
+    assert tiles.add(k[:100], v[:100], causal=False, last=False) is None
+    assert tiles.add(k[100:260], v[100:260], causal=False, last=False) is None
+    got = tiles.add(k[260:], v[260:], causal=True, last=True)
+    torch.testing.assert_close(got, SDPABackend().tile(q, k, v, True)[0], atol=1e-5, rtol=1e-5)
 
 
 # -- the plan ------------------------------------------------------------------------------------

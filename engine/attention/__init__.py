@@ -12,9 +12,9 @@ import logging
 
 import torch
 
-from engine.attention.backend import AttentionBackend, merge_lse
+from engine.attention.backend import AttentionBackend, MergedTiles, Tiles, merge_lse
 
-__all__ = ["AttentionBackend", "merge_lse", "select_backend"]
+__all__ = ["AttentionBackend", "MergedTiles", "Tiles", "merge_lse", "select_backend"]
 
 log = logging.getLogger(__name__)
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from engine.attention.backend import merge_lse
 from engine.core.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
@@ -137,9 +138,25 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -
     return _ops.attention(q, k, v, causal)
 
 
-def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
-    """The exact LSE merge of tiles (`engine.attention.merge_lse`'s arithmetic) in one pass."""
-    return outs[0] if len(outs) == 1 else _ops.merge(outs, lses)
+class RunningTiles:
+    """A block of queries' attention over key tiles, its online softmax carried from tile to tile in
+    fp32 (the kernel's `Running` state): no tile's normalised result is written for a merge to read
+    back, and tiles on 128-key boundaries give the unsplit kernel's result bit for bit."""
+
+    def __init__(self, q: torch.Tensor) -> None:
+        self.q = q
+        self.state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # o, m, l
+
+    def add(self, k: torch.Tensor, v: torch.Tensor, causal: bool, last: bool) -> torch.Tensor | None:
+        first = self.state is None
+        if first and last:  # every key in one tile: the plain kernel
+            return attention(self.q, k, v, causal)[0]
+        if first:
+            n, heads, _ = self.q.shape
+            f32 = {"dtype": torch.float32, "device": self.q.device}
+            self.state = (torch.empty(self.q.shape, **f32), torch.empty(n, heads, **f32), torch.empty(n, heads, **f32))
+        out, _ = _ops.attention_tile(self.q, k, v, causal, *self.state, first, last)
+        return out if last else None
 
 
 def parallel_width(items: int = 64) -> int:
@@ -169,10 +186,10 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_dim: in
 
 
 class CPUBackend:
-    """Prefill tiles, their merge and decode on the kernel."""
+    """Prefill tiles, a split prefill's running tiles and decode on the kernel."""
 
     name = "cpu"
-    merge = staticmethod(merge)
+    merge = staticmethod(merge_lse)
 
     def __init__(self) -> None:
         # Per thread: engines in one process may share a model (and so this backend), each on its own thread.
@@ -181,6 +198,9 @@ class CPUBackend:
     def tile(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
              ) -> tuple[torch.Tensor, torch.Tensor]:
         return attention(q, k, v, causal)
+
+    def tiles(self, q: torch.Tensor) -> RunningTiles:
+        return RunningTiles(q)
 
     def decode(self, q: torch.Tensor, layer: int, kv: KVCache, block_tables: list[list[int]],
                lengths: list[int]) -> torch.Tensor:

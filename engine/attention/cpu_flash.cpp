@@ -1,6 +1,7 @@
 // FlowPrefill's CPU attention tile: flash attention (online softmax) for one sequence's block of
 // queries against a block of its keys, with grouped-query heads, a bottom-right causal mask and the
-// log-sum-exp the sub-operator split merges tiles with (engine/attention/cpu.py says why it exists).
+// log-sum-exp; or one key tile of a split prefill's query block, its online softmax carried from the
+// block's earlier tiles (attention_tile). engine/attention/cpu.py says why the kernel exists.
 //
 // bf16: scores and P.V run on AVX-512 BF16's dot-product instruction (two multiply-adds per lane,
 // fp32 accumulation); the probabilities are rounded to bf16 before P.V, as torch's and vLLM's CPU
@@ -230,11 +231,45 @@ struct Shape {
   float scale2;  // softmax scale in log2 units
 };
 
+// A query block's online softmax carried from one call to the next (a split prefill's key tiles of
+// one block of queries): o unnormalised fp32 [nq, hq, D], m (log2 units of the scaled score) and l
+// [nq, hq]. Carried exactly, so tiles on 128-key boundaries give the unsplit call's result bit for bit,
+// and no tile writes a normalised output for a merge to read again (SmolLM2 fp32 at 8K tokens: 899
+// merges took 1.2 of 49 s).
+struct Running {
+  float* o;
+  float* m;
+  float* l;
+  bool first;  // o, m and l hold nothing yet
+  bool last;   // finish: write out and lse instead of the state
+};
+
+// A work item's rows of the carried state into its scratch (load) or back (store); scratch rows are
+// grouped by query head (g * rows + i), the state's by position (i * hq + head).
+template <int D>
+void carry(const Shape& sh, int64_t h, int64_t q0, int64_t rows, const Running* running, float* o, float* m,
+           float* l, bool load) {
+  for (int64_t g = 0; g < sh.group; ++g) {
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t row = g * rows + i, at = (q0 + i) * sh.hq + h * sh.group + g;
+      if (load) {
+        std::memcpy(o + row * D, running->o + at * D, D * sizeof(float));
+        m[row] = running->m[at];
+        l[row] = running->l[at];
+      } else {
+        std::memcpy(running->o + at * D, o + row * D, D * sizeof(float));
+        running->m[at] = m[row];
+        running->l[at] = l[row];
+      }
+    }
+  }
+}
+
 // One work item: query positions [q0, q1) of every query head of KV head h.
 template <typename E, int D, int MR>
 void attend_block(const Shape& sh, const typename E::T* q, int64_t q_stride0, int64_t q_stride1,
                   const typename E::T* kp, const typename E::T* vp, int64_t h, int64_t q0, int64_t q1,
-                  typename E::T* out, float* lse, std::vector<float>& scratch) {
+                  typename E::T* out, float* lse, const Running* running, std::vector<float>& scratch) {
   using T = typename E::T;
   using Prob = typename E::P;
   const int64_t rows = q1 - q0;
@@ -247,6 +282,7 @@ void attend_block(const Shape& sh, const typename E::T* q, int64_t q_stride0, in
   float* s = l + n_rows;
   Prob* p = reinterpret_cast<Prob*>(s + MR * kBlockK);
   std::fill(m, m + n_rows, kNegInf);
+  if (running != nullptr && !running->first) carry<D>(sh, h, q0, rows, running, o, m, l, true);
   const int64_t last_key = sh.causal ? std::min(sh.nk, q1 + offset) : sh.nk;  // exclusive
   const size_t k_elems_per_block = E::packed_elems(kBlockK, D);
   for (int64_t kb = 0; kb * kBlockK < last_key; ++kb) {
@@ -299,6 +335,10 @@ void attend_block(const Shape& sh, const typename E::T* q, int64_t q_stride0, in
       }
     }
   }
+  if (running != nullptr && !running->last) {
+    carry<D>(sh, h, q0, rows, running, o, m, l, false);
+    return;
+  }
   for (int64_t g = 0; g < sh.group; ++g) {
     const int64_t head = h * sh.group + g;
     for (int64_t i = 0; i < rows; ++i) {
@@ -313,7 +353,7 @@ void attend_block(const Shape& sh, const typename E::T* q, int64_t q_stride0, in
 
 template <typename E, int D>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, at::Tensor& out,
-         at::Tensor& lse) {
+         at::Tensor& lse, const Running* running) {
   using T = typename E::T;
   constexpr int MR = micro_rows(D);
   Shape sh{};
@@ -360,19 +400,19 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool cau
       const int64_t qb = order[item / sh.hkv], h = item % sh.hkv;
       const int64_t q0 = qb * kBlockQ, q1 = std::min(sh.nq, q0 + kBlockQ);
       attend_block<E, D, MR>(sh, qd, q.stride(0), q.stride(1), kp + h * per_head, vp + h * per_head, h,
-                             q0, q1, od, ld, scratch);
+                             q0, q1, od, ld, running, scratch);
     }
   });
 }
 
 template <typename E>
 void dispatch(int64_t d, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, at::Tensor& out,
-              at::Tensor& lse) {
-  with_head_dim(d, "flowprefill attention", [&](auto D) { run<E, decltype(D)::value>(q, k, v, causal, out, lse); });
+              at::Tensor& lse, const Running* running) {
+  with_head_dim(d, "flowprefill attention",
+                [&](auto D) { run<E, decltype(D)::value>(q, k, v, causal, out, lse, running); });
 }
 
-std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                             bool causal) {
+void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [tokens, heads, head_dim]");
   TORCH_CHECK(q.device().is_cpu(), "flowprefill attention runs on the CPU");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "q, k, v dtypes differ");
@@ -381,6 +421,24 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tens
   TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(!causal || k.size(0) >= q.size(0), "causal needs at least as many keys as queries");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "head_dim must be contiguous");
+}
+
+void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, at::Tensor& out,
+            at::Tensor& lse, const Running* running) {
+#if FLOWPREFILL_BF16
+  if (q.scalar_type() == at::kBFloat16)
+    dispatch<Bf16>(q.size(2), q, k, v, causal, out, lse, running);
+  else
+#endif
+  if (q.scalar_type() == at::kFloat)
+    dispatch<Fp32>(q.size(2), q, k, v, causal, out, lse, running);
+  else
+    TORCH_CHECK(false, "flowprefill attention: dtype ", q.scalar_type(), " (bfloat16 and float32 only)");
+}
+
+std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                             bool causal) {
+  check_qkv(q, k, v, causal);
   auto out = at::empty(q.sizes(), q.options());
   auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
   if (q.size(0) == 0) return {out, lse};
@@ -389,68 +447,28 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tens
     lse.fill_(-std::numeric_limits<float>::infinity());
     return {out, lse};
   }
-#if FLOWPREFILL_BF16
-  if (q.scalar_type() == at::kBFloat16)
-    dispatch<Bf16>(q.size(2), q, k, v, causal, out, lse);
-  else
-#endif
-  if (q.scalar_type() == at::kFloat)
-    dispatch<Fp32>(q.size(2), q, k, v, causal, out, lse);
-  else
-    TORCH_CHECK(false, "flowprefill attention: dtype ", q.scalar_type(), " (bfloat16 and float32 only)");
+  attend(q, k, v, causal, out, lse, nullptr);
   return {out, lse};
 }
 
-// The exact merge of tiles' normalised partial results over disjoint keys: out = sum_t w_t out_t with
-// w_t = exp(lse_t - lse), lse = log sum_t exp(lse_t); one pass over the tiles (torch's stack, softmax,
-// multiply and sum made four, and cost 1.9 ms for 16 tiles of 512 queries x 8 heads x 32 dims).
-template <typename T>
-void merge_rows(const std::vector<at::Tensor>& outs, const std::vector<at::Tensor>& lses, at::Tensor& out) {
-  const int64_t n = out.size(0), h = out.size(1), d = out.size(2), tiles = static_cast<int64_t>(outs.size());
-  std::vector<const T*> src(tiles);
-  std::vector<const float*> lse(tiles);
-  for (int64_t t = 0; t < tiles; ++t) {
-    src[t] = outs[t].data_ptr<T>();
-    lse[t] = lses[t].data_ptr<float>();
-  }
-  T* dst = out.data_ptr<T>();
-  at::parallel_for(0, n * h, 64, [&](int64_t a, int64_t b) {
-    std::vector<float> w(tiles), acc(d);
-    for (int64_t row = a; row < b; ++row) {
-      float mx = kNegInf;
-      for (int64_t t = 0; t < tiles; ++t) mx = std::max(mx, lse[t][row]);
-      float total = 0.0f;
-      for (int64_t t = 0; t < tiles; ++t) total += w[t] = mx == kNegInf ? 0.0f : std::exp(lse[t][row] - mx);
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t t = 0; t < tiles; ++t) {
-        if (w[t] == 0.0f) continue;
-        const float wt = w[t] / total;
-        const T* x = src[t] + row * d;
-        for (int64_t e = 0; e < d; ++e) acc[e] += wt * static_cast<float>(x[e]);
-      }
-      for (int64_t e = 0; e < d; ++e) dst[row * d + e] = static_cast<T>(acc[e]);
-    }
-  });
-}
-
-at::Tensor merge(at::TensorList outs_in, at::TensorList lses_in) {
-  TORCH_CHECK(!outs_in.empty() && outs_in.size() == lses_in.size(), "merge: as many lses as outs, at least one");
-  std::vector<at::Tensor> outs, lses;
-  for (size_t t = 0; t < outs_in.size(); ++t) {
-    TORCH_CHECK(outs_in[t].dim() == 3 && outs_in[t].sizes() == outs_in[0].sizes(), "merge: outs of one shape");
-    TORCH_CHECK(lses_in[t].sizes() == outs_in[0].sizes().slice(0, 2) && lses_in[t].scalar_type() == at::kFloat,
-                "merge: lse [n, heads] fp32 per out");
-    outs.push_back(outs_in[t].contiguous());
-    lses.push_back(lses_in[t].contiguous());
-  }
-  auto out = at::empty(outs[0].sizes(), outs[0].options());
-  if (out.scalar_type() == at::kBFloat16)
-    merge_rows<at::BFloat16>(outs, lses, out);
-  else if (out.scalar_type() == at::kFloat)
-    merge_rows<float>(outs, lses, out);
-  else
-    TORCH_CHECK(false, "flowprefill merge: dtype ", out.scalar_type(), " (bfloat16 and float32 only)");
-  return out;
+// One key tile of a query block whose online softmax (o, m, l: struct Running) carries over from the
+// block's earlier tiles (first: none yet). last: returns the block's out and lse; before it, empty
+// tensors, the state updated in place.
+std::tuple<at::Tensor, at::Tensor> attention_tile(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                  bool causal, at::Tensor& o, at::Tensor& m, at::Tensor& l,
+                                                  bool first, bool last) {
+  check_qkv(q, k, v, causal);
+  const auto rows = q.sizes().slice(0, 2);
+  TORCH_CHECK(o.scalar_type() == at::kFloat && o.is_contiguous() && o.sizes() == q.sizes(),
+              "o must be contiguous fp32 of q's shape");
+  TORCH_CHECK(m.scalar_type() == at::kFloat && m.is_contiguous() && m.sizes() == rows &&
+                  l.scalar_type() == at::kFloat && l.is_contiguous() && l.sizes() == rows,
+              "m and l must be contiguous fp32 [tokens, q_heads]");
+  const Running running{o.data_ptr<float>(), m.data_ptr<float>(), l.data_ptr<float>(), first, last};
+  auto out = last ? at::empty(q.sizes(), q.options()) : at::empty({0}, q.options());
+  auto lse = at::empty(last ? rows : at::IntArrayRef{0}, q.options().dtype(at::kFloat));
+  if (q.size(0) > 0) attend(q, k, v, causal, out, lse, &running);
+  return {out, lse};
 }
 
 // How many threads one at::parallel_for over `n` items runs on: what the build's OpenMP gives the kernels
@@ -470,7 +488,8 @@ int64_t parallel_width(int64_t n) {
 // cpu_decode.cpp's.
 TORCH_LIBRARY(flowprefill, m) {
   m.def("attention(Tensor q, Tensor k, Tensor v, bool causal) -> (Tensor, Tensor)");
-  m.def("merge(Tensor[] outs, Tensor[] lses) -> Tensor");
+  m.def("attention_tile(Tensor q, Tensor k, Tensor v, bool causal, Tensor(a!) o, Tensor(b!) m, Tensor(c!) l, "
+        "bool first, bool last) -> (Tensor, Tensor)");
   m.def("decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, Tensor lengths) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
@@ -480,5 +499,5 @@ TORCH_LIBRARY(flowprefill, m) {
 
 TORCH_LIBRARY_IMPL(flowprefill, CPU, m) {
   m.impl("attention", &attention);
-  m.impl("merge", &merge);
+  m.impl("attention_tile", &attention_tile);
 }

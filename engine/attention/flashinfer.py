@@ -14,6 +14,7 @@ import importlib.util
 
 import torch
 
+from engine.attention.backend import MergedTiles
 from engine.core.kv_cache import KVCache
 
 HEAD_DIMS = (64, 128, 256)  # what FlashInfer's prefill and decode kernels are built for
@@ -49,6 +50,9 @@ class FlashInferBackend:
             return outs[0]
         out, _ = self._fi.merge_states(torch.stack(outs, dim=1), torch.stack(lses, dim=1).float())
         return out
+
+    def tiles(self, q: torch.Tensor) -> MergedTiles:
+        return MergedTiles(self, q)
 
     def decode(self, q: torch.Tensor, layer: int, kv: KVCache, block_tables: list[list[int]],
                lengths: list[int]) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention.backend import merge_lse
+from engine.attention.backend import MergedTiles, merge_lse
 from engine.core.kv_cache import KVCache
 
 
@@ -16,6 +16,9 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
 class SDPABackend:
     name = "sdpa"
     merge = staticmethod(merge_lse)
+
+    def tiles(self, q: torch.Tensor) -> MergedTiles:
+        return MergedTiles(self, q)
 
     def tile(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
              ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from engine.attention import AttentionBackend
+from engine.attention import AttentionBackend, Tiles
 from engine.core.config import ModelConfig
 from engine.core.kv_cache import KVCache
 from engine.model.activations import ActivationPool, Activations
@@ -208,8 +208,7 @@ class LlamaModel:
                 x, q, k, v, attn = (kept or Activations(self.cfg, n, self.embed.dtype, self.device)).views(n)
                 torch.index_select(self.embed, 0, inputs.ids, out=x)
             keys: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per sequence: its keys this layer
-            outs: list[torch.Tensor] = []  # partial results of the current query block's key tiles
-            lses: list[torch.Tensor] = []
+            tiles: Tiles | None = None  # the current query block's attention, built a key tile at a time
             block = (x, x)  # an FFN block's residual stream and normed input, from its FFN_IN step on
             head: list[torch.Tensor] = []  # the last rows' final-normed states and logits, from a HEAD step on
             for i, step in enumerate(steps):
@@ -225,12 +224,12 @@ class LlamaModel:
                         keys[step.seq] = self._seq_keys(step, spans, row0, k, v, kv, prefix_index)
                     sk, sv = keys[step.seq]
                     ka, kb = step.keys
-                    out, lse = self.backend.tile(q[a:b], sk[ka:kb], sv[ka:kb], step.causal)
-                    outs.append(out)
-                    lses.append(lse)
-                    if step.causal:  # the diagonal tile is the last of its query block
-                        attn[a:b] = self.backend.merge(outs, lses)
-                        outs, lses = [], []
+                    if tiles is None:
+                        tiles = self.backend.tiles(q[a:b])
+                    # The diagonal tile is the last of its query block.
+                    if (out := tiles.add(sk[ka:kb], sv[ka:kb], step.causal, last=step.causal)) is not None:
+                        attn[a:b] = out
+                        tiles = None
                 elif step.op == HEAD:
                     self._head_step(step, x, row0, head)
                 else:
