@@ -122,6 +122,21 @@ def test_running_tiles_keep_their_own_state(dtype: torch.dtype) -> None:
         assert torch.equal(tiles.add(k[256:], v[256:], causal=True, last=True), cpu.attention(q, k, v, True)[0])
 
 
+def test_a_refused_first_tile_leaves_nothing_to_carry() -> None:
+    """A first tile the kernel refuses (its keys' head size differs) must not leave the block's unfilled
+    state to be carried: the next tile starts afresh."""
+    _skip_unless_built(torch.float32)
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(40, 4, 32, generator=gen)
+    k, v = (torch.randn(200, 2, 32, generator=gen) for _ in range(2))
+    tiles = cpu.RunningTiles(q)
+    with pytest.raises(RuntimeError, match="head sizes differ"):
+        tiles.add(k[:128, :, :16], v[:128, :, :16], causal=False, last=False)
+    assert tiles.state is None
+    assert tiles.add(k[:128], v[:128], causal=False, last=False) is None
+    assert torch.equal(tiles.add(k[128:], v[128:], causal=True, last=True), cpu.attention(q, k, v, True)[0])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("head_dim", "q_heads", "kv_heads", "block_size"),
                          [(64, 9, 3, 16), (32, 8, 2, 16), (128, 4, 4, 256), (16, 16, 2, 4), (64, 6, 3, 8)])

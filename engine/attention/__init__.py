@@ -1,9 +1,10 @@
 """Attention backends, one file each, behind one interface.
 
 Layout everywhere is tokens-first (NHD): q [n, q_heads, head_dim], k/v [n, kv_heads, head_dim].
-Prefill attention runs in *tiles* (a block of queries against a block of keys) that return the
-log-sum-exp of their scores, so the model can split one long attention into bounded steps and
-merge the partial results exactly (the sub-operator split of the preemption design).
+Prefill attention runs in *tiles* (a block of queries against a block of keys), so the model can
+split one long attention into bounded steps (the sub-operator split of the preemption design): a
+backend's `tiles` builds a block of queries' attention a key tile at a time, exactly, by merging the
+tiles' partial results through their log-sum-exp or, on the CPU kernel, by carrying the online softmax.
 """
 
 from __future__ import annotations

@@ -65,6 +65,7 @@ def merge_lse(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tenso
     """Exact merge of softmax-normalised partials (natural-log LSE), all tiles at once."""
     if len(outs) == 1:
         return outs[0]
-    lse = torch.stack(lses)  # [tiles, n, heads]
-    weights = torch.softmax(lse, dim=0).unsqueeze(-1)
-    return (torch.stack(outs) * weights.to(outs[0].dtype)).sum(0)
+    # In fp32 at least: weighted in a bf16 model's dtype, each tile's share was rounded to 8 bits before the sum.
+    acc = torch.promote_types(outs[0].dtype, torch.float32)
+    weights = torch.softmax(torch.stack(lses).to(acc), dim=0).unsqueeze(-1)  # [tiles, n, heads, 1]
+    return (torch.stack(outs).to(acc) * weights).sum(0).to(outs[0].dtype)

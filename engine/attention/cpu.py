@@ -8,7 +8,7 @@ core in bf16 and 58 in fp32 (8K-token causal tile), vLLM's CPU kernel at 57-67 a
 106-130 and 78, by computing bf16 scores and P.V with AVX-512 BF16's dot-product instruction, reading
 the keys of each KV head once for all the query heads that share it and skipping the causal
 triangle's masked blocks. inductor's CPU flex attention was timed too:
-17 GFLOP/s in bf16, and it cannot return the log-sum-exp the split's tiles need.
+17 GFLOP/s in bf16, and it cannot carry a split query block's softmax from one key tile to the next.
 
 The kernel is compiled once per machine by torch's extension builder (g++ and ninja; about 25 s) into
 torch's extension cache (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR) and loaded from there
@@ -151,11 +151,13 @@ class RunningTiles:
         first = self.state is None
         if first and last:  # every key in one tile: the plain kernel
             return attention(self.q, k, v, causal)[0]
-        if first:
+        state = self.state
+        if state is None:
             n, heads, _ = self.q.shape
             f32 = {"dtype": torch.float32, "device": self.q.device}
-            self.state = (torch.empty(self.q.shape, **f32), torch.empty(n, heads, **f32), torch.empty(n, heads, **f32))
-        out, _ = _ops.attention_tile(self.q, k, v, causal, *self.state, first, last)
+            state = torch.empty(self.q.shape, **f32), torch.empty(n, heads, **f32), torch.empty(n, heads, **f32)
+        out, _ = _ops.attention_tile(self.q, k, v, causal, *state, first, last)
+        self.state = state  # only once a tile has filled it: a refused first call leaves none to carry
         return out if last else None
 
 

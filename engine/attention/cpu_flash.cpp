@@ -459,6 +459,7 @@ std::tuple<at::Tensor, at::Tensor> attention_tile(const at::Tensor& q, const at:
                                                   bool first, bool last) {
   check_qkv(q, k, v, causal);
   const auto rows = q.sizes().slice(0, 2);
+  TORCH_CHECK(o.device().is_cpu() && m.device().is_cpu() && l.device().is_cpu(), "o, m and l must be on the CPU");
   TORCH_CHECK(o.scalar_type() == at::kFloat && o.is_contiguous() && o.sizes() == q.sizes(),
               "o must be contiguous fp32 of q's shape");
   TORCH_CHECK(m.scalar_type() == at::kFloat && m.is_contiguous() && m.sizes() == rows &&
