@@ -35,7 +35,7 @@ CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hid
                   eos_token_id=[0], name="tiny-preempt")
 # Fixed predicted costs make the plans (and so the tested boundaries) deterministic.
 COST = OpCost(CFG, attn_in_s_per_row=1e-6, ffn_s_per_row=1e-6, attn_s_per_pair=1e-8, step_overhead_s=0.0)
-BUDGET = 5e-5  # -> 32-row blocks, 64-query blocks, 64-key tiles with COST
+BUDGET = 5e-5  # -> 32-row blocks, 64-query blocks, 128-key tiles with COST
 BLOCK = 16
 EXACT = {"rtol": 0.0, "atol": 1e-6}  # preempt/resume: the same ops on the same data
 FP32 = {"rtol": 1e-5, "atol": 1e-5}  # split vs unsplit: different reduction orders

@@ -112,7 +112,7 @@ MODES = ["unsplit", "split", "split_min"]
 def _plan_inputs(loaded: Loaded, mode: str) -> tuple[OpCost, float | None]:
     """unsplit: one step per operator. split: the calibrated cost model under a tiny budget.
     split_min: a cost model that calls every row and key expensive, so the tiny budget gives the
-    smallest blocks on any machine (32-row blocks, 32-query blocks, 64-key tiles)."""
+    smallest blocks on any machine (32-row blocks, 32-query blocks, 128-key tiles)."""
     if mode == "unsplit":
         return loaded.cost, None
     if mode == "split":
@@ -164,8 +164,8 @@ def test_chunked_prefill_matches_transformers(loaded: Loaded, mode: str) -> None
     assert any(s.keys[0] == 0 for s in steps if s.op == ATTENTION and s.seq == 0)
     if mode == "unsplit":
         assert [s.keys for s in steps if s.op == ATTENTION and s.seq == 0 and s.layer == 0] == [(0, len(long))]
-    if mode == "split_min":  # several query blocks, each over several 64-key tiles of the cached prefix
-        assert {s.keys for s in prefix_tiles} >= {(0, 64), (64, 70), (64, 128)}
+    if mode == "split_min":  # several query blocks, over one or several 128-key tiles of the cached prefix
+        assert {s.keys for s in prefix_tiles} >= {(0, 70), (0, 128), (128, 134)}
 
     ref_long, ref_fresh = _reference_logits(loaded.ref, long), _reference_logits(loaded.ref, fresh)
     errs = {"first chunk": _rel_err(head, ref_long[:first]),
