@@ -194,7 +194,8 @@ class PrefillBatch:
         t0 = self._timer()
         try:
             i = next(self._run)
-            self._device.step_queued(self.steps.cost_before(i + 1) - self._cost_done)
+            done = self.steps.cost_before(i + 1)
+            self._device.step_queued(done - self._cost_done)
         except StopIteration as stop:
             self._device.drain()  # the measured time includes the device's last steps
             value = stop.value
@@ -203,7 +204,7 @@ class PrefillBatch:
             return True
         finally:
             self.exec_s += self._timer() - t0
-        self._cost_done = self.steps.cost_before(i + 1)
+        self._cost_done = done
         self.next_step = i + 1
         return False
 

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 
+from engine.attention import cpu
+
 if TYPE_CHECKING:
     from engine.model.rope import Rotary
 
@@ -80,21 +82,15 @@ class CPUKernels:
     name = "cpu"
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        from engine.attention.cpu import rms_norm
-
-        return rms_norm(x, weight, eps)
+        return cpu.rms_norm(x, weight, eps)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        from engine.attention.cpu import silu_and_mul
-
-        return silu_and_mul(gate_up)
+        return cpu.silu_and_mul(gate_up)
 
 
 def _cpu_kernels(device: torch.device, dtype: torch.dtype, hidden: int, intermediate: int) -> RowKernels | str:
     """FlowPrefill's, or why they cannot run here (not built for this CPU or dtype, or disagreeing with torch's)."""
-    from engine.attention.cpu import runs
-
-    reason = runs(dtype)
+    reason = cpu.runs(dtype)
     if not reason:
         try:
             _probe(CPUKernels(), device, dtype, hidden, intermediate)
@@ -171,7 +167,7 @@ def fuse_rope(rotary: Rotary, heads: int, kv_heads: int, required: bool, kernels
     the model's context; otherwise keep torch's (required: the failure is an error)."""
     try:
         if kernels == "cpu":
-            from engine.attention.cpu import rope as kernel
+            kernel = cpu.rope
         else:
             from flashinfer.rope import apply_rope_with_cos_sin_cache as kernel
 

@@ -87,12 +87,13 @@ class Plan(Sequence[Step]):
         if not 0 <= i < len(self):
             raise IndexError(i)
         layer, steps, j = self._locate(i)
-        return steps[j]._replace(layer=layer)
+        return Step._make((layer, *steps[j][1:]))
 
     def __iter__(self) -> Iterator[Step]:
+        # `_make`, not `_replace`: half the time, in a loop each of whose steps runs on cold caches.
         for layer in range(self.num_layers):
             for s in self.layer_steps if layer < self.num_layers - 1 else self.last_layer:
-                yield s._replace(layer=layer)
+                yield Step._make((layer, *s[1:]))
 
 
 def _prefix_sums(steps: list[Step]) -> list[float]:
