@@ -121,7 +121,7 @@ class LlamaModel:
         # The bias is added by the matmul itself (one operator less per step: each costs microseconds).
         qkv = layer.qkv(self._rms(x, layer.input_norm))
         c = self.cfg
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = qkv.split_with_sizes([self.q_size, self.kv_size, self.kv_size], -1)  # (no Python wrapper)
         if layer.q_norm is not None:  # Qwen3: each head's q and k RMS-normalised, then rotated
             q = self._rms(q.reshape(-1, c.head_dim), layer.q_norm).view(-1, self.q_size)
             k = self._rms(k.reshape(-1, c.head_dim), layer.k_norm).view(-1, self.kv_size)
